@@ -1,0 +1,152 @@
+// Python bindings for ucm._native: converts arguments, releases the GIL for
+// the blocking part, and translates errors. No logic lives here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ucm/copy.hpp"
+#include "ucm/hash.hpp"
+#include "ucm/io_engine.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+struct Span {
+  void* ptr;
+  std::size_t len;
+};
+
+// Every buffer must be C-contiguous; nothing is copied behind the caller's back.
+Span span_of(const py::buffer& obj, bool writable, const char* name) {
+  py::buffer_info info = obj.request(writable);
+  std::size_t expect = static_cast<std::size_t>(info.itemsize);
+  for (auto i = info.ndim; i-- > 0;) {
+    if (info.strides[i] != static_cast<py::ssize_t>(expect)) {
+      throw py::value_error(std::string(name) + " must be a C-contiguous buffer");
+    }
+    expect *= static_cast<std::size_t>(info.shape[i]);
+  }
+  return Span{info.ptr, static_cast<std::size_t>(info.size) * static_cast<std::size_t>(info.itemsize)};
+}
+
+std::vector<ucm::IoRequest> requests_of(const std::vector<py::buffer>& bufs,
+                                        const std::vector<std::int64_t>& offsets, bool writable) {
+  if (bufs.size() != offsets.size()) {
+    throw py::value_error("bufs and offsets differ in length: " + std::to_string(bufs.size()) +
+                          " != " + std::to_string(offsets.size()));
+  }
+  std::vector<ucm::IoRequest> reqs;
+  reqs.reserve(bufs.size());
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    if (offsets[i] < 0) throw py::value_error("offset must be >= 0, got " + std::to_string(offsets[i]));
+    Span s = span_of(bufs[i], writable, "buffer");
+    reqs.push_back(ucm::IoRequest{s.ptr, s.len, offsets[i]});
+  }
+  return reqs;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "ucm native core: block keys, checksums, copies, positional I/O threads";
+  m.attr("KEY_BYTES") = ucm::kKeyBytes;
+
+  m.def(
+      "digest128",
+      [](const py::buffer& data) {
+        Span s = span_of(data, false, "data");
+        std::uint8_t out[ucm::kKeyBytes];
+        ucm::digest128(s.ptr, s.len, out);
+        return py::bytes(reinterpret_cast<const char*>(out), ucm::kKeyBytes);
+      },
+      py::arg("data"), "128-bit XXH3 digest of a buffer (16 bytes, canonical order).");
+
+  m.def(
+      "chain_keys",
+      [](const py::bytes& seed, const py::buffer& tokens, std::size_t block_tokens) {
+        std::string seed_s = seed;
+        if (seed_s.size() != ucm::kKeyBytes) {
+          throw py::value_error("seed must be 16 bytes, got " + std::to_string(seed_s.size()));
+        }
+        if (block_tokens == 0) throw py::value_error("block_tokens must be > 0");
+        py::buffer_info info = tokens.request();
+        if (info.itemsize != 4 || (info.format != "I" && info.format != "=I" && info.format != "<I" &&
+                                   info.format != "L" && info.format != "<L" && info.format != "=L")) {
+          throw py::value_error("tokens must be a buffer of uint32, got format '" + info.format + "'");
+        }
+        if (info.ndim != 1 || info.strides[0] != 4) throw py::value_error("tokens must be 1-D contiguous");
+        const std::size_t n_tokens = static_cast<std::size_t>(info.shape[0]);
+        const std::size_t n_blocks = n_tokens / block_tokens;
+        std::string out(n_blocks * ucm::kKeyBytes, '\0');
+        {
+          py::gil_scoped_release nogil;
+          ucm::chain_keys(reinterpret_cast<const std::uint8_t*>(seed_s.data()),
+                          static_cast<const std::uint32_t*>(info.ptr), n_tokens, block_tokens,
+                          reinterpret_cast<std::uint8_t*>(out.data()));
+        }
+        return py::bytes(out);
+      },
+      py::arg("seed"), py::arg("tokens"), py::arg("block_tokens"),
+      "Chained 16-byte keys of the full blocks of `tokens`, concatenated.");
+
+  m.def(
+      "checksum",
+      [](const py::buffer& data) {
+        Span s = span_of(data, false, "data");
+        py::gil_scoped_release nogil;
+        return ucm::checksum(s.ptr, s.len);
+      },
+      py::arg("data"), "XXH3-64 checksum of a buffer.");
+
+  m.def(
+      "copy",
+      [](const py::buffer& dst, const py::buffer& src, int threads) {
+        Span d = span_of(dst, true, "dst");
+        Span s = span_of(src, false, "src");
+        if (d.len != s.len) {
+          throw py::value_error("dst and src differ in size: " + std::to_string(d.len) + " != " +
+                                std::to_string(s.len));
+        }
+        py::gil_scoped_release nogil;
+        ucm::copy_bytes(d.ptr, s.ptr, d.len, threads);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("threads") = 1,
+      "Copies src into dst (equal sizes) with the GIL released.");
+
+  m.def(
+      "prefault",
+      [](const py::buffer& buf) {
+        Span s = span_of(buf, true, "buf");
+        py::gil_scoped_release nogil;
+        ucm::prefault(s.ptr, s.len);
+      },
+      py::arg("buf"), "Touches every page of a writable buffer.");
+
+  py::class_<ucm::IoEngine>(m, "IoEngine")
+      .def(py::init<int>(), py::arg("threads"))
+      .def_property_readonly("threads", &ucm::IoEngine::threads)
+      .def(
+          "read_batch",
+          [](ucm::IoEngine& self, int fd, const std::vector<py::buffer>& bufs,
+             const std::vector<std::int64_t>& offsets) {
+            auto reqs = requests_of(bufs, offsets, true);
+            py::gil_scoped_release nogil;
+            return self.read_batch(fd, reqs);
+          },
+          py::arg("fd"), py::arg("bufs"), py::arg("offsets"),
+          "Reads into each buffer from its offset, all in flight; bytes read or -errno each.")
+      .def(
+          "write_batch",
+          [](ucm::IoEngine& self, int fd, const std::vector<py::buffer>& bufs,
+             const std::vector<std::int64_t>& offsets) {
+            auto reqs = requests_of(bufs, offsets, false);
+            py::gil_scoped_release nogil;
+            return self.write_batch(fd, reqs);
+          },
+          py::arg("fd"), py::arg("bufs"), py::arg("offsets"),
+          "Writes each buffer at its offset, all in flight; bytes written or -errno each.");
+}

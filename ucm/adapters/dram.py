@@ -1,0 +1,257 @@
+"""`dram`: a slab arena in shared memory.
+
+The arena is one file in a tmpfs directory (`/dev/shm` by default), mode
+0600, mapped shared, so that other processes of the same user (engine
+workers, through the service) can map it and copy in and out of slots
+directly. Slots have fixed sizes per payload size (ucm.adapters.slab);
+an index maps key -> slot. Leases guard readers: a slot being read is never
+reused, a deleted slot is freed when its last lease is released. Writers
+reserve a slot, fill it, then commit it; until commit it is invisible.
+
+Thread-safe: one lock guards the index; copies run outside it.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+from pydantic import Field
+
+from ucm import _native
+from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.adapters.slab import SlabArena
+from ucm.buffers import byte_view
+from ucm.errors import AdapterError, ArgumentError, ClosedError
+
+
+class DramConfig(AdapterConfig):
+    path: str = "/dev/shm"  # directory of the shared-memory file (tmpfs)
+    prefault: bool = True  # touch every page at start so copies take no faults
+    copy_threads: int = Field(default=1, ge=1, le=64)  # threads per large copy
+
+
+@dataclass(slots=True)
+class _Slot:
+    offset: int
+    length: int
+    leases: int = 0
+    doomed: bool = False  # deleted while leased: free on last release
+
+
+@dataclass(slots=True)
+class Lease:
+    key: Key
+    slot: _Slot
+    view: memoryview  # read-only use: the committed blob
+
+
+class DramAdapter(StorageAdapter):
+    """Blobs in fixed-size slots of a shared-memory arena."""
+
+    name = "dram"
+    Config = DramConfig
+
+    def __init__(self, capacity_bytes: int, config: Optional[DramConfig] = None) -> None:
+        self.config = config or DramConfig()
+        if capacity_bytes <= 0:
+            raise ArgumentError(f"dram: capacity_bytes must be > 0, got {capacity_bytes}")
+        self._arena = SlabArena(capacity_bytes)
+        self._lock = threading.Lock()
+        self._index: dict[Key, _Slot] = {}
+        self._pending: dict[Key, _Slot] = {}  # reserved, not yet committed
+        self.segment_path = os.path.join(self.config.path, f"ucm-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise AdapterError(f"dram: cannot create shared-memory file in {self.config.path!r}: {exc}") from exc
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            self._mmap = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(self.segment_path)
+            raise AdapterError(f"dram: cannot map {capacity_bytes} bytes at {self.segment_path!r}: {exc}") from exc
+        os.close(fd)
+        self._view = memoryview(self._mmap)
+        if self.config.prefault:
+            _native.prefault(self._view)
+        self._closed = False
+        self._stats = {"bytes_in": 0, "bytes_out": 0}
+
+    # ---- slot-level API (zero-copy users: the cache, the service) ----------
+    def reserve(self, key: Key, size: int) -> Optional[memoryview]:
+        """A writable view of a fresh slot for `key`, or None when the arena
+        is full or the key is already present/reserved. Commit or abort it."""
+        with self._lock:
+            self._check_open()
+            if key in self._index or key in self._pending:
+                return None
+            off = self._arena.alloc(size)
+            if off is None:
+                return None
+            self._pending[key] = _Slot(off, size)
+            return self._view[off:off + size]
+
+    def commit(self, key: Key) -> bool:
+        with self._lock:
+            slot = self._pending.pop(key, None)
+            if slot is None:
+                return False
+            self._index[key] = slot
+            self._stats["bytes_in"] += slot.length
+            return True
+
+    def abort(self, key: Key) -> None:
+        with self._lock:
+            slot = self._pending.pop(key, None)
+            if slot is not None:
+                self._arena.free(slot.offset, slot.length)
+
+    def lease(self, key: Key) -> Optional["Lease"]:
+        """The committed slot of `key` for reading (None on a miss); it cannot
+        be reused until `release(lease)`."""
+        with self._lock:
+            self._check_open()
+            slot = self._index.get(key)
+            if slot is None:
+                return None
+            slot.leases += 1
+            return Lease(key, slot, self._view[slot.offset:slot.offset + slot.length])
+
+    def release(self, lease: "Lease") -> None:
+        lease.view.release()
+        with self._lock:
+            slot = lease.slot
+            slot.leases -= 1
+            if slot.doomed and slot.leases == 0 and not self._closed:
+                self._arena.free(slot.offset, slot.length)
+
+    def slot_offset(self, key: Key) -> Optional[tuple[int, int]]:
+        """(offset, length) of a committed slot inside the segment file."""
+        with self._lock:
+            slot = self._index.get(key)
+            return None if slot is None else (slot.offset, slot.length)
+
+    # ---- StorageAdapter ----------------------------------------------------
+    def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(blobs):
+            raise ArgumentError(f"put: {len(keys)} keys but {len(blobs)} blobs")
+        out: list[Status] = []
+        for key, blob in zip(keys, blobs):
+            src = byte_view(blob, what="blob")
+            with self._lock:
+                self._check_open()
+                present = key in self._index
+            if present:
+                out.append(Status.OK)
+                continue
+            dst = self.reserve(key, len(src))
+            if dst is None:
+                with self._lock:
+                    present = key in self._index or key in self._pending
+                out.append(Status.OK if present else Status.NO_SPACE)
+                continue
+            try:
+                _native.copy(dst, src, self.config.copy_threads)
+            except BaseException:
+                dst.release()
+                self.abort(key)
+                raise
+            dst.release()
+            self.commit(key)
+            out.append(Status.OK)
+        return out
+
+    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
+        out: list[Status] = []
+        for key, dst in zip(keys, dsts):
+            view = byte_view(dst, writable=True, what="destination")
+            lease = self.lease(key)
+            if lease is None:
+                out.append(Status.NOT_FOUND)
+                continue
+            src = lease.view
+            try:
+                if len(src) != len(view):
+                    out.append(Status.CORRUPT)
+                    continue
+                _native.copy(view, src, self.config.copy_threads)
+                with self._lock:
+                    self._stats["bytes_out"] += len(view)
+                out.append(Status.OK)
+            finally:
+                self.release(lease)
+        return out
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def delete(self, keys: Sequence[Key]) -> list[bool]:
+        out = []
+        with self._lock:
+            for key in keys:
+                slot = self._index.pop(key, None)
+                if slot is None:
+                    out.append(False)
+                    continue
+                if slot.leases:
+                    slot.doomed = True
+                else:
+                    self._arena.free(slot.offset, slot.length)
+                out.append(True)
+        return out
+
+    def size_of(self, key: Key) -> Optional[int]:
+        with self._lock:
+            slot = self._index.get(key)
+            return None if slot is None else slot.length
+
+    def iter_keys(self) -> Iterator[Key]:
+        with self._lock:
+            keys = list(self._index)
+        return iter(keys)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._arena.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._arena.used_bytes
+
+    def slot_bytes(self, size: int) -> int:
+        """Arena bytes a blob of `size` bytes occupies."""
+        return self._arena.slot_bytes(size)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats, segment=self.segment_path, blocks=len(self._index))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._index.clear()
+            self._pending.clear()
+        self._view.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the process
+        try:
+            os.unlink(self.segment_path)
+        except FileNotFoundError:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("dram adapter used after close()")

@@ -1,0 +1,665 @@
+"""`nvme`: a log-structured region store on a directory or a block device.
+
+Layout. The medium is an array of equal regions (`region_size` bytes): a
+file `ucm-regions.dat` in the configured directory, or the block device
+itself. A region holds blocks appended at 4 KiB-aligned offsets from its
+start, and a footer at its end: one entry per block (key, offset, length,
+XXH3-64 checksum) followed by a trailer in the last bytes (magic, region
+sequence number, entry count, footer size, checksum of the entries, checksum
+of the trailer). There is no file per block and no directory scan.
+
+Writes. `put` appends blocks into an in-memory region buffer (readable at
+once). A full buffer is sealed on a background thread: the region's old
+trailer is invalidated, the data is written with O_DIRECT in `io_chunk`
+pieces all in flight on the native I/O threads, then the footer. A crash at
+any instant leaves each region either with a valid footer describing intact
+data, or with none (ignored at restart); block checksums catch the rest.
+
+Reads. The index maps key -> (region, offset, length, checksum). Blocks in a
+sealed region are read with O_DIRECT (batched, many in flight) and verified;
+a bad checksum is a CORRUPT status, the block is dropped, never returned.
+
+Space. When no region is free, the region with the fewest live bytes (the
+oldest on ties) is reclaimed in place: its live blocks are read back, the
+ones the owner's `retain` hook keeps (hot blocks; all live ones by default)
+are re-inserted at the head of the new buffer for that same region, the rest
+are dropped and reported by `drain_dropped()`. `capacity_bytes` is the
+logical capacity the owner should fill: `usable_fraction` of the medium, the
+rest being slack for reclamation.
+
+Restart. The index is rebuilt from the trailers and footers alone (no
+payload reads); when a key appears in several regions the newest wins.
+
+Failures. A failed region write (ENOSPC, EIO) drops that region's blocks
+(reported by `drain_dropped()`), and for `retry_after_s` new puts answer
+NO_SPACE at once instead of queueing work that will fail.
+
+Thread-safe. Lock order: `_lock`, then nothing (I/O runs outside it).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from pydantic import Field, field_validator
+
+from ucm import _native
+from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.buffers import byte_view
+from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.sizes import parse_size
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+FILE_NAME = "ucm-regions.dat"
+_MAGIC = 0x314E474552_4D4355  # "UCMREGN1" little-endian-ish tag
+_ENTRY = struct.Struct("<16sQQQ")  # key, offset, length, checksum
+_TRAILER = struct.Struct("<QQQQQQQ")  # magic, seq, n, footer_bytes, entries_csum, region, trailer_csum
+_TRAILER_BYTES = 64
+
+
+def _align_up(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _footer_bytes(n_entries: int) -> int:
+    return _align_up(n_entries * _ENTRY.size + _TRAILER_BYTES)
+
+
+class NvmeConfig(AdapterConfig):
+    path: str  # a directory (a file is created in it) or a block device
+    region_size: int = 16 << 20
+    io_threads: int = Field(default=4, ge=1, le=64)
+    io_chunk: int = 1 << 20  # bytes per write request; a region write has several in flight
+    write_buffers: int = Field(default=2, ge=1, le=64)  # region buffers in memory
+    direct_io: bool = True  # O_DIRECT; falls back to buffered I/O where refused
+    usable_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    retry_after_s: float = Field(default=5.0, ge=0.0)
+    put_timeout_s: float = Field(default=30.0, gt=0.0)
+
+    @field_validator("region_size", "io_chunk", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        n = parse_size(v)
+        if n < ALIGN or n % ALIGN:
+            raise ValueError(f"must be a positive multiple of {ALIGN} bytes, got {n}")
+        return n
+
+
+@dataclass(slots=True)
+class _Loc:
+    region: int
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class _Buffer:
+    mem: mmap.mmap
+    view: memoryview
+    region: int = -1
+    seq: int = 0
+    end: int = 0  # bytes of data appended
+    entries: list[tuple[Key, int, int, int]] = field(default_factory=list)
+    readers: int = 0
+    sealing: bool = False
+
+
+@dataclass(slots=True)
+class _Region:
+    seq: int = 0
+    live_bytes: int = 0
+    live: set = field(default_factory=set)  # keys whose current copy is here
+    has_footer: bool = False  # a valid trailer may be on the medium
+
+
+class NvmeAdapter(StorageAdapter):
+    """Blocks in a log of fixed-size regions, written with O_DIRECT."""
+
+    name = "nvme"
+    Config = NvmeConfig
+
+    def __init__(self, capacity_bytes: int, config: NvmeConfig,
+                 retain: Optional[Callable[[list[Key]], list[bool]]] = None) -> None:
+        self.config = config
+        rs = config.region_size
+        self._retain = retain
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._path, self._fd, self.direct_io, medium_bytes = self._open(config.path, capacity_bytes)
+        n_regions = medium_bytes // rs
+        if n_regions < 2:
+            raise ArgumentError(
+                f"nvme: capacity {capacity_bytes} bytes holds {n_regions} region(s) of {rs} bytes; need >= 2")
+        self.n_regions = n_regions
+        self._capacity = int(n_regions * rs * config.usable_fraction)
+        self._io = _native.IoEngine(config.io_threads)
+        self._regions = [_Region() for _ in range(n_regions)]
+        self._index: dict[Key, _Loc] = {}
+        self._mem: dict[int, _Buffer] = {}  # region -> buffer holding it in memory
+        self._free_regions: list[int] = []
+        self._spare: list[_Buffer] = []
+        for _ in range(min(config.write_buffers, n_regions)):
+            mem = mmap.mmap(-1, rs)
+            self._spare.append(_Buffer(mem, memoryview(mem)))
+        self._open_buf: Optional[_Buffer] = None
+        self._seq = 0
+        self._dropped: list[Key] = []
+        self._pending_reclaim: Optional[int] = None
+        self._failed_at = -1e18
+        self._stats = {"bytes_written": 0, "bytes_read": 0, "regions_sealed": 0, "regions_reclaimed": 0,
+                       "reinserted": 0, "dropped": 0, "corrupt": 0, "write_errors": 0, "read_errors": 0,
+                       "recovered_blocks": 0}
+        self._recover()
+        self._seal_queue: list[_Buffer] = []
+        self._sealer = threading.Thread(target=self._seal_loop, name="ucm-nvme-sealer", daemon=True)
+        self._sealer.start()
+
+    # ---- medium ------------------------------------------------------------
+    def _open(self, path: str, capacity_bytes: int) -> tuple[str, int, bool, int]:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            st = os.stat(path)
+        except OSError as exc:
+            raise AdapterError(f"nvme: cannot use path {path!r}: {exc}") from exc
+        block_device = stat.S_ISBLK(st.st_mode)
+        target = path if block_device else os.path.join(path, FILE_NAME)
+        flags = os.O_RDWR | (0 if block_device else os.O_CREAT)
+        direct = self.config.direct_io
+        try:
+            fd = os.open(target, flags | (os.O_DIRECT if direct else 0), 0o600)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                log.warning("nvme: %s refuses O_DIRECT; using buffered I/O", target)
+                direct = False
+                fd = os.open(target, flags, 0o600)
+            else:
+                raise AdapterError(f"nvme: cannot open {target!r}: {exc}") from exc
+        medium = capacity_bytes
+        if block_device:
+            medium = min(capacity_bytes, os.lseek(fd, 0, os.SEEK_END))
+        return target, fd, direct, medium
+
+    def _recover(self) -> None:
+        """Rebuilds the index from region trailers and footers."""
+        rs = self.config.region_size
+        size = os.fstat(self._fd).st_size if not stat.S_ISBLK(os.fstat(self._fd).st_mode) else self.n_regions * rs
+        present = [r for r in range(self.n_regions) if (r + 1) * rs <= size]
+        tails = {r: mmap.mmap(-1, ALIGN) for r in present}
+        results = self._io.read_batch(self._fd, [tails[r] for r in present], [(r + 1) * rs - ALIGN for r in present])
+        best: dict[Key, tuple[int, _Loc]] = {}
+        for r, res in zip(present, results):
+            if res != ALIGN:
+                continue
+            t = tails[r]
+            fields = _TRAILER.unpack_from(t, ALIGN - _TRAILER_BYTES)
+            magic, seq, n, fbytes, ecsum, region, tcsum = fields
+            head = bytes(t[ALIGN - _TRAILER_BYTES:ALIGN - _TRAILER_BYTES + _TRAILER.size - 8])
+            if magic != _MAGIC or region != r or tcsum != _native.checksum(head):
+                continue
+            if fbytes != _footer_bytes(n) or fbytes > rs:
+                continue
+            self._regions[r].has_footer = True
+            foot = mmap.mmap(-1, fbytes)
+            if self._io.read_batch(self._fd, [foot], [(r + 1) * rs - fbytes])[0] != fbytes:
+                continue
+            ebytes = n * _ENTRY.size
+            if _native.checksum(memoryview(foot)[:ebytes]) != ecsum:
+                continue
+            self._seq = max(self._seq, seq)
+            for i in range(n):
+                key, off, length, csum = _ENTRY.unpack_from(foot, i * _ENTRY.size)
+                if off % ALIGN or off + length > rs - fbytes:
+                    continue
+                prev = best.get(key)
+                if prev is None or prev[0] < seq:
+                    best[key] = (seq, _Loc(r, off, length, csum))
+            self._regions[r].seq = seq
+        for key, (_, loc) in best.items():
+            self._index[key] = loc
+            reg = self._regions[loc.region]
+            reg.live.add(key)
+            reg.live_bytes += _align_up(loc.length)
+        self._free_regions = [r for r in range(self.n_regions) if not self._regions[r].live]
+        self._free_regions.reverse()  # pop() hands out low regions first
+        self._stats["recovered_blocks"] = len(self._index)
+        if self._index:
+            log.info("nvme: recovered %d blocks from %s", len(self._index), self._path)
+
+    # ---- write path --------------------------------------------------------
+    def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(blobs):
+            raise ArgumentError(f"put: {len(keys)} keys but {len(blobs)} blobs")
+        rs = self.config.region_size
+        out: list[Status] = []
+        for key, blob in zip(keys, blobs):
+            src = byte_view(blob, what="blob")
+            n = len(src)
+            if n == 0 or _align_up(n) + _footer_bytes(1) > rs:
+                raise ArgumentError(f"nvme: blob of {n} bytes does not fit a region of {rs} bytes")
+            csum = _native.checksum(src)
+            with self._lock:
+                self._check_open()
+                if key in self._index:
+                    out.append(Status.OK)
+                    continue
+                if time.monotonic() - self._failed_at < self.config.retry_after_s:
+                    out.append(Status.NO_SPACE)
+                    continue
+                buf = self._writable_buffer(n)
+                if buf is None:
+                    out.append(Status.NO_SPACE)
+                    continue
+                off = buf.end
+                buf.end = off + _align_up(n)
+                buf.readers += 1
+            try:
+                _native.copy(buf.view[off:off + n], src)
+            except BaseException:
+                with self._lock:  # the hole stays unused; the buffer may be sealed
+                    buf.readers -= 1
+                    self._cond.notify_all()
+                raise
+            with self._lock:
+                buf.readers -= 1
+                buf.entries.append((key, off, n, csum))
+                self._index[key] = _Loc(buf.region, off, n, csum)
+                reg = self._regions[buf.region]
+                reg.live.add(key)
+                reg.live_bytes += _align_up(n)
+                self._cond.notify_all()
+            out.append(Status.OK)
+        return out
+
+    def _fits(self, buf: _Buffer, n: int) -> bool:
+        return buf.end + _align_up(n) + _footer_bytes(len(buf.entries) + 1) <= self.config.region_size
+
+    def _writable_buffer(self, n: int) -> Optional[_Buffer]:
+        """The open buffer with room for `n` bytes, sealing and opening
+        buffers as needed. Called with the lock held; may wait."""
+        deadline = time.monotonic() + self.config.put_timeout_s
+        while True:
+            buf = self._open_buf
+            if buf is not None and self._fits(buf, n):
+                return buf
+            if buf is not None:
+                self._queue_seal(buf)
+                self._open_buf = None
+            while not self._spare:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._cond.wait(left)
+            if self._open_buf is not None:  # another writer opened one meanwhile
+                continue
+            region = self._take_region()
+            if region is None:
+                return None
+            buf = self._spare.pop()
+            self._seq += 1
+            buf.region, buf.seq, buf.end, buf.entries = region, self._seq, 0, []
+            self._mem[region] = buf
+            self._open_buf = buf
+            self._reinsert_into(buf, reserve=n)
+
+    def _take_region(self) -> Optional[int]:
+        if self._free_regions:
+            return self._free_regions.pop()
+        candidates = [r for r in range(self.n_regions) if r not in self._mem]
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda r: (self._regions[r].live_bytes, self._regions[r].seq))
+        self._stats["regions_reclaimed"] += 1
+        self._pending_reclaim = victim
+        return victim
+
+    def _reinsert_into(self, buf: _Buffer, reserve: int) -> None:
+        """If `buf`'s region was reclaimed, re-inserts its retained live
+        blocks at the head of the buffer, leaving room for a blob of
+        `reserve` bytes so that the writer always progresses; the others are
+        dropped. Called with the lock held."""
+        victim, self._pending_reclaim = self._pending_reclaim, None
+        if victim is None:
+            return
+        reg = self._regions[victim]
+        live = sorted(reg.live, key=lambda k: self._index[k].offset)
+        reg.live, reg.live_bytes = set(), 0
+        if not live:
+            return
+        keep = [True] * len(live)
+        if self._retain is not None:
+            try:
+                keep = list(self._retain(list(live)))
+            except Exception:  # a broken hook must not lose the region
+                log.exception("nvme: retain hook failed; keeping every live block")
+        # Read the region's live data back (lock held: the region is not
+        # readable meanwhile, and the scratch read is one batched request).
+        rs = self.config.region_size
+        scratch = mmap.mmap(-1, rs)
+        end = max(self._index[k].offset + _align_up(self._index[k].length) for k in live)
+        res = self._read_ranges([(scratch, 0, end)], victim)
+        ok_read = res[0] == end
+        for key, k_ok in zip(live, keep):
+            loc = self._index.pop(key)
+            src = memoryview(scratch)[loc.offset:loc.offset + loc.length]
+            good = ok_read and _native.checksum(src) == loc.checksum
+            if not good:
+                self._stats["corrupt" if ok_read else "read_errors"] += 1
+            room = buf.end + _align_up(loc.length) + _align_up(reserve) + _footer_bytes(len(buf.entries) + 2)
+            if k_ok and good and room <= rs:
+                off = buf.end
+                _native.copy(buf.view[off:off + loc.length], src)
+                buf.end = off + _align_up(loc.length)
+                buf.entries.append((key, off, loc.length, loc.checksum))
+                self._index[key] = _Loc(victim, off, loc.length, loc.checksum)
+                reg.live.add(key)
+                reg.live_bytes += _align_up(loc.length)
+                self._stats["reinserted"] += 1
+            else:
+                self._dropped.append(key)
+                self._stats["dropped"] += 1
+            src.release()
+        scratch.close()
+
+    def _read_ranges(self, bufs: list[tuple[Any, int, int]], region: int) -> list[int]:
+        """Reads (buffer, offset-in-region, length) ranges of one region."""
+        rs = self.config.region_size
+        chunk = self.config.io_chunk
+        views, offsets, owners = [], [], []
+        for i, (b, off, length) in enumerate(bufs):
+            mv = memoryview(b)
+            for c in range(0, length, chunk):
+                views.append(mv[c:min(length, c + chunk)])
+                offsets.append(region * rs + off + c)
+                owners.append(i)
+        results = self._io.read_batch(self._fd, views, offsets)
+        total = [0] * len(bufs)
+        for i, r, v in zip(owners, results, views):
+            if total[i] < 0:
+                continue
+            total[i] = r if r < 0 else total[i] + r
+        for v in views:
+            v.release()
+        return total
+
+    def _queue_seal(self, buf: _Buffer) -> None:
+        buf.sealing = True
+        self._seal_queue.append(buf)
+        self._cond.notify_all()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Seals the open buffer and waits until every queued region is on
+        the medium. Returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._open_buf is not None and self._open_buf.entries:
+                self._queue_seal(self._open_buf)
+                self._open_buf = None
+            while self._seal_queue or any(b.sealing for b in self._mem.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _seal_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._seal_queue and not self._closed:
+                    self._cond.wait()
+                if not self._seal_queue:
+                    return
+                buf = self._seal_queue[0]
+                while buf.readers:
+                    self._cond.wait()
+                entries = list(buf.entries)
+                invalidate = self._regions[buf.region].has_footer
+            err = self._write_region(buf, entries, invalidate)
+            with self._lock:
+                self._seal_queue.pop(0)
+                buf.sealing = False
+                reg = self._regions[buf.region]
+                if err == 0:
+                    reg.seq = buf.seq
+                    reg.has_footer = True
+                    self._stats["regions_sealed"] += 1
+                    self._stats["bytes_written"] += buf.end
+                else:
+                    self._stats["write_errors"] += 1
+                    self._failed_at = time.monotonic()
+                    log.warning("nvme: writing region %d failed: %s", buf.region, os.strerror(-err))
+                    for key in list(reg.live):
+                        loc = self._index.get(key)
+                        if loc is not None and loc.region == buf.region:
+                            del self._index[key]
+                            self._dropped.append(key)
+                            self._stats["dropped"] += 1
+                    reg.live, reg.live_bytes = set(), 0
+                    reg.has_footer = reg.has_footer and not invalidate
+                    self._free_regions.insert(0, buf.region)
+                del self._mem[buf.region]
+                self._spare.append(buf)
+                self._cond.notify_all()
+
+    def _write_region(self, buf: _Buffer, entries: list, invalidate: bool) -> int:
+        """Writes one region: invalidate the old trailer, data, then footer.
+        Returns 0 or -errno. Runs on the sealer thread without the lock."""
+        rs = self.config.region_size
+        base = buf.region * rs
+        fbytes = _footer_bytes(len(entries))
+        if invalidate:
+            zero = mmap.mmap(-1, ALIGN)
+            r = self._io.write_batch(self._fd, [zero], [base + rs - ALIGN])[0]
+            zero.close()
+            if r != ALIGN:
+                return r if r < 0 else -errno.EIO
+        if not stat.S_ISBLK(os.fstat(self._fd).st_mode):
+            try:
+                os.posix_fallocate(self._fd, base, rs)
+            except OSError as exc:
+                return -(exc.errno or errno.EIO)
+        chunk = self.config.io_chunk
+        views = [buf.view[c:min(buf.end, c + chunk)] for c in range(0, buf.end, chunk)]
+        results = self._io.write_batch(self._fd, views, [base + c for c in range(0, buf.end, chunk)])
+        for v, r in zip(views, results):
+            if r != len(v):
+                for w in views:
+                    w.release()
+                return r if r < 0 else -errno.ENOSPC
+        for v in views:
+            v.release()
+        # Footer: entries, then the trailer in the region's last bytes.
+        foot = buf.view[rs - fbytes:rs]
+        foot[:] = bytes(fbytes)
+        for i, (key, off, length, csum) in enumerate(entries):
+            _ENTRY.pack_into(foot, i * _ENTRY.size, key, off, length, csum)
+        ecsum = _native.checksum(foot[:len(entries) * _ENTRY.size])
+        head = _TRAILER.pack(_MAGIC, buf.seq, len(entries), fbytes, ecsum, buf.region, 0)[:-8]
+        _TRAILER.pack_into(foot, fbytes - _TRAILER_BYTES, _MAGIC, buf.seq, len(entries), fbytes, ecsum,
+                           buf.region, _native.checksum(head))
+        r = self._io.write_batch(self._fd, [foot], [base + rs - fbytes])[0]
+        foot.release()
+        if r != fbytes:
+            return r if r < 0 else -errno.ENOSPC
+        return 0
+
+    # ---- read path ---------------------------------------------------------
+    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
+        out: list[Optional[Status]] = [None] * len(keys)
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        disk: list[tuple[int, _Loc]] = []
+        mem_reads: list[tuple[int, _Loc, _Buffer]] = []
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                loc = self._index.get(key)
+                if loc is None:
+                    out[i] = Status.NOT_FOUND
+                elif loc.length != len(views[i]):
+                    out[i] = Status.CORRUPT
+                elif loc.region in self._mem:
+                    buf = self._mem[loc.region]
+                    buf.readers += 1
+                    mem_reads.append((i, loc, buf))
+                else:
+                    disk.append((i, loc))
+        for i, loc, buf in mem_reads:
+            try:
+                _native.copy(views[i], buf.view[loc.offset:loc.offset + loc.length])
+                out[i] = Status.OK
+            finally:
+                with self._lock:
+                    buf.readers -= 1
+                    self._cond.notify_all()
+        if disk:
+            self._read_disk(keys, views, disk, out)
+        return [s if s is not None else Status.FAILED for s in out]
+
+    def _read_disk(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, _Loc]],
+                   out: list[Optional[Status]]) -> None:
+        rs = self.config.region_size
+        targets, offsets, scratch = [], [], {}
+        for i, loc in disk:
+            padded = _align_up(loc.length)
+            v = views[i]
+            if self.direct_io and (padded != loc.length or not _aligned(v)):
+                buf = mmap.mmap(-1, padded)
+                scratch[i] = buf
+                targets.append(memoryview(buf))
+            else:
+                targets.append(v)
+            offsets.append(loc.region * rs + loc.offset)
+        results = self._io.read_batch(self._fd, targets, offsets)
+        bytes_read = 0
+        for (i, loc), target, res in zip(disk, targets, results):
+            if res < loc.length:
+                out[i] = Status.FAILED
+                with self._lock:
+                    self._stats["read_errors"] += 1
+                continue
+            data = target[:loc.length]
+            good = _native.checksum(data) == loc.checksum
+            if good:
+                if i in scratch:
+                    _native.copy(views[i], data)
+                out[i] = Status.OK
+                bytes_read += loc.length
+            else:
+                with self._lock:
+                    current = self._index.get(keys[i])
+                    if current is loc:  # not moved meanwhile: the medium holds bad bytes
+                        self._drop_locked(keys[i])
+                        self._stats["corrupt"] += 1
+                        out[i] = Status.CORRUPT
+                    else:
+                        out[i] = None
+                if out[i] is None:  # moved by reclamation: read it where it is now
+                    out[i] = self.get([keys[i]], [views[i]])[0]
+            data.release()
+        for i, t in zip((i for i, _ in disk), targets):
+            if i in scratch:
+                t.release()
+                scratch[i].close()
+        with self._lock:
+            self._stats["bytes_read"] += bytes_read
+
+    def _drop_locked(self, key: Key) -> None:
+        loc = self._index.pop(key, None)
+        if loc is None:
+            return
+        reg = self._regions[loc.region]
+        if key in reg.live:
+            reg.live.discard(key)
+            reg.live_bytes -= _align_up(loc.length)
+        self._dropped.append(key)
+        self._stats["dropped"] += 1
+
+    # ---- the rest of the contract ------------------------------------------
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def delete(self, keys: Sequence[Key]) -> list[bool]:
+        out = []
+        with self._lock:
+            for key in keys:
+                loc = self._index.pop(key, None)
+                if loc is None:
+                    out.append(False)
+                    continue
+                reg = self._regions[loc.region]
+                reg.live.discard(key)
+                reg.live_bytes -= _align_up(loc.length)
+                out.append(True)
+        return out
+
+    def size_of(self, key: Key) -> Optional[int]:
+        with self._lock:
+            loc = self._index.get(key)
+            return None if loc is None else loc.length
+
+    def iter_keys(self) -> Iterator[Key]:
+        with self._lock:
+            return iter(list(self._index))
+
+    def drain_dropped(self) -> list[Key]:
+        with self._lock:
+            out, self._dropped = self._dropped, []
+            return out
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(r.live_bytes for r in self._regions)
+
+    def slot_bytes(self, size: int) -> int:
+        return _align_up(size) + _ENTRY.size
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats, blocks=len(self._index), regions=self.n_regions,
+                        free_regions=len(self._free_regions), direct_io=self.direct_io, path=self._path)
+
+    def close(self) -> None:
+        """Seals what is buffered (best effort) and closes the medium."""
+        with self._lock:
+            if self._closed:
+                return
+        self.flush(timeout_s=self.config.put_timeout_s)
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+        self._sealer.join(timeout=self.config.put_timeout_s)
+        os.close(self._fd)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("nvme adapter used after close()")
+
+
+def _aligned(view: memoryview) -> bool:
+    import ctypes
+
+    if view.readonly:
+        return False
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return addr % ALIGN == 0

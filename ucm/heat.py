@@ -1,0 +1,116 @@
+"""HeatTracker: per-block access statistics that placement policies read.
+
+Runs inside the cache (or the trace replay) under its lock; never blocks.
+The clock is logical: it advances once per request (`tick`), so decisions are
+deterministic and independent of wall-clock speed. Per block it keeps a
+decayed access frequency, the time of the last access, the raw count, and
+the block's parent in the prefix tree. Statistics outlive residency for a
+bounded number of blocks (`history_blocks`) so that a block that comes back
+is recognised as reused.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+Key = bytes
+
+INF = math.inf
+
+
+@dataclass(slots=True)
+class BlockHeat:
+    score: float = 0.0  # decayed frequency as of `stamp`
+    stamp: int = 0
+    last: int = -1  # clock of the last access, -1 never accessed
+    count: int = 0
+    gaps: float = 0.0  # decayed mean reuse distance (clock ticks), 0 until reused
+    parent: Optional[Key] = None
+    next_use: float = INF  # oracle: next access time, set by trace replay only
+
+
+class HeatTracker:
+    """Decayed frequency, recency and prefix links of blocks.
+
+    `half_life` is in clock ticks (requests): a block's score halves every
+    `half_life` requests without access.
+    """
+
+    def __init__(self, half_life: float = 2000.0, history_blocks: int = 1 << 20) -> None:
+        if half_life <= 0:
+            raise ValueError(f"half_life must be > 0, got {half_life!r}")
+        self.now = 0
+        self.half_life = float(half_life)
+        self._lam = math.log(2.0) / self.half_life
+        self._history = history_blocks
+        self._blocks: OrderedDict[Key, BlockHeat] = OrderedDict()
+
+    def tick(self) -> int:
+        """Advances the clock by one request; returns the new time."""
+        self.now += 1
+        return self.now
+
+    def _get(self, key: Key) -> BlockHeat:
+        h = self._blocks.get(key)
+        if h is None:
+            h = BlockHeat(stamp=self.now)
+            self._blocks[key] = h
+            if len(self._blocks) > self._history:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(key)
+        return h
+
+    def touch(self, key: Key, parent: Optional[Key] = None, next_use: float = INF) -> None:
+        """Records one access to `key` at the current time."""
+        h = self._get(key)
+        now = self.now
+        if h.last >= 0:
+            gap = float(now - h.last)
+            h.gaps = gap if h.gaps == 0.0 else 0.5 * h.gaps + 0.5 * gap
+        h.score = h.score * math.exp(-self._lam * (now - h.stamp)) + 1.0
+        h.stamp = now
+        h.last = now
+        h.count += 1
+        if parent is not None:
+            h.parent = parent
+        h.next_use = next_use
+
+    def link(self, key: Key, parent: Optional[Key]) -> None:
+        """Records the prefix-tree parent of `key` without counting an access."""
+        if parent is not None:
+            self._get(key).parent = parent
+
+    def heat(self, key: Key) -> float:
+        """Decayed access frequency of `key` as of now (0.0 if unknown)."""
+        h = self._blocks.get(key)
+        if h is None:
+            return 0.0
+        return h.score * math.exp(-self._lam * (self.now - h.stamp))
+
+    def get(self, key: Key) -> Optional[BlockHeat]:
+        return self._blocks.get(key)
+
+    def count(self, key: Key) -> int:
+        h = self._blocks.get(key)
+        return 0 if h is None else h.count
+
+    def last_access(self, key: Key) -> int:
+        h = self._blocks.get(key)
+        return -1 if h is None else h.last
+
+    def next_use(self, key: Key) -> float:
+        h = self._blocks.get(key)
+        return INF if h is None else h.next_use
+
+    def parent(self, key: Key) -> Optional[Key]:
+        h = self._blocks.get(key)
+        return None if h is None else h.parent
+
+    def forget(self, key: Key) -> None:
+        self._blocks.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)

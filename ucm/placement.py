@@ -1,0 +1,390 @@
+"""Placement: which tier holds which block, and every decision that moves one.
+
+This is the metadata half of UnifiedCache, shared with the trace replay
+(`ucm bench trace`), which runs it without moving payload bytes. It keeps,
+per tier, the resident blocks, their bytes and a placement policy; across
+tiers, the prefix tree (parents and resident children) and pins. It never
+touches payloads: operations return a `Plan`, a list of `Step`s the caller
+executes in order (the cache against its adapters; the replay ignores them).
+Metadata is updated when the plan is made; a step that fails afterwards is
+reported back with `remove()`.
+
+Invariants it keeps:
+- a block is resident in a tier only if its parent is resident somewhere
+  (a child without its prefix is useless), so a parent is never evicted
+  from the last tier holding it before its children;
+- within a tier, a block with resident children in that tier is not a
+  victim, nor is a pinned block;
+- `used_bytes(t) <= capacity_bytes(t)` after every operation.
+
+Not thread-safe: the owner serialises calls.
+"""
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+from ucm.errors import ArgumentError
+from ucm.heat import INF, HeatTracker, Key
+from ucm.policy.base import Admission, PlacementPolicy, PolicyFactory, TierInfo
+
+
+class Op(enum.Enum):
+    WRITE = "write"  # new bytes from the caller into `dst`
+    MOVE = "move"  # bytes from `src` to `dst`, then drop from `src` (demotion)
+    COPY = "copy"  # bytes from `src` to `dst`, `src` keeps its copy (promotion)
+    DROP = "drop"  # delete from `src`
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    op: Op
+    key: Key
+    src: Optional[int] = None
+    dst: Optional[int] = None
+
+
+Plan = list[Step]
+
+
+@dataclass(slots=True)
+class Decision:
+    """Outcome of insert/promote: whether the block was placed, and the steps
+    to execute either way (evictions made before a refusal stay valid)."""
+
+    placed: bool
+    plan: Plan
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    capacity_bytes: int
+
+
+@dataclass(slots=True)
+class TierCounters:
+    inserts: int = 0
+    hits: int = 0
+    evictions: int = 0
+    demotions_in: int = 0
+    promotions_in: int = 0
+    bytes_written: int = 0
+
+
+@dataclass(slots=True)
+class _Tier:
+    info: TierInfo
+    policy: PlacementPolicy
+    used: int = 0
+    blocks: dict[Key, int] = field(default_factory=dict)  # key -> size_bytes
+    kids: Counter = field(default_factory=Counter)  # key -> resident children in this tier
+    counters: TierCounters = field(default_factory=TierCounters)
+
+
+class Placement:
+    """Block placement over an ordered stack of tiers (index 0 fastest)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        policy: PolicyFactory,
+        heat: Optional[HeatTracker] = None,
+        landing: int = 0,
+    ) -> None:
+        if not tiers:
+            raise ArgumentError("placement needs at least one tier")
+        if not 0 <= landing < len(tiers):
+            raise ArgumentError(f"landing tier index {landing} outside 0..{len(tiers) - 1}")
+        self.heat = heat if heat is not None else HeatTracker()
+        self.landing = landing
+        self._tiers: list[_Tier] = []
+        for i, spec in enumerate(tiers):
+            if spec.capacity_bytes < 0:
+                raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
+            info = TierInfo(spec.name, i, spec.capacity_bytes, i == len(tiers) - 1)
+            self._tiers.append(_Tier(info, policy(info, self.heat)))
+        self._parent: dict[Key, Optional[Key]] = {}  # resident anywhere -> parent
+        self._children: dict[Key, set[Key]] = {}  # resident parent -> resident children
+        self._size: dict[Key, int] = {}
+        self._pins: Counter = Counter()
+
+    # ---- queries -----------------------------------------------------------
+    @property
+    def tier_count(self) -> int:
+        return len(self._tiers)
+
+    def tier_name(self, t: int) -> str:
+        return self._tiers[t].info.name
+
+    def capacity_bytes(self, t: int) -> int:
+        return self._tiers[t].info.capacity_bytes
+
+    def used_bytes(self, t: int) -> int:
+        return self._tiers[t].used
+
+    def blocks(self, t: int) -> int:
+        return len(self._tiers[t].blocks)
+
+    def counters(self, t: int) -> TierCounters:
+        return self._tiers[t].counters
+
+    def contains(self, key: Key) -> bool:
+        return key in self._parent
+
+    def tiers_of(self, key: Key) -> list[int]:
+        return [t.info.index for t in self._tiers if key in t.blocks]
+
+    def where(self, key: Key) -> Optional[int]:
+        """Fastest tier holding `key`, or None."""
+        if key not in self._parent:
+            return None
+        for t in self._tiers:
+            if key in t.blocks:
+                return t.info.index
+        return None
+
+    def lookup(self, keys: Sequence[Key]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self._parent:
+                break
+            n += 1
+        return n
+
+    def locate(self, keys: Sequence[Key]) -> list[Optional[int]]:
+        return [self.where(k) for k in keys]
+
+    def size_of(self, key: Key) -> Optional[int]:
+        return self._size.get(key)
+
+    def resident_keys(self, t: int) -> Iterable[Key]:
+        return self._tiers[t].blocks.keys()
+
+    # ---- pins --------------------------------------------------------------
+    def pin(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            self._pins[k] += 1
+
+    def unpin(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            n = self._pins.get(k, 0)
+            if n <= 1:
+                self._pins.pop(k, None)
+            else:
+                self._pins[k] = n - 1
+
+    def pinned(self, key: Key) -> bool:
+        return key in self._pins
+
+    # ---- accesses ----------------------------------------------------------
+    def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None) -> None:
+        """Counts one access to each block of a request in the HeatTracker
+        (call once per request before lookups and inserts); deepest first."""
+        heat = self.heat
+        heat.tick()
+        parent_of = [None, *keys[:-1]] if keys else []
+        for i in range(len(keys) - 1, -1, -1):
+            heat.touch(keys[i], parent_of[i], INF if next_uses is None else next_uses[i])
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Reports that the resident blocks among `keys` were used by a request:
+        one `on_hit` to the tier serving each, deepest block first."""
+        for k in reversed(keys):
+            t = self.where(k)
+            if t is not None:
+                tier = self._tiers[t]
+                tier.policy.on_hit(k)
+                tier.counters.hits += 1
+
+    # ---- changes -----------------------------------------------------------
+    def insert(self, key: Key, parent: Optional[Key], size_bytes: int,
+               tier: Optional[int] = None) -> Decision:
+        """Places a new block (bytes from the caller) into `tier` (default the
+        landing tier); the plan then ends in a WRITE step. Not placed when the
+        block is already resident (empty plan), its parent is not resident,
+        the policy refused it, or no room could be made."""
+        if size_bytes <= 0:
+            raise ArgumentError(f"size_bytes must be > 0, got {size_bytes}")
+        t = self.landing if tier is None else tier
+        if key in self._parent:
+            return Decision(False, [])
+        if parent is not None and parent not in self._parent:
+            return Decision(False, [])
+        dst = self._tiers[t]
+        if size_bytes > dst.info.capacity_bytes or not dst.policy.admit(key, Admission.NEW):
+            return Decision(False, [])
+        plan: Plan = []
+        if not self._make_room(t, size_bytes, plan, protect=parent):
+            return Decision(False, plan)
+        if parent is not None and parent not in self._parent:  # lost while making room
+            return Decision(False, plan)
+        self._link(key, parent, size_bytes)
+        self._enter(key, t, size_bytes)
+        plan.append(Step(Op.WRITE, key, dst=t))
+        return Decision(True, plan)
+
+    def promote(self, key: Key) -> Decision:
+        """After a hit served below the landing tier: copies the block up if
+        the landing tier's policy admits it (COPY step; the lower copy stays)."""
+        src = self.where(key)
+        t = self.landing
+        if src is None or src <= t:
+            return Decision(False, [])
+        dst = self._tiers[t]
+        size = self._size[key]
+        if not dst.policy.admit(key, Admission.PROMOTE):
+            return Decision(False, [])
+        plan: Plan = []
+        self._pins[key] += 1  # the source must survive the evictions made for it
+        try:
+            room = self._make_room(t, size, plan, protect=self._parent.get(key))
+        finally:
+            self.unpin([key])
+        if not room or key not in self._parent:
+            return Decision(False, plan)
+        self._enter(key, t, size)
+        dst.counters.promotions_in += 1
+        plan.append(Step(Op.COPY, key, src=src, dst=t))
+        return Decision(True, plan)
+
+    def remove(self, key: Key, tier: Optional[int] = None) -> Plan:
+        """A tier lost `key` (failed write, corrupt bytes, adapter eviction,
+        explicit delete); with tier None every copy is gone. If no copy is
+        left, its resident descendants are useless and are dropped too: the
+        returned DROP steps name them (the caller deletes their bytes)."""
+        if key not in self._parent:
+            return []
+        tiers = self.tiers_of(key) if tier is None else [tier]
+        for t in tiers:
+            if key in self._tiers[t].blocks:
+                self._leave(key, t)
+        plan: Plan = []
+        if not self.tiers_of(key):
+            self._drop_descendants(key, plan)
+        return plan
+
+    # ---- internals ---------------------------------------------------------
+    def _link(self, key: Key, parent: Optional[Key], size: int) -> None:
+        self._parent[key] = parent
+        self._size[key] = size
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(key)
+
+    def _unlink(self, key: Key) -> None:
+        parent = self._parent.pop(key)
+        self._size.pop(key, None)
+        if parent is not None:
+            kids = self._children.get(parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._children[parent]
+
+    def _enter(self, key: Key, t: int, size: int) -> None:
+        tier = self._tiers[t]
+        tier.blocks[key] = size
+        tier.used += size
+        tier.counters.inserts += 1
+        tier.counters.bytes_written += size
+        n = sum(1 for c in self._children.get(key, ()) if c in tier.blocks)
+        if n:
+            tier.kids[key] = n
+        parent = self._parent.get(key)
+        if parent is not None and parent in tier.blocks:
+            tier.kids[parent] += 1
+        tier.policy.on_insert(key, size)
+
+    def _leave(self, key: Key, t: int) -> None:
+        tier = self._tiers[t]
+        tier.used -= tier.blocks.pop(key)
+        tier.kids.pop(key, None)
+        parent = self._parent.get(key)
+        if parent is not None and parent in tier.blocks:
+            left = tier.kids[parent] - 1
+            if left > 0:
+                tier.kids[parent] = left
+            else:
+                del tier.kids[parent]
+        tier.policy.on_remove(key)
+
+    def _evictable_in(self, t: int, protect: Optional[Key]) -> Callable[[Key], bool]:
+        tier = self._tiers[t]
+        pins = self._pins
+        kids = tier.kids
+        if not tier.info.lowest:
+            def evictable(key: Key) -> bool:
+                return key not in pins and key != protect and key not in kids
+
+            return evictable
+        children = self._children
+        others = [o.blocks for o in self._tiers if o is not tier]
+
+        def evictable_lowest(key: Key) -> bool:
+            # From the lowest tier a block leaves the cache unless another tier
+            # holds it; then its children anywhere would be orphaned.
+            if key in pins or key == protect or key in kids:
+                return False
+            return key not in children or any(key in b for b in others)
+
+        return evictable_lowest
+
+    def _make_room(self, t: int, size: int, plan: Plan, protect: Optional[Key]) -> bool:
+        tier = self._tiers[t]
+        cap = tier.info.capacity_bytes
+        if size > cap:
+            return False
+        evictable = self._evictable_in(t, protect)
+        while tier.used + size > cap:
+            victim = tier.policy.victim(evictable)
+            if victim is None:
+                return False
+            self._evict(victim, t, plan)
+        return True
+
+    def _evict(self, key: Key, t: int, plan: Plan) -> None:
+        tier = self._tiers[t]
+        tier.counters.evictions += 1
+        size = tier.blocks[key]
+        elsewhere = any(key in o.blocks for o in self._tiers if o is not tier)
+        lower = t + 1 if t + 1 < len(self._tiers) else None
+        if lower is not None and not elsewhere:
+            below = self._tiers[lower]
+            needed = key in self._children  # has resident children: keep the prefix
+            if needed or below.policy.admit(key, Admission.DEMOTE):
+                self._leave(key, t)
+                self._pins[key] += 1
+                try:
+                    room = self._make_room(lower, size, plan, protect=self._parent.get(key))
+                finally:
+                    self.unpin([key])
+                if room:
+                    self._enter(key, lower, size)
+                    below.counters.demotions_in += 1
+                    plan.append(Step(Op.MOVE, key, src=t, dst=lower))
+                    return
+                plan.append(Step(Op.DROP, key, src=t))
+                self._drop_descendants(key, plan)
+                return
+        self._leave(key, t)
+        plan.append(Step(Op.DROP, key, src=t))
+        if not elsewhere:
+            self._drop_descendants(key, plan)
+
+    def _drop_descendants(self, key: Key, plan: Plan) -> None:
+        """`key` left its last tier: drop its resident descendants (useless
+        without it) and forget the whole subtree."""
+        stack = [key]
+        order: list[Key] = []
+        while stack:
+            k = stack.pop()
+            order.append(k)
+            for c in self._children.get(k, ()):
+                stack.append(c)
+        for k in reversed(order):  # deepest first
+            for x in self.tiers_of(k):
+                self._leave(k, x)
+                plan.append(Step(Op.DROP, k, src=x))
+            self._unlink(k)

@@ -1,0 +1,104 @@
+"""The placement-policy interface and its value types.
+
+A policy instance orders the blocks resident in one tier and decides what
+enters it. The cache (or the trace replay) builds one instance per tier and
+calls it under its own lock: methods must be fast and must not block.
+
+Calls a policy receives, per tier:
+- `on_insert(key, size_bytes)` — the block became resident in this tier (no
+  access is counted by the insert itself).
+- `on_hit(key)` — one access served by this tier (also after an insert, once
+  per request occurrence). Within a request the cache reports accesses
+  deepest block first, so a parent is always at least as recent as its child.
+- `on_remove(key)` — the block left this tier (evicted, moved, deleted).
+- `victim(evictable)` — the block to evict next among those for which
+  `evictable(key)` is true (the cache excludes pinned blocks and parents whose
+  children are resident), or None if there is none.
+- `admit(key, why)` — whether the block may enter this tier now: a new block,
+  a demotion from the tier above, or a promotion from a tier below.
+
+Policies read shared statistics (frequency, recency, prefix links, and in
+trace replay the oracle's next use) from the HeatTracker they are given.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ucm.errors import PolicyNotFoundError
+from ucm.heat import HeatTracker, Key
+
+POLICY_NAMESPACE = "ucm.policies"
+
+
+class Admission(enum.Enum):
+    NEW = "new"  # freshly computed block stored into its landing tier
+    DEMOTE = "demote"  # evicted from the tier above, written here
+    PROMOTE = "promote"  # hit in a tier below, copied up here
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    name: str
+    index: int  # 0 = fastest
+    capacity_bytes: int
+    lowest: bool  # no tier below this one
+
+
+class PlacementPolicy(abc.ABC):
+    """Eviction order and admission for the blocks of one tier."""
+
+    name: str = ""
+
+    def __init__(self, tier: TierInfo, heat: HeatTracker, **options: Any) -> None:
+        if options:
+            raise ValueError(
+                f"policy {self.name!r} takes no options, got {sorted(options)}"
+            )
+        self.tier = tier
+        self.heat = heat
+
+    @abc.abstractmethod
+    def on_insert(self, key: Key, size_bytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def on_hit(self, key: Key) -> None: ...
+
+    @abc.abstractmethod
+    def on_remove(self, key: Key) -> None: ...
+
+    @abc.abstractmethod
+    def victim(self, evictable: Callable[[Key], bool]) -> Optional[Key]: ...
+
+    def admit(self, key: Key, why: Admission) -> bool:
+        return True
+
+
+PolicyFactory = Callable[[TierInfo, HeatTracker], PlacementPolicy]
+
+
+def load_policy(name: str, **options: Any) -> PolicyFactory:
+    """Finds the policy class registered as `name` in the `ucm.policies`
+    entry points and returns a factory binding `options`."""
+    from stevedore import ExtensionManager
+
+    mgr = ExtensionManager(namespace=POLICY_NAMESPACE, invoke_on_load=False,
+                           on_load_failure_callback=_raise_load_failure)
+    names = sorted(mgr.names())
+    if name not in names:
+        raise PolicyNotFoundError(
+            f"No {POLICY_NAMESPACE!r} driver found, looking for {name!r}; available: {names}"
+        )
+    cls = mgr[name].plugin
+
+    def factory(tier: TierInfo, heat: HeatTracker) -> PlacementPolicy:
+        return cls(tier, heat, **options)
+
+    factory.policy_name = name  # type: ignore[attr-defined]
+    return factory
+
+
+def _raise_load_failure(manager: Any, entrypoint: Any, exc: BaseException) -> None:
+    raise PolicyNotFoundError(f"policy entry point {entrypoint} failed to load: {exc}") from exc
