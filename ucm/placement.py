@@ -11,10 +11,12 @@ reported back with `remove()`.
 
 Invariants it keeps:
 - a block is resident in a tier only if its parent is resident somewhere
-  (a child without its prefix is useless), so a parent is never evicted
-  from the last tier holding it before its children;
-- within a tier, a block with resident children in that tier is not a
-  victim, nor is a pinned block;
+  (a child without its prefix is useless), so a parent never leaves the
+  cache before its children;
+- a pinned block is never a victim;
+- within a tier, blocks with resident children there are victims only when
+  nothing else is evictable, and then only by demotion to the tier below
+  (the prefix stays cached);
 - `used_bytes(t) <= capacity_bytes(t)` after every operation.
 
 Not thread-safe: the owner serialises calls.
@@ -201,11 +203,12 @@ class Placement:
 
     # ---- changes -----------------------------------------------------------
     def insert(self, key: Key, parent: Optional[Key], size_bytes: int,
-               tier: Optional[int] = None) -> Decision:
+               tier: Optional[int] = None, restored: bool = False) -> Decision:
         """Places a new block (bytes from the caller) into `tier` (default the
         landing tier); the plan then ends in a WRITE step. Not placed when the
         block is already resident (empty plan), its parent is not resident,
-        the policy refused it, or no room could be made."""
+        the policy refused it, or no room could be made. `restored` records a
+        block found in the tier at start-up: no admission, no WRITE step."""
         if size_bytes <= 0:
             raise ArgumentError(f"size_bytes must be > 0, got {size_bytes}")
         t = self.landing if tier is None else tier
@@ -214,7 +217,7 @@ class Placement:
         if parent is not None and parent not in self._parent:
             return Decision(False, [])
         dst = self._tiers[t]
-        if size_bytes > dst.info.capacity_bytes or not dst.policy.admit(key, Admission.NEW):
+        if size_bytes > dst.info.capacity_bytes or not (restored or dst.policy.admit(key, Admission.NEW)):
             return Decision(False, [])
         plan: Plan = []
         if not self._make_room(t, size_bytes, plan, protect=parent):
@@ -223,7 +226,8 @@ class Placement:
             return Decision(False, plan)
         self._link(key, parent, size_bytes)
         self._enter(key, t, size_bytes)
-        plan.append(Step(Op.WRITE, key, dst=t))
+        if not restored:  # a restored block's bytes are already in the tier
+            plan.append(Step(Op.WRITE, key, dst=t))
         return Decision(True, plan)
 
     def promote(self, key: Key) -> Decision:
@@ -337,8 +341,18 @@ class Placement:
         if size > cap:
             return False
         evictable = self._evictable_in(t, protect)
+        relaxed = None
         while tier.used + size > cap:
             victim = tier.policy.victim(evictable)
+            if victim is None and not tier.info.lowest:
+                # Only parents are left: demote one ahead of its children (it
+                # stays cached below, so the prefix survives).
+                if relaxed is None:
+                    pins = self._pins
+
+                    def relaxed(key: Key) -> bool:
+                        return key not in pins and key != protect
+                victim = tier.policy.victim(relaxed)
             if victim is None:
                 return False
             self._evict(victim, t, plan)

@@ -12,6 +12,7 @@ read is leased and never reused until released).
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -70,7 +71,11 @@ class HbmAdapter(StorageAdapter):
                 raise ArgumentError(f"{what}: tensor must be contiguous")
             return obj.reshape(-1).view(torch.uint8)
         view = byte_view(obj, writable=writable, what=what)
-        return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+        if not len(view):
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only sources are only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.uint8)
 
     def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
         if len(keys) != len(blobs):

@@ -152,6 +152,7 @@ class NvmeAdapter(StorageAdapter):
         self._spare: list[_Buffer] = []
         for _ in range(min(config.write_buffers, n_regions)):
             mem = mmap.mmap(-1, rs)
+            _native.prefault(mem)  # appends then copy at memory speed, without page faults
             self._spare.append(_Buffer(mem, memoryview(mem)))
         self._open_buf: Optional[_Buffer] = None
         self._seq = 0

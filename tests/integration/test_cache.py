@@ -1,0 +1,275 @@
+"""UnifiedCache over the real dram and nvme adapters, real files, real processes."""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ucm.cache import Outcome, UnifiedCache
+from ucm.errors import ArgumentError, ConfigError
+
+SIZE = 64 * 1024
+
+
+def cfg(nvme_dir, dram="1MiB", nvme="16MiB", policy="lru", landing="dram", tiers=("dram", "nvme"), **nv):
+    t = []
+    if "dram" in tiers:
+        t.append({"adapter": "dram", "capacity": dram})
+    if "nvme" in tiers:
+        t.append({"adapter": "nvme", "capacity": nvme,
+                  "options": {"path": nvme_dir, "region_size": "512KiB", "io_chunk": "128KiB", **nv}})
+    return {"tiers": t, "landing_tier": landing, "policy": {"name": policy}}
+
+
+def chain(n, seed):
+    """Consecutive block keys of one prompt and their payloads."""
+    import hashlib
+    keys, data = [], []
+    prev = seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev)
+        data.append(hashlib.shake_128(prev).digest(SIZE))
+    return keys, data
+
+
+def load_all(cache, keys):
+    out = [bytearray(SIZE) for _ in keys]
+    res = cache.load(keys, out).wait(30)
+    return res, [bytes(o) for o in out]
+
+
+def test_round_trip_demotion_and_promotion(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        keys, data = chain(40, 1)  # 40 x 64 KiB > 1 MiB of DRAM: the prefix is demoted to NVMe
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 40
+        where = c.locate(keys)
+        assert set(where) == {"dram", "nvme"}
+        assert c.lookup(keys) == 40
+        res, out = load_all(c, keys)
+        assert res == [Outcome.DONE] * 40 and out == data
+        s = c.stats()
+        assert s["tiers"]["nvme"]["demotions_in"] > 0 and s["tiers"]["dram"]["promotions_in"] > 0
+        # Promotion copies up: what was served from NVMe is now in DRAM too.
+        assert c.locate(keys[-3:]) == ["dram"] * 3 or "dram" in c.locate(keys)
+
+
+def test_lookup_is_the_exact_longest_prefix(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        keys, data = chain(8, 2)
+        c.store(keys[:5], data[:5]).wait(30)
+        assert c.lookup(keys) == 5
+        assert c.lookup(keys[:3]) == 3
+        assert c.lookup([os.urandom(16)] + keys) == 0
+        other, _ = chain(4, 3)
+        assert c.lookup(other) == 0
+        assert c.lookup([]) == 0
+        # A child without its stored parent is refused (useless without its prefix).
+        res = c.store(keys[6:7], data[6:7], parent=keys[5]).wait(30)
+        assert res == [Outcome.MISSING] and c.lookup(keys) == 5
+
+
+def test_capacity_pins_and_parents(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir, dram="512KiB", nvme="4MiB")) as c:
+        pinned, pdata = chain(3, 10)
+        c.store(pinned, pdata).wait(30)
+        c.pin(pinned)
+        for s in range(11, 40):
+            k, d = chain(6, s)
+            c.store(k, d).wait(30)
+            st = c.stats()["tiers"]
+            for name, t in st.items():
+                assert t["used_bytes"] <= t["capacity_bytes"], name
+                assert t["adapter"].get("blocks", 0) <= t["blocks"] + 1 or name == "nvme"
+            # Never a child without its parent, in any tier.
+            loc = c.locate(k)
+            assert all(loc[i] is None or loc[i - 1] is not None for i in range(1, len(k)))
+        assert c.lookup(pinned) == 3
+        res, out = load_all(c, pinned)
+        assert res == [Outcome.DONE] * 3 and out == pdata
+        c.unpin(pinned)
+
+
+def test_restart_serves_every_sealed_block(nvme_dir):
+    keys, data = chain(30, 4)
+    with UnifiedCache(cfg(nvme_dir, tiers=("nvme",), landing="nvme", nvme="32MiB")) as c:
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 30
+        assert c.flush()
+    with UnifiedCache(cfg(nvme_dir, tiers=("nvme",), landing="nvme", nvme="32MiB")) as c:
+        assert c.lookup(keys) == 30
+        res, out = load_all(c, keys)
+        assert res == [Outcome.DONE] * 30 and out == data
+
+
+def test_restart_two_tiers_keeps_what_reached_nvme(nvme_dir):
+    keys, data = chain(40, 5)
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        c.store(keys, data).wait(30)
+        on_nvme = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"]
+        assert on_nvme
+        c.flush()
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        assert c.locate(on_nvme) == ["nvme"] * len(on_nvme)
+        out = [bytearray(SIZE) for _ in on_nvme]
+        assert c.load(on_nvme, out).wait(30) == [Outcome.DONE] * len(on_nvme)
+        expect = dict(zip(keys, data))
+        assert [bytes(o) for o in out] == [expect[k] for k in on_nvme]
+
+
+def test_flipped_byte_is_a_miss_and_counted(nvme_dir):
+    keys, data = chain(6, 6)
+    conf = cfg(nvme_dir, tiers=("nvme",), landing="nvme")
+    with UnifiedCache(conf) as c:
+        c.store(keys, data).wait(30)
+        c.flush()
+    path = os.path.join(nvme_dir, "ucm-regions.dat")
+    raw = bytearray(open(path, "rb").read())
+    pos = raw.find(data[3][:4096]) + 1000
+    assert pos > 1000
+    raw[pos] ^= 0x01
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        f.write(bytes([raw[pos]]))
+    with UnifiedCache(conf) as c:
+        res, out = load_all(c, keys)
+        assert res[3] is Outcome.CORRUPT
+        assert out[3] != data[3] or res[3] is not Outcome.DONE
+        assert [r for i, r in enumerate(res) if i != 3] == [Outcome.DONE] * 5
+        assert [o for i, o in enumerate(out) if i != 3] == [d for i, d in enumerate(data) if i != 3]
+        assert c.stats()["corrupt"] == 1
+        assert c.lookup(keys) == 3  # the bad block and its descendants are gone
+
+
+WRITER = textwrap.dedent("""
+    import sys, hashlib
+    sys.path.insert(0, {root!r})
+    from ucm.cache import UnifiedCache
+    conf = {conf!r}
+    c = UnifiedCache(conf)
+    prev = None
+    i = 0
+    while True:
+        key = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+        blob = hashlib.shake_128(key).digest({size})
+        c.store([key], [blob], parent=None).wait(30)
+        i += 1
+        if i % 8 == 0:
+            print(i, flush=True)
+""")
+
+
+def test_sigkill_mid_write_leaves_intact_or_missing(nvme_dir):
+    import hashlib
+    conf = cfg(nvme_dir, tiers=("nvme",), landing="nvme", nvme="64MiB")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root, conf=conf, size=SIZE)],
+                            stdout=subprocess.PIPE, text=True)
+    seen = 0
+    deadline = time.time() + 60
+    while seen < 200 and time.time() < deadline:  # several regions sealed, one in flight
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen = int(line)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert seen >= 200
+    with UnifiedCache(conf) as c:
+        keys = [hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest() for i in range(seen + 64)]
+        out = [bytearray(SIZE) for _ in keys]
+        res = c.load(keys, out).wait(60)
+        served = 0
+        for k, r, o in zip(keys, res, out):
+            assert r in (Outcome.DONE, Outcome.MISSING)
+            if r is Outcome.DONE:
+                assert bytes(o) == hashlib.shake_128(k).digest(SIZE)
+                served += 1
+        assert served >= 100  # sealed regions survived the kill
+
+
+class _FullDevice:
+    """Wraps the native I/O engine: every write fails with ENOSPC."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def read_batch(self, fd, bufs, offsets):
+        return self.real.read_batch(fd, bufs, offsets)
+
+    def write_batch(self, fd, bufs, offsets):
+        return [-errno.ENOSPC] * len(bufs)
+
+
+def _disk_full_checks(c, keys, data):
+    res = c.store(keys, data).wait(30)  # more than DRAM holds: demotions hit the full disk
+    assert Outcome.DONE in res
+    c.flush(timeout_s=10)
+    more, mdata = chain(10, 99)
+    res = c.store(more, mdata).wait(30)
+    assert all(r in (Outcome.DONE, Outcome.MISSING) for r in res)
+    served = [k for k, t in zip(more, c.locate(more)) if t == "dram"]
+    assert served, "DRAM keeps serving while the disk is full"
+    out = [bytearray(SIZE) for _ in served]
+    assert c.load(served, out).wait(30) == [Outcome.DONE] * len(served)
+    expect = dict(zip(more, mdata))
+    assert [bytes(o) for o in out] == [expect[k] for k in served]
+    st = c.stats()
+    assert st["tiers"]["nvme"]["adapter"]["write_errors"] >= 1
+
+
+def test_disk_full_injected(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir, retry_after_s=0.0)) as c:
+        c.adapters[1]._io = _FullDevice(c.adapters[1]._io)
+        keys, data = chain(40, 7)
+        _disk_full_checks(c, keys, data)
+
+
+def test_disk_full_real_tmpfs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        with UnifiedCache(cfg(str(mnt), nvme="8MiB", retry_after_s=0.0)) as c:
+            keys, data = chain(60, 8)
+            _disk_full_checks(c, keys, data)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_bad_arguments_and_config(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        with pytest.raises(ArgumentError, match="16-byte"):
+            c.store([b"short"], [b"x" * SIZE])
+        with pytest.raises(ArgumentError, match="2 keys but 1 buffers"):
+            c.load([os.urandom(16)] * 2, [bytearray(SIZE)])
+        with pytest.raises(ArgumentError, match="writable"):
+            c.load([os.urandom(16)], [bytes(SIZE)])
+        with pytest.raises(ArgumentError, match="unknown tier 'ssd'"):
+            c.prefetch([os.urandom(16)], tier="ssd")
+    with pytest.raises(ConfigError, match="tiers.1.adapter: unknown adapter 'floppy'"):
+        bad = cfg(nvme_dir)
+        bad["tiers"][1]["adapter"] = "floppy"
+        UnifiedCache(bad)
+    with pytest.raises(ConfigError, match="tiers.0.capacity"):
+        bad = cfg(nvme_dir)
+        bad["tiers"][0]["capacity"] = "lots"
+        UnifiedCache(bad)
+
+
+def test_prefetch_stages_nvme_blocks_into_dram(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        keys, data = chain(40, 9)
+        c.store(keys, data).wait(30)
+        low = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"][:4]
+        assert low
+        assert c.prefetch(low).wait(30) == [Outcome.DONE] * len(low)
+        assert c.locate(low) == ["dram"] * len(low)
+        res, out = load_all(c, low)
+        expect = dict(zip(keys, data))
+        assert out == [expect[k] for k in low]

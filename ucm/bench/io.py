@@ -1,0 +1,166 @@
+"""`ucm bench io`: tier bandwidth next to the baselines of the same run.
+
+Measured in one process, one after the other:
+- `memcpy_gbps`: single-thread memcpy of the same blocks into prefaulted memory;
+- `dram_store_gbps` / `dram_load_gbps`: the dram adapter's put / get;
+- `nvme_store_gbps`: the nvme adapter's put of every block until the last
+  region is sealed on the medium (O_DIRECT);
+- `nvme_load_gbps`: get of every block by a freshly opened adapter (the
+  index rebuilt from footers, so nothing is served from memory), batched
+  `--batch` blocks per call, O_DIRECT (no page cache);
+- `fio_write_gbps` / `fio_read_gbps`: fio on the same directory, O_DIRECT,
+  1 MiB blocks, iodepth 16 (when fio is installed), and the ratios.
+GB/s are 10^9 bytes per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from ucm import _native
+from ucm.adapters.base import Status
+from ucm.adapters.dram import DramAdapter, DramConfig
+from ucm.adapters.nvme import NvmeAdapter, NvmeConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("io", help="tier bandwidth vs memcpy and fio",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=None, help="directory for the NVMe tier and fio (default: a temp dir under /var/tmp)")
+    p.add_argument("--size-mb", type=int, default=512, help="bytes moved per measurement, MiB (default 512)")
+    p.add_argument("--block-kb", type=int, default=2880,
+                   help="block size, KiB (default 2880: one 128-token block of SmolLM2-135M in bf16)")
+    p.add_argument("--batch", type=int, default=16, help="blocks per nvme get call (default 16)")
+    p.add_argument("--io-threads", type=int, default=8, help="nvme native I/O threads (default 8)")
+    p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("inf")
+
+
+def _buffers(n: int, size: int) -> list[mmap.mmap]:
+    out = []
+    for _ in range(n):
+        m = mmap.mmap(-1, size)
+        _native.prefault(m)
+        out.append(m)
+    return out
+
+
+def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threads: int,
+            fio: bool) -> dict[str, Any]:
+    n = max(1, (size_mb << 20) // block_bytes)
+    total = n * block_bytes
+    srcs = _buffers(n, block_bytes)
+    for i, s in enumerate(srcs):
+        s[:] = os.urandom(4096) * (block_bytes // 4096) + os.urandom(block_bytes % 4096)
+    dsts = _buffers(n, block_bytes)
+    keys = [os.urandom(16) for _ in range(n)]
+    res: dict[str, Any] = {"block_bytes": block_bytes, "blocks": n, "bytes": total}
+
+    t = time.perf_counter()
+    for d, s in zip(dsts, srcs):
+        _native.copy(d, s)
+    res["memcpy_gbps"] = _gbps(total, time.perf_counter() - t)
+
+    dram = DramAdapter(capacity_bytes=n * ((block_bytes + 4095) // 4096 * 4096), config=DramConfig())
+    try:
+        t = time.perf_counter()
+        st = dram.put(keys, srcs)
+        res["dram_store_gbps"] = _gbps(total, time.perf_counter() - t)
+        t = time.perf_counter()
+        st += dram.get(keys, dsts)
+        res["dram_load_gbps"] = _gbps(total, time.perf_counter() - t)
+        res["dram_ok"] = all(s is Status.OK for s in st)
+    finally:
+        dram.close()
+
+    nvme_dir = tempfile.mkdtemp(prefix="ucm-bench-io-", dir=directory)
+    try:
+        region = 64 << 20
+        while region < 2 * block_bytes:
+            region *= 2
+        cfg = NvmeConfig(path=nvme_dir, region_size=region, io_threads=io_threads, io_chunk=1 << 20,
+                         write_buffers=4)
+        cap = (total * 2 // region + 4) * region
+        nv = NvmeAdapter(capacity_bytes=cap, config=cfg)
+        res["nvme_direct_io"] = nv.direct_io
+        t = time.perf_counter()
+        st = nv.put(keys, srcs)
+        nv.flush()
+        res["nvme_store_gbps"] = _gbps(total, time.perf_counter() - t)
+        nv.close()
+        if not res["nvme_direct_io"]:
+            _drop_page_cache(os.path.join(nvme_dir, "ucm-regions.dat"))
+        nv = NvmeAdapter(capacity_bytes=cap, config=cfg)
+        for d in dsts:
+            d[:16] = bytes(16)
+        t = time.perf_counter()
+        for i in range(0, n, batch):
+            st += nv.get(keys[i:i + batch], dsts[i:i + batch])
+        res["nvme_load_gbps"] = _gbps(total, time.perf_counter() - t)
+        res["nvme_ok"] = all(s is Status.OK for s in st) and all(d[:] == s[:] for d, s in zip(dsts, srcs))
+        nv.close()
+    finally:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+
+    if fio and shutil.which("fio"):
+        res.update(_fio(directory, size_mb))
+        if res.get("fio_write_gbps"):
+            res["nvme_store_vs_fio"] = round(res["nvme_store_gbps"] / res["fio_write_gbps"], 3)
+        if res.get("fio_read_gbps"):
+            res["nvme_load_vs_fio"] = round(res["nvme_load_gbps"] / res["fio_read_gbps"], 3)
+    res["dram_store_vs_memcpy"] = round(res["dram_store_gbps"] / res["memcpy_gbps"], 3)
+    res["dram_load_vs_memcpy"] = round(res["dram_load_gbps"] / res["memcpy_gbps"], 3)
+    return res
+
+
+def _drop_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _fio(directory: str, size_mb: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    path = os.path.join(directory, f"ucm-fio-{os.getpid()}.dat")
+    try:
+        for rw, key in (("write", "fio_write_gbps"), ("read", "fio_read_gbps")):
+            cmd = ["fio", "--name=ucm", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--direct=1",
+                   "--ioengine=libaio", "--iodepth=16", f"--size={size_mb}M", "--output-format=json"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                out[key] = None
+                out["fio_error"] = proc.stderr.strip()[-300:]
+                continue
+            job = json.loads(proc.stdout)["jobs"][0][rw]
+            out[key] = round(job["io_bytes"] / (job["runtime"] / 1000.0) / 1e9, 3) if job["runtime"] else None
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = args.dir or "/var/tmp"
+    os.makedirs(directory, exist_ok=True)
+    res = measure(directory, args.size_mb, args.block_kb * 1024, args.batch, args.io_threads, not args.no_fio)
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        for k in sorted(res):
+            print(f"{k:24s} {res[k]}")
+    return 0 if res.get("dram_ok") and res.get("nvme_ok") else 1

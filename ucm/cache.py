@@ -1,0 +1,429 @@
+"""UnifiedCache: the one API over every tier.
+
+`lookup`, `locate`, batched asynchronous `load` / `store` / `prefetch`
+returning Handles with one Outcome per block, `pin` / `unpin`, `stats`.
+Placement decisions (admission, eviction, demotion, promotion) are made by
+`ucm.placement.Placement` with the configured policy and HeatTracker; this
+class executes the resulting plans against the adapters.
+
+Threads. Any method may be called from any thread. Loads, stores and
+prefetches run on a pool of `io_workers` threads. Two locks:
+`_meta` guards the placement metadata (held briefly, never across I/O);
+`_mutate` serialises plan execution, so steps reach the adapters in the
+order they were planned (lock order: `_mutate`, then `_meta`). Loads copy
+without `_mutate` under pins, so a block being read is never evicted.
+
+Faults. Nothing on the data path raises for a cache fault: a missing file, a
+bad checksum, a failed write or a full medium is an Outcome (MISSING,
+CORRUPT, FAILED) and the block is forgotten where it was bad.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
+from ucm.buffers import byte_view
+from ucm.config import UcmConfig, adapter_options, load_config
+from ucm.errors import ArgumentError, ClosedError
+from ucm.heat import HeatTracker, Key
+from ucm.placement import Op, Placement, Plan, TierSpec
+from ucm.policy.base import load_policy
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    DONE = "done"
+    MISSING = "missing"  # not cached (or refused: no room, not admitted)
+    CORRUPT = "corrupt"  # bytes came back bad; the block was dropped
+    FAILED = "failed"  # I/O error or a dead medium
+
+
+_FROM_STATUS = {Status.OK: Outcome.DONE, Status.NOT_FOUND: Outcome.MISSING, Status.NO_SPACE: Outcome.MISSING,
+                Status.CORRUPT: Outcome.CORRUPT, Status.FAILED: Outcome.FAILED}
+
+
+class Handle:
+    """Completion of one batched operation: one Outcome per block."""
+
+    def __init__(self, n: int) -> None:
+        self._results: list[Optional[Outcome]] = [None] * n
+        self._event = threading.Event()
+        if n == 0:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[list[Outcome]]:
+        """The outcomes once done; None if `timeout_s` passed first."""
+        if not self._event.wait(timeout_s):
+            return None
+        return list(self._results)  # type: ignore[arg-type]
+
+    @property
+    def results(self) -> list[Optional[Outcome]]:
+        """Outcomes so far (None for blocks still pending)."""
+        return list(self._results)
+
+    @property
+    def ok(self) -> bool:
+        return self.done() and all(r is Outcome.DONE for r in self._results)
+
+    def _finish(self, results: Sequence[Outcome]) -> None:
+        self._results = list(results)
+        self._event.set()
+
+
+class UnifiedCache:
+    """Blocks by key across an ordered stack of tiers (fastest first)."""
+
+    def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None) -> None:
+        self.config = config if isinstance(config, UcmConfig) else load_config(config)
+        cfg = self.config
+        self.tier_names = [t.adapter for t in cfg.tiers]
+        self.adapters: list[StorageAdapter] = []
+        try:
+            for i, tier in enumerate(cfg.tiers):
+                cls = load_adapter_class(tier.adapter)
+                self.adapters.append(cls(capacity_bytes=tier.capacity, config=adapter_options(tier, i)))
+        except BaseException:
+            for a in self.adapters:
+                a.close()
+            raise
+        self.heat = HeatTracker(half_life=cfg.heat.half_life_requests)
+        policy = load_policy(cfg.policy.name, **cfg.policy.options)
+        specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
+        self.placement = Placement(specs, policy, self.heat, landing=self.tier_names.index(cfg.landing_tier))
+        self._meta = threading.Lock()
+        self._mutate = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
+        self._closed = False
+        self._counts: Counter = Counter()
+        self._restore()
+
+    # ---- queries -----------------------------------------------------------
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """Length of the longest prefix of `keys` cached in any tier."""
+        with self._meta:
+            self._counts["lookups"] += 1
+            return self.placement.lookup(keys)
+
+    def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
+        """The fastest tier holding each key, or None."""
+        with self._meta:
+            return [None if t is None else self.tier_names[t] for t in self.placement.locate(keys)]
+
+    # ---- operations --------------------------------------------------------
+    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None) -> Handle:
+        """Stores consecutive blocks of one prompt (keys[i-1] is the parent of
+        keys[i]; `parent` is the parent of keys[0]). Sources must stay
+        unchanged until the handle is done."""
+        views = self._views(keys, srcs, writable=False)
+        return self._submit(len(keys), self._store, list(keys), views, parent)
+
+    def load(self, keys: Sequence[Key], dsts: Sequence[Any]) -> Handle:
+        """Copies each block into its destination (sizes must match)."""
+        views = self._views(keys, dsts, writable=True)
+        return self._submit(len(keys), self._load, list(keys), views)
+
+    def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
+        """Stages blocks held below `tier` (default the landing tier) into it."""
+        target = self.placement.landing if tier is None else self._tier_index(tier)
+        if target != self.placement.landing:
+            raise ArgumentError(f"prefetch: blocks are staged into the landing tier "
+                                f"{self.tier_names[self.placement.landing]!r}, got tier={tier!r}")
+        return self._submit(len(keys), self._prefetch, list(keys))
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        """Keeps the blocks from eviction until `unpin` (counted leases)."""
+        with self._meta:
+            self.placement.pin(keys)
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        with self._meta:
+            self.placement.unpin(keys)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Waits until buffered writes of every tier are on their medium."""
+        ok = True
+        for a in self.adapters:
+            f = getattr(a, "flush", None)
+            if f is not None:
+                ok = f(timeout_s=timeout_s) and ok
+        return ok
+
+    def stats(self) -> dict[str, Any]:
+        with self._meta:
+            p = self.placement
+            tiers = {}
+            for t, name in enumerate(self.tier_names):
+                c = p.counters(t)
+                tiers[name] = {
+                    "capacity_bytes": p.capacity_bytes(t), "used_bytes": p.used_bytes(t), "blocks": p.blocks(t),
+                    "hits": c.hits, "inserts": c.inserts, "evictions": c.evictions,
+                    "demotions_in": c.demotions_in, "promotions_in": c.promotions_in,
+                    "bytes_written": c.bytes_written,
+                }
+            counts = dict(self._counts)
+        for name, a in zip(self.tier_names, self.adapters):
+            tiers[name]["adapter"] = a.stats()
+        for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
+                  "store_refused", "bytes_loaded", "bytes_stored"):
+            counts.setdefault(k, 0)
+        return {"tiers": tiers, **counts}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for a in self.adapters:
+            try:
+                a.close()
+            except Exception:  # closing the rest matters more
+                log.exception("closing tier %s failed", a.name)
+
+    def __enter__(self) -> "UnifiedCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------
+    def _tier_index(self, name: str) -> int:
+        if name not in self.tier_names:
+            raise ArgumentError(f"unknown tier {name!r}; configured: {self.tier_names}")
+        return self.tier_names.index(name)
+
+    def _views(self, keys: Sequence[Key], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
+        if self._closed:
+            raise ClosedError("UnifiedCache used after close()")
+        if len(keys) != len(bufs):
+            raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+        for k in keys:
+            if not isinstance(k, bytes) or len(k) != 16:
+                raise ArgumentError(f"keys must be 16-byte bytes objects, got {k!r}")
+        views = [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
+        for v in views:
+            if len(v) == 0:
+                raise ArgumentError("buffers must not be empty")
+        return views
+
+    def _submit(self, n: int, fn: Any, *args: Any) -> Handle:
+        handle = Handle(n)
+
+        def run() -> None:
+            try:
+                results = fn(*args)
+            except Exception:  # a bug must not hang the caller: report FAILED
+                log.exception("ucm: %s failed", getattr(fn, "__name__", fn))
+                results = [Outcome.FAILED] * n
+            handle._finish(results)
+
+        if n:
+            self._pool.submit(run)
+        return handle
+
+    def _restore(self) -> None:
+        """Records the blocks tiers hold at start (a restarted NVMe log)."""
+        for t, a in enumerate(self.adapters):
+            keys = list(a.iter_keys())
+            with self._mutate, self._meta:
+                for k in keys:
+                    size = a.size_of(k)
+                    if size is None:
+                        continue
+                    d = self.placement.insert(k, None, self._footprint(size), tier=t, restored=True)
+                    self._run_plan_locked(d.plan, {})
+                    if not d.placed and not self.placement.contains(k):
+                        a.delete([k])
+
+    def _footprint(self, size: int) -> int:
+        a = self.adapters[self.placement.landing]
+        f = getattr(a, "slot_bytes", None)
+        return f(size) if f is not None else size
+
+    def _store(self, keys: list[Key], views: list[memoryview], parent: Optional[Key]) -> list[Outcome]:
+        out: list[Outcome] = []
+        stopped = False
+        with self._meta:
+            self.placement.record_request(keys)
+        for i, key in enumerate(keys):
+            if stopped:  # a child is useless without its parent
+                out.append(Outcome.MISSING)
+                continue
+            par = keys[i - 1] if i else parent
+            with self._mutate:
+                with self._meta:
+                    d = self.placement.insert(key, par, self._footprint(len(views[i])))
+                ok = self._run_plan(d.plan, {key: views[i]}) if d.plan else True
+                with self._meta:
+                    placed = d.placed and ok and self.placement.contains(key)
+                    present = self.placement.contains(key)
+                    if placed or present:
+                        self.placement.touch([key])
+            if placed:
+                out.append(Outcome.DONE)
+                self._counts["stored_blocks"] += 1
+                self._counts["bytes_stored"] += len(views[i])
+            elif present:
+                out.append(Outcome.DONE)  # already cached: blobs under a key never change
+            else:
+                out.append(Outcome.MISSING)
+                self._counts["store_refused"] += 1
+                stopped = True
+        self._drain_dropped()
+        return out
+
+    def _load(self, keys: list[Key], views: list[memoryview]) -> list[Outcome]:
+        out: list[Optional[Outcome]] = [None] * len(keys)
+        by_tier: dict[int, list[int]] = {}
+        with self._meta:
+            self.placement.record_request(keys)
+            for i, k in enumerate(keys):
+                t = self.placement.where(k)
+                if t is None:
+                    out[i] = Outcome.MISSING
+                else:
+                    by_tier.setdefault(t, []).append(i)
+            self.placement.pin([keys[i] for idx in by_tier.values() for i in idx])
+        promote: list[int] = []
+        try:
+            for t, idx in sorted(by_tier.items()):
+                statuses = self.adapters[t].get([keys[i] for i in idx], [views[i] for i in idx])
+                for i, st in zip(idx, statuses):
+                    if st is Status.NOT_FOUND:  # moved by a concurrent demotion: look everywhere
+                        st = self._get_anywhere(keys[i], views[i], skip=t)
+                    out[i] = _FROM_STATUS[st]
+                    if st is Status.OK and t > self.placement.landing:
+                        promote.append(i)
+                    elif st in (Status.CORRUPT, Status.FAILED):
+                        self._forget(keys[i], t)
+        finally:
+            with self._meta:
+                self.placement.unpin([keys[i] for idx in by_tier.values() for i in idx])
+        for i in promote:
+            with self._mutate:
+                with self._meta:
+                    d = self.placement.promote(keys[i])
+                self._run_plan(d.plan, {keys[i]: views[i]})
+        with self._meta:
+            self.placement.touch([k for k, o in zip(keys, out) if o is Outcome.DONE])
+        done = [o if o is not None else Outcome.FAILED for o in out]
+        n_ok = sum(o is Outcome.DONE for o in done)
+        self._counts["loaded_blocks"] += n_ok
+        self._counts["bytes_loaded"] += sum(len(v) for v, o in zip(views, done) if o is Outcome.DONE)
+        self._counts["missing_blocks"] += sum(o is Outcome.MISSING for o in done)
+        self._counts["corrupt"] += sum(o is Outcome.CORRUPT for o in done)
+        self._counts["failed"] += sum(o is Outcome.FAILED for o in done)
+        self._drain_dropped()
+        return done
+
+    def _get_anywhere(self, key: Key, view: memoryview, skip: int) -> Status:
+        for t, a in enumerate(self.adapters):
+            if t != skip:
+                st = a.get([key], [view])[0]
+                if st is not Status.NOT_FOUND:
+                    return st
+        return Status.NOT_FOUND
+
+    def _prefetch(self, keys: list[Key]) -> list[Outcome]:
+        out: list[Outcome] = []
+        for key in keys:
+            with self._mutate:
+                with self._meta:
+                    src = self.placement.where(key)
+                    d = self.placement.promote(key) if src is not None else None
+                if d is None:
+                    out.append(Outcome.MISSING)
+                    continue
+                ok = self._run_plan(d.plan, {})
+                with self._meta:
+                    staged = self.placement.where(key) == self.placement.landing
+            out.append(Outcome.DONE if ok and staged else Outcome.MISSING)
+        self._drain_dropped()
+        return out
+
+    def _forget(self, key: Key, tier: int) -> None:
+        with self._mutate:
+            with self._meta:
+                plan = self.placement.remove(key, tier)
+            self.adapters[tier].delete([key])
+            self._run_plan(plan, {})
+
+    def _drain_dropped(self) -> None:
+        for t, a in enumerate(self.adapters):
+            for key in a.drain_dropped():
+                with self._mutate:
+                    with self._meta:
+                        plan = self.placement.remove(key, t)
+                    self._run_plan(plan, {})
+
+    def _run_plan(self, plan: Plan, sources: dict[Key, memoryview]) -> bool:
+        """Executes plan steps in order (caller holds `_mutate`). A step that
+        fails is taken back out of the placement. Returns False if any
+        step failed."""
+        with self._mutate:
+            return self._run_plan_locked(plan, sources)
+
+    def _run_plan_locked(self, plan: Plan, sources: dict[Key, memoryview]) -> bool:
+        ok = True
+        for step in plan:
+            if step.op is Op.DROP:
+                self.adapters[step.src].delete([step.key])
+                continue
+            if step.op is Op.WRITE:
+                st = self.adapters[step.dst].put([step.key], [sources[step.key]])[0]
+            else:
+                st = self._transfer(step.key, step.src, step.dst, sources.get(step.key))
+                if step.op is Op.MOVE:
+                    self.adapters[step.src].delete([step.key])
+            if st is not Status.OK:
+                ok = False
+                if st is Status.CORRUPT:
+                    self._counts["corrupt"] += 1
+                with self._meta:
+                    undo = self.placement.remove(step.key, step.dst)
+                self.adapters[step.dst].delete([step.key])
+                self._run_plan_locked(undo, {})
+        return ok
+
+    def _transfer(self, key: Key, src: int, dst: int, have: Optional[memoryview]) -> Status:
+        """Copies one block between tiers (through the caller's buffer when
+        it already holds the bytes, else through a staging buffer)."""
+        if have is not None:
+            return self.adapters[dst].put([key], [have])[0]
+        a = self.adapters[src]
+        lease = getattr(a, "lease", None)
+        if lease is not None:  # zero-copy read out of a shared-memory slot
+            held = lease(key)
+            if held is None:
+                return Status.NOT_FOUND
+            try:
+                return self.adapters[dst].put([key], [held.view])[0]
+            finally:
+                a.release(held)
+        size = a.size_of(key)
+        if size is None:
+            return Status.NOT_FOUND
+        reserve = getattr(self.adapters[dst], "reserve", None)
+        if reserve is not None:  # read straight into the destination slot
+            view = reserve(key, size)
+            if view is None:
+                return Status.NO_SPACE
+            st = a.get([key], [view])[0]
+            view.release()
+            if st is Status.OK:
+                self.adapters[dst].commit(key)
+            else:
+                self.adapters[dst].abort(key)
+            return st
+        staging = bytearray(size)
+        st = a.get([key], [staging])[0]
+        return self.adapters[dst].put([key], [staging])[0] if st is Status.OK else st

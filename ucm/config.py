@@ -1,0 +1,208 @@
+"""Configuration: one YAML file, a typed and frozen schema.
+
+Unknown keys and bad values raise `ConfigError` naming the key and what is
+allowed. Sizes are written like `4GiB`. Environment variables override
+single keys: `UCM_<KEY>` with `__` between levels and tiers addressed by
+adapter name or index, e.g. `UCM_BLOCK_TOKENS=128`,
+`UCM_TIERS__NVME__CAPACITY=8GiB`, `UCM_POLICY__NAME=lru`; values are read as
+YAML scalars. `UCM_CONFIG` names the file used when none is given.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ucm.errors import ConfigError
+from ucm.sizes import parse_size
+
+ENV_PREFIX = "UCM_"
+ENV_CONFIG = "UCM_CONFIG"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TierConfig(_Strict):
+    adapter: str  # an installed `ucm.adapters` entry point: hbm, dram, nvme, ...
+    capacity: int  # bytes; written like 4GiB
+    options: dict[str, Any] = Field(default_factory=dict)  # the adapter's own Config
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _capacity(cls, v: Any) -> int:
+        n = parse_size(v)
+        if n <= 0:
+            raise ValueError(f"capacity must be > 0, got {v!r}")
+        return n
+
+
+class PolicyConfig(_Strict):
+    name: str = "heat"  # an installed `ucm.policies` entry point
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class HeatConfig(_Strict):
+    half_life_requests: float = Field(default=2000.0, gt=0)  # heat halves every N requests
+
+
+class UcmConfig(_Strict):
+    block_tokens: int = Field(default=256, gt=0)  # tokens per block; a multiple of the engine's page size
+    tiers: tuple[TierConfig, ...] = (
+        TierConfig(adapter="dram", capacity=1 << 30),
+    )
+    landing_tier: str = "dram"  # the adapter new blocks are stored into
+    policy: PolicyConfig = PolicyConfig()
+    heat: HeatConfig = HeatConfig()
+    io_workers: int = Field(default=4, ge=1, le=64)  # threads running asynchronous loads and stores
+
+    @model_validator(mode="after")
+    def _check(self) -> "UcmConfig":
+        from ucm.adapters.base import adapter_names
+
+        names = [t.adapter for t in self.tiers]
+        if not names:
+            raise ValueError("tiers: at least one tier is required")
+        known = adapter_names()
+        for i, n in enumerate(names):
+            if n not in known:
+                raise ValueError(f"tiers.{i}.adapter: unknown adapter {n!r}; installed: {known}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers: each adapter may appear once, got {names}")
+        if self.landing_tier not in names:
+            raise ValueError(f"landing_tier: {self.landing_tier!r} is not one of the configured tiers {names}")
+        return self
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> Optional[list[str]]:
+    """Field names of the model found at `loc` inside `model`."""
+    cur: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            args = get_args(cur)
+            cur = args[0] if args else cur
+            continue
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
+            return None
+        cur = cur.model_fields[part].annotation  # a tuple's element type is taken at the next int part
+    if isinstance(cur, type) and issubclass(cur, BaseModel):
+        return sorted(cur.model_fields)
+    return None
+
+
+def _format(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "(top level)"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1])
+            lines.append(f"{key}: unknown key; allowed: {allowed}")
+        elif err["type"] == "missing":
+            lines.append(f"{key}: required key is missing")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg} (got {err.get('input')!r})" if "got" not in msg else f"{key}: {msg}")
+    return "; ".join(lines)
+
+
+def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    data = yaml.safe_load(yaml.safe_dump(raw)) or {}  # deep copy of plain data
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG:
+            continue
+        path = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
+        value = yaml.safe_load(environ[var]) if environ[var] != "" else ""
+        node: Any = data
+        model: Any = UcmConfig
+        for depth, part in enumerate(path):
+            last = depth == len(path) - 1
+            if isinstance(node, list):
+                idx = next((i for i, t in enumerate(node) if isinstance(t, dict) and t.get("adapter") == part), None)
+                if idx is None and part.isdigit() and int(part) < len(node):
+                    idx = int(part)
+                if idx is None:
+                    tiers = [t.get("adapter") for t in node if isinstance(t, dict)]
+                    raise ConfigError(f"{var}: no tier {part!r}; configured tiers: {tiers}")
+                if last:
+                    raise ConfigError(f"{var}: names a whole tier; name one of its keys")
+                node = node[idx]
+                model = TierConfig
+                continue
+            if not isinstance(node, dict):
+                raise ConfigError(f"{var}: {'.'.join(path[:depth])} is not a mapping")
+            fields = model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else None
+            if fields is not None and part not in fields:
+                raise ConfigError(f"{var}: unknown key {part!r}; allowed: {sorted(fields)}")
+            if last:
+                node[part] = value
+            else:
+                if part not in node or node[part] is None:
+                    if part == "tiers":
+                        raise ConfigError(f"{var}: no tiers configured to override")
+                    node[part] = {}
+                node = node[part]
+                ann = fields[part].annotation if fields is not None else None
+                if isinstance(ann, type) and issubclass(ann, BaseModel):
+                    model = ann
+                else:
+                    model = None  # free mapping (options) or a tuple of tiers
+    return data
+
+
+def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
+                environ: Optional[Mapping[str, str]] = None) -> UcmConfig:
+    """Reads, overrides from the environment, and validates a configuration.
+
+    `source`: a YAML path, an already-parsed mapping, or None for the file
+    named by UCM_CONFIG (or the built-in defaults).
+    """
+    env = os.environ if environ is None else environ
+    if source is None and env.get(ENV_CONFIG):
+        source = env[ENV_CONFIG]
+    if source is None:
+        raw: Any = {}
+    elif isinstance(source, Mapping):
+        raw = dict(source)
+    else:
+        path = Path(source)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")
+    raw = _env_overrides(raw, env)
+    try:
+        cfg = UcmConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, UcmConfig)) from None
+    for i, tier in enumerate(cfg.tiers):
+        adapter_options(tier, index=i)
+    _check_policy(cfg.policy)
+    return cfg
+
+
+def adapter_options(tier: TierConfig, index: int = 0) -> BaseModel:
+    """The tier's options validated against its adapter's Config."""
+    from ucm.adapters.base import load_adapter_class
+
+    cls = load_adapter_class(tier.adapter)
+    try:
+        return cls.Config.model_validate(tier.options)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, cls.Config, prefix=f"tiers.{index}.options.")) from None
+
+
+def _check_policy(policy: PolicyConfig) -> None:
+    from importlib.metadata import entry_points
+
+    names = sorted({ep.name for ep in entry_points(group="ucm.policies")})
+    if policy.name not in names:
+        raise ConfigError(f"policy.name: unknown policy {policy.name!r}; installed: {names}")
