@@ -195,6 +195,125 @@ class UnifiedCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- two-phase access to the shared-memory landing tier ----------------
+    # Used by the service: engine processes copy into and out of the dram
+    # arena themselves, the cache only hands out slots.
+    def shared_arena(self):
+        """The landing tier's shared-memory adapter (has reserve/commit/
+        abort/lease/release and `segment_path`), or None."""
+        a = self.adapters[self.placement.landing]
+        return a if hasattr(a, "reserve") and hasattr(a, "segment_path") else None
+
+    def reserve(self, keys: Sequence[Key], sizes: Sequence[int],
+                parent: Optional[Key] = None) -> list[Union[None, bool, memoryview]]:
+        """Places consecutive blocks like `store` but hands back, per block, a
+        writable slot view to fill and then `commit` (or `abort`); True when
+        the block is already cached; None when refused (and every block
+        after it, which would lack its parent)."""
+        arena = self.shared_arena()
+        if arena is None:
+            raise ArgumentError(f"reserve needs a shared-memory landing tier; landing is "
+                                f"{self.tier_names[self.placement.landing]!r}")
+        if len(keys) != len(sizes):
+            raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        landing = self.placement.landing
+        out: list[Union[None, bool, memoryview]] = []
+        with self._meta:
+            self.placement.record_request(keys)
+        for i, key in enumerate(keys):
+            if out and out[-1] is None:
+                out.append(None)
+                continue
+            par = keys[i - 1] if i else parent
+            with self._mutate:
+                with self._meta:
+                    d = self.placement.insert(key, par, self._footprint(sizes[i]))
+                    present = not d.placed and self.placement.contains(key)
+                steps = [s for s in d.plan if s.op is not Op.WRITE]
+                self._run_plan(steps, {})
+                view = None
+                if d.placed:
+                    view = arena.reserve(key, sizes[i])
+                    if view is None:
+                        with self._meta:
+                            undo = self.placement.remove(key, landing)
+                        self._run_plan(undo, {})
+                        self._counts["store_refused"] += 1
+                with self._meta:
+                    if view is not None:
+                        self.placement.pin([key])  # not a victim until committed or aborted
+                    if view is not None or present:
+                        self.placement.touch([key])
+            out.append(True if present else view)
+        return out
+
+    def commit(self, keys: Sequence[Key]) -> list[bool]:
+        """Makes filled slots visible; False for a key with no reservation
+        (it was taken back meanwhile)."""
+        arena = self.shared_arena()
+        out = []
+        for key in keys:
+            ok = arena.commit(key)
+            if ok:
+                with self._meta:
+                    self.placement.unpin([key])
+                self._counts["stored_blocks"] += 1
+            out.append(ok)
+        return out
+
+    def abort(self, keys: Sequence[Key]) -> None:
+        """Gives back reserved slots that will not be filled."""
+        arena = self.shared_arena()
+        landing = self.placement.landing
+        for key in keys:
+            if arena.slot_offset(key) is None:
+                continue  # not reserved (committed or never placed)
+            arena.abort(key)
+            with self._mutate:
+                with self._meta:
+                    self.placement.unpin([key])
+                    undo = self.placement.remove(key, landing) if not arena.contains([key])[0] else []
+                self._run_plan(undo, {})
+
+    def acquire(self, keys: Sequence[Key]) -> list[Any]:
+        """Leases each block's slot in the shared-memory landing tier for
+        reading, staging blocks held only below it first (synchronously).
+        Per key: a Lease (its `view` is the blob) or None on a miss. Give
+        every lease back with `release`."""
+        arena = self.shared_arena()
+        if arena is None:
+            raise ArgumentError("acquire needs a shared-memory landing tier")
+        landing = self.placement.landing
+        out: list[Any] = []
+        with self._meta:
+            self.placement.record_request(keys)
+        for key in keys:
+            lease = arena.lease(key)
+            if lease is None:
+                with self._mutate:
+                    with self._meta:
+                        src = self.placement.where(key)
+                        d = self.placement.promote(key, force=True) if src is not None and src > landing else None
+                    if d is not None:
+                        self._run_plan(d.plan, {})
+                lease = arena.lease(key)
+            out.append(lease)
+            if lease is None:
+                self._counts["missing_blocks"] += 1
+            else:
+                self._counts["loaded_blocks"] += 1
+                self._counts["bytes_loaded"] += len(lease.view)
+        with self._meta:
+            self.placement.touch([k for k, le in zip(keys, out) if le is not None])
+        self._drain_dropped()
+        return out
+
+    def release(self, leases: Sequence[Any]) -> None:
+        arena = self.shared_arena()
+        for lease in leases:
+            if lease is not None:
+                arena.release(lease)
+
     # ---- internals ---------------------------------------------------------
     def _tier_index(self, name: str) -> int:
         if name not in self.tier_names:

@@ -22,11 +22,70 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ucm {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the cache service of this node")
+    serve.add_argument("--config", default=None, help="YAML config (default: $UCM_CONFIG or built-in defaults)")
+    serve.add_argument("--private", action="store_true",
+                       help="exit once no client has been connected for --idle-exit-s (used by ucm.connect)")
+    serve.add_argument("--idle-exit-s", type=float, default=5.0)
+    serve.set_defaults(handler=_serve)
+    inspect = sub.add_parser("inspect", help="show the state of a running service")
+    inspect.add_argument("--config", default=None, help="config naming the service (its socket)")
+    inspect.add_argument("--socket", default=None, help="socket path (overrides --config)")
+    inspect.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    inspect.set_defaults(handler=_inspect)
     bench = sub.add_parser("bench", help="measure ucm against baselines from the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name in BENCHES:
         importlib.import_module(f"ucm.bench.{name}").register(bench_sub)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ucm.config import load_config
+    from ucm.service.server import serve
+
+    return serve(load_config(args.config), private=args.private, idle_exit_s=args.idle_exit_s)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from ucm.config import load_config
+    from ucm.service.client import CacheClient
+    from ucm.service.server import socket_path
+
+    cfg = load_config(args.config)
+    path = args.socket or socket_path(cfg)
+    client = CacheClient(path, cfg)
+    try:
+        stats = client.stats()
+    finally:
+        client.close()
+    if not stats or stats.get("available") is False:
+        print(f"ucm inspect: no service answers at {path}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, sort_keys=True, default=str))
+        return 0
+    from ucm.sizes import format_size
+
+    svc = stats.get("service", {})
+    print(f"service pid {svc.get('pid')}  socket {svc.get('socket')}  connections {svc.get('connections')}  "
+          f"leases {svc.get('leases')}  metrics {svc.get('metrics') or 'off'}")
+    head = ("tier", "blocks", "used", "capacity", "use%", "hits", "inserts", "evictions", "written")
+    rows = []
+    for name, t in stats["tiers"].items():
+        cap = t["capacity_bytes"] or 1
+        rows.append((name, t["blocks"], format_size(t["used_bytes"]), format_size(t["capacity_bytes"]),
+                     f"{100 * t['used_bytes'] / cap:.1f}", t["hits"], t["inserts"], t["evictions"],
+                     format_size(t["bytes_written"])))
+    widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
+    for r in (head, *rows):
+        print("  ".join(str(v).rjust(w) for v, w in zip(r, widths)))
+    print(f"lookups {stats['lookups']}  loaded {stats['loaded_blocks']} blocks "
+          f"({format_size(stats['bytes_loaded'])})  missing {stats['missing_blocks']}  "
+          f"stored {stats['stored_blocks']}  corrupt {stats['corrupt']}  failed {stats['failed']}")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -50,6 +50,21 @@ class HeatConfig(_Strict):
     half_life_requests: float = Field(default=2000.0, gt=0)  # heat halves every N requests
 
 
+class ServiceConfig(_Strict):
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # names the socket
+    socket: Optional[str] = None  # Unix socket path; default <runtime dir>/ucm-<uid>/<name>.sock
+    metrics_host: str = "127.0.0.1"
+    metrics_port: Optional[int] = Field(default=None, ge=0, le=65535)  # None: no metrics endpoint; 0: any free port
+    max_frame_bytes: int = Field(default=4 << 20, ge=4096, le=64 << 20)
+    max_keys: int = Field(default=65536, ge=1, le=1 << 20)  # keys per request
+    request_timeout_s: float = Field(default=30.0, gt=0)  # client side, per request
+
+    @field_validator("max_frame_bytes", mode="before")
+    @classmethod
+    def _frame(cls, v: Any) -> int:
+        return parse_size(v)
+
+
 class UcmConfig(_Strict):
     block_tokens: int = Field(default=256, gt=0)  # tokens per block; a multiple of the engine's page size
     tiers: tuple[TierConfig, ...] = (
@@ -59,6 +74,7 @@ class UcmConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     heat: HeatConfig = HeatConfig()
     io_workers: int = Field(default=4, ge=1, le=64)  # threads running asynchronous loads and stores
+    service: ServiceConfig = ServiceConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "UcmConfig":

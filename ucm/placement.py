@@ -230,16 +230,18 @@ class Placement:
             plan.append(Step(Op.WRITE, key, dst=t))
         return Decision(True, plan)
 
-    def promote(self, key: Key) -> Decision:
+    def promote(self, key: Key, force: bool = False) -> Decision:
         """After a hit served below the landing tier: copies the block up if
-        the landing tier's policy admits it (COPY step; the lower copy stays)."""
+        the landing tier's policy admits it (COPY step; the lower copy stays).
+        `force` skips admission: the block must be staged (a reader needs it
+        in the landing tier's shared memory)."""
         src = self.where(key)
         t = self.landing
         if src is None or src <= t:
             return Decision(False, [])
         dst = self._tiers[t]
         size = self._size[key]
-        if not dst.policy.admit(key, Admission.PROMOTE):
+        if not (force or dst.policy.admit(key, Admission.PROMOTE)):
             return Decision(False, [])
         plan: Plan = []
         self._pins[key] += 1  # the source must survive the evictions made for it

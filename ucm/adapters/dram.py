@@ -131,9 +131,10 @@ class DramAdapter(StorageAdapter):
                 self._arena.free(slot.offset, slot.length)
 
     def slot_offset(self, key: Key) -> Optional[tuple[int, int]]:
-        """(offset, length) of a committed slot inside the segment file."""
+        """(offset, length) inside the segment file of the committed or
+        reserved slot of `key`."""
         with self._lock:
-            slot = self._index.get(key)
+            slot = self._index.get(key) or self._pending.get(key)
             return None if slot is None else (slot.offset, slot.length)
 
     # ---- StorageAdapter ----------------------------------------------------

@@ -1,0 +1,46 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CXX    ?= g++
+
+.PHONY: install test test-native test-python demo bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+
+# torch is pinned (the CPU wheel on local disk); a looser spec pulls a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/include/ucm/*.hpp)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,torch,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/include/ucm/*.hpp)
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include -Icpp/third_party/xxhash \
+		cpp/src/*.cpp cpp/tests/test_core.cpp -o $@ -pthread
+
+test-native: build/test_core
+	./build/test_core
+
+test-python: install
+	$(BIN)/python -m pytest -q
+
+test: test-native test-python
+
+# Until the vLLM connector lands, the demo runs what ucm does today on this
+# machine: tier bandwidth against memcpy and fio, and the trace replay of the
+# Mooncake dev trace through every placement policy.
+TRACE ?= ../shared/data/traces/synthetic_trace.jsonl
+demo: install
+	$(BIN)/ucm bench io --size-mb 256
+	@if [ -f "$(TRACE)" ]; then \
+		$(BIN)/ucm bench trace --trace "$(TRACE)" --policies lru,s3fifo,heat,opt --capacities 1M,3M,10M --plot out/trace_hit_ratio.png; \
+	else echo "no trace at $(TRACE); set TRACE=FILE"; fi
+
+clean:
+	rm -rf build $(VENV) *.egg-info ucm/_native*.so

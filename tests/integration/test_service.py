@@ -1,0 +1,290 @@
+"""`ucm serve` with real client processes, kills, and malformed frames."""
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import msgpack
+import pytest
+import yaml
+
+from ucm.cache import Outcome
+from ucm.service import CacheClient
+from ucm.service import protocol as proto
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIZE = 64 * 1024
+
+
+def write_config(tmp_path, metrics=False):
+    sock = str(tmp_path / "ucm.sock")
+    cfg = {
+        "tiers": [{"adapter": "dram", "capacity": "4MiB"},
+                  {"adapter": "nvme", "capacity": "32MiB",
+                   "options": {"path": str(tmp_path / "nvme"), "region_size": "512KiB", "io_chunk": "128KiB"}}],
+        "policy": {"name": "lru"},
+        "service": {"socket": sock, "metrics_port": 0 if metrics else None},
+    }
+    path = tmp_path / "ucm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), sock, cfg
+
+
+def start_service(cfg_path, sock):
+    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"service exited: {proc.stdout.read()}")
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            s.close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("service did not start")
+
+
+@pytest.fixture
+def service(tmp_path):
+    cfg_path, sock, cfg = write_config(tmp_path, metrics=True)
+    proc = start_service(cfg_path, sock)
+    yield cfg_path, sock, cfg, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def chain(n, seed):
+    import hashlib
+    keys, data, prev = [], [], seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev)
+        data.append(hashlib.shake_128(prev).digest(SIZE))
+    return keys, data
+
+
+def run_client(script, cfg_path, *args, background=False):
+    code = textwrap.dedent(script)
+    cmd = [sys.executable, "-c", code, cfg_path, *map(str, args)]
+    if background:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+STORE = """
+    import sys, hashlib
+    from ucm.service import CacheClient
+    from ucm.config import load_config
+    from ucm.service.server import socket_path
+    cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
+    keys, data, prev = [], [], seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev); data.append(hashlib.shake_128(prev).digest(65536))
+    c = CacheClient(socket_path(cfg), cfg)
+    res = c.store(keys, data).wait(60)
+    print(sum(r.value == "done" for r in res))
+    c.close()
+"""
+
+LOAD = """
+    import sys, hashlib
+    from ucm.service import CacheClient
+    from ucm.config import load_config
+    from ucm.service.server import socket_path
+    cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
+    keys, prev = [], seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev)
+    c = CacheClient(socket_path(cfg), cfg)
+    hit = c.lookup(keys)
+    out = [bytearray(65536) for _ in keys]
+    res = c.load(keys, out).wait(60)
+    good = sum(r.value == "done" and bytes(o) == hashlib.shake_128(k).digest(65536) for k, r, o in zip(keys, res, out))
+    print(hit, good)
+    c.close()
+"""
+
+
+def test_two_processes_share_blocks(service):
+    cfg_path, sock, cfg, _ = service
+    assert run_client(STORE, cfg_path, 20, 1).split() == ["20"]
+    assert run_client(LOAD, cfg_path, 20, 1).split() == ["20", "20"]
+
+
+def test_concurrent_stores_of_the_same_keys_leave_one_intact_copy(service):
+    cfg_path, sock, cfg, _ = service
+    procs = [run_client(STORE, cfg_path, 30, 2, background=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outs == [["30"], ["30"]]
+    assert run_client(LOAD, cfg_path, 30, 2).split() == ["30", "30"]
+    with CacheClient(sock) as c:
+        s = c.stats()
+        assert s["stored_blocks"] == 30  # each block written once
+
+
+HOLD = """
+    import sys, time, hashlib
+    from ucm.service import CacheClient
+    from ucm.config import load_config
+    from ucm.service.server import socket_path
+    cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
+    keys, prev = [], seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev)
+    c = CacheClient(socket_path(cfg), cfg)
+    leases = c._call("acquire", {"keys": keys})
+    half = c._call("reserve", {"keys": [hashlib.blake2b(b"x%d" % i, digest_size=16).digest() for i in range(3)],
+                               "sizes": [65536] * 3, "parent": None})
+    print(sum(l is not None for l in leases), sum(isinstance(h, list) for h in half), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_killed_client_gives_back_its_leases(service):
+    cfg_path, sock, cfg, _ = service
+    run_client(STORE, cfg_path, 10, 3)
+    proc = run_client(HOLD, cfg_path, 10, 3, background=True)
+    assert proc.stdout.readline().split() == ["10", "3"]
+    with CacheClient(sock) as c:
+        assert c.stats()["service"]["leases"] == 10
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 10
+        while c.stats()["service"]["leases"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["service"]["leases"] == 0
+        assert c.stats()["service"]["connections"] == 1
+        # The half-written reservations were taken back; the service still serves.
+        assert run_client(LOAD, cfg_path, 10, 3).split() == ["10", "10"]
+        k, d = chain(70, 4)  # more than the 4 MiB arena: every slot must be reusable
+        assert c.store(k, d).wait(60) == [Outcome.DONE] * 70
+
+
+def test_service_killed_and_restarted(tmp_path):
+    cfg_path, sock, cfg = write_config(tmp_path)
+    proc = start_service(cfg_path, sock)
+    client = CacheClient(sock)
+    try:
+        keys, data = chain(80, 5)  # 5 MiB: part of it is demoted to NVMe
+        assert client.store(keys, data).wait(60) == [Outcome.DONE] * 80
+        on_nvme = [k for k, t in zip(keys, client.locate(keys)) if t == "nvme"]
+        assert on_nvme and client.flush()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        # Down: misses and failures as values, never exceptions.
+        assert client.lookup(keys) == 0
+        out = [bytearray(SIZE) for _ in on_nvme]
+        assert set(client.load(on_nvme, out).wait(30)) == {Outcome.MISSING}
+        k2, d2 = chain(3, 6)
+        assert set(client.store(k2, d2).wait(30)) == {Outcome.FAILED}
+        proc = start_service(cfg_path, sock)
+        deadline = time.time() + 10
+        while client.lookup(on_nvme) == 0 and time.time() < deadline:
+            time.sleep(0.1)
+        assert client.locate(on_nvme) == ["nvme"] * len(on_nvme)
+        out = [bytearray(SIZE) for _ in on_nvme]
+        assert client.load(on_nvme, out).wait(30) == [Outcome.DONE] * len(on_nvme)
+        expect = dict(zip(keys, data))
+        assert [bytes(o) for o in out] == [expect[k] for k in on_nvme]
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_malformed_frames_never_crash_the_service(service):
+    cfg_path, sock, cfg, proc = service
+    rnd = random.Random(7)
+    good = msgpack.packb([1, "lookup", {"keys": [b"k" * 16]}])
+    frames = [
+        b"", b"\x00", b"\xff\xff\xff\xff", struct.pack("<I", 1 << 30) + b"x",
+        struct.pack("<I", 10) + b"\xc1" * 10,  # never-used msgpack byte
+        proto.pack("not a list"), proto.pack([1, 2, 3]), proto.pack([1, "nope", {}]),
+        proto.pack([1, "lookup", {"keys": [b"short"]}]), proto.pack([1, "lookup", {"keys": "x"}]),
+        proto.pack([1, "lookup", {"keys": [], "extra": 1}]), proto.pack([1, "reserve", {"keys": [b"k" * 16], "sizes": [-1]}]),
+        proto.pack([1, "reserve", {"keys": [b"k" * 16], "sizes": [1 << 40]}]),
+        proto.pack([1, "release", {"leases": ["a", None, 5]}]), proto.pack([1, "acquire", {"keys": [1, 2]}]),
+        proto.pack([1, "hello", {"version": 99}]), struct.pack("<I", len(good)) + good[:-3],
+    ]
+    for _ in range(200):
+        n = rnd.randrange(0, 64)
+        body = bytes(rnd.getrandbits(8) for _ in range(n))
+        frames.append(struct.pack("<I", len(body)) + body if rnd.random() < 0.7 else body)
+    for frame in frames:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(2)
+        s.connect(sock)
+        try:
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            s.close()
+    assert proc.poll() is None
+    run_client(STORE, cfg_path, 5, 8)
+    assert run_client(LOAD, cfg_path, 5, 8).split() == ["5", "5"]
+
+
+def test_private_files_and_observability(service):
+    cfg_path, sock, cfg, _ = service
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    with CacheClient(sock) as c:
+        arena = c.service_info["arena_path"]
+        assert stat.S_IMODE(os.stat(arena).st_mode) == 0o600
+        k, d = chain(4, 9)
+        c.store(k, d).wait(30)
+        c.load(k, [bytearray(SIZE) for _ in k]).wait(30)
+        addr = c.stats()["service"]["metrics"]
+    assert addr.startswith("127.0.0.1:")
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    assert 'ucm_tier_used_bytes{tier="dram"}' in text
+    assert "ucm_cache_hit_blocks_total 4.0" in text
+    assert 'ucm_service_request_seconds_count{op="acquire"}' in text
+    r = subprocess.run([sys.executable, "-m", "ucm.cli", "inspect", "--config", cfg_path, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tiers"]["dram"]["blocks"] == 4
+    r = subprocess.run([sys.executable, "-m", "ucm.cli", "inspect", "--config", cfg_path],
+                       capture_output=True, text=True, timeout=60)
+    assert "dram" in r.stdout and "capacity" in r.stdout
+
+
+def test_connect_starts_a_private_service_that_exits_when_unused(tmp_path):
+    from ucm.service import connect
+    _, sock, cfg = write_config(tmp_path)
+    c = connect(cfg)
+    try:
+        assert c.connected and c.spawned is not None
+        k, d = chain(3, 10)
+        assert c.store(k, d).wait(30) == [Outcome.DONE] * 3
+        c2 = connect(cfg)  # a second engine process shares the same service
+        assert c2.spawned is None and c2.lookup(k) == 3
+        c2.close()
+    finally:
+        c.close()
+    c.spawned.wait(30)
+    assert not os.path.exists(sock)

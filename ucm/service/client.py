@@ -1,0 +1,387 @@
+"""CacheClient: the UnifiedCache API across the process boundary.
+
+Connectors hold a CacheClient and do not care that the cache lives in
+`ucm serve`. Control requests go over the Unix socket; payloads are copied
+by this process straight into and out of the service's shared-memory arena.
+
+Faults are values: when the service is down or dies mid-request, `lookup`
+answers 0, loads report MISSING, stores report FAILED, and the client
+reconnects on a later call (at most every `retry_s`) and re-maps the arena
+of the restarted service. Only misuse (bad keys or buffers) raises.
+
+Thread-safe: one lock serialises requests on the socket; copies run
+outside it on a small pool that completes the Handles.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import yaml
+
+from ucm import _native
+from ucm.buffers import byte_view
+from ucm.cache import Handle, Outcome
+from ucm.config import UcmConfig, load_config
+from ucm.errors import ArgumentError, ClosedError, UcmError
+from ucm.service import protocol as proto
+from ucm.service.server import runtime_dir, socket_path
+
+log = logging.getLogger(__name__)
+
+
+class ServiceUnavailable(UcmError):
+    """The service could not be reached; callers turn it into misses."""
+
+
+class CacheClient:
+    def __init__(self, path: str, config: Optional[UcmConfig] = None, io_workers: int = 2,
+                 retry_s: float = 0.5, connect: bool = True) -> None:
+        self.path = path
+        self.config = config or UcmConfig()
+        self._timeout = self.config.service.request_timeout_s
+        self._limit = self.config.service.max_frame_bytes
+        self._retry_s = retry_s
+        self._lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        self._arena: Optional[mmap.mmap] = None
+        self._arena_view: Optional[memoryview] = None
+        self._arena_path: Optional[str] = None
+        self.service_info: dict[str, Any] = {}
+        self._rid = 0
+        self._next_try = 0.0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ucm-client")
+        self.spawned: Optional[subprocess.Popen] = None
+        if connect:
+            with self._lock:
+                try:
+                    self._connect_locked()
+                except ServiceUnavailable:
+                    pass
+
+    # ---- connection --------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def _connect_locked(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            self._next_try = time.monotonic() + self._retry_s
+            raise ServiceUnavailable(f"no ucm service at {self.path}: {exc}") from None
+        self._sock = sock
+        self._reader = proto.FrameReader(sock, self._limit)
+        try:
+            info = self._request_locked("hello", {"version": proto.VERSION})
+        except ServiceUnavailable:
+            raise
+        if info["arena_path"] != self._arena_path:
+            self._map_arena(info["arena_path"], info["arena_bytes"])
+        self.service_info = info
+
+    def _map_arena(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        old_view, old = self._arena_view, self._arena
+        self._arena, self._arena_view, self._arena_path = m, memoryview(m), path
+        if old_view is not None:
+            old_view.release()
+            try:
+                old.close()
+            except BufferError:
+                pass  # a copy in flight still uses it; it is unmapped with the object
+
+    def _disconnect_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        self._next_try = time.monotonic() + self._retry_s
+
+    def _request_locked(self, op: str, args: dict) -> Any:
+        self._rid += 1
+        rid = self._rid
+        try:
+            self._sock.sendall(proto.pack([rid, op, args]))
+            reply = self._reader.read()
+        except (OSError, proto.ProtocolError) as exc:
+            self._disconnect_locked()
+            raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
+        if reply is None:
+            self._disconnect_locked()
+            raise ServiceUnavailable(f"ucm service at {self.path} closed the connection during {op}")
+        if not (isinstance(reply, list) and len(reply) == 3 and reply[0] == rid):
+            self._disconnect_locked()
+            raise ServiceUnavailable(f"ucm service at {self.path} sent a malformed reply to {op}")
+        if not reply[1]:
+            raise UcmError(f"ucm service refused {op}: {reply[2]}")
+        return reply[2]
+
+    def _call(self, op: str, args: dict) -> Any:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("CacheClient used after close()")
+            if self._sock is None:
+                if time.monotonic() < self._next_try:
+                    raise ServiceUnavailable(f"ucm service at {self.path} is down")
+                self._connect_locked()
+            return self._request_locked(op, args)
+
+    def _try(self, op: str, args: dict, default: Any) -> Any:
+        try:
+            return self._call(op, args)
+        except ServiceUnavailable as exc:
+            log.debug("%s", exc)
+            return default
+        except UcmError as exc:
+            if isinstance(exc, ClosedError):
+                raise
+            log.warning("%s", exc)
+            return default
+
+    # ---- the UnifiedCache API ------------------------------------------------
+    def lookup(self, keys: Sequence[Key]) -> int:
+        keys = _keys(keys)
+        return self._try("lookup", {"keys": keys}, 0) if keys else 0
+
+    def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
+        keys = _keys(keys)
+        return self._try("locate", {"keys": keys}, [None] * len(keys))
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        self._try("pin", {"keys": _keys(keys)}, None)
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        self._try("unpin", {"keys": _keys(keys)}, None)
+
+    def stats(self) -> dict[str, Any]:
+        return self._try("stats", {}, {"available": False})
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        return bool(self._try("flush", {}, False))
+
+    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None) -> Handle:
+        keys = _keys(keys)
+        views = _views(keys, srcs, writable=False)
+        if parent is not None:
+            _keys([parent])
+        return self._submit(len(keys), self._store, keys, views, parent)
+
+    def load(self, keys: Sequence[Key], dsts: Sequence[Any]) -> Handle:
+        keys = _keys(keys)
+        views = _views(keys, dsts, writable=True)
+        return self._submit(len(keys), self._load, keys, views)
+
+    def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
+        keys = _keys(keys)
+
+        def run() -> list[Outcome]:
+            res = self._try("prefetch", {"keys": keys}, None)
+            return [Outcome(r) for r in res] if res is not None else [Outcome.FAILED] * len(keys)
+
+        return self._submit(len(keys), run)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._disconnect_locked()
+        self._pool.shutdown(wait=True)
+        if self._arena_view is not None:
+            self._arena_view.release()
+            try:
+                self._arena.close()
+            except BufferError:
+                pass
+
+    def __enter__(self) -> "CacheClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- data path ---------------------------------------------------------
+    def _submit(self, n: int, fn: Any, *args: Any) -> Handle:
+        handle = Handle(n)
+
+        def run() -> None:
+            try:
+                res = fn(*args)
+            except Exception:  # never hang or raise into the engine for a cache fault
+                log.exception("ucm client: %s failed", getattr(fn, "__name__", fn))
+                res = [Outcome.FAILED] * n
+            handle._finish(res)
+
+        if n:
+            self._pool.submit(run)
+        return handle
+
+    def _store(self, keys: list[bytes], views: list[memoryview], parent: Optional[bytes]) -> list[Outcome]:
+        """Reserve, copy, commit, in chunks of at most 1/8 of the arena so a
+        long prompt never needs more reserved slots than the arena can give."""
+        out: list[Outcome] = []
+        for i, j in self._chunks(views):
+            part = self._store_chunk(keys[i:j], views[i:j], keys[i - 1] if i else parent)
+            out.extend(part)
+            if part and part[-1] is not Outcome.DONE:  # the rest would lack its parent
+                out.extend([Outcome.MISSING] * (len(keys) - j))
+                break
+        return out
+
+    def _store_chunk(self, keys: list[bytes], views: list[memoryview], parent: Optional[bytes]) -> list[Outcome]:
+        try:
+            slots = self._call("reserve", {"keys": keys, "sizes": [len(v) for v in views], "parent": parent})
+            arena = self._arena_view
+        except UcmError as exc:
+            log.debug("%s", exc)
+            return [Outcome.FAILED] * len(keys)
+        filled: list[bytes] = []
+        out: list[Outcome] = []
+        for key, view, slot in zip(keys, views, slots):
+            if slot is True:
+                out.append(Outcome.DONE)  # already cached
+            elif slot is None:
+                out.append(Outcome.MISSING)  # refused: no room or not admitted
+            else:
+                off, length = slot
+                _native.copy(arena[off:off + length], view)
+                filled.append(key)
+                out.append(Outcome.DONE)
+        if filled:
+            ok = self._try("commit", {"keys": filled}, None)
+            failed = set(filled) if ok is None else {k for k, good in zip(filled, ok) if not good}
+            out = [Outcome.FAILED if k in failed else o for k, o in zip(keys, out)]
+        return out
+
+    def _chunks(self, views: list[memoryview]) -> list[tuple[int, int]]:
+        """Index ranges of at most 1/8 of the arena each (at least one block),
+        so that one request never needs more slots than the arena has."""
+        budget = max(1, int(self.service_info.get("arena_bytes", 0)) // 8)
+        out, i = [], 0
+        while i < len(views):
+            j, size = i, 0
+            while j < len(views) and (j == i or size + len(views[j]) <= budget):
+                size += len(views[j])
+                j += 1
+            out.append((i, j))
+            i = j
+        return out
+
+    def _load(self, keys: list[bytes], views: list[memoryview]) -> list[Outcome]:
+        out: list[Outcome] = []
+        for i, j in self._chunks(views):
+            out.extend(self._load_chunk(keys[i:j], views[i:j]))
+        return out
+
+    def _load_chunk(self, keys: list[bytes], views: list[memoryview]) -> list[Outcome]:
+        try:
+            leases = self._call("acquire", {"keys": keys})
+            arena = self._arena_view
+        except UcmError as exc:
+            log.debug("%s", exc)
+            return [Outcome.MISSING] * len(keys)
+        out: list[Outcome] = []
+        held: list[int] = []
+        for view, lease in zip(views, leases):
+            if lease is None:
+                out.append(Outcome.MISSING)
+                continue
+            lid, off, length = lease
+            held.append(lid)
+            if length != len(view):
+                out.append(Outcome.CORRUPT)
+                continue
+            _native.copy(view, arena[off:off + length])
+            out.append(Outcome.DONE)
+        if held:
+            self._try("release", {"leases": held}, None)
+        return out
+
+
+Key = bytes
+
+
+def _keys(keys: Sequence[Key]) -> list[bytes]:
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, bytes) or len(k) != proto.KEY_BYTES:
+            raise ArgumentError(f"keys must be {proto.KEY_BYTES}-byte bytes objects, got {k!r:.40}")
+    return out
+
+
+def _views(keys: list[bytes], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
+    if len(keys) != len(bufs):
+        raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+    return [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
+
+
+def connect(config: Union[None, str, Mapping[str, Any], UcmConfig] = None, start: bool = True,
+            timeout_s: float = 60.0, idle_exit_s: float = 5.0) -> CacheClient:
+    """A client of the service for `config`. When none is running and
+    `start` is true, starts a private one for this config (it exits once no
+    client has used it for `idle_exit_s`)."""
+    cfg = config if isinstance(config, UcmConfig) else load_config(config)
+    path = socket_path(cfg)
+    client = CacheClient(path, cfg)
+    if client.connected or not start:
+        return client
+    lock_path = path + ".lock"
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one starter among racing processes
+        with client._lock:
+            try:
+                client._connect_locked()
+                return client
+            except ServiceUnavailable:
+                pass
+        fd, cfg_path = tempfile.mkstemp(prefix="ucm-private-", suffix=".yaml", dir=runtime_dir())
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cfg.model_dump(mode="json"), f)
+        log_path = os.path.join(runtime_dir(), f"{cfg.service.name}.log")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path, "--private",
+                 "--idle-exit-s", str(idle_exit_s)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                env={**os.environ, "UCM_CONFIG": ""})
+        client.spawned = proc
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            with client._lock:
+                try:
+                    client._connect_locked()
+                    break
+                except ServiceUnavailable:
+                    pass
+            time.sleep(0.05)
+        try:
+            os.unlink(cfg_path)
+        except OSError:
+            pass
+    if not client.connected:
+        log.warning("ucm: could not start a private service for %s (see %s); running without a cache",
+                    path, log_path)
+    return client

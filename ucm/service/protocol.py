@@ -1,0 +1,113 @@
+"""The wire protocol between CacheClient and `ucm serve`.
+
+A frame is a 4-byte little-endian length followed by that many bytes of
+msgpack (no pickle, no extension types). A request is `[id, op, args]`
+(int, str, map); a response is `[id, ok, result]` where `result` is the
+error message when `ok` is false. Every frame is bounded
+(`max_frame_bytes`), and every argument is validated before use: a
+malformed request gets an error response, a malformed frame closes the
+connection. Payload bytes never cross the socket: they move through the
+shared-memory arena.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Callable, Optional
+
+import msgpack
+
+from ucm.errors import UcmError
+
+VERSION = 1
+_LEN = struct.Struct("<I")
+KEY_BYTES = 16
+
+
+class ProtocolError(UcmError):
+    """A frame or request that breaks the protocol."""
+
+
+def pack(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Reads frames from a stream socket with as few system calls as
+    possible (one recv usually carries a whole small frame)."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
+        self.sock = sock
+        self.max = max_frame_bytes
+        self._buf = bytearray()
+
+    def _fill(self, n: int) -> bool:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(max(65536, n - len(self._buf)))
+            if not chunk:
+                return False
+            self._buf += chunk
+        return True
+
+    def read(self) -> Optional[Any]:
+        """The next decoded frame, or None when the peer closed the
+        connection. Raises ProtocolError for an oversized or undecodable frame."""
+        if not self._fill(_LEN.size):
+            return None
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > self.max:
+            raise ProtocolError(f"frame of {n} bytes exceeds max_frame_bytes={self.max}")
+        if not self._fill(_LEN.size + n):
+            return None
+        body = bytes(self._buf[_LEN.size:_LEN.size + n])
+        del self._buf[:_LEN.size + n]
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=self.max,
+                                   max_str_len=1 << 16, max_array_len=1 << 20, max_map_len=64, max_ext_len=0)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+
+
+# ---- argument validation ------------------------------------------------------
+def keys_arg(args: dict, name: str, max_keys: int) -> list[bytes]:
+    v = args.get(name)
+    if not isinstance(v, list):
+        raise ProtocolError(f"{name}: expected a list of {KEY_BYTES}-byte keys")
+    if len(v) > max_keys:
+        raise ProtocolError(f"{name}: {len(v)} keys exceed max_keys={max_keys}")
+    for k in v:
+        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+            raise ProtocolError(f"{name}: every key must be {KEY_BYTES} bytes of bin, got {k!r:.40}")
+    return v
+
+
+def opt_key_arg(args: dict, name: str) -> Optional[bytes]:
+    v = args.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bytes) or len(v) != KEY_BYTES:
+        raise ProtocolError(f"{name}: expected a {KEY_BYTES}-byte key or nil")
+    return v
+
+
+def ints_arg(args: dict, name: str, n: int, lo: int, hi: int) -> list[int]:
+    v = args.get(name)
+    if not isinstance(v, list) or len(v) != n:
+        raise ProtocolError(f"{name}: expected a list of {n} integers")
+    for x in v:
+        if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
+            raise ProtocolError(f"{name}: every value must be an integer in [{lo}, {hi}], got {x!r:.40}")
+    return v
+
+
+def check_args(args: Any, allowed: set[str]) -> dict:
+    if not isinstance(args, dict):
+        raise ProtocolError("args: expected a map")
+    extra = set(args) - allowed
+    if extra:
+        raise ProtocolError(f"args: unknown keys {sorted(extra)}; allowed: {sorted(allowed)}")
+    return args
+
+
+Handler = Callable[[Any, dict], Any]
