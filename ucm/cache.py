@@ -105,13 +105,14 @@ class UnifiedCache:
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
         self._closed = False
         self._counts: Counter = Counter()
+        self._counts_lock = threading.Lock()
         self._restore()
 
     # ---- queries -----------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
         """Length of the longest prefix of `keys` cached in any tier."""
         with self._meta:
-            self._counts["lookups"] += 1
+            self._count("lookups", 1)
             return self.placement.lookup(keys)
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
@@ -170,7 +171,8 @@ class UnifiedCache:
                     "demotions_in": c.demotions_in, "promotions_in": c.promotions_in,
                     "bytes_written": c.bytes_written,
                 }
-            counts = dict(self._counts)
+            with self._counts_lock:
+                counts = dict(self._counts)
         for name, a in zip(self.tier_names, self.adapters):
             tiers[name]["adapter"] = a.stats()
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
@@ -238,7 +240,7 @@ class UnifiedCache:
                         with self._meta:
                             undo = self.placement.remove(key, landing)
                         self._run_plan(undo, {})
-                        self._counts["store_refused"] += 1
+                        self._count("store_refused", 1)
                 with self._meta:
                     if view is not None:
                         self.placement.pin([key])  # not a victim until committed or aborted
@@ -253,11 +255,13 @@ class UnifiedCache:
         arena = self.shared_arena()
         out = []
         for key in keys:
+            size = arena.slot_offset(key)
             ok = arena.commit(key)
             if ok:
                 with self._meta:
                     self.placement.unpin([key])
-                self._counts["stored_blocks"] += 1
+                self._count("stored_blocks", 1)
+                self._count("bytes_stored", size[1])
             out.append(ok)
         return out
 
@@ -299,10 +303,10 @@ class UnifiedCache:
                 lease = arena.lease(key)
             out.append(lease)
             if lease is None:
-                self._counts["missing_blocks"] += 1
+                self._count("missing_blocks", 1)
             else:
-                self._counts["loaded_blocks"] += 1
-                self._counts["bytes_loaded"] += len(lease.view)
+                self._count("loaded_blocks", 1)
+                self._count("bytes_loaded", len(lease.view))
         with self._meta:
             self.placement.touch([k for k, le in zip(keys, out) if le is not None])
         self._drain_dropped()
@@ -315,6 +319,10 @@ class UnifiedCache:
                 arena.release(lease)
 
     # ---- internals ---------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] += n
+
     def _tier_index(self, name: str) -> int:
         if name not in self.tier_names:
             raise ArgumentError(f"unknown tier {name!r}; configured: {self.tier_names}")
@@ -389,13 +397,13 @@ class UnifiedCache:
                         self.placement.touch([key])
             if placed:
                 out.append(Outcome.DONE)
-                self._counts["stored_blocks"] += 1
-                self._counts["bytes_stored"] += len(views[i])
+                self._count("stored_blocks", 1)
+                self._count("bytes_stored", len(views[i]))
             elif present:
                 out.append(Outcome.DONE)  # already cached: blobs under a key never change
             else:
                 out.append(Outcome.MISSING)
-                self._counts["store_refused"] += 1
+                self._count("store_refused", 1)
                 stopped = True
         self._drain_dropped()
         return out
@@ -436,11 +444,11 @@ class UnifiedCache:
             self.placement.touch([k for k, o in zip(keys, out) if o is Outcome.DONE])
         done = [o if o is not None else Outcome.FAILED for o in out]
         n_ok = sum(o is Outcome.DONE for o in done)
-        self._counts["loaded_blocks"] += n_ok
-        self._counts["bytes_loaded"] += sum(len(v) for v, o in zip(views, done) if o is Outcome.DONE)
-        self._counts["missing_blocks"] += sum(o is Outcome.MISSING for o in done)
-        self._counts["corrupt"] += sum(o is Outcome.CORRUPT for o in done)
-        self._counts["failed"] += sum(o is Outcome.FAILED for o in done)
+        self._count("loaded_blocks", n_ok)
+        self._count("bytes_loaded", sum(len(v) for v, o in zip(views, done) if o is Outcome.DONE))
+        self._count("missing_blocks", sum(o is Outcome.MISSING for o in done))
+        self._count("corrupt", sum(o is Outcome.CORRUPT for o in done))
+        self._count("failed", sum(o is Outcome.FAILED for o in done))
         self._drain_dropped()
         return done
 
@@ -506,7 +514,7 @@ class UnifiedCache:
             if st is not Status.OK:
                 ok = False
                 if st is Status.CORRUPT:
-                    self._counts["corrupt"] += 1
+                    self._count("corrupt", 1)
                 with self._meta:
                     undo = self.placement.remove(step.key, step.dst)
                 self.adapters[step.dst].delete([step.key])

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from ucm import __version__
 from ucm.errors import UcmError
 
-BENCHES = ("io", "trace")
+BENCHES = ("io", "service", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:

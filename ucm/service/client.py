@@ -97,7 +97,9 @@ class CacheClient:
     def _map_arena(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: map every page now, so copies into slots take no faults.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         old_view, old = self._arena_view, self._arena

@@ -23,6 +23,7 @@ CACHE_COUNTERS = (
     ("ucm_cache_miss_blocks", "Blocks asked for but not cached", "missing_blocks"),
     ("ucm_cache_loaded_bytes", "Bytes handed to clients", "bytes_loaded"),
     ("ucm_cache_stored_blocks", "Blocks stored by clients", "stored_blocks"),
+    ("ucm_cache_stored_bytes", "Bytes stored by clients", "bytes_stored"),
     ("ucm_cache_corrupt_blocks", "Blocks that came back with a bad checksum", "corrupt"),
     ("ucm_cache_failed_blocks", "Blocks whose I/O failed", "failed"),
     ("ucm_cache_lookups", "Lookup requests", "lookups"),
