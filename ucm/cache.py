@@ -106,19 +106,42 @@ class UnifiedCache:
         self._closed = False
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
+        self._shared = [t for t, a in enumerate(self.adapters) if a.shared]
         self._restore()
 
     # ---- queries -----------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
-        """Length of the longest prefix of `keys` cached in any tier."""
+        """Length of the longest prefix of `keys` cached in any tier
+        (including blocks other nodes put into a shared tier)."""
         with self._meta:
             self._count("lookups", 1)
-            return self.placement.lookup(keys)
+            n = self.placement.lookup(keys)
+        if n < len(keys):
+            for t in self._shared:
+                try:
+                    found = self.adapters[t].contains(keys[n:])
+                except Exception:  # a dead cluster store is a miss
+                    log.debug("shared tier %s failed in lookup", self.tier_names[t], exc_info=True)
+                    continue
+                m = next((i for i, f in enumerate(found) if not f), len(found))
+                if m:
+                    return n + m
+        return n
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
         """The fastest tier holding each key, or None."""
         with self._meta:
-            return [None if t is None else self.tier_names[t] for t in self.placement.locate(keys)]
+            out = [None if t is None else self.tier_names[t] for t in self.placement.locate(keys)]
+        missing = [i for i, t in enumerate(out) if t is None]
+        for t in self._shared:
+            if not missing:
+                break
+            found = self.adapters[t].contains([keys[i] for i in missing])
+            for i, f in zip(list(missing), found):
+                if f:
+                    out[i] = self.tier_names[t]
+                    missing.remove(i)
+        return out
 
     # ---- operations --------------------------------------------------------
     def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None) -> Handle:
@@ -291,8 +314,10 @@ class UnifiedCache:
         out: list[Any] = []
         with self._meta:
             self.placement.record_request(keys)
-        for key in keys:
+        for i, key in enumerate(keys):
             lease = arena.lease(key)
+            if lease is None and self._shared and not self.placement.contains(key):
+                self._adopt_remote(key, keys[i - 1] if i else None)
             if lease is None:
                 with self._mutate:
                     with self._meta:
@@ -319,6 +344,27 @@ class UnifiedCache:
                 arena.release(lease)
 
     # ---- internals ---------------------------------------------------------
+    def _adopt_remote(self, key: Key, parent: Optional[Key]) -> Optional[int]:
+        """Records a block found only in a shared tier (put there by another
+        node) so that the usual paths can load and promote it. Returns the
+        tier, or None. Caller holds no lock."""
+        for t in self._shared:
+            a = self.adapters[t]
+            size = a.size_of(key)
+            if size is None:
+                continue
+            with self._mutate:
+                with self._meta:
+                    if self.placement.contains(key):
+                        return self.placement.where(key)
+                    if parent is not None and not self.placement.contains(parent):
+                        parent = None
+                    d = self.placement.insert(key, parent, self._footprint(size), tier=t, restored=True)
+                self._run_plan(d.plan, {})
+            if d.placed:
+                return t
+        return None
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:
             self._counts[name] += n
@@ -360,6 +406,8 @@ class UnifiedCache:
     def _restore(self) -> None:
         """Records the blocks tiers hold at start (a restarted NVMe log)."""
         for t, a in enumerate(self.adapters):
+            if a.shared:
+                continue  # other nodes' blocks: asked for on demand
             keys = list(a.iter_keys())
             with self._mutate, self._meta:
                 for k in keys:
@@ -411,6 +459,10 @@ class UnifiedCache:
     def _load(self, keys: list[Key], views: list[memoryview]) -> list[Outcome]:
         out: list[Optional[Outcome]] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
+        if self._shared:
+            for i, k in enumerate(keys):
+                if not self.placement.contains(k):
+                    self._adopt_remote(k, keys[i - 1] if i else None)
         with self._meta:
             self.placement.record_request(keys)
             for i, k in enumerate(keys):
@@ -462,7 +514,9 @@ class UnifiedCache:
 
     def _prefetch(self, keys: list[Key]) -> list[Outcome]:
         out: list[Outcome] = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            if self._shared and not self.placement.contains(key):
+                self._adopt_remote(key, keys[i - 1] if i else None)
             with self._mutate:
                 with self._meta:
                     src = self.placement.where(key)

@@ -45,6 +45,9 @@ class StorageAdapter(abc.ABC):
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[AdapterConfig]] = AdapterConfig
+    # True for a medium other nodes write to as well (a cluster store): the
+    # cache asks it directly for blocks it has no record of.
+    shared: ClassVar[bool] = False
 
     @abc.abstractmethod
     def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:

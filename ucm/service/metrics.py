@@ -54,11 +54,15 @@ class Metrics:
         self.latency = Histogram("ucm_service_request_seconds", "Service request latency", ["op"],
                                  registry=self.registry,
                                  buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.025, 0.1, 1.0))
+        self._children: dict[str, Any] = {}
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.address = f"{host}:{self._server.server_port}"
 
     def observe(self, op: str, seconds: float) -> None:
-        self.latency.labels(op).observe(seconds)
+        child = self._children.get(op)
+        if child is None:
+            child = self._children[op] = self.latency.labels(op)
+        child.observe(seconds)
 
     def close(self) -> None:
         self._server.shutdown()
