@@ -430,6 +430,8 @@ class NvmeAdapter(StorageAdapter):
                 invalidate = self._regions[buf.region].has_footer
             err = self._write_region(buf, entries, invalidate)
             with self._lock:
+                while buf.readers:  # copies out of the buffer finish before it is reused
+                    self._cond.wait()
                 self._seal_queue.pop(0)
                 buf.sealing = False
                 reg = self._regions[buf.region]
