@@ -1,0 +1,90 @@
+"""Placement invariants under random workloads, for every installed policy."""
+import random
+from importlib.metadata import entry_points
+
+import pytest
+
+from ucm.heat import HeatTracker
+from ucm.placement import Op, Placement, TierSpec
+from ucm.policy.base import load_policy
+
+POLICIES = sorted({ep.name for ep in entry_points(group="ucm.policies")} - {"opt"})
+
+
+def key(prefix, i):
+    return f"{prefix}:{i}".encode().ljust(16, b".")[:16]
+
+
+def check(p, pinned):
+    for t in range(p.tier_count):
+        assert p.used_bytes(t) <= p.capacity_bytes(t)
+        assert p.used_bytes(t) == sum(p._tiers[t].blocks.values())
+        for k in p.resident_keys(t):
+            parent = p._parent[k]
+            assert parent is None or p.contains(parent), "a cached child always has its cached parent"
+    for k in pinned:
+        assert p.contains(k), "a pinned block is never evicted"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("tiers", [(6,), (4, 9)])
+def test_random_requests_keep_every_invariant(policy, tiers):
+    rnd = random.Random(42)
+    p = Placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy), HeatTracker(50))
+    pinned = set()
+    docs = [[key(d, i) for i in range(rnd.randrange(1, 8))] for d in range(12)]
+    for step in range(400):
+        doc = rnd.choice(docs)
+        keys = doc[:rnd.randrange(1, len(doc) + 1)]
+        p.record_request(keys)
+        hit = p.lookup(keys)
+        assert all(p.contains(k) for k in keys[:hit])
+        for k in keys[:hit]:
+            d = p.promote(k)
+            for s in d.plan:
+                assert s.op in (Op.MOVE, Op.COPY, Op.DROP)
+        for i in range(hit, len(keys)):
+            d = p.insert(keys[i], keys[i - 1] if i else None, 1)
+            if not d.placed:
+                break
+        p.touch(keys)
+        if step == 100:
+            pinned = set(docs[0][:2]) & {k for k in docs[0][:2] if p.contains(k)}
+            p.pin(pinned)
+        check(p, pinned)
+
+
+def test_plans_name_every_byte_movement():
+    p = Placement([TierSpec("dram", 2), TierSpec("nvme", 3)], load_policy("lru"))
+    a, b, c = key("a", 0), key("a", 1), key("a", 2)
+    p.record_request([a, b, c])
+    steps = []
+    for i, k in enumerate([a, b, c]):
+        steps += p.insert(k, [None, a, b][i], 1).plan
+    # The third block pushes the oldest evictable block down to NVMe first.
+    assert [(s.op, s.key) for s in steps][:2] == [(Op.WRITE, a), (Op.WRITE, b)]
+    assert (Op.MOVE, 0, 1) in [(s.op, s.src, s.dst) for s in steps]
+    assert steps[-1].op is Op.WRITE and steps[-1].key == c
+    assert p.lookup([a, b, c]) == 3
+
+
+def test_remove_drops_the_orphaned_subtree():
+    p = Placement([TierSpec("dram", 10)], load_policy("lru"))
+    ks = [key("r", i) for i in range(4)]
+    for i, k in enumerate(ks):
+        p.insert(k, ks[i - 1] if i else None, 1)
+    plan = p.remove(ks[1])
+    assert {s.key for s in plan} == set(ks[2:]) and all(s.op is Op.DROP for s in plan)
+    assert p.lookup(ks) == 1 and p.used_bytes(0) == 1
+
+
+def test_child_without_parent_is_refused_and_pins_hold():
+    p = Placement([TierSpec("dram", 2)], load_policy("lru"))
+    a, b, x = key("p", 0), key("p", 1), key("x", 0)
+    assert not p.insert(b, a, 1).placed
+    assert p.insert(a, None, 1).placed and p.insert(x, None, 1).placed
+    p.pin([a, x])
+    assert not p.insert(key("y", 0), None, 1).placed  # everything pinned: refused, nothing dropped
+    assert p.contains(a) and p.contains(x)
+    p.unpin([x])
+    assert p.insert(key("y", 0), None, 1).placed and p.contains(a) and not p.contains(x)
