@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--socket", default=None, help="socket path (overrides --config)")
     inspect.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     inspect.set_defaults(handler=_inspect)
+    importlib.import_module("ucm.model_cli").register(sub)
     bench = sub.add_parser("bench", help="measure ucm against baselines from the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name in BENCHES:

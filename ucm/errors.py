@@ -36,3 +36,7 @@ class ClosedError(UcmError):
 
 class TraceError(UcmError, ValueError):
     """A trace file has a malformed line; the message names the line number."""
+
+
+class ModelError(UcmError):
+    """A local model directory cannot be prepared (unknown name, missing package)."""

@@ -366,6 +366,7 @@ def connect(config: Union[None, str, Mapping[str, Any], UcmConfig] = None, start
                 [sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path, "--private",
                  "--idle-exit-s", str(idle_exit_s)],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                cwd=runtime_dir(),  # not the caller's directory: a source tree there may shadow ucm
                 env={**os.environ, "UCM_CONFIG": ""})
         client.spawned = proc
         deadline = time.monotonic() + timeout_s

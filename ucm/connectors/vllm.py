@@ -1,0 +1,600 @@
+"""UCMConnector: ucm as a vLLM v1 KV connector (KVConnectorBase_V1).
+
+Loaded by vLLM with
+
+    --kv-transfer-config '{"kv_connector":"UCMConnector",
+        "kv_connector_module_path":"ucm.connectors.vllm","kv_role":"kv_both",
+        "kv_load_failure_policy":"recompute",
+        "kv_connector_extra_config":{"ucm_config":"configs/default.yaml"}}'
+
+Set `kv_load_failure_policy` to "recompute": with vLLM's default ("fail") a
+block that vanished between lookup and load fails the request instead of
+being recomputed.
+
+vLLM builds two instances. The SCHEDULER one lives in the engine-core
+process: it keys the prompt's full blocks (`ucm.keys.block_keys` under a
+namespace built from the model and KV layout), asks the cache how long a
+prefix it holds, and plans per step which blocks workers load and save
+(`UCMConnectorMetadata`). The WORKER one lives in the worker process: it
+copies whole vLLM pages, every layer, verbatim between vLLM's paged KV
+tensors and ucm (payload of one block = for each layer, its pages in order;
+K and V are never re-interpreted). On CPU these are separate processes
+(EngineCore subprocess + MultiprocExecutor worker), so each instance opens
+the cache through `_open_cache`, a client of the per-node service.
+
+Which process runs what, and whether it may block:
+- scheduler: get_num_new_matched_tokens (lookup; pins the hit; no other
+  side effect, memoised per request), update_state_after_alloc,
+  build_connector_meta, update_connector_output, request_finished: short
+  control calls to the cache service only, never payload copies.
+- worker: start_load_kv blocks for synchronous loads (blocks already in
+  DRAM) before the forward; asynchronous loads (blocks below DRAM) and all
+  saves run on a background thread and are reported through get_finished.
+  A save holds the request's pages (request_finished returns True) until the
+  worker reports it. Loads that fail are reported through
+  get_block_ids_with_load_errors so vLLM recomputes those pages.
+
+Nothing here raises into vLLM for a cache fault: a dead service or a lost
+block is a miss. Only bad configuration raises, at construction.
+
+Limits of this version: tensor and pipeline parallel size 1, one KV cache
+group (no hybrid allocator), no multimodal or prompt-embeds requests (they
+are neither looked up nor saved), prompt blocks only (decode output is not
+saved).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ucm.config import UcmConfig, load_config
+from ucm.errors import ConfigError
+from ucm.keys import Namespace, block_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+Key = bytes
+SKIP = -1  # a page of a loaded block that vLLM already holds: left alone
+
+_KV_DTYPES = {
+    "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+    "float": "float32", "fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3", "fp8_e5m2": "float8_e5m2",
+}
+_LOAD_MODES = ("auto", "sync", "async")
+
+
+def _open_cache(config: UcmConfig):
+    """The cache this process talks to: a client of the node's ucm service
+    (a private one is started for `config` when none runs). The scheduler
+    and the worker are different processes, so they must share a service."""
+    import ucm
+
+    return ucm.connect(config)
+
+
+# ---- per-step plan shipped from the scheduler to the workers ----------------
+@dataclass(slots=True)
+class LoadJob:
+    """Copy `keys` into the request's pages. `page_ids[i]` lists the vLLM
+    pages of block i in order; SKIP marks pages vLLM already computed."""
+
+    req_id: str
+    keys: list[Key]
+    page_ids: list[list[int]]
+    is_async: bool
+
+
+@dataclass(slots=True)
+class StoreJob:
+    """Save the pages of consecutive full blocks `keys` (parent of keys[0]
+    is `parent`)."""
+
+    req_id: str
+    keys: list[Key]
+    page_ids: list[list[int]]
+    parent: Optional[Key]
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+# ---- scheduler-side state ------------------------------------------------
+@dataclass(slots=True)
+class _ReqState:
+    keys: list[Key]  # keys of the prompt's full blocks
+    hit_blocks: int = 0  # leading blocks the cache held at lookup
+    hit_tiers: list[Optional[str]] = field(default_factory=list)
+    looked_up: bool = False
+    pinned: list[Key] = field(default_factory=list)
+    local_tokens: int = 0  # vLLM's own (page-aligned) hit at the last lookup
+    load_async: bool = False  # what the last lookup answered vLLM: both sides must agree
+    page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
+    next_store: int = 0  # first block neither cached nor planned for saving
+    stores_issued: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What the connector reads from kv_connector_extra_config."""
+
+    ucm_config: Union[None, str, Mapping[str, Any]] = None  # YAML path or mapping; None: $UCM_CONFIG/defaults
+    model_id: Optional[str] = None  # names the model in block keys (default: vLLM's model name or path)
+    load_mode: str = "auto"  # auto: sync from DRAM, async below; or force "sync" / "async"
+    load_timeout_s: float = 30.0  # a synchronous load waiting longer is a miss
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> "ConnectorSettings":
+        prefix = "ucm_"
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for k, v in (extra or {}).items():
+            if not k.startswith(prefix):
+                continue
+            name = k[len(prefix):] if k != "ucm_config" else "ucm_config"
+            if name not in known:
+                raise ConfigError(f"kv_connector_extra_config: unknown key {k!r}; allowed: "
+                                  f"{sorted(prefix + n if n != 'ucm_config' else n for n in known)}")
+            kwargs[name] = v
+        s = cls(**kwargs)
+        if s.load_mode not in _LOAD_MODES:
+            raise ConfigError(f"kv_connector_extra_config.ucm_load_mode: {s.load_mode!r} not one of {list(_LOAD_MODES)}")
+        if not (isinstance(s.load_timeout_s, (int, float)) and s.load_timeout_s > 0):
+            raise ConfigError(f"kv_connector_extra_config.ucm_load_timeout_s must be > 0, got {s.load_timeout_s!r}")
+        return s
+
+
+def build_namespace(vllm_config: "VllmConfig", block_tokens: int, model_id: Optional[str] = None) -> Namespace:
+    """The namespace of this engine's blocks: everything that changes the
+    bytes of a page (model, KV dtype, shape, page size, platform)."""
+    from vllm.platforms import current_platform
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = str(cc.cache_dtype)
+    if dtype == "auto":
+        dtype = str(mc.dtype).removeprefix("torch.")
+    if dtype not in _KV_DTYPES:
+        raise ConfigError(f"vLLM KV cache dtype {dtype!r} is not supported by ucm; allowed: {sorted(_KV_DTYPES)}")
+    return Namespace(
+        model=model_id or str(mc.served_model_name or mc.model),
+        kv_dtype=_KV_DTYPES[dtype],
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_size=mc.get_head_size(),
+        block_tokens=block_tokens,
+        tp_rank=0,
+        tp_size=pc.tensor_parallel_size,
+        layout=f"vllm-{current_platform.device_type}-page{cc.block_size}",
+    )
+
+
+class UCMConnector(KVConnectorBase_V1):
+    """ucm behind vLLM's KV connector API; see the module docstring."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config or {})
+        self.config = load_config(self.settings.ucm_config)
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+            raise ConfigError(f"UCMConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 for now, "
+                              f"got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(f"UCMConnector supports one KV cache group, got {len(kv_cache_config.kv_cache_groups)}")
+        self.page_tokens = vllm_config.cache_config.block_size
+        self.block_tokens = self.config.block_tokens
+        if self.block_tokens % self.page_tokens:
+            raise ConfigError(
+                f"block_tokens: {self.block_tokens} is not a multiple of vLLM's page size (--block-size) "
+                f"{self.page_tokens}; use a multiple of {self.page_tokens}, e.g. {self.page_tokens} or "
+                f"{2 * self.page_tokens}")
+        self.pages_per_block = self.block_tokens // self.page_tokens
+        self.can_load = ktc.is_kv_consumer
+        self.can_save = ktc.is_kv_producer
+        self._cache = _open_cache(self.config)
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config)
+        else:
+            self._init_worker()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a later miss, nothing more
+
+    # =========================================================================
+    # Scheduler side (engine-core process)
+    # =========================================================================
+    def _init_scheduler(self, vllm_config: "VllmConfig") -> None:
+        self.namespace = build_namespace(vllm_config, self.block_tokens, self.settings.model_id)
+        self._seed = self.namespace.digest()
+        self._landing = self.config.landing_tier
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[LoadJob] = []
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
+                        "lost between lookup and load is recomputed instead of failing the request",
+                        self._kv_transfer_config.kv_load_failure_policy)
+        log.info("UCMConnector scheduler: namespace %s, block_tokens %d (%d pages)", self.namespace,
+                 self.block_tokens, self.pages_per_block)
+
+    def _state(self, request: "Request") -> Optional[_ReqState]:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        if request.prompt_token_ids is None or request.mm_features:
+            return None  # prompt embeddings / multimodal: the tokens do not name the bytes
+        salt = []
+        if request.cache_salt:
+            salt.append(f"salt={request.cache_salt}")
+        if request.lora_request is not None:
+            salt.append(f"lora={request.lora_request.lora_name}")
+        seed = dataclasses.replace(self.namespace, salt=";".join(salt)).digest() if salt else self._seed
+        st = _ReqState(keys=block_keys(seed, request.prompt_token_ids, self.block_tokens))
+        self._reqs[request.request_id] = st
+        return st
+
+    def _lookup(self, st: _ReqState) -> None:
+        """Longest cached prefix, pinned so it stays until the request ends."""
+        st.looked_up = True
+        n = self._cache.lookup(st.keys) if st.keys and self.can_load else 0
+        if n:
+            self._cache.pin(st.keys[:n])
+            m = self._cache.lookup(st.keys[:n])  # still there now that it is pinned?
+            if m < n:
+                self._cache.unpin(st.keys[m:n])
+            n = m
+        st.pinned = st.keys[:n]
+        st.hit_blocks = n
+        st.hit_tiers = self._cache.locate(st.keys[:n]) if n else []
+        st.next_store = max(st.next_store, n)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        if not st.looked_up:
+            self._lookup(st)
+        st.local_tokens = num_computed_tokens
+        # A full hit is reported one token short: vLLM must compute the last
+        # prompt token to sample the next one.
+        hit = min(st.hit_blocks * self.block_tokens, request.num_tokens - 1)
+        if hit <= num_computed_tokens:
+            return 0, False
+        first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
+        mode = self.settings.load_mode
+        if mode == "auto":
+            is_async = any(t != self._landing for t in st.hit_tiers[first:last])
+        else:
+            is_async = mode == "async"
+        st.load_async = is_async
+        return hit - num_computed_tokens, is_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        st.page_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        start, end = st.local_tokens, st.local_tokens + num_external_tokens
+        first_page, end_page = start // self.page_tokens, -(-end // self.page_tokens)
+        b0, b1 = start // self.block_tokens, -(-end // self.block_tokens)
+        ppb = self.pages_per_block
+        pages = []
+        for b in range(b0, b1):
+            row = []
+            for j in range(ppb):
+                p = b * ppb + j
+                row.append(st.page_ids[p] if first_page <= p < min(end_page, len(st.page_ids)) else SKIP)
+            pages.append(row)
+        # An async load is reported through get_finished; it must be async
+        # exactly when get_num_new_matched_tokens said so.
+        self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = UCMConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        sched = scheduler_output.num_scheduled_tokens
+        for r in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(r.req_id)
+            if st is None:
+                continue
+            st.page_ids = list(r.block_ids[0])
+            self._plan_store(r.req_id, st, r.num_computed_tokens + sched.get(r.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.page_ids = list(new[0]) if new else []
+            elif new:
+                st.page_ids.extend(new[0])
+            self._plan_store(req_id, st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            meta.preempted.add(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None:  # its pages are gone; look up again when it resumes
+                st.page_ids = []
+                st.looked_up = False
+                if st.pinned:
+                    self._cache.unpin(st.pinned)
+                    st.pinned = []
+        return meta
+
+    def _plan_store(self, req_id: str, st: _ReqState, computed_tokens: int, meta: UCMConnectorMetadata) -> None:
+        if not self.can_save:
+            return
+        full = min(computed_tokens // self.block_tokens, len(st.keys), len(st.page_ids) // self.pages_per_block)
+        if full <= st.next_store:
+            return
+        ppb = self.pages_per_block
+        b0 = st.next_store
+        meta.stores.append(StoreJob(
+            req_id=req_id,
+            keys=st.keys[b0:full],
+            page_ids=[st.page_ids[b * ppb:(b + 1) * ppb] for b in range(b0, full)],
+            parent=st.keys[b0 - 1] if b0 else None,
+        ))
+        st.next_store = full
+        st.stores_issued = True
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():  # blocks that failed to load are saved again once recomputed
+            for p, page in enumerate(st.page_ids):
+                if page in bad:
+                    st.next_store = min(st.next_store, p // self.pages_per_block)
+                    break
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if st.pinned:
+            self._cache.unpin(st.pinned)
+        # Saves in flight read these pages: keep them until the worker reports
+        # the request in get_finished's finished_sending.
+        return st.stores_issued, None
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        if num_external_tokens == 0:
+            return {}
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.hit_tiers:
+            return {self._cache_hit_source: num_external_tokens}
+        below = any(t != self._landing for t in st.hit_tiers)
+        return {CacheHitSource.DISK if below else CacheHitSource.HOST: num_external_tokens}
+
+    # =========================================================================
+    # Worker side (worker process)
+    # =========================================================================
+    def _init_worker(self) -> None:
+        self._layers: list[torch.Tensor] = []  # per layer: [num_pages, page_bytes] uint8 views
+        self._page_bytes = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-vllm")
+        self._inflight: dict[str, list[Future]] = {}  # req_id -> background jobs touching its pages
+        self._pending_saves: dict[str, int] = {}  # req_id -> saves not yet done
+        self._saving_reqs: set[str] = set()  # every request that got a save
+        self._finished_saving: set[str] = set()  # finished by vLLM, waiting for saves
+        self._done_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0,
+                         "store_failed_blocks": 0, "load_s": 0.0, "store_s": 0.0}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        layers = []
+        for name in names:
+            t = kv_caches[name]
+            if t.device.type != "cpu":
+                raise ConfigError(f"UCMConnector copies host memory; layer {name} is on {t.device}")
+            if not t.is_contiguous():
+                raise ConfigError(f"UCMConnector needs each layer's KV tensor page-major and contiguous; "
+                                  f"{name} has shape {tuple(t.shape)} strides {t.stride()}")
+            layers.append(t.view(t.shape[0], -1).view(torch.uint8))
+        shapes = {tuple(x.shape) for x in layers}
+        if len(shapes) != 1:
+            raise ConfigError(f"UCMConnector needs equal page shapes in every layer, got {sorted(shapes)}")
+        self._layers = layers
+        self._page_bytes = layers[0].shape[1]
+        first = kv_caches[names[0]]
+        log.info("UCMConnector worker: %d layers, %d pages of %d bytes (layer tensor %s %s strides %s); "
+                 "block payload %d bytes", len(layers), layers[0].shape[0], self._page_bytes,
+                 tuple(first.shape), first.dtype, first.stride(),
+                 len(layers) * self.pages_per_block * self._page_bytes)
+
+    # ---- page copies ---------------------------------------------------------
+    def _staging(self, n_blocks: int, pages_per_block: int) -> torch.Tensor:
+        return torch.empty((n_blocks, len(self._layers), pages_per_block, self._page_bytes), dtype=torch.uint8)
+
+    def _gather(self, page_ids: list[list[int]]) -> torch.Tensor:
+        out = self._staging(len(page_ids), len(page_ids[0]))
+        for b, pages in enumerate(page_ids):
+            idx = torch.tensor(pages, dtype=torch.long)
+            for layer, src in enumerate(self._layers):
+                torch.index_select(src, 0, idx, out=out[b, layer])
+        return out
+
+    def _scatter(self, staging: torch.Tensor, page_ids: list[list[int]], n_blocks: int) -> None:
+        for b in range(n_blocks):
+            pages = page_ids[b]
+            keep = [j for j, p in enumerate(pages) if p != SKIP]
+            if not keep:
+                continue
+            idx = torch.tensor([pages[j] for j in keep], dtype=torch.long)
+            for layer, dst in enumerate(self._layers):
+                src = staging[b, layer]
+                dst.index_copy_(0, idx, src if len(keep) == len(pages) else src[keep])
+
+    # ---- loads ---------------------------------------------------------------
+    def _load(self, job: LoadJob) -> None:
+        """Copies the job's blocks into its pages; pages of blocks that did not
+        arrive (and of every block after the first such) become load errors."""
+        started = time.perf_counter()
+        n = len(job.keys)
+        ok = 0
+        try:
+            staging = self._staging(n, len(job.page_ids[0]))
+            handle = self._cache.load(job.keys, [staging[b] for b in range(n)])
+            results = handle.wait(self.settings.load_timeout_s)
+            if results is not None:
+                from ucm.cache import Outcome
+
+                while ok < n and results[ok] is Outcome.DONE:
+                    ok += 1
+            self._scatter(staging, job.page_ids, ok)
+        except Exception:  # a cache fault is a miss for vLLM, never an exception
+            log.exception("UCMConnector: load for %s failed", job.req_id)
+            ok = 0
+        bad = {p for pages in job.page_ids[ok:] for p in pages if p != SKIP}
+        with self._lock:
+            self._load_errors |= bad
+            self.counters["loaded_blocks"] += ok
+            self.counters["load_failed_blocks"] += n - ok
+            self.counters["load_s"] += time.perf_counter() - started
+        if bad:
+            log.warning("UCMConnector: %d of %d blocks of %s did not load; vLLM recomputes them", n - ok, n,
+                        job.req_id)
+
+    def _load_async(self, job: LoadJob) -> None:
+        try:
+            self._load(job)
+        finally:
+            with self._lock:
+                self._done_recving.add(job.req_id)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or not self._layers:
+            return
+        for job in meta.loads:
+            if job.is_async:
+                self._track(job.req_id, self._pool.submit(self._load_async, job))
+            else:
+                self._load(job)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # synchronous loads finish in start_load_kv
+
+    # ---- saves ---------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        """Submits this step's saves (the forward has written the pages); they
+        run in the background and hold the request's pages until reported."""
+        meta = self._connector_metadata
+        if not isinstance(meta, UCMConnectorMetadata) or not meta.stores or not self._layers:
+            return
+        for job in meta.stores:
+            with self._lock:
+                self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
+                self._saving_reqs.add(job.req_id)
+            self._track(job.req_id, self._pool.submit(self._save, job))
+
+    def _save(self, job: StoreJob) -> None:
+        started = time.perf_counter()
+        stored = 0
+        try:
+            staging = self._gather(job.page_ids)
+            handle = self._cache.store(job.keys, [staging[b] for b in range(len(job.keys))], parent=job.parent)
+            results = handle.wait(self.settings.load_timeout_s) or []
+            from ucm.cache import Outcome
+
+            stored = sum(r is Outcome.DONE for r in results)
+        except Exception:
+            log.exception("UCMConnector: save for %s failed", job.req_id)
+        finally:
+            with self._lock:
+                self._pending_saves[job.req_id] -= 1
+                self.counters["stored_blocks"] += stored
+                self.counters["store_failed_blocks"] += len(job.keys) - stored
+                self.counters["store_s"] += time.perf_counter() - started
+
+    def _track(self, req_id: str, fut: Future) -> None:
+        with self._lock:
+            futs = [f for f in self._inflight.get(req_id, ()) if not f.done()]
+            futs.append(fut)
+            self._inflight[req_id] = futs
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Preempted requests' pages are about to be reused: finish the
+        background copies that still read or write them."""
+        if not isinstance(kv_connector_metadata, UCMConnectorMetadata):
+            return
+        for req_id in kv_connector_metadata.preempted:
+            with self._lock:
+                futs = self._inflight.pop(req_id, [])
+            for f in futs:
+                f.result()
+
+    # ---- completion ------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        with self._lock:
+            for r in finished_req_ids:  # forget finished load-only requests' (done) jobs
+                if r not in self._saving_reqs and all(f.done() for f in self._inflight.get(r, ())):
+                    self._inflight.pop(r, None)
+            self._finished_saving.update(r for r in finished_req_ids if r in self._saving_reqs)
+            done_sending = {r for r in self._finished_saving if self._pending_saves.get(r, 0) == 0}
+            for r in done_sending:
+                self._finished_saving.discard(r)
+                self._saving_reqs.discard(r)
+                self._pending_saves.pop(r, None)
+                self._inflight.pop(r, None)
+            done_recving, self._done_recving = self._done_recving, set()
+        return done_sending or None, done_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            bad, self._load_errors = self._load_errors, set()
+        return bad
+
+    def shutdown(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)  # saves in flight finish before the engine goes
+            log.info("UCMConnector worker: %s", self.counters)
+        cache = getattr(self, "_cache", None)
+        if cache is not None:
+            try:
+                cache.close()
+            except Exception:
+                log.debug("closing the cache client failed", exc_info=True)
