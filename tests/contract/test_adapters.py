@@ -11,8 +11,20 @@ CAP = 8 << 20
 SIZE = 100_000
 
 # Options an adapter needs in a test sandbox (a directory, a small region).
+def _server(var):
+    """A server address from the session fixture (tests/contract/conftest.py), or a skip."""
+    value = os.environ.get(var)
+    if not value:
+        pytest.skip(f"{var} is not set: no server for this adapter here")
+    return value
+
+
 NEEDS = {
     "nvme": lambda tmp: {"path": str(tmp), "region_size": "1MiB", "io_chunk": "256KiB"},
+    "fs": lambda tmp: {"path": str(tmp)},
+    "redis": lambda tmp: {"url": _server("UCM_TEST_REDIS_URL"), "key_prefix": f"contract/{tmp.name}/"},
+    "mooncake": lambda tmp: {"master": _server("UCM_TEST_MOONCAKE_MASTER"), "segment_size": "32MiB",
+                             "local_buffer_size": "16MiB", "key_prefix": f"contract/{tmp.name}/"},
 }
 
 pytestmark = pytest.mark.parametrize("name", adapter_names())

@@ -41,6 +41,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io-threads", type=int, default=8, help="nvme native I/O threads (default 8)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    cluster = p.add_argument_group("cluster tiers", "with --tier: the tier's adapter next to its raw client "
+                                   "(ucm/bench/cluster_io.py); see docs/cluster.md")
+    cluster.add_argument("--tier", choices=("mooncake", "redis", "fs"), default=None,
+                         help="measure this cluster tier instead of dram/nvme")
+    cluster.add_argument("--master", default=None, help="mooncake master host:port (default: start one on 127.0.0.1)")
+    cluster.add_argument("--metadata-server", default=None, help="mooncake metadata server (default P2PHANDSHAKE)")
+    cluster.add_argument("--pool", choices=("peer", "local", "none"), default=None,
+                         help="mooncake pool: a started pool node, this process, or the cluster's")
+    cluster.add_argument("--redis-url", default=None, help="redis URL (default: start a redis-server on 127.0.0.1)")
+    cluster.add_argument("--repeats", type=int, default=3, help="paired repeats; medians are reported (default 3)")
     p.set_defaults(handler=run)
 
 
@@ -157,6 +167,15 @@ def _fio(directory: str, size_mb: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     directory = args.dir or "/var/tmp"
     os.makedirs(directory, exist_ok=True)
+    if args.tier is not None:
+        from ucm.bench.cluster_io import measure_tier
+
+        res = measure_tier(args.tier, size_mb=args.size_mb, block_kb=args.block_kb, batch=args.batch,
+                           repeats=args.repeats, master=args.master, metadata_server=args.metadata_server,
+                           pool=args.pool, redis_url=args.redis_url, directory=directory,
+                           io_threads=args.io_threads)
+        print(json.dumps(res, sort_keys=True, default=str))
+        return 0 if res.get("ok") else 1
     res = measure(directory, args.size_mb, args.block_kb * 1024, args.batch, args.io_threads, not args.no_fio)
     if args.json:
         print(json.dumps(res, sort_keys=True))

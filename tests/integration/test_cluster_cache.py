@@ -1,0 +1,55 @@
+"""Two nodes' caches share blocks through a cluster tier (fs on a common directory)."""
+import hashlib
+
+from ucm.cache import Outcome, UnifiedCache
+
+SIZE = 64 * 1024
+
+
+def node(shared_dir, dram="512KiB"):
+    return UnifiedCache({"tiers": [{"adapter": "dram", "capacity": dram},
+                                   {"adapter": "fs", "capacity": "64MiB", "options": {"path": shared_dir}}],
+                         "policy": {"name": "lru"}})
+
+
+def chain(n, seed):
+    keys, data, prev = [], [], seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev)
+        data.append(hashlib.shake_128(prev).digest(SIZE))
+    return keys, data
+
+
+def test_node_b_finds_and_loads_what_node_a_demoted(tmp_path):
+    shared = str(tmp_path / "pool")
+    keys, data = chain(20, 1)  # 1.25 MiB into 512 KiB of DRAM: the prefix goes down to the pool
+    with node(shared) as a:
+        assert a.store(keys, data).wait(30) == [Outcome.DONE] * 20
+        down = [k for k, t in zip(keys, a.locate(keys)) if t == "fs"]
+        assert down and down == keys[:len(down)]
+    with node(shared, dram="4MiB") as b:
+        assert b.lookup(keys) == len(down)  # nothing local: the pool's consecutive prefix
+        assert b.locate(keys[:len(down)]) == ["fs"] * len(down)
+        out = [bytearray(SIZE) for _ in down]
+        assert b.load(down, out).wait(30) == [Outcome.DONE] * len(down)
+        assert [bytes(o) for o in out] == data[:len(down)]
+        assert b.locate(down) == ["dram"] * len(down)  # promoted into node B's DRAM
+        assert b.lookup(keys) == len(down)
+
+
+def test_bad_bytes_in_the_pool_are_a_miss(tmp_path):
+    shared = str(tmp_path / "pool")
+    keys, data = chain(12, 2)
+    with node(shared) as a:
+        a.store(keys, data).wait(30)
+        down = [k for k, t in zip(keys, a.locate(keys)) if t == "fs"]
+    victim = next((tmp_path / "pool").rglob(down[0].hex() + "*"))
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    with node(shared, dram="4MiB") as b:
+        out = [bytearray(SIZE) for _ in down]
+        res = b.load(down, out).wait(30)
+        assert res[0] is Outcome.CORRUPT
+        assert all(r is not Outcome.DONE or bytes(o) == d for r, o, d in zip(res, out, data))

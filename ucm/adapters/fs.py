@@ -1,0 +1,459 @@
+"""`fs`: one file per block on a file system mounted on every node.
+
+For shared file systems (NFS, 3FS, Lustre, CephFS, or a local directory for
+one node): every node configures the same `path`, and a block stored by one
+node is found and loaded by the others.
+
+Layout. `<path>/<key_prefix>/<aa>/<bb>/<32 hex digits>`: the first bytes of
+the key name `shard_levels` levels of 256 directories each, so no directory
+grows large. A file is `header || payload` (ucm.adapters.framing); reads
+check magic, key, length and XXH3-64, so a damaged, truncated or foreign file
+is CORRUPT, never data.
+
+Writes are atomic for readers: a block is written to a temporary name beside
+its final name (`.<hex>.<host>.<pid>.<n>.tmp`), optionally fsync'ed, then
+renamed into place. A reader on any node sees no file or the whole block.
+A key already present is left as it is. Temporaries left by a crashed writer
+are removed by the next scan once older than `tmp_max_age_s`.
+
+I/O. Batches run on a pool of `io_threads` threads: each item is an open,
+one scatter/gather `readv`/`writev` of header and payload (straight into or
+out of the caller's buffer, no staging copy), and a close; the blocking
+calls and the checksums release the GIL, so a batch has many files in
+flight. (This is what aiofiles does under asyncio, minus the event loop.)
+
+Space. The adapter keeps an index key -> (payload bytes), in least recently
+used order, and the bytes it accounts for. It is built by one scan of the
+tree at start (`scan_on_start`) and, if `rescan_interval_s` > 0, refreshed by
+a background scan that picks up other nodes' blocks and deletions; in
+between it learns from its own writes and from files it finds present or
+missing on lookups. A write never scans: it checks the accounted bytes and,
+when the new block does not fit in `capacity_bytes`, removes the least
+recently used indexed files first (`on_full: evict`, for a pool shared by
+nodes whose caches each only know their own blocks), or answers NO_SPACE
+(`on_full: refuse`). Every removal and every indexed file found gone is
+reported by `drain_dropped()`. `iter_keys()` returns the index.
+
+Faults. ENOSPC and EDQUOT are NO_SPACE; other I/O errors are FAILED;
+neither raises. Thread-safe: one lock guards the index (never held across
+I/O); concurrent writers of one key race harmlessly (same bytes, atomic
+renames).
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+
+from pydantic import Field, field_validator
+
+from ucm.adapters import framing
+from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.buffers import byte_view
+from ucm.errors import AdapterError, ArgumentError, ClosedError
+
+log = logging.getLogger(__name__)
+
+_HEX = re.compile(r"^[0-9a-f]{32}$")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class FsConfig(AdapterConfig):
+    path: str  # the shared mount point (or any directory)
+    key_prefix: str = Field(default="ucm", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # subdirectory: one per deployment
+    shard_levels: int = Field(default=2, ge=0, le=3)  # directory levels of 256 entries
+    io_threads: int = Field(default=8, ge=1, le=256)
+    fsync: bool = False  # fsync each block before it is renamed into place (durability across crashes)
+    file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of block files; 0o640/0o644 to share between users
+    on_full: Literal["evict", "refuse"] = "evict"
+    scan_on_start: bool = True  # index the blocks already in the tree
+    rescan_interval_s: float = Field(default=0.0, ge=0.0)  # 0: never rescan in the background
+    tmp_max_age_s: float = Field(default=3600.0, gt=0.0)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not v:
+            raise ValueError("must name a directory")
+        return v
+
+
+class FsAdapter(StorageAdapter):
+    """Blocks as files in a sharded tree on a (shared) file system."""
+
+    name = "fs"
+    shared = True  # other nodes store into the same medium
+    Config = FsConfig
+
+    def __init__(self, capacity_bytes: int, config: FsConfig) -> None:
+        if capacity_bytes <= 0:
+            raise ArgumentError(f"fs: capacity_bytes must be > 0, got {capacity_bytes}")
+        self.config = config
+        self._capacity = capacity_bytes
+        self.root = os.path.join(os.path.abspath(config.path), config.key_prefix)
+        # directories are searchable by whoever may read the files
+        self._dir_mode = 0o700 | (0o050 if config.file_mode & 0o040 else 0) | (0o005 if config.file_mode & 0o004 else 0)
+        try:
+            os.makedirs(self.root, mode=self._dir_mode, exist_ok=True)
+        except OSError as exc:
+            raise AdapterError(f"fs: cannot create {self.root!r}: {exc}") from exc
+        if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
+            raise AdapterError(f"fs: {self.root!r} is not readable and writable by this user")
+        self._lock = threading.Lock()
+        self._index: OrderedDict[Key, int] = OrderedDict()  # key -> payload bytes, LRU first
+        self._used = 0  # bytes (header included) of the index plus reservations
+        self._writing: set[Key] = set()
+        self._evicting: set[Key] = set()  # taken out of the index, file not unlinked yet
+        self._dropped: list[Key] = []
+        self._dirs: set[str] = set()
+        self._tmp_tag = f"{socket.gethostname()}.{os.getpid()}"
+        self._tmp_seq = itertools.count()
+        self._closed = False
+        self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
+                       "failed": 0, "evicted": 0, "gone": 0, "scans": 0, "tmp_removed": 0}
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-fs")
+        if config.scan_on_start:
+            self.rescan()
+        self._stop = threading.Event()
+        self._scanner: Optional[threading.Thread] = None
+        if config.rescan_interval_s > 0:
+            self._scanner = threading.Thread(target=self._scan_loop, name="ucm-fs-scan", daemon=True)
+            self._scanner.start()
+
+    # ---- paths -------------------------------------------------------------
+    def _dir(self, hexkey: str) -> str:
+        parts = [hexkey[2 * i:2 * i + 2] for i in range(self.config.shard_levels)]
+        return os.path.join(self.root, *parts)
+
+    def path_of(self, key: Key) -> str:
+        """The file a block lives in (whether or not it exists)."""
+        h = framing.check_key(key).hex()
+        return os.path.join(self._dir(h), h)
+
+    # ---- batches -----------------------------------------------------------
+    def _map(self, fn: Callable[[int], Any], n: int) -> list[Any]:
+        if n <= 1:
+            return [fn(i) for i in range(n)]
+        return list(self._pool.map(fn, range(n)))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("fs adapter used after close()")
+
+    # ---- write path --------------------------------------------------------
+    def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(blobs):
+            raise ArgumentError(f"put: {len(keys)} keys but {len(blobs)} blobs")
+        views = [byte_view(b, what="blob") for b in blobs]
+        paths = [self.path_of(k) for k in keys]
+        out: list[Optional[Status]] = [None] * len(keys)
+        todo: list[int] = []
+        victims: list[Key] = []
+        with self._lock:
+            self._check_open()
+            for i, (key, v) in enumerate(zip(keys, views)):
+                need = framing.HEADER_BYTES + len(v)
+                if key in self._index or key in self._writing:
+                    out[i] = Status.OK
+                    continue
+                if self._used + need > self._capacity:
+                    if self.config.on_full == "evict":
+                        victims += self._evict_locked(self._used + need - self._capacity)
+                    if self._used + need > self._capacity:
+                        out[i] = Status.NO_SPACE
+                        self._stats["no_space"] += 1
+                        continue
+                self._used += need
+                self._writing.add(key)
+                todo.append(i)
+        if victims:
+            self._map(lambda j: _unlink(self.path_of(victims[j])), len(victims))
+            with self._lock:
+                self._evicting.difference_update(victims)
+
+        def write(j: int) -> Status:
+            i = todo[j]
+            return self._write_one(keys[i], paths[i], views[i])
+
+        results = self._map(write, len(todo))
+        with self._lock:
+            for i, st in zip(todo, results):
+                key, n = keys[i], len(views[i])
+                self._writing.discard(key)
+                if st is Status.OK and key not in self._index:
+                    self._index[key] = n
+                    self._stats["bytes_in"] += n
+                else:
+                    self._used -= framing.HEADER_BYTES + n
+                    if st is not Status.OK:
+                        self._stats["no_space" if st is Status.NO_SPACE else "failed"] += 1
+                out[i] = st
+        return [s if s is not None else Status.FAILED for s in out]
+
+    def _evict_locked(self, need: int) -> list[Key]:
+        """Takes least recently used blocks out of the index until `need`
+        bytes are free; the caller unlinks them. Lock held."""
+        victims: list[Key] = []
+        freed = 0
+        for key in list(self._index):
+            if freed >= need:
+                break
+            size = self._index.pop(key)
+            freed += framing.HEADER_BYTES + size
+            victims.append(key)
+        self._used -= freed
+        self._evicting.update(victims)
+        self._dropped.extend(victims)
+        self._stats["evicted"] += len(victims)
+        return victims
+
+    def _write_one(self, key: Key, path: str, payload: memoryview) -> Status:
+        if os.path.exists(path):  # stored meanwhile by another node: blobs under a key never change
+            return Status.OK
+        d = os.path.dirname(path)
+        tmp = os.path.join(d, f".{os.path.basename(path)}.{self._tmp_tag}.{next(self._tmp_seq)}.tmp")
+        header = framing.pack_header(key, payload)
+        try:
+            if d not in self._dirs:
+                os.makedirs(d, mode=self._dir_mode, exist_ok=True)
+                self._dirs.add(d)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.config.file_mode)
+        except OSError as exc:
+            return self._io_fault("create", tmp, exc)
+        try:
+            try:
+                _write_all(fd, [header, payload])
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as exc:
+            _unlink(tmp)
+            return self._io_fault("write", path, exc)
+        return Status.OK
+
+    def _io_fault(self, what: str, path: str, exc: OSError) -> Status:
+        if exc.errno in _NO_SPACE:
+            return Status.NO_SPACE
+        log.warning("fs: %s %s failed: %s", what, path, exc)
+        return Status.FAILED
+
+    # ---- read path ---------------------------------------------------------
+    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        paths = [self.path_of(k) for k in keys]
+        self._check_open()
+        out = self._map(lambda i: self._read_one(keys[i], paths[i], views[i]), len(keys))
+        with self._lock:
+            for key, v, st in zip(keys, views, out):
+                if st is Status.OK:
+                    self._stats["hits"] += 1
+                    self._stats["bytes_out"] += len(v)
+                    if key in self._index:
+                        self._index.move_to_end(key)
+                    else:
+                        self._learn_locked(key, len(v))
+                elif st is Status.NOT_FOUND:
+                    self._stats["misses"] += 1
+                    self._gone_locked(key)
+                else:
+                    self._stats["corrupt" if st is Status.CORRUPT else "failed"] += 1
+        return out
+
+    def _read_one(self, key: Key, path: str, dst: memoryview) -> Status:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return Status.NOT_FOUND
+        except OSError as exc:
+            return self._io_fault("open", path, exc)
+        header = bytearray(framing.HEADER_BYTES)
+        try:
+            n = _read_all(fd, [memoryview(header), dst])
+        except OSError as exc:
+            return self._io_fault("read", path, exc)
+        finally:
+            os.close(fd)
+        if n != framing.HEADER_BYTES + len(dst):
+            return Status.CORRUPT
+        return framing.verify(key, header, dst)
+
+    # ---- index upkeep ------------------------------------------------------
+    def _learn_locked(self, key: Key, size: int) -> None:
+        """A block present on the medium that the index lacked (another node's)."""
+        if key not in self._index and key not in self._writing and key not in self._evicting:
+            self._index[key] = size
+            self._used += framing.HEADER_BYTES + size
+
+    def _gone_locked(self, key: Key) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= framing.HEADER_BYTES + size
+            self._dropped.append(key)
+            self._stats["gone"] += 1
+
+    def rescan(self) -> None:
+        """Rebuilds the index from the tree (one walk, no payload reads) and
+        removes stale temporaries. Blocks found gone are reported dropped."""
+        found: dict[Key, tuple[float, int]] = {}
+        now = time.time()
+        removed = 0
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                if name.endswith(".tmp"):
+                    try:
+                        if now - os.stat(full).st_mtime > self.config.tmp_max_age_s:
+                            os.unlink(full)
+                            removed += 1
+                    except OSError:
+                        pass
+                    continue
+                if not _HEX.match(name):
+                    continue
+                try:
+                    st = os.stat(full)
+                except OSError:
+                    continue
+                if st.st_size >= framing.HEADER_BYTES:
+                    found[bytes.fromhex(name)] = (st.st_mtime, st.st_size - framing.HEADER_BYTES)
+        with self._lock:
+            for key in list(self._index):
+                if key not in found and key not in self._writing:
+                    self._gone_locked(key)
+            for key, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]):
+                if key not in self._index:
+                    self._learn_locked(key, size)
+            self._stats["scans"] += 1
+            self._stats["tmp_removed"] += removed
+        log.info("fs: indexed %d blocks under %s", len(found), self.root)
+
+    def _scan_loop(self) -> None:
+        while not self._stop.wait(self.config.rescan_interval_s):
+            try:
+                self.rescan()
+            except Exception:  # a flaky mount must not kill the scanner
+                log.exception("fs: background scan of %s failed", self.root)
+
+    # ---- the rest of the contract ------------------------------------------
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        paths = [self.path_of(k) for k in keys]
+        self._check_open()
+        sizes = self._map(lambda i: _payload_size(paths[i]), len(keys))
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                if size is None:
+                    self._gone_locked(key)
+                else:
+                    self._learn_locked(key, size)
+        return [s is not None for s in sizes]
+
+    def delete(self, keys: Sequence[Key]) -> list[bool]:
+        paths = [self.path_of(k) for k in keys]
+        self._check_open()
+        out = self._map(lambda i: _unlink(paths[i]), len(keys))
+        with self._lock:
+            for key in keys:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= framing.HEADER_BYTES + size
+        return out
+
+    def size_of(self, key: Key) -> Optional[int]:
+        with self._lock:
+            if key in self._index:
+                return self._index[key]
+        return _payload_size(self.path_of(key))
+
+    def iter_keys(self) -> Iterator[Key]:
+        with self._lock:
+            return iter(list(self._index))
+
+    def drain_dropped(self) -> list[Key]:
+        with self._lock:
+            out, self._dropped = self._dropped, []
+            return out
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def slot_bytes(self, size: int) -> int:
+        return framing.HEADER_BYTES + size
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats, blocks=len(self._index), root=self.root)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._scanner is not None:
+            self._scanner.join(timeout=5.0)
+        self._pool.shutdown(wait=True)
+
+
+def _payload_size(path: str) -> Optional[int]:
+    try:
+        n = os.stat(path).st_size
+    except OSError:
+        return None
+    return n - framing.HEADER_BYTES if n >= framing.HEADER_BYTES else None
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("fs: cannot remove %s: %s", path, exc)
+        return False
+
+
+def _write_all(fd: int, bufs: list[Any]) -> None:
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _read_all(fd: int, bufs: list[memoryview]) -> int:
+    """Fills the buffers in order; returns the bytes read (less at end of file)."""
+    views = [b for b in bufs if len(b)]
+    total = 0
+    while views:
+        n = os.readv(fd, views)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total

@@ -1,0 +1,678 @@
+"""`mooncake`: blocks in a Mooncake Store, the memory pool shared by a cluster.
+
+The pool. A `mooncake_master` (one per cluster) keeps the object index and
+hands out space; every node's client may contribute `segment_size` bytes of
+its DRAM to the pool (0: use the pool, give nothing), and dedicated pool
+nodes (`mooncake_client`) may add more. Data moves between a client and the
+segment holding an object over the transfer engine (`protocol`: tcp here,
+rdma where NICs allow). See docs/cluster.md for ports and flags.
+
+Values. Each block is one object `header || payload` (ucm.adapters.framing)
+under the key `<key_prefix><32 hex digits of the block key>`: several
+deployments share one pool through different prefixes. Reads check the header
+(magic, key, length, XXH3-64): foreign or damaged bytes, or bytes overwritten
+under a reader whose lease ran out, are CORRUPT, never data.
+
+Zero copy. Batches go through `batch_put_from_multi_buffers` and
+`batch_get_into_multi_buffers`: the header travels from/into a small slot of
+the adapter's own registered scratch memory and the payload straight from/into
+the caller's buffer, one object per key, one call per batch. The transfer
+engine must be allowed to touch the caller's memory: on protocol tcp it reads
+and writes any local memory; on rdma memory must be registered, so the owner
+registers long-lived memory (the DRAM arena) with `register_memory()`, and
+other buffers are copied through the registered staging area
+(`staging_size`, shared by `concurrency` concurrent calls).
+
+Space. `capacity_bytes` is this adapter's budget in the pool: it counts the
+objects it stored (header included) and answers NO_SPACE past it; a pool with
+no room (NO_AVAILABLE_HANDLE, a tenant quota) is NO_SPACE too. The master
+evicts objects on its own (leases and soft pins expire, memory runs low): an
+object this adapter stored that is found gone is a miss, leaves the budget and
+is reported by `drain_dropped()`. A read whose lease ran out before its
+transfer ended, or of an object another node is still writing, is a miss too. `iter_keys()` returns the keys this instance
+stored or found present when storing, never a scan of the pool; `contains`,
+`get` and `size_of` ask the master, so blocks of other nodes are found.
+A `delete` removes the object even while another reader holds a lease on it
+(`force_delete`): that reader then gets a CORRUPT or missing block, not wrong
+data, because every read is verified.
+
+Faults. A background thread probes the master (a TCP connect every
+`probe_interval_s`, and the client's own health check); while the master is
+unreachable, or for `retry_after_s` after a call saw an RPC failure, every call
+answers FAILED (reads, writes) or False/None (queries) at once without
+touching the network, instead of waiting out the client's multi-second RPC
+timeouts. When the master is back the client re-mounts its segment and the
+tier works again (objects held only by the old master's index are misses).
+If the master is down when the adapter is built, the adapter still builds,
+answers misses, and completes its setup in the background once the master
+answers. Nothing on the data path raises for a fault.
+
+Thread-safe. Lock order: `_setup_lock`, then `_lock`; the store client is
+called outside both. At most `concurrency` calls move data at once (each holds
+one scratch area); more wait up to `wait_s`, then answer FAILED.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from ucm import _native
+from ucm.adapters import framing
+from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.buffers import byte_view
+from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.sizes import parse_size
+
+log = logging.getLogger(__name__)
+
+# mooncake-store ErrorCode values (types.h) the adapter tells apart.
+_NO_AVAILABLE_HANDLE = -200
+_INVALID_PARAMS = -600  # also: the buffers add up to less than the object
+_REPLICA_IS_NOT_READY = -703
+_OBJECT_NOT_FOUND = -704
+_OBJECT_ALREADY_EXISTS = -705
+_LEASE_EXPIRED = -707  # the reader's lease ran out before the transfer completed
+_TRANSFER_FAIL = -800  # also: the buffers add up to more than the object
+_SIZE_CODES = frozenset({_INVALID_PARAMS, _TRANSFER_FAIL})
+_TENANT_QUOTA_EXCEEDED = -1700
+_UNREACHABLE = frozenset({-900, -901, -1010, -1011})  # RPC_FAIL, RPC_TIMEOUT, UNAVAILABLE_IN_CURRENT_*
+
+_SLOT = 64  # bytes per header slot in the scratch memory
+_SLOTS = 256  # header slots per scratch area: items per store call
+
+
+class MooncakeConfig(AdapterConfig):
+    master: str  # mooncake_master RPC address, host:port
+    metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata (mooncake_http_metadata_server)
+    local_hostname: str = "127.0.0.1"  # the address other nodes reach this node's segment at
+    protocol: str = Field(default="tcp", pattern=r"^[a-z0-9_]+$")  # tcp, rdma, ...
+    device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
+    segment_size: int = 256 << 20  # DRAM this node adds to the pool; 0: none
+    local_buffer_size: int = 64 << 20  # the client's own transfer buffer
+    key_prefix: str = Field(default="ucm/", min_length=1, max_length=256)
+    replica_num: int = Field(default=1, ge=1, le=16)
+    zero_copy_unregistered: Optional[bool] = None  # None: True on tcp, False otherwise (stage through scratch)
+    staging_size: int = 64 << 20  # registered staging for unregistered buffers, split among `concurrency`
+    chunk_bytes: int = 256 << 20  # bytes per store call; a larger batch is pipelined, two calls in flight
+    concurrency: int = Field(default=4, ge=1, le=64)
+    wait_s: float = Field(default=30.0, gt=0)  # wait for a free scratch area before answering FAILED
+    retry_after_s: float = Field(default=1.0, ge=0)
+    probe_interval_s: float = Field(default=0.5, gt=0)
+    probe_timeout_s: float = Field(default=0.25, gt=0)
+    force_delete: bool = True
+
+    @field_validator("segment_size", "local_buffer_size", "chunk_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("staging_size", mode="before")
+    @classmethod
+    def _staging(cls, v: Any) -> int:
+        n = parse_size(v)
+        if n < (1 << 20):
+            raise ValueError(f"must be at least 1MiB, got {n}")
+        return n
+
+    @field_validator("master")
+    @classmethod
+    def _master(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"must be host:port of mooncake_master, got {v!r}")
+        return v
+
+
+@dataclass(slots=True)
+class _Area:
+    """One concurrent call's share of the registered scratch memory."""
+
+    headers: memoryview
+    headers_addr: int
+    staging: memoryview
+    staging_addr: int
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+class MooncakeAdapter(StorageAdapter):
+    """Framed blocks in a Mooncake Store pool."""
+
+    name = "mooncake"
+    shared = True  # other nodes store into the same medium
+    Config = MooncakeConfig
+
+    def __init__(self, capacity_bytes: int, config: MooncakeConfig) -> None:
+        if capacity_bytes <= 0:
+            raise ArgumentError(f"mooncake: capacity_bytes must be > 0, got {capacity_bytes}")
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise AdapterError("mooncake: the mooncake-transfer-engine package is not installed "
+                               "(pip install mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda)") from exc
+        self.config = config
+        self._capacity = capacity_bytes
+        self._store_cls = MooncakeDistributedStore
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = config.replica_num
+        direct = config.zero_copy_unregistered
+        self._direct_any = (config.protocol == "tcp") if direct is None else direct
+        self._prefix = config.key_prefix
+        self._lock = threading.Lock()
+        self._setup_lock = threading.Lock()
+        self._index: dict[Key, int] = {}  # key -> payload bytes, for objects this instance relies on
+        self._used = 0
+        self._dropped: list[Key] = []
+        self._regions: list[tuple[int, int, memoryview]] = []  # registered by the owner: start, end, view
+        self._store: Any = None  # the client, once set up
+        self._healthy = False
+        self._down_until = 0.0
+        self._closed = False
+        self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
+                       "failed": 0, "outages": 0, "gone": 0, "staged_bytes": 0, "setups": 0}
+        self._probe_addr = _host_port(config.master)
+        # Scratch: per area, header slots then staging; registered with each client.
+        per_area = (config.staging_size // config.concurrency) & ~63
+        self._staging_share = per_area
+        area_bytes = _SLOTS * _SLOT + per_area
+        self._scratch = mmap.mmap(-1, area_bytes * config.concurrency)
+        _native.prefault(self._scratch)
+        self._scratch_view = memoryview(self._scratch)
+        base = _address(self._scratch_view)
+        self._areas: queue.Queue[_Area] = queue.Queue()
+        for a in range(config.concurrency):
+            off = a * area_bytes
+            self._areas.put(_Area(self._scratch_view[off:off + _SLOTS * _SLOT], base + off,
+                                  self._scratch_view[off + _SLOTS * _SLOT:off + area_bytes],
+                                  base + off + _SLOTS * _SLOT))
+        self._movers = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="ucm-mooncake")
+        # A failing setup retries 20 times by default (~90 s); a few are enough.
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        if not self._try_setup():
+            log.warning("mooncake: master %s not reachable now; the tier answers misses until it is",
+                        config.master)
+        self._stop = threading.Event()
+        self._prober = threading.Thread(target=self._probe_loop, name="ucm-mooncake-probe", daemon=True)
+        self._prober.start()
+
+    # ---- client lifecycle and health ---------------------------------------
+    @property
+    def client(self) -> Any:
+        """The underlying `MooncakeDistributedStore` (None until set up);
+        for benchmarks and tools that need the raw client."""
+        return self._store
+
+    def key_name(self, key: Key) -> str:
+        """The store key a block lives under."""
+        return self._prefix + framing.check_key(key).hex()
+
+    def _tcp_probe(self) -> bool:
+        if self._probe_addr is None:
+            return True
+        try:
+            with socket.create_connection(self._probe_addr, timeout=self.config.probe_timeout_s):
+                return True
+        except OSError:
+            return False
+
+    def _try_setup(self) -> bool:
+        c = self.config
+        with self._setup_lock:
+            if self._store is not None:
+                return True
+            if self._closed or not self._tcp_probe():
+                return False
+            store = self._store_cls()
+            rc = store.setup(c.local_hostname, c.metadata_server, c.segment_size, c.local_buffer_size,
+                             c.protocol, c.device_name, c.master)
+            if rc != 0:
+                log.warning("mooncake: setup against master %s failed (%s)", c.master, rc)
+                store.close()
+                return False
+            regions = [(_address(self._scratch_view), len(self._scratch_view))]
+            with self._lock:
+                regions += [(s, e - s) for s, e, _ in self._regions]
+            for addr, n in regions:
+                rc = store.register_buffer(addr, n)
+                if rc != 0:
+                    log.error("mooncake: registering %d bytes at %#x failed (%s)", n, addr, rc)
+                    store.close()
+                    return False
+            with self._lock:
+                self._store = store
+                self._healthy = True
+                self._stats["setups"] += 1
+            log.info("mooncake: joined master %s as %s (segment %d bytes, %s)", c.master, c.local_hostname,
+                     c.segment_size, c.protocol)
+            return True
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.config.probe_interval_s):
+            try:
+                if self._store is None:
+                    self._try_setup()
+                    continue
+                ok = self._tcp_probe() and self._store.health_check() == 0
+            except Exception:  # a probe must never kill the thread
+                log.exception("mooncake: health probe failed")
+                ok = False
+            with self._lock:
+                was, self._healthy = self._healthy, ok
+                if was and not ok:
+                    self._stats["outages"] += 1
+            if was != ok:
+                if ok:
+                    log.info("mooncake: master %s is back", self.config.master)
+                else:
+                    log.warning("mooncake: master %s unreachable; answering misses", self.config.master)
+
+    def _client(self) -> Any:
+        """The client if calls may go to the network now, else None."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("mooncake adapter used after close()")
+            if self._store is None or not self._healthy or time.monotonic() < self._down_until:
+                return None
+            return self._store
+
+    def _saw_unreachable(self, code: int) -> None:
+        with self._lock:
+            first = time.monotonic() >= self._down_until
+            self._down_until = time.monotonic() + self.config.retry_after_s
+            if first:
+                self._stats["outages"] += 1
+        if first:
+            log.warning("mooncake: master %s did not answer (%s); answering misses for %.1fs",
+                        self.config.master, code, self.config.retry_after_s)
+
+    # ---- memory registration -----------------------------------------------
+    def register_memory(self, buf: Any) -> None:
+        """Registers long-lived memory (the DRAM arena) so that blocks in it
+        move without staging on every protocol. The caller keeps `buf` alive
+        until `unregister_memory(buf)` or close()."""
+        view = byte_view(buf, what="buffer")
+        start = _address(view)
+        with self._setup_lock:
+            with self._lock:
+                if any(s < start + len(view) and start < e for s, e, _ in self._regions):
+                    raise ArgumentError("mooncake: buffer overlaps memory registered already")
+            if self._store is not None:
+                rc = self._store.register_buffer(start, len(view))
+                if rc != 0:
+                    raise AdapterError(f"mooncake: registering {len(view)} bytes failed ({rc})")
+            with self._lock:
+                self._regions.append((start, start + len(view), view))
+
+    def unregister_memory(self, buf: Any) -> None:
+        start = _address(byte_view(buf, what="buffer"))
+        with self._setup_lock:
+            with self._lock:
+                kept = [r for r in self._regions if r[0] != start]
+                if len(kept) == len(self._regions):
+                    raise ArgumentError("mooncake: buffer was not registered")
+                self._regions = kept
+            if self._store is not None:
+                self._store.unregister_buffer(start)
+
+    def _registered(self, addr: int, n: int) -> bool:
+        return any(s <= addr and addr + n <= e for s, e, _ in self._regions)
+
+    # ---- batches -----------------------------------------------------------
+    def _check_stageable(self, views: Sequence[memoryview]) -> None:
+        """Raises before any I/O if a buffer would need staging but cannot fit."""
+        if self._direct_any:
+            return
+        room = self._staging_share // 2
+        with self._lock:
+            for v in views:
+                if len(v) > room and not self._registered(_address(v), len(v)):
+                    raise ArgumentError(
+                        f"mooncake: a {len(v)}-byte buffer outside registered memory exceeds the staging room "
+                        f"of {room} bytes (staging_size / concurrency / 2); raise staging_size or register_memory()")
+
+    def _chunks(self, area: _Area, views: Sequence[memoryview], idx: Sequence[int]) -> Iterator[list[tuple]]:
+        """Splits items into store calls of at most `chunk_bytes` (and half
+        the area's header slots and staging, so that two calls can be in
+        flight: chunk k uses half k % 2). Per item: (item, header slot,
+        payload address, or None if staged, staging offset)."""
+        room = len(area.staging) // 2 & ~63
+        slots = _SLOTS // 2
+        limit = self.config.chunk_bytes
+        chunk: list[tuple] = []
+        k = nbytes = staged = 0
+        for i in idx:
+            v = views[i]
+            addr = _address(v)
+            direct = self._direct_any or not len(v) or self._registered(addr, len(v))
+            if chunk and (len(chunk) == slots or nbytes + len(v) > limit or (not direct and staged + len(v) > room)):
+                yield chunk
+                chunk, k, nbytes, staged = [], k + 1, 0, 0
+            slot = (k % 2) * slots + len(chunk)
+            if direct:
+                chunk.append((i, slot, addr, 0))
+            else:
+                chunk.append((i, slot, None, (k % 2) * room + staged))
+                staged += (len(v) + 63) & ~63
+            nbytes += len(v)
+        if chunk:
+            yield chunk
+
+    def _take_area(self) -> Optional[_Area]:
+        try:
+            return self._areas.get(timeout=self.config.wait_s)
+        except queue.Empty:
+            return None
+
+    def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(blobs):
+            raise ArgumentError(f"put: {len(keys)} keys but {len(blobs)} blobs")
+        views = [byte_view(b, what="blob") for b in blobs]
+        names = [self.key_name(k) for k in keys]
+        self._check_stageable(views)
+        out: list[Optional[Status]] = [None] * len(keys)
+        store = self._client()
+        if store is None:
+            with self._lock:
+                self._stats["failed"] += len(keys)
+            return [Status.FAILED] * len(keys)
+        todo: list[int] = []
+        with self._lock:
+            for i, (key, v) in enumerate(zip(keys, views)):
+                need = framing.HEADER_BYTES + len(v)
+                if key in self._index:
+                    out[i] = Status.OK
+                elif self._used + need > self._capacity:
+                    out[i] = Status.NO_SPACE
+                    self._stats["no_space"] += 1
+                else:
+                    self._used += need
+                    todo.append(i)
+        try:
+            if todo:
+                self._put_items(store, keys, names, views, todo, out)
+        finally:
+            with self._lock:
+                for i in todo:
+                    if out[i] is Status.OK and keys[i] not in self._index:
+                        self._index[keys[i]] = len(views[i])
+                        self._stats["bytes_in"] += len(views[i])
+                    else:
+                        self._used -= framing.HEADER_BYTES + len(views[i])
+                        self._stats["no_space" if out[i] is Status.NO_SPACE else "failed"] += 1
+        return [s if s is not None else Status.FAILED for s in out]
+
+    def _put_items(self, store: Any, keys: Sequence[Key], names: list[str], views: list[memoryview],
+                   todo: list[int], out: list[Optional[Status]]) -> None:
+        """Checksums (and stages) chunk k+1 while chunk k is transferred."""
+        area = self._take_area()
+        if area is None:
+            return  # FAILED
+        pending: Optional[tuple[list[tuple], Future]] = None
+        staged = 0
+        try:
+            for chunk in self._chunks(area, views, todo):
+                ptrs, sizes = [], []
+                for i, slot, addr, off in chunk:
+                    v = views[i]
+                    framing.pack_header_into(area.headers, slot * _SLOT, keys[i], len(v), _native.checksum(v))
+                    if addr is None:
+                        _native.copy(area.staging[off:off + len(v)], v)
+                        addr = area.staging_addr + off
+                        staged += len(v)
+                    h = area.headers_addr + slot * _SLOT
+                    ptrs.append([h, addr] if len(v) else [h])
+                    sizes.append([framing.HEADER_BYTES, len(v)] if len(v) else [framing.HEADER_BYTES])
+                if pending is not None:
+                    self._finish_put(*pending, out)
+                    pending = None
+                fut = self._movers.submit(store.batch_put_from_multi_buffers, [names[c[0]] for c in chunk],
+                                          ptrs, sizes, self._replicate)
+                pending = (chunk, fut)
+            if pending is not None:
+                self._finish_put(*pending, out)
+                pending = None
+        finally:
+            if pending is not None:  # never hand back scratch memory a transfer may still use
+                futures_wait([pending[1]])
+            self._areas.put(area)
+            if staged:
+                with self._lock:
+                    self._stats["staged_bytes"] += staged
+
+    def _finish_put(self, chunk: list[tuple], fut: Future, out: list[Optional[Status]]) -> None:
+        codes = fut.result()
+        for (i, *_), code in zip(chunk, codes):
+            out[i] = self._put_status(code)
+
+    def _put_status(self, code: int) -> Status:
+        if code == 0 or code == _OBJECT_ALREADY_EXISTS:
+            return Status.OK
+        if code in (_NO_AVAILABLE_HANDLE, _TENANT_QUOTA_EXCEEDED):
+            return Status.NO_SPACE
+        if code in _UNREACHABLE:
+            self._saw_unreachable(code)
+        else:
+            log.warning("mooncake: put failed (%s)", code)
+        return Status.FAILED
+
+    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        names = [self.key_name(k) for k in keys]
+        self._check_stageable(views)
+        out: list[Status] = [Status.FAILED] * len(keys)
+        gone: set[int] = set()  # misses because the object is no longer in the pool
+        store = self._client()
+        if store is not None and keys:
+            self._get_items(store, keys, names, views, out, gone)
+        with self._lock:
+            for i, (key, v, s) in enumerate(zip(keys, views, out)):
+                if s is Status.OK:
+                    self._stats["hits"] += 1
+                    self._stats["bytes_out"] += len(v)
+                elif s is Status.NOT_FOUND:
+                    self._stats["misses"] += 1
+                    if i in gone:
+                        self._gone(key)
+                elif s is Status.CORRUPT:
+                    self._stats["corrupt"] += 1
+                else:
+                    self._stats["failed"] += 1
+        return out
+
+    def _get_items(self, store: Any, keys: Sequence[Key], names: list[str], views: list[memoryview],
+                   out: list[Status], gone: set[int]) -> None:
+        """Verifies (and unstages) chunk k while chunk k+1 is transferred."""
+        area = self._take_area()
+        if area is None:
+            return
+        pending: Optional[tuple[list[tuple], Future]] = None
+        staged = 0
+        try:
+            for chunk in self._chunks(area, views, range(len(keys))):
+                ptrs, sizes = [], []
+                for i, slot, addr, off in chunk:
+                    n = len(views[i])
+                    h = area.headers_addr + slot * _SLOT
+                    target = area.staging_addr + off if addr is None else addr
+                    ptrs.append([h, target] if n else [h])
+                    sizes.append([framing.HEADER_BYTES, n] if n else [framing.HEADER_BYTES])
+                fut = self._movers.submit(store.batch_get_into_multi_buffers, [names[c[0]] for c in chunk],
+                                          ptrs, sizes)
+                if pending is not None:
+                    staged += self._finish_get(store, area, *pending, names, keys, views, out, gone)
+                pending = (chunk, fut)
+            if pending is not None:
+                staged += self._finish_get(store, area, *pending, names, keys, views, out, gone)
+                pending = None
+        finally:
+            if pending is not None:
+                futures_wait([pending[1]])
+            self._areas.put(area)
+            if staged:
+                with self._lock:
+                    self._stats["staged_bytes"] += staged
+
+    def _finish_get(self, store: Any, area: _Area, chunk: list[tuple], fut: Future, names: list[str],
+                    keys: Sequence[Key], views: list[memoryview], out: list[Status], gone: set[int]) -> int:
+        codes = fut.result()
+        staged = 0
+        for (i, slot, addr, off), code in zip(chunk, codes):
+            v = views[i]
+            if code == framing.HEADER_BYTES + len(v):
+                payload = v if addr is not None else area.staging[off:off + len(v)]
+                header = area.headers[slot * _SLOT:slot * _SLOT + framing.HEADER_BYTES]
+                out[i] = framing.verify(keys[i], header, payload)
+                if out[i] is Status.OK and addr is None:
+                    _native.copy(v, payload)
+                    staged += len(v)
+            else:
+                out[i] = self._get_status(store, code, names[i], framing.HEADER_BYTES + len(v))
+                if code == _OBJECT_NOT_FOUND or (out[i] is Status.NOT_FOUND and code in _SIZE_CODES):
+                    gone.add(i)
+        return staged
+
+    def _get_status(self, store: Any, code: int, name: str, expected: int) -> Status:
+        """The outcome of a get that did not return the object."""
+        if code in (_OBJECT_NOT_FOUND, _REPLICA_IS_NOT_READY, _LEASE_EXPIRED):
+            return Status.NOT_FOUND  # gone, still being written, or possibly overwritten under the reader
+        if code >= 0:
+            return Status.CORRUPT  # a short or long object
+        if code in _SIZE_CODES:  # the sizes disagree, or the transfer failed: ask which
+            size = store.get_size(name)
+            if size == _OBJECT_NOT_FOUND:
+                return Status.NOT_FOUND
+            if size >= 0 and size != expected:
+                return Status.CORRUPT  # the stored object's size is not header + destination
+            return Status.FAILED
+        if code in _UNREACHABLE:
+            self._saw_unreachable(code)
+        return Status.FAILED
+
+    def _gone(self, key: Key) -> None:
+        """An object this instance relied on is gone from the pool. Lock held."""
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= framing.HEADER_BYTES + size
+            self._dropped.append(key)
+            self._stats["gone"] += 1
+
+    # ---- the rest of the contract ------------------------------------------
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        names = [self.key_name(k) for k in keys]
+        store = self._client()
+        if store is None or not keys:
+            return [False] * len(keys)
+        codes = store.batch_is_exist(names)
+        with self._lock:
+            for key, code in zip(keys, codes):
+                if code == 0:
+                    self._gone(key)
+        if any(c in _UNREACHABLE or c == -1 for c in codes):
+            self._saw_unreachable(min(codes))
+        return [c == 1 for c in codes]
+
+    def delete(self, keys: Sequence[Key]) -> list[bool]:
+        names = [self.key_name(k) for k in keys]
+        store = self._client()
+        if store is None or not keys:
+            return [False] * len(keys)
+        codes = store.batch_remove(names, self.config.force_delete)
+        with self._lock:
+            for key in keys:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= framing.HEADER_BYTES + size
+        return [c == 0 for c in codes]
+
+    def size_of(self, key: Key) -> Optional[int]:
+        name = self.key_name(key)
+        store = self._client()
+        if store is None:
+            return None
+        n = store.get_size(name)
+        if n == _OBJECT_NOT_FOUND:
+            with self._lock:
+                self._gone(key)
+        return n - framing.HEADER_BYTES if n >= framing.HEADER_BYTES else None
+
+    def iter_keys(self) -> Iterator[Key]:
+        """The keys this instance stored or found present when storing (not a
+        scan of the pool)."""
+        with self._lock:
+            return iter(list(self._index))
+
+    def drain_dropped(self) -> list[Key]:
+        with self._lock:
+            out, self._dropped = self._dropped, []
+            return out
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def slot_bytes(self, size: int) -> int:
+        return framing.HEADER_BYTES + size
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats, blocks=len(self._index), master=self.config.master,
+                        ready=self._store is not None, healthy=self._healthy,
+                        zero_copy_unregistered=self._direct_any)
+
+    def close(self) -> None:
+        """Leaves the pool: objects held in this node's segment go with it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._prober.join(timeout=self.config.probe_timeout_s + 5.0)
+        held = []
+        for _ in range(self.config.concurrency):  # wait for calls still moving data
+            try:
+                held.append(self._areas.get(timeout=self.config.wait_s))
+            except queue.Empty:
+                log.warning("mooncake: a call still holds scratch memory at close")
+                return  # keep the scratch mapped: a transfer may still use it
+        self._movers.shutdown(wait=True)
+        with self._setup_lock:
+            store, self._store = self._store, None
+            if store is not None:
+                store.close()
+        self._regions.clear()
+        for area in held:
+            area.headers.release()
+            area.staging.release()
+        try:
+            self._scratch_view.release()
+            self._scratch.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the mapping goes with the process
+
+
+def _host_port(addr: str) -> Optional[tuple[str, int]]:
+    """(host, port) of a plain host:port address; None for other forms."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or "/" in addr:
+        return None
+    return host.strip("[]"), int(port)
