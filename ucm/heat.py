@@ -4,9 +4,12 @@ Runs inside the cache (or the trace replay) under its lock; never blocks.
 The clock is logical: it advances once per request (`tick`), so decisions are
 deterministic and independent of wall-clock speed. Per block it keeps a
 decayed access frequency, the time of the last access, the raw count, and
-the block's parent in the prefix tree. Statistics outlive residency for a
-bounded number of blocks (`history_blocks`) so that a block that comes back
-is recognised as reused.
+the block's parent in the prefix tree, and whether that access was the
+deepest block of its request (the first access after a `tick`; the cache
+reports a request's blocks deepest first). Statistics outlive residency for
+a bounded number of blocks (`history_blocks`) so that a block that comes
+back is recognised as reused. On request (`reuse_model()`), it also feeds a
+ReuseModel (ucm/reuse.py) that learns reuse hazards from every access.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
+
+from ucm.reuse import ReuseModel
 
 Key = bytes
 
@@ -29,6 +34,7 @@ class BlockHeat:
     gaps: float = 0.0  # decayed mean reuse distance (clock ticks), 0 until reused
     parent: Optional[Key] = None
     next_use: float = INF  # oracle: next access time, set by trace replay only
+    tail: bool = False  # the last access was the deepest block of its request
 
 
 class HeatTracker:
@@ -46,11 +52,23 @@ class HeatTracker:
         self._lam = math.log(2.0) / self.half_life
         self._history = history_blocks
         self._blocks: OrderedDict[Key, BlockHeat] = OrderedDict()
+        self._first = False  # the next touch is the first (deepest) of a request
+        self._reuse: Optional[ReuseModel] = None
 
     def tick(self) -> int:
         """Advances the clock by one request; returns the new time."""
         self.now += 1
+        self._first = True
+        if self._reuse is not None:
+            self._reuse.advance(self.now)
         return self.now
+
+    def reuse_model(self) -> ReuseModel:
+        """The ReuseModel fed by this tracker, created (and fed from then on)
+        at the first call; every policy of a cache shares it."""
+        if self._reuse is None:
+            self._reuse = ReuseModel()
+        return self._reuse
 
     def _get(self, key: Key) -> BlockHeat:
         h = self._blocks.get(key)
@@ -58,7 +76,9 @@ class HeatTracker:
             h = BlockHeat(stamp=self.now)
             self._blocks[key] = h
             if len(self._blocks) > self._history:
-                self._blocks.popitem(last=False)
+                _, old = self._blocks.popitem(last=False)
+                if self._reuse is not None:
+                    self._reuse.forget(old, self.now)
         else:
             self._blocks.move_to_end(key)
         return h
@@ -67,6 +87,9 @@ class HeatTracker:
         """Records one access to `key` at the current time."""
         h = self._get(key)
         now = self.now
+        first, self._first = self._first, False
+        if self._reuse is not None:
+            self._reuse.access(h, now, first)
         if h.last >= 0:
             gap = float(now - h.last)
             h.gaps = gap if h.gaps == 0.0 else 0.5 * h.gaps + 0.5 * gap
@@ -77,6 +100,7 @@ class HeatTracker:
         if parent is not None:
             h.parent = parent
         h.next_use = next_use
+        h.tail = first
 
     def link(self, key: Key, parent: Optional[Key]) -> None:
         """Records the prefix-tree parent of `key` without counting an access."""
@@ -105,12 +129,19 @@ class HeatTracker:
         h = self._blocks.get(key)
         return INF if h is None else h.next_use
 
+    def tail(self, key: Key) -> bool:
+        """Whether the last access to `key` was the deepest block of its request."""
+        h = self._blocks.get(key)
+        return False if h is None else h.tail
+
     def parent(self, key: Key) -> Optional[Key]:
         h = self._blocks.get(key)
         return None if h is None else h.parent
 
     def forget(self, key: Key) -> None:
-        self._blocks.pop(key, None)
+        h = self._blocks.pop(key, None)
+        if h is not None and self._reuse is not None:
+            self._reuse.forget(h, self.now)
 
     def __len__(self) -> int:
         return len(self._blocks)

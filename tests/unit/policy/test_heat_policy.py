@@ -1,0 +1,172 @@
+"""The heat policy, its ReuseModel and LeafQueues."""
+import random
+
+import pytest
+
+from ucm.bench.replay import CostModel, TraceReplay
+from ucm.heat import HeatTracker
+from ucm.placement import Placement, TierSpec
+from ucm.policy.base import Admission, TierInfo, load_policy
+from ucm.policy.leafqueue import LeafQueues
+from ucm.reuse import NUM_CLASSES, ReuseModel, age_bucket, classify
+from ucm.trace import TraceRequest
+
+
+def hot_and_one_shot(seed=7, n=3000):
+    """Half the requests reuse one of 30 hot prompts (plus a fresh question),
+    half are one-shot prompts: a small cache thrashes under LRU."""
+    rnd = random.Random(seed)
+    counter = iter(range(1 << 40))
+
+    def new(k):
+        return [next(counter) for _ in range(k)]
+
+    hot = [new(rnd.randint(3, 8)) for _ in range(30)]
+    reqs = []
+    for i in range(n):
+        ids = rnd.choice(hot) + new(1) if rnd.random() < 0.5 else new(rnd.randint(4, 12))
+        reqs.append(TraceRequest(i + 1, float(i), 512 * len(ids), 0, tuple(ids)))
+    return reqs
+
+
+def two_tier(policy, reqs, dram=40, nvme=120):
+    placement = Placement([TierSpec("dram", dram), TierSpec("nvme", nvme)], load_policy(policy),
+                          heat=HeatTracker())
+    return TraceReplay(placement, CostModel(block_bytes=1), policy_name=policy).replay(reqs)
+
+
+def test_heat_writes_fewer_nvme_bytes_than_write_all_at_an_equal_or_better_hit_ratio():
+    reqs = hot_and_one_shot()
+    lru, heat = two_tier("lru", reqs), two_tier("heat", reqs)
+    assert heat.hit_ratio >= lru.hit_ratio
+    lru_nvme, heat_nvme = lru.to_dict()["nvme_bytes_written"], heat.to_dict()["nvme_bytes_written"]
+    assert heat_nvme < 0.5 * lru_nvme
+
+
+def test_heat_beats_lru_on_a_single_tier_under_one_shot_pressure():
+    reqs = hot_and_one_shot(seed=3)
+    results = {}
+    for policy in ("lru", "heat"):
+        p = Placement([TierSpec("dram", 60)], load_policy(policy), heat=HeatTracker())
+        results[policy] = TraceReplay(p, CostModel(block_bytes=1)).replay(reqs).hit_ratio
+    assert results["heat"] > 1.5 * results["lru"]
+
+
+def test_heat_keeps_recency_when_everything_is_reused_soon():
+    """Each prompt comes back after a few requests: nothing is one-shot, so
+    heat must not fall behind LRU (it learns that young blocks are hot)."""
+    rnd = random.Random(5)
+    live, reqs, counter = [], [], iter(range(1 << 40))
+    for i in range(2000):
+        if live and rnd.random() < 0.8:
+            ids = live.pop(rnd.randrange(len(live)))
+        else:
+            ids = [next(counter) for _ in range(rnd.randint(2, 6))]
+        if rnd.random() < 0.9:
+            live.append(ids)
+        if len(live) > 6:
+            live.pop(0)
+        reqs.append(TraceRequest(i + 1, float(i), 512 * len(ids), 0, tuple(ids)))
+    results = {}
+    for policy in ("lru", "heat"):
+        p = Placement([TierSpec("dram", 24)], load_policy(policy), heat=HeatTracker())
+        results[policy] = TraceReplay(p, CostModel(block_bytes=1)).replay(reqs).hit_ratio
+    assert results["heat"] >= 0.97 * results["lru"]
+
+
+def test_a_full_tier_refuses_what_would_be_the_next_to_go():
+    heat = HeatTracker()
+    pol = load_policy("heat")(TierInfo("nvme", 1, 4, True), heat)
+    model = heat.reuse_model()
+    for t in range(1, 400):  # teach the model: reused blocks come back, once-used ones never do
+        heat.tick()
+        heat.touch(b"hot" + bytes([t % 4]) * 5)
+        heat.touch(b"cold" + t.to_bytes(4, "little"))
+    assert model.hazard()[classify(2, False)].max() > model.hazard()[classify(1, False)].max()
+    for i in range(4):
+        pol.on_insert(b"hot" + bytes([i]) * 5, 1)
+    heat.tick()
+    heat.touch(b"new-cold")
+    assert not pol.admit(b"new-cold", Admission.DEMOTE)
+    assert pol.admit(b"hot" + bytes([0]) * 5, Admission.DEMOTE)
+
+
+def test_reuse_model_counts_exposure_and_reuses_per_age():
+    heat = HeatTracker()
+    model = heat.reuse_model()
+    a = b"a" * 8
+    heat.tick()  # t=1
+    heat.touch(a)  # first (deepest) block of its request: a tail, used once
+    for _ in range(4):  # t=2..5; at each tick the block is one tick older
+        heat.tick()
+    heat.touch(a)  # reused at age 4
+    c = classify(1, True)
+    assert model.exposure[c, :4].tolist() == [1.0, 2.0, 1.0, 0.0]  # ages 1 | 2,3 | 4
+    assert model.events[c, age_bucket(4)] == 1.0
+    assert model.events.sum() == 1.0
+    assert heat.get(a).count == 2 and heat.tail(a)
+
+
+def test_reuse_model_forgets_with_the_tracker_history():
+    heat = HeatTracker(history_blocks=2)
+    model = heat.reuse_model()
+    for t in range(5):
+        heat.tick()
+        heat.touch(bytes([t]) * 8)
+    assert model._alive.sum() == 2  # only what the tracker still remembers is waiting
+
+
+def test_classes_and_age_buckets():
+    assert len({classify(n, t) for n in (1, 2, 9) for t in (False, True)}) == NUM_CLASSES
+    assert classify(2, False) == classify(50, False) != classify(1, False)
+    assert [age_bucket(a) for a in (0, 1, 2, 3, 4, 7, 8)] == [0, 0, 1, 1, 2, 2, 3]
+
+
+def test_density_prefers_what_is_reused_soon():
+    m = ReuseModel()
+    m.events[0, :] = 1.0
+    m.exposure[0, :] = 1000.0
+    m.events[1, :] = 50.0
+    m.exposure[1, :] = 1000.0
+    table = m.density(64)
+    assert min(table[1]) > max(table[0])
+
+
+def test_leaf_queues_park_parents_until_their_last_child_leaves():
+    heat = HeatTracker()
+    a, b, c, d = (bytes([x]) * 8 for x in b"abcd")
+    heat.tick()
+    for k, p in ((b, a), (c, a), (a, None), (d, None)):
+        heat.touch(k, p)
+    q = LeafQueues(heat)
+    for prio, k in enumerate((a, b, c, d)):
+        q.add(k, 0, prio)
+    resident = {a, b, c, d}
+
+    def evictable(k):
+        return k in resident and not (k == a and (b in resident or c in resident))
+
+    assert q.head(0, evictable) == (1, b)  # a (priority 0) has children: parked
+    q.remove(b)
+    resident.discard(b)
+    assert q.head(0, evictable) == (2, c)
+    q.remove(c)
+    resident.discard(c)
+    assert q.head(0, evictable) == (0, a)  # back when its last child left
+
+
+def test_leaf_queues_skip_without_parking_what_is_only_pinned():
+    heat = HeatTracker()
+    x, y = b"x" * 8, b"y" * 8
+    q = LeafQueues(heat)
+    q.add(x, 0, 1)
+    q.add(y, 0, 2)
+    assert q.head(0, lambda k: k != x) == (2, y)
+    assert q.head(0, lambda k: True) == (1, x)  # not parked: no children
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_heat_replay_is_deterministic(seed):
+    reqs = hot_and_one_shot(seed=seed, n=600)
+    assert two_tier("heat", reqs).to_dict() | {"elapsed_s": 0} == \
+        two_tier("heat", reqs).to_dict() | {"elapsed_s": 0}

@@ -1,0 +1,167 @@
+"""The heat policy: evict, admit and promote by learned hit density.
+
+Built from what KV-cache workloads look like, not from constants fitted to a
+trace:
+- most blocks are used once, and a block that came back tends to come back
+  again; a conversation's next turn rewrites the last, partly filled block
+  of its prompt. So blocks fall in four classes: used once or reused, and
+  whether their last access ended a request (ucm/reuse.py);
+- reuse comes in bursts across the turns of a conversation, and how soon
+  depends on the workload. The ReuseModel learns each class's reuse hazard
+  at each age (ticks since the last access) from every access the
+  HeatTracker sees, misses included: the tracker's long history acts as a
+  ghost list, so what it learns does not depend on what was kept;
+- shared prefixes are hot: they are reused, and recent;
+- a child is useless without its parent: only leaves are offered as
+  victims (LeafQueues parks parents), and a child never ranks above its
+  parent (it is never reused more often, nor more recently).
+
+A block's value is its hit density (Beckmann et al., LHD, NSDI 2018): the
+chance it is reused within the tier's horizon over the time it occupies the
+tier meanwhile, from a table per (class, age bucket) refreshed every tick.
+The horizon is the tier's mean residence time (Little's law: resident
+blocks over blocks stored per tick), so a small DRAM tier values near reuse
+and a large NVMe tier far reuse.
+
+- Eviction: the lowest value among the oldest evictable block of each class
+  (hazards fall with age within a class; the table decides across classes).
+  A block accessed through another tier (a copy in NVMe while DRAM serves)
+  is re-queued when it reaches the head, so the order follows true recency.
+- Admission into a full tier: a new block into the lowest tier, a demotion
+  into a tier below, a promotion into a tier above, only if its value is at
+  least that of the block it would displace. So blocks that would be the
+  next to go cost no NVMe write, and a one-shot block is not stored at all
+  when the tier is full of better ones. A new block entering a landing tier
+  that has tiers below is always admitted (refused there, it would be lost
+  everywhere; its demotion is judged below).
+- Promotion: a hit served below is copied up under the same rule.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ucm.heat import Key
+from ucm.policy.base import Admission, PlacementPolicy
+from ucm.policy.leafqueue import LeafQueues
+from ucm.reuse import NUM_CLASSES, age_bucket, classify
+
+
+
+def _always(key: Key) -> bool:
+    return True
+
+
+class HeatPolicy(PlacementPolicy):
+    name = "heat"
+
+    def __init__(self, tier, heat, **options) -> None:
+        super().__init__(tier, heat, **options)
+        self._model = heat.reuse_model()
+        # One queue per class; priority (clock of the last access as queued,
+        # order of the report) so the head of a class is its oldest block.
+        self._queues = LeafQueues(heat, NUM_CLASSES)
+        self._seq = 0
+        self._sizes: dict[Key, int] = {}
+        self._used = 0
+        self._block = 0  # bytes of the last block stored; admission estimates room with it
+        self._inserts = 0  # blocks stored since the first one
+        self._first_tick = -1
+        self._table: Optional[list[list[float]]] = None
+        self._table_version = -1
+
+    # ---- values ------------------------------------------------------------
+    def _densities(self) -> list[list[float]]:
+        m = self._model
+        if self._table is None or m.version != self._table_version:  # once a tick
+            self._table = m.density(self._residence())
+            self._table_version = m.version
+        return self._table
+
+    def _residence(self) -> float:
+        """Mean ticks a block stays in this tier (Little's law: resident
+        blocks over blocks stored per tick): the horizon of its values."""
+        if self._inserts == 0:
+            return 1.0
+        ticks = self.heat.now - self._first_tick + 1
+        return max(1.0, len(self._sizes) * ticks / self._inserts)
+
+    def _value(self, key: Key, table: list[list[float]]) -> float:
+        h = self.heat.get(key)
+        if h is None:
+            return 0.0
+        return table[classify(h.count, h.tail)][age_bucket(self.heat.now - h.last)]
+
+    def _requeue(self, key: Key) -> None:
+        h = self.heat.get(key)
+        self._seq += 1
+        if h is None:
+            self._queues.update(key, 0, (-1, self._seq))
+        else:
+            self._queues.update(key, classify(h.count, h.tail), (h.last, self._seq))
+
+    def _lowest(self, evictable: Callable[[Key], bool]) -> Optional[tuple[float, tuple, Key]]:
+        """The evictable block of lowest value among the oldest of each class."""
+        table = self._densities()
+        best: Optional[tuple[float, tuple, Key]] = None
+        for q in range(NUM_CLASSES):
+            if not self._queues.queue_len(q):
+                continue
+            while True:
+                head = self._queues.head(q, evictable)
+                if head is None:
+                    break
+                prio, key = head
+                h = self.heat.get(key)
+                if h is not None and (h.last != prio[0] or classify(h.count, h.tail) != q):
+                    # Accessed since it was queued, served by another tier
+                    # (or the class moved): put it where it belongs, look again.
+                    self._requeue(key)
+                    continue
+                v = self._value(key, table)
+                if best is None or (v, prio) < best[:2]:
+                    best = (v, prio, key)
+                break
+        return best
+
+    # ---- policy interface ----------------------------------------------------
+    def admit(self, key: Key, why: Admission) -> bool:
+        if not self._sizes or self._used + self._block <= self.tier.capacity_bytes:
+            return True
+        if why is Admission.NEW and not self.tier.lowest:
+            return True
+        low = self._lowest(_always)
+        if low is None:
+            return True
+        return self._value(key, self._densities()) >= low[0]
+
+    def on_insert(self, key: Key, size_bytes: int) -> None:
+        if key in self._queues:
+            self.on_remove(key)
+        self._seq += 1
+        h = self.heat.get(key)
+        if h is None:
+            self._queues.add(key, 0, (-1, self._seq))
+        else:
+            self._queues.add(key, classify(h.count, h.tail), (h.last, self._seq))
+        self._sizes[key] = size_bytes
+        self._used += size_bytes
+        self._block = size_bytes
+        self._inserts += 1
+        if self._first_tick < 0:
+            self._first_tick = self.heat.now
+
+    def on_hit(self, key: Key) -> None:
+        if key in self._queues:
+            self._requeue(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._queues.remove(key)
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Optional[Key]:
+        low = self._lowest(evictable)
+        if low is None:
+            return self._queues.fallback(evictable)
+        return low[2]

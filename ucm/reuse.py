@@ -1,0 +1,172 @@
+"""ReuseModel: how likely a block is to be used again, learned from the access stream.
+
+Fed by the HeatTracker on every access (hits and misses alike, so what it
+learns does not depend on what a cache kept; the tracker's history plays the
+ghost list) and on every clock tick; read by placement policies. Runs under
+the owner's lock like the tracker; never blocks.
+
+Blocks are grouped into classes by two facts that predict reuse of KV blocks:
+- whether the block was used before (accessed at least twice): most blocks
+  are used once, while a block that came back tends to come back again
+  (shared prefixes, conversations that already had a turn). Finer counts
+  were tried and add noise rather than signal: lifetime counts also measure
+  old popularity;
+- whether its last access was the deepest block of its request. A
+  conversation's next turn extends the prompt, which rewrites the last,
+  partly filled block (new id), while the blocks before it are reused; a
+  workload whose prompts end on block boundaries simply shows no difference
+  between the two.
+Per class and per age bucket (ticks since the last access: [0,2), [2,4),
+[4,8), ...) it measures the reuse hazard: reuses that happened at that age
+divided by the block-ticks spent alive at that age (blocks not yet reused;
+an estimate that handles blocks still waiting). Estimates are regularised
+(see `hazard`): a proportional-hazards prior, one age profile pooled over
+classes times a rate per class fitted mostly on young ages (the freshest
+evidence), updated by each cell's own counts; and at any age a reused block
+is never rated below a once-used one.
+
+From hazards, `density(horizon)` gives each (class, age bucket) its hit
+density (Beckmann et al., LHD, NSDI 2018): the probability of a reuse within
+the next `horizon` ticks divided by the expected ticks the block occupies
+the cache meanwhile: hits per unit of space-time, the currency of eviction.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ucm.heat import BlockHeat
+
+NUM_CLASSES = 4  # (used once | reused) x (last access ended its request or not)
+AGE_BUCKETS = 20  # ages up to 2**20 ticks (requests); the last bucket is open
+
+
+def classify(count: int, tail: bool) -> int:
+    """The class of a block accessed `count` times, the last time as the
+    deepest block of its request if `tail`."""
+    return (1 if count >= 2 else 0) + (2 if tail else 0)
+
+
+def age_bucket(age: int) -> int:
+    """[0,2) -> 0, [2,4) -> 1, [4,8) -> 2, ... capped at AGE_BUCKETS - 1."""
+    return min(max(age.bit_length() - 1, 0), AGE_BUCKETS - 1)
+
+
+PRIOR_EVENTS = 1.0  # strength of each shrinkage prior, in reuse events
+
+_START = [0] + [1 << i for i in range(1, AGE_BUCKETS)]  # first age of each bucket
+_START_F = np.array(_START, dtype=float)
+_END_F = np.array(_START[1:] + [math.inf], dtype=float)  # the last bucket is open
+
+
+class ReuseModel:
+    """Reuse hazard per (class, age bucket), learned online."""
+
+    def __init__(self) -> None:
+        self.events = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # reuses seen at that age
+        self.exposure = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # block-ticks alive at that age
+        self._alive = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # blocks waiting, by age now
+        # _waiting[i]: episodes (start, heat, class) that may cross into bucket i.
+        self._waiting: list[deque] = [deque() for _ in range(AGE_BUCKETS)]
+        self.version = 0  # bumped every tick: tables derived from the model go stale
+        self._hazard: Optional[np.ndarray] = None
+        self._hazard_version = -1
+
+    # ---- fed by the HeatTracker --------------------------------------------
+    def access(self, h: "BlockHeat", now: int, tail: bool) -> None:
+        """`h` is accessed at `now`, as the deepest block of its request if
+        `tail`; called before the tracker updates `h`."""
+        if h.last >= 0:  # ends the episode that began at the last access
+            c = classify(h.count, h.tail)
+            b = age_bucket(now - h.last)
+            self.events[c, b] += 1.0
+            self._alive[c, b] -= 1.0
+        c = classify(h.count + 1, tail)
+        self._alive[c, 0] += 1.0
+        self._waiting[1].append((now, h, c))
+
+    def forget(self, h: "BlockHeat", now: int) -> None:
+        """The tracker dropped `h` from its history: its episode ends unseen."""
+        if h.last >= 0:
+            self._alive[classify(h.count, h.tail), age_bucket(now - h.last)] -= 1.0
+            h.last = -1
+
+    def advance(self, now: int) -> None:
+        """The clock reached `now` (before any access at `now`): moves waiting
+        blocks across age buckets, then counts one tick of exposure."""
+        alive = self._alive
+        for i in range(1, AGE_BUCKETS):
+            q = self._waiting[i]
+            edge = now - _START[i]
+            nxt = self._waiting[i + 1] if i + 1 < AGE_BUCKETS else None
+            while q and q[0][0] <= edge:
+                ep = q.popleft()
+                start, h, c = ep
+                if h.last == start:  # not used since: now older than _START[i]
+                    alive[c, i - 1] -= 1.0
+                    alive[c, i] += 1.0
+                    if nxt is not None:
+                        nxt.append(ep)
+        self.exposure += alive
+        self.version += 1
+
+    # ---- read by policies --------------------------------------------------
+    def hazard(self) -> np.ndarray:
+        """Reuses per tick, per (class, age bucket).
+
+        Prior: proportional hazards, `rate(c, a) = m(c) x base(a)`, the age
+        profile `base` pooled over classes and each class's multiplier `m`
+        fitted on all its ages (mostly young ones, the freshest evidence).
+        Each (class, age) estimate is that prior updated with the cell's own
+        reuses and exposure (one pseudo-event of prior weight), so a cell with
+        little evidence (old ages, rare classes) follows the prior. Finally,
+        at each age, more accesses never predict a lower rate (isotonic in
+        the access count). Cached until the next tick."""
+        if self._hazard is not None and self._hazard_version == self.version:
+            return self._hazard
+        self._hazard = self._estimate()
+        self._hazard_version = self.version
+        return self._hazard
+
+    def _estimate(self) -> np.ndarray:
+        ev, ex = self.events, self.exposure
+        total_ev, total_ex = ev.sum(), ex.sum()
+        if total_ev <= 0 or total_ex <= 0:
+            return np.zeros_like(ev)
+        overall = total_ev / total_ex
+        base = (ev.sum(axis=0) + PRIOR_EVENTS) / (ex.sum(axis=0) + PRIOR_EVENTS / overall)
+        mult = (ev.sum(axis=1) + PRIOR_EVENTS) / ((ex * base[None, :]).sum(axis=1) + PRIOR_EVENTS)
+        prior = mult[:, None] * base[None, :]
+        out = (ev + PRIOR_EVENTS) / (ex + PRIOR_EVENTS / prior)
+        for tail in (False, True):
+            once, reused = classify(1, tail), classify(2, tail)
+            np.maximum(out[reused], out[once], out=out[reused])
+        return out
+
+    def density(self, horizon: float) -> list[list[float]]:
+        """Hit density per (class, age bucket) over the next `horizon` ticks,
+        for a block at the first age of the bucket: P(reuse within the
+        horizon) / expected ticks occupied meanwhile, with the hazard
+        constant within each age bucket."""
+        lam = self.hazard()  # (classes, buckets)
+        horizon = max(1.0, float(horizon))
+        start = _START_F[:, None]  # rows: the bucket the block is in now
+        end = start + horizon
+        lo = np.maximum(_START_F[None, :], start)  # columns: buckets crossed
+        hi = np.minimum(_END_F[None, :], end)
+        span = np.clip(hi - lo, 0.0, None)  # (j, i) ticks spent in bucket i
+        exposure = lam[:, None, :] * span[None, :, :]  # (c, j, i)
+        before = np.cumsum(exposure, axis=2) - exposure  # hazard accumulated before i
+        surv_in = np.exp(-before)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            piece = np.where(lam[:, None, :] > 0,
+                             -np.expm1(-exposure) / lam[:, None, :], span[None, :, :])
+        occupied = (surv_in * piece).sum(axis=2)
+        p_hit = -np.expm1(-exposure.sum(axis=2))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = np.where(occupied > 0, p_hit / occupied, 0.0)
+        return out.tolist()
