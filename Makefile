@@ -50,15 +50,11 @@ test-python: install system-deps
 
 test: test-native test-python
 
-# Until the vLLM connector lands, the demo runs what ucm does today on this
-# machine: tier bandwidth against memcpy and fio, and the trace replay of the
-# Mooncake dev trace through every placement policy.
-TRACE ?= ../shared/data/traces/synthetic_trace.jsonl
+# The main job: a multi-turn chat replayed through vLLM for CPU without and
+# with ucm (TTFT per turn, hits per tier, out/demo_ttft.png).
 demo: install
-	$(BIN)/ucm bench io --size-mb 256
-	@if [ -f "$(TRACE)" ]; then \
-		$(BIN)/ucm bench trace --trace "$(TRACE)" --policies lru,s3fifo,heat,opt --capacities 1M,3M,10M --plot out/trace_hit_ratio.png; \
-	else echo "no trace at $(TRACE); set TRACE=FILE"; fi
+	$(BIN)/ucm model prepare smollm2
+	$(BIN)/python -m ucm.demo
 
 clean:
 	rm -rf build $(VENV) *.egg-info ucm/_native*.so

@@ -1,0 +1,327 @@
+"""`ucm bench vllm`: time to first token in vLLM (CPU) with and without ucm.
+
+The workload of docs/PEERS: `--docs` documents of exactly `--doc-tokens`
+token ids (deterministic pseudo-random ids, fed as token ids), each asked
+twice: pass 1 with one question, pass 2 with another, so pass 2 can reuse
+the document's full blocks (2,944 of 3,000 tokens with 128-token blocks).
+One request at a time, max_tokens=1 (TTFT = the `generate` call), greedy,
+bf16, vLLM prefix caching off except for the APC measurement. Every
+configuration runs in a fresh engine in its own subprocess, after one short
+warm-up request:
+
+- no connector: pass 1 (a full prefill; pass 2 would be another one);
+- vLLM prefix caching: pass 1, then pass 2 hits vLLM's own cache (control);
+- ExampleConnector: pass 1 saves to a temp folder, pass 2 loads from it;
+- ucm: pass 1 cold (misses, saves the blocks to a private service's DRAM);
+  pass 2 hits DRAM (prefix caching is off, so every reused token comes from
+  ucm); then the driver stores filler blocks until `locate` reports every
+  document block on NVMe only, and pass 2 runs again: NVMe-only hits
+  (staged NVMe -> DRAM by the service, then copied into vLLM's pages).
+
+`outputs_equal`: the first token of every ucm hit equals the APC hit's for
+the same prompt, the first token of every ucm cold run equals the
+no-connector run's, and an extra 8-token greedy continuation of every pass-2
+prompt from ucm (after the timings) equals the APC one. TTFTs are means over
+the documents, seconds. Environment defaults (kept if already set):
+VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=0-(cores-1),
+HF_HUB_OFFLINE=1; every configuration runs with the same thread binding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+BLOCK_TOKENS = 128
+CHECK_TOKENS = 8
+QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
+             "\n\nQuestion: Which three names appear most often in the document above? List them.\nAnswer:")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("vllm", help="TTFT in vLLM: no connector, APC, ExampleConnector, ucm cold/DRAM/NVMe",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    p.set_defaults(handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--docs", type=int, default=4, help="documents (default 4; PEERS used 8)")
+    p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
+    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def _prompts(model: str, docs: int, doc_tokens: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(1000, min(tok.vocab_size, 40000)) if i not in special]
+    rng = random.Random(1234)
+    q1, q2 = (tok.encode(q, add_special_tokens=False) for q in QUESTIONS)
+    documents = [[rng.choice(vocab) for _ in range(doc_tokens)] for _ in range(docs)]
+    warm = [rng.choice(vocab) for _ in range(200)]
+    return [d + q1 for d in documents], [d + q2 for d in documents], warm
+
+
+# ---- one configuration in one engine (runs in a subprocess) -----------------
+def _engine(model: str, max_len: int, prefix_caching: bool, kv: Optional[dict]):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if kv is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**kv)
+    return LLM(model=model, max_model_len=max_len, enforce_eager=True, enable_prefix_caching=prefix_caching,
+               seed=0, **kw)
+
+
+def _timed(llm, prompts: list[list[int]], max_tokens: int = 1) -> tuple[list[float], list[list[int]], list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ttft, toks, cached = [], [], []
+    for p in prompts:
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+        ttft.append(time.perf_counter() - t0)
+        toks.append(list(o.outputs[0].token_ids))
+        cached.append(int(o.num_cached_tokens or 0))
+    return ttft, toks, cached
+
+
+def _phase(llm, prompts: list[list[int]], max_tokens: int = 1) -> dict[str, Any]:
+    ttft, toks, cached = _timed(llm, prompts, max_tokens)
+    return {"ttft_s": ttft, "tokens": toks, "cached": cached}
+
+
+def _evict_to_nvme(client, keys: list[bytes], block_bytes: int, limit: int) -> list[Optional[str]]:
+    """Store one-shot filler blocks until every key in `keys` is below DRAM."""
+    import numpy as np
+
+    fill = np.zeros(block_bytes, dtype=np.uint8)
+    tiers = client.locate(keys)
+    for _ in range(limit):
+        if all(t is not None and t != "dram" for t in tiers):
+            break
+        for _ in range(16):
+            client.store([os.urandom(16)], [fill]).wait(60)
+        tiers = client.locate(keys)
+    client.flush()
+    return client.locate(keys)
+
+
+def _run_config(spec: dict) -> dict:
+    """One configuration in one engine: the phases named in spec["config"]."""
+    pass1, pass2, warm = spec["pass1"], spec["pass2"], spec["warm"]
+    name = spec["config"]
+    max_len = max(len(p) for p in pass1 + pass2) + 64
+    kv: Optional[dict] = None
+    if name == "example":
+        kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": spec["example_dir"]}}
+    elif name == "ucm":
+        kv = {"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.connectors.vllm",
+              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"ucm_config": spec["ucm_config"]}}
+    llm = _engine(spec["model"], max_len, prefix_caching=(name == "apc"), kv=kv)
+    _timed(llm, [warm])  # first forward pays one-time costs in every configuration
+    out: dict[str, Any] = {}
+    out["pass1"] = _phase(llm, pass1)
+    if name != "none":  # without a connector pass 2 is another full prefill: pass 1 measures it
+        out["pass2"] = _phase(llm, pass2)
+    if name == "apc":
+        out["check"] = _phase(llm, pass2, CHECK_TOKENS)
+    elif name == "ucm":
+        import ucm
+        from ucm.connectors.vllm import build_namespace  # noqa: F401  (same module the engine loaded)
+        from ucm.keys import block_keys
+
+        client = ucm.connect(spec["ucm_config"], start=False)
+        ns = _namespace(spec["model"])
+        keys = [k for p in pass2 for k in block_keys(ns, p, BLOCK_TOKENS)]
+        out["tiers_before_evict"] = _count(client.locate(keys))
+        out["tiers_nvme_phase"] = _count(_evict_to_nvme(client, keys, spec["block_bytes"], limit=200))
+        stats0 = client.stats()
+        out["nvme"] = _phase(llm, pass2)
+        out["check"] = _phase(llm, pass2, CHECK_TOKENS)
+        stats1 = client.stats()
+        out["promotions"] = stats1["tiers"]["dram"].get("promotions_in", 0) - stats0["tiers"]["dram"].get(
+            "promotions_in", 0)
+        client.close()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return out
+
+
+def _namespace(model: str):
+    from ucm.keys import Namespace
+
+    # As UCMConnector names the blocks of SmolLM2 on vLLM for CPU (bf16, 128-token pages).
+    return Namespace(model=model, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
+                     block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
+
+
+def _count(tiers: list[Optional[str]]) -> dict[str, int]:
+    c: dict[str, int] = {}
+    for t in tiers:
+        c[str(t)] = c.get(str(t), 0) + 1
+    return c
+
+
+# ---- the driver ---------------------------------------------------------------
+def _subprocess(spec: dict, work: Path) -> dict:
+    spec_path = work / f"spec-{spec['config']}.json"
+    out_path = work / f"out-{spec['config']}.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "ucm.bench.vllm", "--run-config", str(spec_path), str(out_path)],
+                          env=_env(), cwd=str(work), capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise RuntimeError(f"configuration {spec['config']!r} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def _mean(xs: list[float]) -> float:
+    return round(sum(xs) / len(xs), 4)
+
+
+def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print) -> dict[str, Any]:
+    import yaml
+
+    import ucm
+    from ucm.model import prepare
+
+    os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
+    model = str(prepare(model_name))
+    pass1, pass2, warm = _prompts(model, docs, doc_tokens)
+    work = Path(tempfile.mkdtemp(prefix="ucm-bench-vllm-"))
+    block_bytes = 30 * 3 * 128 * 2 * 64 * 2  # SmolLM2 bf16: 30 layers x 3 KV heads x 128 tokens x K|V x 64 x 2 B
+    blocks = docs * (doc_tokens // BLOCK_TOKENS)
+    dram_bytes = max(64 << 20, (blocks + 8) * block_bytes * 3 // 2)
+    cfg = {
+        "block_tokens": BLOCK_TOKENS,
+        "tiers": [
+            {"adapter": "dram", "capacity": f"{dram_bytes >> 20}MiB", "options": {"path": "/dev/shm", "prefault": False}},
+            {"adapter": "nvme", "capacity": f"{max(1024, 4 * dram_bytes >> 20)}MiB",
+             "options": {"path": str(work / "nvme"), "region_size": "16MiB", "direct_io": True}},
+        ],
+        "policy": {"name": "lru"},
+        "service": {"name": f"bench-vllm-{os.getpid()}", "socket": str(work / "ucm.sock")},
+    }
+    (work / "nvme").mkdir()
+    (work / "example").mkdir()
+    cfg_path = work / "ucm.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    base = {"model": model, "pass1": pass1, "pass2": pass2, "warm": warm, "block_bytes": block_bytes}
+    res: dict[str, dict] = {}
+    cwd = os.getcwd()
+    os.chdir(work)  # a private service is spawned as `python -m ucm.cli` here, away from a source checkout
+    client = None
+    try:
+        client = ucm.connect(str(cfg_path))  # the private service outlives the engine
+        if not client.connected:
+            raise RuntimeError("could not start the ucm service")
+        log("[bench vllm] ucm ...")
+        res["ucm"] = _subprocess({**base, "config": "ucm", "ucm_config": str(cfg_path)}, work)
+        service = client.stats()
+        for name in ("none", "apc", "example"):
+            log(f"[bench vllm] {name} ...")
+            res[name] = _subprocess({**base, "config": name, "example_dir": str(work / "example")}, work)
+    finally:
+        if client is not None:
+            client.close()
+        os.chdir(cwd)
+        shutil.rmtree(work, ignore_errors=True)
+    none, apc, ex, u = res["none"], res["apc"], res["example"], res["ucm"]
+    first = lambda ph: [t[0] for t in ph["tokens"]]  # noqa: E731
+    eq = {
+        "ucm_cold_vs_no_connector_first_token": first(u["pass1"]) == first(none["pass1"]),
+        "ucm_dram_hit_vs_apc_first_token": first(u["pass2"]) == first(apc["pass2"]),
+        "ucm_nvme_hit_vs_apc_first_token": first(u["nvme"]) == first(apc["pass2"]),
+        f"ucm_hit_vs_apc_{CHECK_TOKENS}_tokens": u["check"]["tokens"] == apc["check"]["tokens"],
+        "example_hit_vs_apc_first_token": first(ex["pass2"]) == first(apc["pass2"]),
+    }
+    r = {
+        "docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": len(pass1[0]), "pass2_tokens": len(pass2[0]),
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "no_connector_ttft_s": _mean(none["pass1"]["ttft_s"]),
+        "apc_hit_ttft_s": _mean(apc["pass2"]["ttft_s"]),
+        "example_connector_hit_ttft_s": _mean(ex["pass2"]["ttft_s"]),
+        "ucm_cold_ttft_s": _mean(u["pass1"]["ttft_s"]),
+        "ucm_dram_hit_ttft_s": _mean(u["pass2"]["ttft_s"]),
+        "ucm_nvme_hit_ttft_s": _mean(u["nvme"]["ttft_s"]),
+        "apc_cold_ttft_s": _mean(apc["pass1"]["ttft_s"]),
+        "example_connector_cold_ttft_s": _mean(ex["pass1"]["ttft_s"]),
+        "cached_tokens": {"apc_hit": apc["pass2"]["cached"], "example_hit": ex["pass2"]["cached"],
+                          "ucm_cold": u["pass1"]["cached"], "ucm_dram_hit": u["pass2"]["cached"],
+                          "ucm_nvme_hit": u["nvme"]["cached"]},
+        "ucm_tiers_before_nvme_phase": u["tiers_nvme_phase"],
+        "ucm_promotions_nvme_phase": u["promotions"],
+        "outputs_equal": all(eq.values()),
+        "outputs_equal_detail": eq,
+        "per_doc_ttft_s": {"no_connector": none["pass1"]["ttft_s"],
+                           "apc_hit": apc["pass2"]["ttft_s"], "example_hit": ex["pass2"]["ttft_s"],
+                           "ucm_cold": u["pass1"]["ttft_s"], "ucm_dram_hit": u["pass2"]["ttft_s"],
+                           "ucm_nvme_hit": u["nvme"]["ttft_s"]},
+        "ucm_service": {k: v for k, v in service.items() if not isinstance(v, dict)},
+    }
+    nc, apc_hit = r["no_connector_ttft_s"], r["apc_hit_ttft_s"]
+    r["ratios"] = {
+        "ucm_cold_over_no_connector": round(r["ucm_cold_ttft_s"] / nc, 3),
+        "ucm_dram_hit_over_apc_hit": round(r["ucm_dram_hit_ttft_s"] / apc_hit, 3),
+        "ucm_nvme_hit_over_apc_hit": round(r["ucm_nvme_hit_ttft_s"] / apc_hit, 3),
+        "ucm_dram_hit_over_example_hit": round(r["ucm_dram_hit_ttft_s"] / r["example_connector_hit_ttft_s"], 3),
+        "ucm_nvme_hit_over_example_hit": round(r["ucm_nvme_hit_ttft_s"] / r["example_connector_hit_ttft_s"], 3),
+    }
+    return r
+
+
+def run(args: argparse.Namespace) -> int:
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    try:
+        r = measure(args.docs, args.doc_tokens, args.model, log=log)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"ucm bench vllm: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    for k in ("no_connector_ttft_s", "apc_hit_ttft_s", "example_connector_hit_ttft_s", "ucm_cold_ttft_s",
+              "ucm_dram_hit_ttft_s", "ucm_nvme_hit_ttft_s"):
+        print(f"{k:32s} {r[k]:8.3f}")
+    for k, v in r["ratios"].items():
+        print(f"{k:32s} {v:8.3f}")
+    print(f"{'outputs_equal':32s} {r['outputs_equal']}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--run-config":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(_run_config(spec)))
+        sys.exit(0)
+    ap = argparse.ArgumentParser(prog="python -m ucm.bench.vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(ap)
+    sys.exit(run(ap.parse_args()))
