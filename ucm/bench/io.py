@@ -4,7 +4,8 @@ Measured in one process, one after the other:
 - `memcpy_gbps`: single-thread memcpy of the same blocks into prefaulted memory;
 - `dram_store_gbps` / `dram_load_gbps`: the dram adapter's put / get;
 - `nvme_store_gbps`: the nvme adapter's put of every block until the last
-  region is sealed on the medium (O_DIRECT);
+  region is sealed on the medium (O_DIRECT), into a region file laid out
+  before timing (as fio lays out its file);
 - `nvme_load_gbps`: get of every block by a freshly opened adapter (the
   index rebuilt from footers, so nothing is served from memory), batched
   `--batch` blocks per call, O_DIRECT (no page cache);
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-kb", type=int, default=2880,
                    help="block size, KiB (default 2880: one 128-token block of SmolLM2-135M in bf16)")
     p.add_argument("--batch", type=int, default=16, help="blocks per nvme get call (default 16)")
-    p.add_argument("--io-threads", type=int, default=8, help="nvme native I/O threads (default 8)")
+    p.add_argument("--io-threads", type=int, default=16,
+                   help="nvme native I/O threads, i.e. requests in flight (default 16, as fio's iodepth)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     cluster = p.add_argument_group("cluster tiers", "with --tier: the tier's adapter next to its raw client "
@@ -103,6 +105,7 @@ def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threa
         cfg = NvmeConfig(path=nvme_dir, region_size=region, io_threads=io_threads, io_chunk=1 << 20,
                          write_buffers=4)
         cap = (total * 2 // region + 4) * region
+        _lay_out(os.path.join(nvme_dir, "ucm-regions.dat"), cap)
         nv = NvmeAdapter(capacity_bytes=cap, config=cfg)
         res["nvme_direct_io"] = nv.direct_io
         t = time.perf_counter()
@@ -133,6 +136,21 @@ def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threa
     res["dram_store_vs_memcpy"] = round(res["dram_store_gbps"] / res["memcpy_gbps"], 3)
     res["dram_load_vs_memcpy"] = round(res["dram_load_gbps"] / res["memcpy_gbps"], 3)
     return res
+
+
+def _lay_out(path: str, size: int) -> None:
+    """Writes the region file once before timing, as fio lays out its file:
+    both then measure writes into allocated space (a log store's steady
+    state, where regions are reused), not file-system block allocation."""
+    chunk = mmap.mmap(-1, 8 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for off in range(0, size, len(chunk)):
+            os.pwrite(fd, chunk[:min(len(chunk), size - off)], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        chunk.close()
 
 
 def _drop_page_cache(path: str) -> None:

@@ -48,16 +48,19 @@ def _lookup_worker(sock: str, n: int, n_keys: int, seed: int, start: Any, out: A
 
     keys = [os.urandom(16) for _ in range(n_keys)]
     c = CacheClient(sock)
+    # Real hits: the looked-up prefix is cached, so every answer is checked.
+    c.store(keys, [bytes(4096)] * n_keys).wait(60)
     for _ in range(200):  # warm up
         c.lookup(keys)
     start.wait()
     lat = []
+    wrong = 0
     t0 = time.perf_counter()
     for _ in range(n):
         t = time.perf_counter()
-        c.lookup(keys)
+        wrong += c.lookup(keys) != n_keys
         lat.append((time.perf_counter() - t) * 1e6)
-    out.put((time.perf_counter() - t0, lat))
+    out.put((time.perf_counter() - t0, lat, wrong))
     c.close()
 
 
@@ -74,7 +77,8 @@ def _lookups(sock: str, clients: int, n: int, n_keys: int) -> dict[str, float]:
         p.join()
     wall = max(r[0] for r in results)
     lat = sorted(x for r in results for x in r[1])
-    return {"ops_per_s": round(clients * n / wall), "p50_us": _pct(lat, 0.50), "p99_us": _pct(lat, 0.99)}
+    return {"ops_per_s": round(clients * n / wall), "p50_us": _pct(lat, 0.50), "p99_us": _pct(lat, 0.99),
+            "wrong": sum(r[2] for r in results)}
 
 
 def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[str, Any]:
@@ -94,9 +98,14 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     res: dict[str, Any] = {"block_bytes": block_bytes, "lookup_keys": n_keys}
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(sock) and time.time() < deadline:
-            time.sleep(0.05)
+        deadline = time.time() + 120
+        while time.time() < deadline:  # ready when a client gets its hello answered
+            probe = CacheClient(sock)
+            ready = probe.connected
+            probe.close()
+            if ready:
+                break
+            time.sleep(0.1)
         one = _lookups(sock, 1, lookups, n_keys)
         two = _lookups(sock, 2, lookups, n_keys)
         res.update({"lookup_1client_ops_per_s": one["ops_per_s"], "lookup_1client_p50_us": one["p50_us"],
@@ -127,7 +136,8 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
             t = time.perf_counter()
             ld = c.load(keys, dsts).wait(600)
             res["load_gbps"] = round(total / (time.perf_counter() - t) / 1e9, 3)
-        res["ok"] = (all(o is Outcome.DONE for o in st + ld)
+        res["lookup_wrong_answers"] = one["wrong"] + two["wrong"]
+        res["ok"] = (res["lookup_wrong_answers"] == 0 and all(o is Outcome.DONE for o in st + ld)
                      and all(d[:] == s[:] for d, s in zip(dsts, srcs)))
         res["store_vs_memcpy"] = round(res["store_gbps"] / res["memcpy_gbps"], 3)
         res["load_vs_memcpy"] = round(res["load_gbps"] / res["memcpy_gbps"], 3)

@@ -132,7 +132,6 @@ class CacheService:
             self._sock.close()
             self._unlink_socket()
             raise
-        self._sock.listen(128)
         log.info("ucm serve: listening on %s (arena %s)", self.path, self.cache.shared_arena().segment_path)
 
     def _bind(self) -> socket.socket:
@@ -157,6 +156,7 @@ class CacheService:
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
+        sock.listen(128)  # clients that come early wait in the backlog until the cache is ready
         return sock
 
     def serve_forever(self) -> None:
