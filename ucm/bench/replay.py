@@ -66,7 +66,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if self.prefill_ms_per_token <= 0:
-            raise ArgumentError(f"prefill_ms_per_token must be > 0, got {self.prefill_ms_per_token}")
+            raise ArgumentError(
+                f"prefill_ms_per_token must be > 0, got {self.prefill_ms_per_token}")
         if self.block_bytes <= 0:
             raise ArgumentError(f"block_bytes must be > 0, got {self.block_bytes}")
         if not self.tier_gbps or any(g <= 0 for g in self.tier_gbps):
@@ -192,7 +193,10 @@ class TraceReplay:
         self._load_ms = [cost.load_ms(t) for t in range(n)]
 
     def execute(self, plan: Plan) -> None:
-        """Carries out one plan. Metadata mode: counts the moves it implies."""
+        """Carries out one plan. Metadata mode moves nothing and counts the
+        demotions; a replay with payloads overrides this to run each step
+        against the adapters (WRITE from the request's bytes, MOVE, COPY,
+        DROP) and to report a failed step with `placement.remove`."""
         r = self.result
         for step in plan:
             if step.op is Op.MOVE:
@@ -238,6 +242,9 @@ class TraceReplay:
             r.hit_tokens += tok
             r.saved_ms += cost.recompute_ms(tok) - self._load_ms[t]
         r.recompute_ms += cost.recompute_ms(sum(tokens))
+        for t in range(p.tier_count):
+            r.tier_bytes_written[t] = p.counters(t).bytes_written
+        r.evictions = sum(p.counters(t).evictions for t in range(p.tier_count))
         return served
 
     def replay(self, requests: Sequence[TraceRequest]) -> ReplayResult:
@@ -248,10 +255,5 @@ class TraceReplay:
         for req, nu in zip(requests, nus):
             keys = [block_key(h) for h in req.hash_ids]
             self.run_request(keys, req.block_tokens(bt), nu)
-        p = self.placement
-        r = self.result
-        for t in range(p.tier_count):
-            r.tier_bytes_written[t] = p.counters(t).bytes_written
-        r.evictions = sum(p.counters(t).evictions for t in range(p.tier_count))
-        r.elapsed_s += time.perf_counter() - t0
-        return r
+        self.result.elapsed_s += time.perf_counter() - t0
+        return self.result

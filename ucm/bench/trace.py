@@ -162,11 +162,17 @@ def plot(results: Sequence[ReplayResult], out: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     policies = list(dict.fromkeys(r.policy for r in results))
+    palette = iter(["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown",
+                    "tab:pink", "tab:olive", "tab:cyan", "tab:gray"] * 4)
     for name in policies:
         pts = sorted((r.tiers[0]["capacity_tokens"], r.hit_ratio)
                      for r in results if r.policy == name)
-        style = {"opt": dict(color="black", linestyle="--"),
-                 "heat": dict(color="tab:red", linewidth=2.5)}.get(name, {})
+        if name == "heat":
+            style = dict(color="tab:red", linewidth=2.5, zorder=3)
+        elif name == "opt":
+            style = dict(color="black", linestyle="--")
+        else:
+            style = dict(color=next(palette), linewidth=1.2)
         ax.plot([x for x, _ in pts], [100 * y for _, y in pts], marker="o", markersize=3,
                 label=name, **style)
     ax.set_xscale("log")

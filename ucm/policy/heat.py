@@ -46,7 +46,6 @@ from ucm.policy.leafqueue import LeafQueues
 from ucm.reuse import NUM_CLASSES, age_bucket, classify
 
 
-
 def _always(key: Key) -> bool:
     return True
 

@@ -75,7 +75,8 @@ class LeafQueues:
     def wake(self, key: Key) -> None:
         """Puts a parked block back in its queue: the policy's own predicate
         may now pass it (it stays a candidate until `head` parks it again)."""
-        if self._parked.pop(key, None) is not None:
+        if key in self._parked:
+            del self._parked[key]
             q, prio = self._where[key]
             self._push(key, q, prio)
 

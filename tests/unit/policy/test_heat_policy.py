@@ -170,3 +170,17 @@ def test_heat_replay_is_deterministic(seed):
     reqs = hot_and_one_shot(seed=seed, n=600)
     assert two_tier("heat", reqs).to_dict() | {"elapsed_s": 0} == \
         two_tier("heat", reqs).to_dict() | {"elapsed_s": 0}
+
+
+def test_leaf_queues_wake_puts_a_parked_block_back():
+    heat = HeatTracker()
+    a, b = b"a" * 8, b"b" * 8
+    heat.tick()
+    heat.touch(b, a)
+    heat.touch(a)
+    q = LeafQueues(heat)
+    q.add(a, 0, 0)
+    q.add(b, 0, 1)
+    assert q.head(0, lambda k: k == b) == (1, b)  # a parked: it has a child
+    q.wake(a)  # the policy now wants to see it (e.g. S3-FIFO moving it on)
+    assert q.head(0, lambda k: True) == (0, a)
