@@ -112,8 +112,8 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(os.environ.get("UCM_E2E_FAULTS") != "1",
-                    reason="not yet verified to finish (set UCM_E2E_FAULTS=1 to run)")
+@pytest.mark.skipif(os.environ.get("UCMTEST_E2E_FAULTS") != "1",
+                    reason="not yet verified to finish (set UCMTEST_E2E_FAULTS=1 to run)")
 def test_ucm_connector_partial_concurrent_and_service_faults(tmp_path):
     """Second driver (`--robustness`), two engines: a reference without a
     connector (vLLM prefix caching) and one ucm engine that lives through
