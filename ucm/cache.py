@@ -409,14 +409,16 @@ class UnifiedCache:
             if a.shared:
                 continue  # other nodes' blocks: asked for on demand
             keys = list(a.iter_keys())
-            with self._mutate, self._meta:
+            with self._mutate:
                 for k in keys:
                     size = a.size_of(k)
                     if size is None:
                         continue
-                    d = self.placement.insert(k, None, self._footprint(size), tier=t, restored=True)
-                    self._run_plan_locked(d.plan, {})
-                    if not d.placed and not self.placement.contains(k):
+                    with self._meta:
+                        d = self.placement.insert(k, None, self._footprint(size), tier=t, restored=True)
+                        kept = d.placed or self.placement.contains(k)
+                    self._run_plan_locked(d.plan, {})  # takes _meta itself if a step fails
+                    if not kept:
                         a.delete([k])
 
     def _footprint(self, size: int) -> int:
@@ -547,9 +549,9 @@ class UnifiedCache:
                     self._run_plan(plan, {})
 
     def _run_plan(self, plan: Plan, sources: dict[Key, memoryview]) -> bool:
-        """Executes plan steps in order (caller holds `_mutate`). A step that
-        fails is taken back out of the placement. Returns False if any
-        step failed."""
+        """Executes plan steps in order under `_mutate` (re-entrant; the
+        caller must not hold `_meta`). A step that fails is taken back out
+        of the placement. Returns False if any step failed."""
         with self._mutate:
             return self._run_plan_locked(plan, sources)
 

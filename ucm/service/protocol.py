@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import msgpack
 
@@ -109,5 +109,3 @@ def check_args(args: Any, allowed: set[str]) -> dict:
         raise ProtocolError(f"args: unknown keys {sorted(extra)}; allowed: {sorted(allowed)}")
     return args
 
-
-Handler = Callable[[Any, dict], Any]
