@@ -54,8 +54,8 @@ DEFAULT_NVME_GBPS = 5.0
 
 
 def block_key(hash_id: int) -> Key:
-    """The 8-byte block key of a trace hash id."""
-    return hash_id.to_bytes(8, "little")
+    """The 16-byte block key (the cache's key size) of a trace hash id."""
+    return hash_id.to_bytes(16, "little")
 
 
 @dataclass(frozen=True, slots=True)

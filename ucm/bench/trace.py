@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -189,6 +190,16 @@ def plot(results: Sequence[ReplayResult], out: Path, title: str) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     block_bytes, block_tokens = args.block_bytes, args.block_tokens
+    payload_bytes = None
+    if args.bytes is not None:
+        try:
+            payload_bytes = parse_size(args.bytes)
+        except ValueError as exc:
+            raise ArgumentError(f"--bytes: {exc}") from None
+        if payload_bytes <= 0:
+            raise ArgumentError(f"--bytes must be > 0 bytes per block, got {args.bytes!r}")
+    if args.limit is not None and args.limit <= 0:
+        raise ArgumentError(f"--limit must be > 0 requests, got {args.limit}")
     if block_bytes <= 0 or block_tokens <= 0:
         raise ArgumentError(f"--block-bytes and --block-tokens must be > 0, "
                             f"got {block_bytes} and {block_tokens}")
@@ -216,19 +227,40 @@ def handle(args: argparse.Namespace) -> int:
         configs.append([("dram", *dram), ("nvme", *nvme)])
     gbps = bandwidths(args)
     cost = CostModel(args.prefill_ms_per_token, block_bytes, gbps[:len(configs[0])])
+    if payload_bytes is not None:
+        # Each tier keeps its number of blocks; blocks shrink to the payload
+        # size, bandwidths with them, so the cost model gives the same times.
+        scale = payload_bytes / block_bytes
+        configs = [[(name, tok, nbytes // block_bytes * payload_bytes) for name, tok, nbytes in t]
+                   for t in configs]
+        cost = CostModel(args.prefill_ms_per_token, payload_bytes,
+                         tuple(g * scale for g in cost.tier_gbps))
     policies = policy_names(args.policy)
     for name in policies:
         load_policy(name)  # fail before the long part
     requests = read_trace(args.trace, block_tokens)
+    if args.limit is not None:
+        requests = requests[:args.limit]
     results: list[ReplayResult] = []
     for tiers in configs:
         for name in policies:
-            r = run_one(requests, name, tiers, cost, block_tokens)
+            extra: dict = {}
+            if payload_bytes is None:
+                r = run_one(requests, name, tiers, cost, block_tokens)
+            else:
+                from ucm.bench.payload import run_payload
+
+                r, counts = run_payload(requests, name, tiers, cost, block_tokens, args.bytes_dir)
+                extra = {f"payload_{k}": v for k, v in asdict(counts).items()}
+                extra["payload_block_bytes"] = payload_bytes
             log.info("%s %s: hit ratio %.4f in %.1f s", name, _capacity_label(r), r.hit_ratio,
                      r.elapsed_s)
             results.append(r)
             if args.json:
-                print(json.dumps(r.to_dict()), flush=True)
+                print(json.dumps({**r.to_dict(), **extra}), flush=True)
+            elif extra:
+                print(f"{name} {_capacity_label(r)}: " + ", ".join(
+                    f"{k} {v}" for k, v in extra.items()), flush=True)
     if not args.json:
         print(format_table(results))
     if args.plot:
@@ -288,6 +320,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--io-json", metavar="FILE",
                    help="cost model: take dram_load_gbps and nvme_load_gbps from the saved "
                         "output of `ucm bench io --json`")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="replay only the first N requests of the trace")
+    p.add_argument("--bytes", metavar="SIZE",
+                   help="replay with real payloads of SIZE bytes per block (e.g. 64KiB) through "
+                        "a UnifiedCache (dram adapter; nvme adapter in a temporary directory for "
+                        "two tiers); each tier holds as many blocks as in metadata mode; every "
+                        "hit is read back and checked (payload_mismatches must be 0)")
+    p.add_argument("--bytes-dir", metavar="DIR",
+                   help="with --bytes: where the NVMe tier's temporary directory goes "
+                        "(default: the system temporary directory)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per replay (JSON Lines) instead of a table")
     p.add_argument("--plot", metavar="OUT.png",
