@@ -6,11 +6,13 @@ ghost list) and on every clock tick; read by placement policies. Runs under
 the owner's lock like the tracker; never blocks.
 
 Blocks are grouped into classes by two facts that predict reuse of KV blocks:
-- whether the block was used before (accessed at least twice): most blocks
-  are used once, while a block that came back tends to come back again
-  (shared prefixes, conversations that already had a turn). Finer counts
-  were tried and add noise rather than signal: lifetime counts also measure
-  old popularity;
+- how often the block was used: once, twice, or three times or more. Most
+  blocks are used once, while a block that came back tends to come back
+  again; a shared prefix (a system prompt, a template) is used by many
+  requests and soon reaches three uses, while a conversation's context is
+  reused once per turn. Lifetime counts also measure old popularity, and
+  finer classes split the evidence thinner; the hazard by age (below)
+  carries the rest;
 - whether its last access was the deepest block of its request. A
   conversation's next turn extends the prompt, which rewrites the last,
   partly filled block (new id), while the blocks before it are reused; a
@@ -22,8 +24,8 @@ divided by the block-ticks spent alive at that age (blocks not yet reused;
 an estimate that handles blocks still waiting). Estimates are regularised
 (see `hazard`): a proportional-hazards prior, one age profile pooled over
 classes times a rate per class fitted mostly on young ages (the freshest
-evidence), updated by each cell's own counts; and at any age a reused block
-is never rated below a once-used one.
+evidence), updated by each cell's own counts; and at any age a block used
+more often is never rated below one used less.
 
 From hazards, `density(horizon)` gives each (class, age bucket) its hit
 density (Beckmann et al., LHD, NSDI 2018): the probability of a reuse within
@@ -41,14 +43,15 @@ import numpy as np
 if TYPE_CHECKING:
     from ucm.heat import BlockHeat
 
-NUM_CLASSES = 4  # (used once | reused) x (last access ended its request or not)
+USE_CLASSES = 3  # used once, twice, three times or more
+NUM_CLASSES = 2 * USE_CLASSES  # x (last access ended its request or not)
 AGE_BUCKETS = 20  # ages up to 2**20 ticks (requests); the last bucket is open
 
 
 def classify(count: int, tail: bool) -> int:
     """The class of a block accessed `count` times, the last time as the
     deepest block of its request if `tail`."""
-    return (1 if count >= 2 else 0) + (2 if tail else 0)
+    return min(max(count, 1), USE_CLASSES) - 1 + (USE_CLASSES if tail else 0)
 
 
 def age_bucket(age: int) -> int:
@@ -143,8 +146,9 @@ class ReuseModel:
         prior = mult[:, None] * base[None, :]
         out = (ev + PRIOR_EVENTS) / (ex + PRIOR_EVENTS / prior)
         for tail in (False, True):
-            once, reused = classify(1, tail), classify(2, tail)
-            np.maximum(out[reused], out[once], out=out[reused])
+            for uses in range(2, USE_CLASSES + 1):
+                less, more = classify(uses - 1, tail), classify(uses, tail)
+                np.maximum(out[more], out[less], out=out[more])
         return out
 
     def density(self, horizon: float) -> list[list[float]]:

@@ -3,9 +3,10 @@
 Built from what KV-cache workloads look like, not from constants fitted to a
 trace:
 - most blocks are used once, and a block that came back tends to come back
-  again; a conversation's next turn rewrites the last, partly filled block
-  of its prompt. So blocks fall in four classes: used once or reused, and
-  whether their last access ended a request (ucm/reuse.py);
+  again; a shared prefix is used by many requests; a conversation's next
+  turn rewrites the last, partly filled block of its prompt. So blocks fall
+  in six classes: used once, twice, or three times or more, and whether
+  their last access ended a request (ucm/reuse.py);
 - reuse comes in bursts across the turns of a conversation, and how soon
   depends on the workload. The ReuseModel learns each class's reuse hazard
   at each age (ticks since the last access) from every access the
