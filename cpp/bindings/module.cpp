@@ -9,6 +9,7 @@
 
 #include "ucm/copy.hpp"
 #include "ucm/hash.hpp"
+#include "ucm/index.hpp"
 #include "ucm/io_engine.hpp"
 
 namespace py = pybind11;
@@ -116,6 +117,104 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("threads") = 1,
       "Copies src into dst (equal sizes) with the GIL released.");
+
+  m.def(
+      "copy_spans",
+      [](const py::buffer& dst, const std::vector<std::size_t>& dst_offsets, const py::buffer& src,
+         const std::vector<std::size_t>& src_offsets, std::size_t length, int threads) {
+        if (dst_offsets.size() != src_offsets.size()) {
+          throw py::value_error("dst_offsets and src_offsets differ in length: " +
+                                std::to_string(dst_offsets.size()) + " != " + std::to_string(src_offsets.size()));
+        }
+        Span d = span_of(dst, true, "dst");
+        Span s = span_of(src, false, "src");
+        for (std::size_t i = 0; i < dst_offsets.size(); ++i) {
+          if (dst_offsets[i] > d.len || length > d.len - dst_offsets[i]) {
+            throw py::index_error("dst_offsets[" + std::to_string(i) + "] = " + std::to_string(dst_offsets[i]) +
+                                  " + length " + std::to_string(length) + " exceeds dst (" +
+                                  std::to_string(d.len) + " bytes)");
+          }
+          if (src_offsets[i] > s.len || length > s.len - src_offsets[i]) {
+            throw py::index_error("src_offsets[" + std::to_string(i) + "] = " + std::to_string(src_offsets[i]) +
+                                  " + length " + std::to_string(length) + " exceeds src (" +
+                                  std::to_string(s.len) + " bytes)");
+          }
+        }
+        py::gil_scoped_release nogil;
+        ucm::copy_spans(static_cast<char*>(d.ptr), dst_offsets.data(), static_cast<const char*>(s.ptr),
+                        src_offsets.data(), dst_offsets.size(), length, threads);
+      },
+      py::arg("dst"), py::arg("dst_offsets"), py::arg("src"), py::arg("src_offsets"), py::arg("length"),
+      py::arg("threads") = 1,
+      "For every i copies `length` bytes from src[src_offsets[i]:] to dst[dst_offsets[i]:] (bounds checked, "
+      "GIL released).");
+
+  // ---- shared-memory key index (see ucm/index.hpp) ----
+  m.def("index_bytes", &ucm::index_bytes, py::arg("slots"), "Bytes a key index of `slots` entries needs.");
+  m.def(
+      "index_init",
+      [](const py::buffer& buf, std::uint64_t slots) {
+        if (slots < 8 || (slots & (slots - 1)) != 0) {
+          throw py::value_error("slots must be a power of two >= 8, got " + std::to_string(slots));
+        }
+        Span s = span_of(buf, true, "buf");
+        if (s.len < ucm::index_bytes(slots)) {
+          throw py::value_error("buffer of " + std::to_string(s.len) + " bytes is too small for " +
+                                std::to_string(slots) + " slots");
+        }
+        ucm::index_init(s.ptr, slots);
+      },
+      py::arg("buf"), py::arg("slots"), "Formats a buffer as an empty key index.");
+  auto checked = [](const Span& s) {
+    if (ucm::index_slots(s.ptr, s.len) == 0) throw py::value_error("buffer is not a ucm key index");
+  };
+  auto key_of = [](const py::bytes& key) {
+    std::string k = key;
+    if (k.size() != ucm::kKeyBytes) throw py::value_error("keys must be 16 bytes, got " + std::to_string(k.size()));
+    return k;
+  };
+  m.def(
+      "index_insert",
+      [checked, key_of](const py::buffer& buf, const py::bytes& key) {
+        Span s = span_of(buf, true, "buf");
+        checked(s);
+        std::string k = key_of(key);
+        return ucm::index_insert(s.ptr, reinterpret_cast<const std::uint8_t*>(k.data()));
+      },
+      py::arg("buf"), py::arg("key"), "Adds a key (writer side); False when the index is too full.");
+  m.def(
+      "index_remove",
+      [checked, key_of](const py::buffer& buf, const py::bytes& key) {
+        Span s = span_of(buf, true, "buf");
+        checked(s);
+        std::string k = key_of(key);
+        return ucm::index_remove(s.ptr, reinterpret_cast<const std::uint8_t*>(k.data()));
+      },
+      py::arg("buf"), py::arg("key"), "Removes a key (writer side); False when it was absent.");
+  m.def(
+      "index_count",
+      [checked](const py::buffer& buf) {
+        Span s = span_of(buf, false, "buf");
+        checked(s);
+        return ucm::index_count(s.ptr);
+      },
+      py::arg("buf"), "Keys in the index.");
+  m.def(
+      "index_prefix",
+      [checked](const py::buffer& buf, const py::bytes& keys) {
+        Span s = span_of(buf, false, "buf");
+        checked(s);
+        char* data;
+        py::ssize_t len;
+        if (PyBytes_AsStringAndSize(keys.ptr(), &data, &len) != 0) throw py::error_already_set();
+        if (len % static_cast<py::ssize_t>(ucm::kKeyBytes) != 0) {
+          throw py::value_error("keys must be a concatenation of 16-byte keys");
+        }
+        return ucm::index_prefix(s.ptr, reinterpret_cast<const std::uint8_t*>(data),
+                                 static_cast<std::size_t>(len) / ucm::kKeyBytes);
+      },
+      py::arg("buf"), py::arg("keys"),
+      "Leading keys (concatenated, 16 bytes each) present in the index; -1: ask the service.");
 
   m.def(
       "prefault",

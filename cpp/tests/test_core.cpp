@@ -6,9 +6,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <array>
+#include <set>
 #include <vector>
 
 #include "ucm/copy.hpp"
+#include "ucm/index.hpp"
 #include "ucm/hash.hpp"
 #include "ucm/io_engine.hpp"
 
@@ -51,6 +54,66 @@ static void test_copy() {
   CHECK(ucm::checksum(src.data(), n) != ucm::checksum(dst.data(), n));
 }
 
+static void test_copy_spans() {
+  // Scatter 64 spans of 1 MiB in reverse order over 4 threads, then gather back.
+  const std::size_t len = 1u << 20, count = 64;
+  std::vector<char> src(len * count), mid(len * count, 0), back(len * count, 0);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 7 + i / len);
+  std::vector<std::size_t> fwd(count), rev(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    fwd[i] = i * len;
+    rev[i] = (count - 1 - i) * len;
+  }
+  ucm::copy_spans(mid.data(), rev.data(), src.data(), fwd.data(), count, len, 4);
+  CHECK(std::memcmp(mid.data(), src.data() + (count - 1) * len, len) == 0);
+  CHECK(std::memcmp(mid.data() + (count - 1) * len, src.data(), len) == 0);
+  ucm::copy_spans(back.data(), fwd.data(), mid.data(), rev.data(), count, len, 1);
+  CHECK(back == src);
+}
+
+static void test_index() {
+  // Random inserts and removes against std::set, in a table kept small so
+  // that clusters wrap around and backward-shift deletion is exercised.
+  const std::uint64_t slots = 64;
+  std::vector<char> mem(ucm::index_bytes(slots));
+  ucm::index_init(mem.data(), slots);
+  CHECK(ucm::index_slots(mem.data(), mem.size()) == slots);
+  CHECK(ucm::index_slots(mem.data(), mem.size() - 1) == 0);
+  std::vector<std::array<std::uint8_t, 16>> keys(80);
+  std::uint64_t x = 12345;
+  for (auto& k : keys) {
+    for (auto& b : k) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      b = static_cast<std::uint8_t>(x >> 56);
+    }
+  }
+  std::set<std::size_t> present;
+  for (int step = 0; step < 20000; ++step) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    const std::size_t i = (x >> 33) % keys.size();
+    if ((x >> 20) & 1) {
+      const bool ok = ucm::index_insert(mem.data(), keys[i].data());
+      if (ok) present.insert(i);
+      CHECK(ok || present.size() + 1 > slots / 4 * 3);
+      if (!ok) ucm::index_init(mem.data(), slots), present.clear();  // full: start over
+    } else {
+      CHECK(ucm::index_remove(mem.data(), keys[i].data()) == (present.erase(i) == 1));
+    }
+    CHECK(ucm::index_count(mem.data()) == present.size());
+    for (std::size_t j = 0; j < keys.size(); ++j) {
+      CHECK((ucm::index_prefix(mem.data(), keys[j].data(), 1) == 1) == (present.count(j) == 1));
+    }
+  }
+  // Prefix: stops at the first absent key; an overfull insert marks the index incomplete.
+  ucm::index_init(mem.data(), slots);
+  std::vector<std::uint8_t> run;
+  for (int j = 0; j < 5; ++j) run.insert(run.end(), keys[j].begin(), keys[j].end());
+  for (int j : {0, 1, 2, 4}) CHECK(ucm::index_insert(mem.data(), keys[j].data()));
+  CHECK(ucm::index_prefix(mem.data(), run.data(), 5) == 3);
+  for (std::size_t j = 5; j < keys.size(); ++j) ucm::index_insert(mem.data(), keys[j].data());
+  CHECK(ucm::index_prefix(mem.data(), run.data(), 5) == -1);
+}
+
 static void test_io_engine() {
   char path[] = "/tmp/ucm_io_testXXXXXX";
   int fd = mkstemp(path);
@@ -83,6 +146,8 @@ static void test_io_engine() {
 int main() {
   test_chain_keys();
   test_copy();
+  test_copy_spans();
+  test_index();
   test_io_engine();
   if (failures) {
     std::fprintf(stderr, "%d failed\n", failures);
