@@ -24,7 +24,7 @@ import logging
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
 from ucm.buffers import byte_view
@@ -202,6 +202,14 @@ class UnifiedCache:
                   "store_refused", "bytes_loaded", "bytes_stored"):
             counts.setdefault(k, 0)
         return {"tiers": tiers, **counts}
+
+    def watch_keys(self, on_add: Callable[[Key], None], on_remove: Callable[[Key], None]) -> None:
+        """Mirrors the set of cached keys that `lookup` sees (blocks in shared
+        tiers put there by other nodes excepted): on_add for every key now and
+        on every arrival, on_remove on every departure, called under the
+        cache's metadata lock (they must be quick and must not call back)."""
+        with self._meta:
+            self.placement.watch(on_add, on_remove)
 
     def close(self) -> None:
         if self._closed:

@@ -58,6 +58,19 @@ class ServiceConfig(_Strict):
     max_frame_bytes: int = Field(default=4 << 20, ge=4096, le=64 << 20)
     max_keys: int = Field(default=65536, ge=1, le=1 << 20)  # keys per request
     request_timeout_s: float = Field(default=30.0, gt=0)  # client side, per request
+    # Both ends poll this long for the next frame before sleeping: a sleeping
+    # CPU (an idle VM's vCPU above all) takes tens of microseconds to wake.
+    poll_spin_us: int = Field(default=100, ge=0, le=10_000)
+    # Slots of the shared key index clients answer lookups from (16 bytes
+    # each; it holds up to 3/4 as many blocks); 0 turns it off.
+    index_slots: int = Field(default=1 << 20, ge=0, le=1 << 30)
+
+    @field_validator("index_slots")
+    @classmethod
+    def _slots(cls, v: int) -> int:
+        if v and (v < 8 or v & (v - 1)):
+            raise ValueError(f"must be 0 or a power of two >= 8, got {v}")
+        return v
 
     @field_validator("max_frame_bytes", mode="before")
     @classmethod

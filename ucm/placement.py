@@ -112,6 +112,8 @@ class Placement:
         self._children: dict[Key, set[Key]] = {}  # resident parent -> resident children
         self._size: dict[Key, int] = {}
         self._pins: Counter = Counter()
+        self._on_link: Optional[Callable[[Key], None]] = None
+        self._on_unlink: Optional[Callable[[Key], None]] = None
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -273,7 +275,17 @@ class Placement:
         return plan
 
     # ---- internals ---------------------------------------------------------
+    def watch(self, on_link: Callable[[Key], None], on_unlink: Callable[[Key], None]) -> None:
+        """Calls on_link(key) for every cached key now and whenever one
+        enters the cache, on_unlink(key) when one leaves it (what `lookup`
+        and `contains` answer), synchronously under the owner's lock."""
+        for key in self._parent:
+            on_link(key)
+        self._on_link, self._on_unlink = on_link, on_unlink
+
     def _link(self, key: Key, parent: Optional[Key], size: int) -> None:
+        if self._on_link is not None and key not in self._parent:
+            self._on_link(key)
         self._parent[key] = parent
         self._size[key] = size
         if parent is not None:
@@ -281,6 +293,8 @@ class Placement:
 
     def _unlink(self, key: Key) -> None:
         parent = self._parent.pop(key)
+        if self._on_unlink is not None:
+            self._on_unlink(key)
         self._size.pop(key, None)
         if parent is not None:
             kids = self._children.get(parent)

@@ -255,6 +255,7 @@ def test_private_files_and_observability(service):
     with CacheClient(sock) as c:
         arena = c.service_info["arena_path"]
         assert stat.S_IMODE(os.stat(arena).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(c.service_info["index_path"]).st_mode) == 0o600
         k, d = chain(4, 9)
         c.store(k, d).wait(30)
         c.load(k, [bytearray(SIZE) for _ in k]).wait(30)
@@ -288,3 +289,69 @@ def test_connect_starts_a_private_service_that_exits_when_unused(tmp_path):
         c.close()
     c.spawned.wait(30)
     assert not os.path.exists(sock)
+
+
+def test_slot_access_copies_straight_between_arena_and_caller(service):
+    """write_slots/read_slots: the caller copies into and out of the arena
+    itself (what the vLLM connector does page by page)."""
+    from ucm import _native
+
+    cfg_path, sock, cfg, _ = service
+    keys, data = chain(6, 7)
+    flat = bytearray(b"".join(data))
+    with CacheClient(sock) as c:
+        def put(first, slots, arena):
+            dst = [s[0] for s in slots if s is not None]
+            src = [(first + i) * SIZE for i, s in enumerate(slots) if s is not None]
+            _native.copy_spans(arena, dst, flat, src, SIZE)
+
+        assert c.write_slots(keys[:4], [SIZE] * 4, put) == [Outcome.DONE] * 4
+        # Already cached blocks get no slot; the rest are filled and committed.
+        seen = []
+        assert c.write_slots(keys, [SIZE] * 6, lambda f, s, a: (seen.extend(s), put(f, s, a))) == [Outcome.DONE] * 6
+        assert seen[:4] == [None] * 4 and all(s is not None for s in seen[4:])
+
+        out = bytearray(len(flat))
+
+        def get(first, slots, arena):
+            src = [s[0] for s in slots if s is not None]
+            dst = [(first + i) * SIZE for i, s in enumerate(slots) if s is not None]
+            _native.copy_spans(out, dst, arena, src, SIZE)
+
+        missing = os.urandom(16)
+        res = c.read_slots(keys + [missing], [SIZE] * 6 + [SIZE], get)
+        assert res == [Outcome.DONE] * 6 + [Outcome.MISSING]
+        assert out == flat
+        # A wrong expected size is corrupt, not copied; a fill that raises fails
+        # its blocks and gives the leases back.
+        assert c.read_slots(keys[:1], [SIZE - 1], get) == [Outcome.CORRUPT]
+
+        def boom(first, slots, arena):
+            raise RuntimeError("copy failed")
+
+        assert c.read_slots(keys[:2], [SIZE] * 2, boom) == [Outcome.FAILED] * 2
+        assert c.stats()["service"]["leases"] == 0
+        fresh, fresh_data = chain(1, 99)
+        assert c.write_slots(fresh, [SIZE], boom) == [Outcome.FAILED]
+        assert c.lookup(fresh) == 0
+
+
+def test_lookups_from_the_shared_index_equal_the_service_answers(service):
+    """The key index clients read lookups from mirrors the service through
+    stores, demotions to NVMe, evictions and partial prefixes."""
+    cfg_path, sock, cfg, _ = service
+    rng = random.Random(3)
+    with CacheClient(sock) as c:
+        assert c._index is not None
+        chains = [chain(rng.randint(1, 12), seed)[0] for seed in range(40)]
+        for step in range(120):
+            keys = rng.choice(chains)
+            if rng.random() < 0.6:
+                c.store(keys, [bytes(SIZE)] * len(keys)).wait(30)
+            probe = keys[:rng.randint(1, len(keys))] + ([os.urandom(16)] if rng.random() < 0.3 else [])
+            assert c.lookup(probe) == c._call("lookup", {"keys": probe}), step
+        # 4 MiB of DRAM and 32 MiB of NVMe hold fewer blocks than were stored:
+        # the index followed evictions too.
+        every = [k for ch in chains for k in ch]
+        assert 0 < sum(c.lookup([k]) for k in every) < len(every)
+        assert sum(c.lookup([k]) for k in every) == sum(c._call("lookup", {"keys": [k]}) for k in every)

@@ -1,9 +1,11 @@
 """`ucm bench service`: the service's control and data planes.
 
 Starts a private `ucm serve` (DRAM tier only) and measures, in one run:
-- lookups: `--lookups` requests of `--keys` keys each from 1 and then 2
-  client processes at once; throughput (requests per second over all
-  clients) and per-request latency percentiles;
+- lookups: `--lookups` calls of `--keys` keys each from 1 and then 2
+  client processes at once; throughput (lookups per second over all
+  clients) and per-call latency percentiles; once as clients make them
+  (answered from the shared key index) and once as requests over the
+  socket (`lookup_socket_*`, the path every other operation takes);
 - store/load bandwidth through the shared arena (reserve, copy, commit;
   acquire, copy, release) of `--size-mb` of blocks, next to a single-thread
   memcpy of the same blocks measured in the same process.
@@ -43,11 +45,11 @@ def _pct(sorted_us: list[float], q: float) -> float:
     return round(sorted_us[min(len(sorted_us) - 1, int(q * len(sorted_us)))], 1)
 
 
-def _lookup_worker(sock: str, n: int, n_keys: int, seed: int, start: Any, out: Any) -> None:
+def _lookup_worker(sock: str, n: int, n_keys: int, use_index: bool, start: Any, out: Any) -> None:
     from ucm.service.client import CacheClient
 
     keys = [os.urandom(16) for _ in range(n_keys)]
-    c = CacheClient(sock)
+    c = CacheClient(sock, use_index=use_index)
     # Real hits: the looked-up prefix is cached, so every answer is checked.
     c.store(keys, [bytes(4096)] * n_keys).wait(60)
     for _ in range(200):  # warm up
@@ -64,10 +66,11 @@ def _lookup_worker(sock: str, n: int, n_keys: int, seed: int, start: Any, out: A
     c.close()
 
 
-def _lookups(sock: str, clients: int, n: int, n_keys: int) -> dict[str, float]:
+def _lookups(sock: str, clients: int, n: int, n_keys: int, use_index: bool = True) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_lookup_worker, args=(sock, n, n_keys, i, start, out)) for i in range(clients)]
+    procs = [ctx.Process(target=_lookup_worker, args=(sock, n, n_keys, use_index, start, out))
+             for _ in range(clients)]
     for p in procs:
         p.start()
     time.sleep(1.0)
@@ -111,6 +114,12 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
         res.update({"lookup_1client_ops_per_s": one["ops_per_s"], "lookup_1client_p50_us": one["p50_us"],
                     "lookup_1client_p99_us": one["p99_us"], "lookup_ops_per_s": two["ops_per_s"],
                     "lookup_p50_us": two["p50_us"], "lookup_p99_us": two["p99_us"]})
+        s_one = _lookups(sock, 1, lookups, n_keys, use_index=False)
+        s_two = _lookups(sock, 2, lookups, n_keys, use_index=False)
+        res.update({"lookup_socket_1client_ops_per_s": s_one["ops_per_s"],
+                    "lookup_socket_1client_p99_us": s_one["p99_us"],
+                    "lookup_socket_ops_per_s": s_two["ops_per_s"], "lookup_socket_p50_us": s_two["p50_us"],
+                    "lookup_socket_p99_us": s_two["p99_us"]})
 
         srcs, dsts = [], []
         for _ in range(n_blocks):
@@ -136,7 +145,7 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
             t = time.perf_counter()
             ld = c.load(keys, dsts).wait(600)
             res["load_gbps"] = round(total / (time.perf_counter() - t) / 1e9, 3)
-        res["lookup_wrong_answers"] = one["wrong"] + two["wrong"]
+        res["lookup_wrong_answers"] = sum(r["wrong"] for r in (one, two, s_one, s_two))
         res["ok"] = (res["lookup_wrong_answers"] == 0 and all(o is Outcome.DONE for o in st + ld)
                      and all(d[:] == s[:] for d, s in zip(dsts, srcs)))
         res["store_vs_memcpy"] = round(res["store_gbps"] / res["memcpy_gbps"], 3)

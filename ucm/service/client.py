@@ -18,6 +18,7 @@ import fcntl
 import logging
 import mmap
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import yaml
 
@@ -35,9 +36,13 @@ from ucm.cache import Handle, Outcome
 from ucm.config import UcmConfig, load_config
 from ucm.errors import ArgumentError, ClosedError, UcmError
 from ucm.service import protocol as proto
+from ucm.service.index import map_index
 from ucm.service.server import runtime_dir, socket_path
 
 log = logging.getLogger(__name__)
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class ServiceUnavailable(UcmError):
@@ -46,18 +51,23 @@ class ServiceUnavailable(UcmError):
 
 class CacheClient:
     def __init__(self, path: str, config: Optional[UcmConfig] = None, io_workers: int = 2,
-                 retry_s: float = 0.5, connect: bool = True) -> None:
+                 retry_s: float = 0.5, connect: bool = True, use_index: bool = True) -> None:
         self.path = path
         self.config = config or UcmConfig()
         self._timeout = self.config.service.request_timeout_s
         self._limit = self.config.service.max_frame_bytes
         self._retry_s = retry_s
+        self._spin_s = self.config.service.poll_spin_us / 1e6
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
         self._arena: Optional[mmap.mmap] = None
         self._arena_view: Optional[memoryview] = None
         self._arena_path: Optional[str] = None
         self.service_info: dict[str, Any] = {}
+        self._index: Optional[mmap.mmap] = None  # the service's key index, read-only
+        self._index_path: Optional[str] = None
+        self._use_index = use_index  # False: every lookup is a request over the socket
+        self._poll: Optional[select.poll] = None
         self._rid = 0
         self._next_try = 0.0
         self._closed = False
@@ -92,6 +102,14 @@ class CacheClient:
             raise
         if info["arena_path"] != self._arena_path:
             self._map_arena(info["arena_path"], info["arena_bytes"])
+        if info.get("index_path") != self._index_path:
+            if self._index is not None:
+                self._index.close()
+            self._index_path = info.get("index_path")
+            self._index = (map_index(self._index_path, info["index_bytes"])
+                           if self._index_path and self._use_index else None)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         self.service_info = info
 
     def _map_arena(self, path: str, size: int) -> None:
@@ -102,6 +120,13 @@ class CacheClient:
             m = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        try:
+            # MAP_POPULATE maps shared pages read-only (the first write to each
+            # still faults); MADV_POPULATE_WRITE maps them writable without
+            # touching their bytes (Linux 5.14+; older kernels refuse it).
+            m.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            pass
         old_view, old = self._arena_view, self._arena
         self._arena, self._arena_view, self._arena_path = m, memoryview(m), path
         if old_view is not None:
@@ -125,7 +150,7 @@ class CacheClient:
         rid = self._rid
         try:
             self._sock.sendall(proto.pack([rid, op, args]))
-            reply = self._reader.read()
+            reply = self._reader.read(self._spin_s)
         except (OSError, proto.ProtocolError) as exc:
             self._disconnect_locked()
             raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
@@ -164,7 +189,26 @@ class CacheClient:
     # ---- the UnifiedCache API ------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
         keys = _keys(keys)
-        return self._try("lookup", {"keys": keys}, 0) if keys else 0
+        if not keys:
+            return 0
+        n = self._lookup_index(keys)
+        return n if n is not None else self._try("lookup", {"keys": keys}, 0)
+
+    def _lookup_index(self, keys: list[bytes]) -> Optional[int]:
+        """The answer from the shared key index, or None to ask the service:
+        no index, no live connection, an inconsistent read, or a partial hit
+        that blocks other nodes put into a shared tier might extend."""
+        with self._lock:
+            if self._index is None or self._sock is None or self._closed:
+                return None
+            # A dead service hangs up its end: its index is stale from then on.
+            if self._poll.poll(0):
+                self._disconnect_locked()
+                return None
+            n = _native.index_prefix(self._index, b"".join(keys))
+        if n < 0 or (n < len(keys) and self.service_info.get("shared_tiers")):
+            return None
+        return n
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
         keys = _keys(keys)
@@ -203,6 +247,96 @@ class CacheClient:
 
         return self._submit(len(keys), run)
 
+    # ---- slot-level access (zero-copy for connectors) ------------------------
+    def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn) -> list[Outcome]:
+        """Leases `keys` (chunks of at most 1/8 of the arena) and calls
+        `fill(first, slots, arena)` while they are held: `slots[i]` is the
+        (offset, length) of keys[first + i] in the mapped arena, or None when
+        it is missing or its length is not sizes[first + i]. The caller copies
+        straight out of the arena (e.g. with _native.copy_spans), so a block
+        is copied once. Synchronous; faults are outcomes, never exceptions."""
+        keys = _keys(keys)
+        if len(sizes) != len(keys):
+            raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        out: list[Outcome] = []
+        for i, j in self._chunks(sizes):
+            out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill))
+        return out
+
+    def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
+                    parent: Optional[Key] = None) -> list[Outcome]:
+        """Reserves slots for `keys` and calls `fill(first, slots, arena)`:
+        `slots[i]` is the (offset, length) to fill for keys[first + i], or None
+        when the block is already cached or was refused; then commits. The
+        store half of read_slots; a `fill` that raises aborts its chunk."""
+        keys = _keys(keys)
+        if len(sizes) != len(keys):
+            raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if parent is not None:
+            _keys([parent])
+        out: list[Outcome] = []
+        for i, j in self._chunks(sizes):
+            part = self._write_chunk(i, keys[i:j], sizes[i:j], fill, keys[i - 1] if i else parent)
+            out.extend(part)
+            if part and part[-1] is not Outcome.DONE:  # the rest would lack its parent
+                out.extend([Outcome.MISSING] * (len(keys) - j))
+                break
+        return out
+
+    def _read_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn) -> list[Outcome]:
+        try:
+            leases = self._call("acquire", {"keys": keys})
+            arena = self._arena
+        except UcmError as exc:
+            log.debug("%s", exc)
+            return [Outcome.MISSING] * len(keys)
+        held = [lease[0] for lease in leases if lease is not None]
+        slots: list[Optional[tuple[int, int]]] = []
+        out: list[Outcome] = []
+        for lease, size in zip(leases, sizes):
+            if lease is None:
+                slots.append(None)
+                out.append(Outcome.MISSING)
+            elif lease[2] != size:
+                slots.append(None)
+                out.append(Outcome.CORRUPT)
+            else:
+                slots.append((lease[1], lease[2]))
+                out.append(Outcome.DONE)
+        try:
+            if any(s is not None for s in slots):
+                fill(first, slots, arena)
+        except Exception:
+            log.exception("ucm client: copying out of leased slots failed")
+            out = [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
+        finally:
+            if held:
+                self._try("release", {"leases": held}, None)
+        return out
+
+    def _write_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
+                     parent: Optional[bytes]) -> list[Outcome]:
+        try:
+            reply = self._call("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent})
+            arena = self._arena
+        except UcmError as exc:
+            log.debug("%s", exc)
+            return [Outcome.FAILED] * len(keys)
+        slots = [tuple(r) if isinstance(r, list) else None for r in reply]
+        filled = [k for k, s in zip(keys, slots) if s is not None]
+        out = [Outcome.MISSING if r is None else Outcome.DONE for r in reply]
+        if not filled:
+            return out
+        try:
+            fill(first, slots, arena)
+        except Exception:
+            log.exception("ucm client: copying into reserved slots failed")
+            self._try("abort", {"keys": filled}, None)
+            return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
+        ok = self._try("commit", {"keys": filled}, None)
+        failed = set(filled) if ok is None else {k for k, good in zip(filled, ok) if not good}
+        return [Outcome.FAILED if k in failed else o for k, o in zip(keys, out)]
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -210,6 +344,9 @@ class CacheClient:
             self._closed = True
             self._disconnect_locked()
         self._pool.shutdown(wait=True)
+        if self._index is not None:
+            self._index.close()
+            self._index = None
         if self._arena_view is not None:
             self._arena_view.release()
             try:
@@ -276,15 +413,17 @@ class CacheClient:
             out = [Outcome.FAILED if k in failed else o for k, o in zip(keys, out)]
         return out
 
-    def _chunks(self, views: list[memoryview]) -> list[tuple[int, int]]:
+    def _chunks(self, sizes: Sequence[Any]) -> list[tuple[int, int]]:
         """Index ranges of at most 1/8 of the arena each (at least one block),
-        so that one request never needs more slots than the arena has."""
+        so that one request never needs more slots than the arena has.
+        `sizes` holds byte counts or buffers (their lengths count)."""
         budget = max(1, int(self.service_info.get("arena_bytes", 0)) // 8)
+        lens = [s if isinstance(s, int) else len(s) for s in sizes]
         out, i = [], 0
-        while i < len(views):
+        while i < len(lens):
             j, size = i, 0
-            while j < len(views) and (j == i or size + len(views[j]) <= budget):
-                size += len(views[j])
+            while j < len(lens) and (j == i or size + lens[j] <= budget):
+                size += lens[j]
                 j += 1
             out.append((i, j))
             i = j
@@ -322,6 +461,8 @@ class CacheClient:
 
 
 Key = bytes
+# fill(first, slots, arena): slots[i] = (offset, length) in arena, or None.
+SlotFn = Callable[[int, list, Any], None]
 
 
 def _keys(keys: Sequence[Key]) -> list[bytes]:

@@ -11,8 +11,10 @@ shared-memory arena.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 from typing import Any, Optional
 
 import msgpack
@@ -33,33 +35,37 @@ def pack(obj: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-class FrameReader:
-    """Reads frames from a stream socket with as few system calls as
-    possible (one recv usually carries a whole small frame)."""
+NEED_MORE = object()  # FrameDecoder.next(): no whole frame buffered yet
 
-    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
-        self.sock = sock
+
+class FrameDecoder:
+    """Splits a byte stream into decoded frames (for non-blocking readers)."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
         self.max = max_frame_bytes
         self._buf = bytearray()
 
-    def _fill(self, n: int) -> bool:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(max(65536, n - len(self._buf)))
-            if not chunk:
-                return False
-            self._buf += chunk
-        return True
+    def feed(self, data: bytes) -> None:
+        self._buf += data
 
-    def read(self) -> Optional[Any]:
-        """The next decoded frame, or None when the peer closed the
-        connection. Raises ProtocolError for an oversized or undecodable frame."""
-        if not self._fill(_LEN.size):
-            return None
+    def need(self) -> int:
+        """Bytes still missing for the frame at the head of the buffer (>= 1
+        when next() would answer NEED_MORE)."""
+        if len(self._buf) < _LEN.size:
+            return _LEN.size - len(self._buf)
+        (n,) = _LEN.unpack_from(self._buf)
+        return max(0, _LEN.size + n - len(self._buf))
+
+    def next(self) -> Any:
+        """The next decoded frame, or NEED_MORE. Raises ProtocolError for an
+        oversized or undecodable frame."""
+        if len(self._buf) < _LEN.size:
+            return NEED_MORE
         (n,) = _LEN.unpack_from(self._buf)
         if n > self.max:
             raise ProtocolError(f"frame of {n} bytes exceeds max_frame_bytes={self.max}")
-        if not self._fill(_LEN.size + n):
-            return None
+        if len(self._buf) < _LEN.size + n:
+            return NEED_MORE
         body = bytes(self._buf[_LEN.size:_LEN.size + n])
         del self._buf[:_LEN.size + n]
         try:
@@ -67,6 +73,45 @@ class FrameReader:
                                    max_str_len=1 << 16, max_array_len=1 << 20, max_map_len=64, max_ext_len=0)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+
+
+class FrameReader:
+    """Reads frames from a blocking stream socket with as few system calls
+    as possible (one recv usually carries a whole small frame)."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
+        self.sock = sock
+        self._dec = FrameDecoder(max_frame_bytes)
+
+    def read(self, spin_s: float = 0.0) -> Optional[Any]:
+        """The next decoded frame, or None when the peer closed the
+        connection; polls `spin_s` seconds before sleeping in recv. Raises
+        ProtocolError for an oversized or undecodable frame."""
+        deadline = 0.0
+        while True:
+            frame = self._dec.next()
+            if frame is not NEED_MORE:
+                return frame
+            n = max(65536, self._dec.need())
+            chunk = None
+            if spin_s > 0:
+                # Not sock.recv: on a socket with a timeout it polls (sleeps)
+                # before reading. os.read on its non-blocking fd does not.
+                fd = self.sock.fileno()
+                now = time.perf_counter()
+                deadline = deadline or now + spin_s
+                while now < deadline:
+                    try:
+                        chunk = os.read(fd, n)
+                        break
+                    except BlockingIOError:
+                        os.sched_yield()  # the service may be waiting for this CPU
+                        now = time.perf_counter()
+            if chunk is None:
+                chunk = self.sock.recv(n)
+            if not chunk:
+                return None
+            self._dec.feed(chunk)
 
 
 # ---- argument validation ------------------------------------------------------

@@ -4,7 +4,9 @@ It hosts a UnifiedCache. Control goes over a Unix domain socket (mode 0600
 in a 0700 per-user directory) with the msgpack protocol of
 ucm.service.protocol; payload bytes go through the shared-memory dram arena,
 which clients map: a client copies into a reserved slot and commits, or
-copies out of a leased slot. One thread serves each connection.
+copies out of a leased slot. One event loop answers every connection;
+operations that may wait on I/O (reserve, commit, acquire, prefetch, flush)
+run on a small worker pool, one at a time per connection.
 
 A connection owns its reservations, leases and pins; when it closes (the
 client exited or was killed) they are given back. The service itself may be
@@ -16,11 +18,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
+import selectors
 import signal
 import socket
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from ucm import __version__
@@ -28,6 +33,7 @@ from ucm.cache import UnifiedCache
 from ucm.config import UcmConfig
 from ucm.errors import ConfigError, UcmError
 from ucm.service import protocol as proto
+from ucm.service.index import KeyIndex
 from ucm.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -82,14 +88,17 @@ def remove_stale_segments(directory: str) -> int:
 class _Conn:
     """State a connection owns; given back when it closes."""
 
-    def __init__(self, sock: socket.socket, cid: int) -> None:
+    def __init__(self, sock: socket.socket, cid: int, max_frame_bytes: int) -> None:
         self.sock = sock
         self.id = cid
         self.leases: dict[int, Any] = {}
         self.reserved: set[bytes] = set()
         self.pins: Counter = Counter()
         self.next_lease = 1
-        self.reader: Optional[proto.FrameReader] = None
+        self.decoder = proto.FrameDecoder(max_frame_bytes)
+        self.out = bytearray()  # reply bytes the socket did not take yet
+        self.busy = False  # a request of this connection runs on the worker pool
+        self.closing = False  # drop once the running request is done
 
 
 class CacheService:
@@ -101,6 +110,7 @@ class CacheService:
         self.idle_exit_s = idle_exit_s
         self.path = socket_path(config)
         self.cache: Optional[UnifiedCache] = None
+        self.index: Optional[KeyIndex] = None
         self._sock: Optional[socket.socket] = None
         self._conns: dict[int, _Conn] = {}
         self._lock = threading.Lock()
@@ -108,12 +118,20 @@ class CacheService:
         self._last_active = time.monotonic()
         self._next_conn = 1
         self.metrics: Optional[Metrics] = None
+        self._sel: Optional[selectors.BaseSelector] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._done: "queue.SimpleQueue[tuple[_Conn, bytes]]" = queue.SimpleQueue()
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
         self._ops: dict[str, Callable[[_Conn, dict], Any]] = {
             "hello": self._hello, "lookup": self._lookup, "locate": self._locate,
             "reserve": self._reserve, "commit": self._commit, "abort": self._abort,
             "acquire": self._acquire, "release": self._release, "prefetch": self._prefetch,
             "pin": self._pin, "unpin": self._unpin, "stats": self._stats, "flush": self._flush,
         }
+        # Operations that may wait on I/O (NVMe reads and writes, evictions,
+        # cluster stores) run on worker threads; the rest answer on the loop.
+        self._slow_ops = {"reserve", "commit", "acquire", "prefetch", "flush"}
 
     # ---- life cycle --------------------------------------------------------
     def start(self) -> None:
@@ -125,12 +143,19 @@ class CacheService:
                                   f"(the shared data plane), got {self.config.landing_tier!r}")
             remove_stale_segments(dram[0].options.get("path", "/dev/shm"))
             self.cache = UnifiedCache(self.config)
+            if self.config.service.index_slots:
+                self.index = KeyIndex(dram[0].options.get("path", "/dev/shm"), self.config.service.index_slots)
+                self.cache.watch_keys(self.index.add, self.index.discard)
             if self.config.service.metrics_port is not None:
                 self.metrics = Metrics(self.cache, self.config.service.metrics_host,
                                        self.config.service.metrics_port)
         except BaseException:
             self._sock.close()
             self._unlink_socket()
+            if self.cache is not None:
+                self.cache.close()
+            if self.index is not None:
+                self.index.close()
             raise
         log.info("ucm serve: listening on %s (arena %s)", self.path, self.cache.shared_arena().segment_path)
 
@@ -160,31 +185,187 @@ class CacheService:
         return sock
 
     def serve_forever(self) -> None:
+        """One event loop answers every connection (no thread hand-offs on
+        the hot path: lookups, pins, releases); operations that may block
+        on I/O go to a small worker pool and answer from there."""
         assert self._sock is not None
-        self._sock.settimeout(0.5)
+        self._sock.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._pool = ThreadPoolExecutor(max_workers=max(2, self.config.io_workers),
+                                        thread_name_prefix="ucm-serve")
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        spin = self.config.service.poll_spin_us / 1e6
+        busy_until = 0.0
         try:
             while not self._stop.is_set():
-                try:
-                    client, _ = self._sock.accept()
-                except socket.timeout:
-                    if self.private and self._idle():
-                        log.info("ucm serve: private service idle, exiting")
-                        break
+                # Poll while requests keep coming (see service.poll_spin_us).
+                events = self._sel.select(0 if time.perf_counter() < busy_until else 0.5)
+                if events:
+                    busy_until = time.perf_counter() + spin
+                elif time.perf_counter() < busy_until:
                     continue
-                except OSError:
-                    if self._stop.is_set():
-                        break
-                    raise
-                with self._lock:
-                    cid = self._next_conn
-                    self._next_conn += 1
-                    conn = _Conn(client, cid)
-                    self._conns[cid] = conn
-                    self._last_active = time.monotonic()
-                threading.Thread(target=self._serve_conn, args=(conn,), name=f"ucm-conn-{cid}",
-                                 daemon=True).start()
+                if not events and self.private and self._idle():
+                    log.info("ucm serve: private service idle, exiting")
+                    break
+                for key, mask in events:
+                    if key.data is None:
+                        self._accept()
+                    elif key.data == "wake":
+                        self._completions()
+                    else:
+                        conn = key.data
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush_out(conn)
+                        if mask & selectors.EVENT_READ and not conn.closing:
+                            self._readable(conn)
         finally:
             self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            client.setblocking(False)
+            with self._lock:
+                cid = self._next_conn
+                self._next_conn += 1
+                conn = _Conn(client, cid, self.config.service.max_frame_bytes)
+                self._conns[cid] = conn
+                self._last_active = time.monotonic()
+            self._sel.register(client, selectors.EVENT_READ, conn)
+
+    def _readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(max(65536, conn.decoder.need()))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_conn(conn)
+            return
+        conn.decoder.feed(data)
+        self._dispatch(conn)
+
+    def _dispatch(self, conn: _Conn) -> None:
+        """Answers the buffered requests of `conn` until one goes to the
+        pool (the connection then waits for it: requests stay in order)."""
+        while not conn.busy and not conn.closing:
+            try:
+                frame = conn.decoder.next()
+            except proto.ProtocolError as exc:
+                log.warning("ucm serve: connection %d: %s; closing it", conn.id, exc)
+                self._reply(conn, proto.pack([0, False, str(exc)]))
+                self._close_conn(conn, after_send=True)
+                return
+            if frame is proto.NEED_MORE:
+                return
+            if not (isinstance(frame, list) and len(frame) == 3 and isinstance(frame[0], int)
+                    and isinstance(frame[1], str)):
+                self._reply(conn, proto.pack([0, False, "request must be [id:int, op:str, args:map]"]))
+                continue
+            if frame[1] in self._slow_ops:
+                conn.busy = True
+                self._pool.submit(self._run_slow, conn, frame)
+                return
+            self._reply(conn, self._handle(conn, frame))
+
+    def _handle(self, conn: _Conn, frame: list) -> bytes:
+        rid, op, args = frame
+        handler = self._ops.get(op)
+        if handler is None:
+            return proto.pack([rid, False, f"unknown op {op!r}; known: {sorted(self._ops)}"])
+        t0 = time.perf_counter()
+        try:
+            reply = [rid, True, handler(conn, args)]
+        except (proto.ProtocolError, UcmError) as exc:
+            reply = [rid, False, str(exc)]
+        except Exception as exc:  # a bug in one request must not take the service down
+            log.exception("ucm serve: op %s failed", op)
+            reply = [rid, False, f"internal error: {type(exc).__name__}: {exc}"]
+        if self.metrics is not None:
+            self.metrics.observe(op, time.perf_counter() - t0)
+        return proto.pack(reply)
+
+    def _run_slow(self, conn: _Conn, frame: list) -> None:
+        try:
+            out = self._handle(conn, frame)
+        except BaseException as exc:  # pack failed: never leave the connection busy
+            out = proto.pack([frame[0], False, f"internal error: {type(exc).__name__}"])
+        self._done.put((conn, out))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the wake pipe is full: the loop is awake anyway
+
+    def _completions(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while True:
+            try:
+                conn, out = self._done.get_nowait()
+            except queue.Empty:
+                return
+            conn.busy = False
+            if conn.closing:
+                self._drop_conn(conn)
+                continue
+            self._reply(conn, out)
+            self._dispatch(conn)
+
+    def _reply(self, conn: _Conn, data: bytes) -> None:
+        if conn.out:
+            conn.out += data
+            return
+        try:
+            n = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._close_conn(conn)
+            return
+        if n < len(data):
+            conn.out += data[n:]
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _flush_out(self, conn: _Conn) -> None:
+        try:
+            n = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            conn.out.clear()
+            self._close_conn(conn)
+            return
+        del conn.out[:n]
+        if not conn.out:
+            if conn.closing:
+                self._close_conn(conn)
+            else:
+                self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _close_conn(self, conn: _Conn, after_send: bool = False) -> None:
+        """Stops serving `conn`; what it owns is given back once no request of
+        it runs any more (and, with after_send, once its last reply left)."""
+        conn.closing = True
+        if after_send and conn.out:
+            return
+        if conn.busy:
+            return  # _completions drops it
+        self._drop_conn(conn)
 
     def _idle(self) -> bool:
         with self._lock:
@@ -200,18 +381,27 @@ class CacheService:
                 self._sock.close()
             finally:
                 self._unlink_socket()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)  # requests in flight finish first
         with self._lock:
             conns = list(self._conns.values())
         for c in conns:
-            try:
-                c.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            c.busy = False
+            self._drop_conn(c)
+        if self._sel is not None:
+            self._sel.close()
+            self._sel = None
+        for s in (self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.cache is not None:
             self.cache.close()
             self.cache = None
+        if self.index is not None:
+            self.index.close()
+            self.index = None
 
     def _unlink_socket(self) -> None:
         try:
@@ -220,55 +410,16 @@ class CacheService:
             pass
 
     # ---- connections -------------------------------------------------------
-    def _serve_conn(self, conn: _Conn) -> None:
-        reader = proto.FrameReader(conn.sock, self.config.service.max_frame_bytes)
-        try:
-            while not self._stop.is_set():
-                try:
-                    frame = reader.read()
-                except proto.ProtocolError as exc:
-                    log.warning("ucm serve: connection %d: %s; closing it", conn.id, exc)
-                    self._send(conn, [0, False, str(exc)])
-                    break
-                if frame is None:
-                    break
-                if not (isinstance(frame, list) and len(frame) == 3 and isinstance(frame[0], int)
-                        and isinstance(frame[1], str)):
-                    self._send(conn, [0, False, "request must be [id:int, op:str, args:map]"])
-                    continue
-                rid, op, args = frame
-                handler = self._ops.get(op)
-                t0 = time.perf_counter()
-                if handler is None:
-                    reply = [rid, False, f"unknown op {op!r}; known: {sorted(self._ops)}"]
-                else:
-                    try:
-                        reply = [rid, True, handler(conn, args)]
-                    except (proto.ProtocolError, UcmError) as exc:
-                        reply = [rid, False, str(exc)]
-                    except Exception as exc:  # a bug in one request must not take the service down
-                        log.exception("ucm serve: op %s failed", op)
-                        reply = [rid, False, f"internal error: {type(exc).__name__}: {exc}"]
-                if self.metrics is not None and handler is not None:
-                    self.metrics.observe(op, time.perf_counter() - t0)
-                if not self._send(conn, reply):
-                    break
-        except OSError:
-            pass
-        finally:
-            self._drop_conn(conn)
-
-    def _send(self, conn: _Conn, reply: list) -> bool:
-        try:
-            conn.sock.sendall(proto.pack(reply))
-            return True
-        except OSError:
-            return False
-
     def _drop_conn(self, conn: _Conn) -> None:
         with self._lock:
-            self._conns.pop(conn.id, None)
+            if self._conns.pop(conn.id, None) is None:
+                return  # dropped already
             self._last_active = time.monotonic()
+        if self._sel is not None:
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
         cache = self.cache
         if cache is not None:
             if conn.leases:
@@ -298,7 +449,10 @@ class CacheService:
         arena = self.cache.shared_arena()
         return {"version": proto.VERSION, "ucm": __version__, "pid": os.getpid(),
                 "arena_path": arena.segment_path, "arena_bytes": arena.capacity_bytes,
-                "block_tokens": self.config.block_tokens, "tiers": self.cache.tier_names}
+                "block_tokens": self.config.block_tokens, "tiers": self.cache.tier_names,
+                "index_path": self.index.path if self.index is not None else None,
+                "index_bytes": self.index.nbytes if self.index is not None else 0,
+                "shared_tiers": bool(self.cache._shared)}
 
     def _lookup(self, conn: _Conn, args: dict) -> int:
         return self.cache.lookup(self._keys(args, {"keys"}))
