@@ -5,7 +5,9 @@ metadata half of UnifiedCache, with each named policy (`ucm.policies` entry
 points) and each capacity, and reports hit ratios, per-tier hits, NVMe bytes
 written and the prefill time saved (cost model in ucm/bench/replay.py).
 One tier (`--capacity-tokens`, a list sweeps) or two (`--dram` and `--nvme`).
-Runs in the calling process, one replay at a time.
+With `--bytes SIZE` the replay moves real payloads through a UnifiedCache
+and checks every hit (ucm/bench/payload.py). Runs in the calling process,
+one replay at a time.
 """
 from __future__ import annotations
 
