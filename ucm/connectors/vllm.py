@@ -32,7 +32,14 @@ Which process runs what, and whether it may block:
   saves run on a background thread and are reported through get_finished.
   A save holds the request's pages (request_finished returns True) until the
   worker reports it. Loads that fail are reported through
-  get_block_ids_with_load_errors so vLLM recomputes those pages.
+  get_block_ids_with_load_errors so vLLM recomputes those pages (and the
+  request's next lookup is fresh, so a dead service is not asked again).
+- Copies go straight between vLLM's layer tensors and the arena slots the
+  service leases or reserves (CacheClient.read_slots / write_slots), one
+  native call per layer, no staging buffer.
+- A block whose save is planned but not yet done still counts as a hit for
+  a request that arrives meanwhile (the next turn of a chat): it is loaded
+  asynchronously, after that save.
 
 Nothing here raises into vLLM for a cache fault: a dead service or a lost
 block is a miss. Only bad configuration raises, at construction.
@@ -46,8 +53,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
@@ -78,6 +87,7 @@ log = logging.getLogger(__name__)
 
 Key = bytes
 SKIP = -1  # a page of a loaded block that vLLM already holds: left alone
+PENDING = "pending"  # hit tier of a block whose save is still in flight
 
 _KV_DTYPES = {
     "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
@@ -138,6 +148,7 @@ class _ReqState:
     page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
     next_store: int = 0  # first block neither cached nor planned for saving
     stores_issued: bool = False
+    load_failures: int = 0  # loads of this request that lost blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +251,11 @@ class UCMConnector(KVConnectorBase_V1):
         self._landing = self.config.landing_tier
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
+        # Blocks whose save is planned but not yet reported done (per request
+        # and counted per key): a request arriving meanwhile (the next turn of
+        # a chat) still hits them; its load waits in the worker for the save.
+        self._saving_keys: dict[str, list[Key]] = {}
+        self._saving: Counter = Counter()
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
@@ -266,7 +282,8 @@ class UCMConnector(KVConnectorBase_V1):
     def _lookup(self, st: _ReqState) -> None:
         """Longest cached prefix, pinned so it stays until the request ends."""
         st.looked_up = True
-        n = self._cache.lookup(st.keys) if st.keys and self.can_load else 0
+        # After two lost loads the request is computed without ucm's help.
+        n = self._cache.lookup(st.keys) if st.keys and self.can_load and st.load_failures < 2 else 0
         if n:
             self._cache.pin(st.keys[:n])
             m = self._cache.lookup(st.keys[:n])  # still there now that it is pinned?
@@ -274,8 +291,13 @@ class UCMConnector(KVConnectorBase_V1):
                 self._cache.unpin(st.keys[m:n])
             n = m
         st.pinned = st.keys[:n]
-        st.hit_blocks = n
         st.hit_tiers = self._cache.locate(st.keys[:n]) if n else []
+        if self._saving and st.load_failures < 2:
+            while n < len(st.keys) and st.keys[n] in self._saving:
+                n += 1
+            st.hit_tiers = [PENDING if k in self._saving else t
+                            for k, t in zip(st.keys, st.hit_tiers + [PENDING] * (n - len(st.hit_tiers)))]
+        st.hit_blocks = n
         st.next_store = max(st.next_store, n)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -370,15 +392,29 @@ class UCMConnector(KVConnectorBase_V1):
         ))
         st.next_store = full
         st.stores_issued = True
+        self._saving_keys.setdefault(req_id, []).extend(st.keys[b0:full])
+        self._saving.update(st.keys[b0:full])
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._saving.subtract(self._saving_keys.pop(req_id, ()))
+            self._saving += Counter()  # drop zero counts
         bad = connector_output.invalid_block_ids
         if not bad:
             return
-        for st in self._reqs.values():  # blocks that failed to load are saved again once recomputed
+        for st in self._reqs.values():
             for p, page in enumerate(st.page_ids):
                 if page in bad:
+                    # Recomputed blocks are saved again; and the memoised hit
+                    # is stale: vLLM asks again (for the recomputed request)
+                    # and must get a fresh answer, or a dead service would
+                    # be asked to load the same blocks forever.
                     st.next_store = min(st.next_store, p // self.pages_per_block)
+                    st.looked_up = False
+                    st.load_failures += 1
+                    if st.pinned:
+                        self._cache.unpin(st.pinned)
+                        st.pinned = []
                     break
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
@@ -397,7 +433,7 @@ class UCMConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None or not st.hit_tiers:
             return {self._cache_hit_source: num_external_tokens}
-        below = any(t != self._landing for t in st.hit_tiers)
+        below = any(t not in (self._landing, PENDING) for t in st.hit_tiers)
         return {CacheHitSource.DISK if below else CacheHitSource.HOST: num_external_tokens}
 
     # =========================================================================
@@ -405,10 +441,14 @@ class UCMConnector(KVConnectorBase_V1):
     # =========================================================================
     def _init_worker(self) -> None:
         self._layers: list[torch.Tensor] = []  # per layer: [num_pages, page_bytes] uint8 views
+        self._layer_np: list[Any] = []
         self._page_bytes = 0
+        self._num_pages = 0
+        self._copy_threads = max(1, min(4, len(os.sched_getaffinity(0))))
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-vllm")
         self._inflight: dict[str, list[Future]] = {}  # req_id -> background jobs touching its pages
+        self._saves: dict[Key, Future] = {}  # block key -> the save in flight writing it
         self._pending_saves: dict[str, int] = {}  # req_id -> saves not yet done
         self._saving_reqs: set[str] = set()  # every request that got a save
         self._finished_saving: set[str] = set()  # finished by vLLM, waiting for saves
@@ -434,35 +474,55 @@ class UCMConnector(KVConnectorBase_V1):
         if len(shapes) != 1:
             raise ConfigError(f"UCMConnector needs equal page shapes in every layer, got {sorted(shapes)}")
         self._layers = layers
+        self._layer_np = [x.numpy() for x in layers]  # buffers for the native copies (same memory)
         self._page_bytes = layers[0].shape[1]
+        self._num_pages = layers[0].shape[0]
         first = kv_caches[names[0]]
         log.info("UCMConnector worker: %d layers, %d pages of %d bytes (layer tensor %s %s strides %s); "
                  "block payload %d bytes", len(layers), layers[0].shape[0], self._page_bytes,
                  tuple(first.shape), first.dtype, first.stride(),
                  len(layers) * self.pages_per_block * self._page_bytes)
 
-    # ---- page copies ---------------------------------------------------------
-    def _staging(self, n_blocks: int, pages_per_block: int) -> torch.Tensor:
-        return torch.empty((n_blocks, len(self._layers), pages_per_block, self._page_bytes), dtype=torch.uint8)
+    # ---- page copies ----------------------------------------------------------
+    # A block's payload is, for each layer, its pages in order. Copies go
+    # straight between vLLM's layer tensors and the arena slots, one native
+    # call per layer (every page of every block of the chunk), GIL released.
+    @property
+    def _block_bytes(self) -> int:
+        return len(self._layers) * self.pages_per_block * self._page_bytes
 
-    def _gather(self, page_ids: list[list[int]]) -> torch.Tensor:
-        out = self._staging(len(page_ids), len(page_ids[0]))
-        for b, pages in enumerate(page_ids):
-            idx = torch.tensor(pages, dtype=torch.long)
-            for layer, src in enumerate(self._layers):
-                torch.index_select(src, 0, idx, out=out[b, layer])
-        return out
-
-    def _scatter(self, staging: torch.Tensor, page_ids: list[list[int]], n_blocks: int) -> None:
-        for b in range(n_blocks):
-            pages = page_ids[b]
-            keep = [j for j, p in enumerate(pages) if p != SKIP]
-            if not keep:
+    def _spans(self, page_ids: list[list[int]], first: int, slots: list) -> tuple[list[int], list[int]]:
+        """Page offsets in a layer tensor and the matching offsets of layer 0
+        in the arena, for the pages of the blocks that have a slot."""
+        pb, ppb = self._page_bytes, self.pages_per_block
+        pages: list[int] = []
+        arena: list[int] = []
+        for i, slot in enumerate(slots):
+            if slot is None:
                 continue
-            idx = torch.tensor([pages[j] for j in keep], dtype=torch.long)
-            for layer, dst in enumerate(self._layers):
-                src = staging[b, layer]
-                dst.index_copy_(0, idx, src if len(keep) == len(pages) else src[keep])
+            for j, p in enumerate(page_ids[first + i]):
+                if p == SKIP:
+                    continue
+                if not 0 <= p < self._num_pages:
+                    raise IndexError(f"vLLM page id {p} outside the KV cache (0..{self._num_pages - 1})")
+                pages.append(p * pb)
+                arena.append(slot[0] + j * pb)
+        return pages, arena
+
+    def _copy_layers(self, to_arena: bool, page_ids: list[list[int]], first: int, slots: list, arena: Any,
+                     threads: int) -> None:
+        from ucm import _native
+
+        pages, base = self._spans(page_ids, first, slots)
+        if not pages:
+            return
+        step = self.pages_per_block * self._page_bytes
+        for layer, t in enumerate(self._layer_np):
+            at = [o + layer * step for o in base]
+            if to_arena:
+                _native.copy_spans(arena, at, t, pages, self._page_bytes, threads)
+            else:
+                _native.copy_spans(t, pages, arena, at, self._page_bytes, threads)
 
     # ---- loads ---------------------------------------------------------------
     def _load(self, job: LoadJob) -> None:
@@ -471,16 +531,19 @@ class UCMConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         n = len(job.keys)
         ok = 0
-        try:
-            staging = self._staging(n, len(job.page_ids[0]))
-            handle = self._cache.load(job.keys, [staging[b] for b in range(n)])
-            results = handle.wait(self.settings.load_timeout_s)
-            if results is not None:
-                from ucm.cache import Outcome
+        # Synchronous loads hold up the forward, whose threads are idle meanwhile.
+        threads = 1 if job.is_async else self._copy_threads
 
-                while ok < n and results[ok] is Outcome.DONE:
-                    ok += 1
-            self._scatter(staging, job.page_ids, ok)
+        def fill(first: int, slots: list, arena: Any) -> None:
+            self._copy_layers(False, job.page_ids, first, slots, arena, threads)
+
+        try:
+            from ucm.cache import Outcome
+
+            self._wait_saves(job.keys)
+            results = self._cache.read_slots(job.keys, [self._block_bytes] * n, fill)
+            while ok < n and results[ok] is Outcome.DONE:
+                ok += 1
         except Exception:  # a cache fault is a miss for vLLM, never an exception
             log.exception("UCMConnector: load for %s failed", job.req_id)
             ok = 0
@@ -528,17 +591,43 @@ class UCMConnector(KVConnectorBase_V1):
             with self._lock:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
                 self._saving_reqs.add(job.req_id)
-            self._track(job.req_id, self._pool.submit(self._save, job))
+                fut = self._pool.submit(self._save, job)
+                for k in job.keys:
+                    self._saves[k] = fut
+            fut.add_done_callback(lambda f, keys=job.keys: self._saved(keys, f))
+            self._track(job.req_id, fut)
+
+    def _saved(self, keys: list[Key], fut: Future) -> None:
+        with self._lock:
+            for k in keys:
+                if self._saves.get(k) is fut:
+                    del self._saves[k]
+
+    def _wait_saves(self, keys: list[Key]) -> None:
+        """Waits for the saves in flight of `keys` (a load planned while they
+        were being saved). Saves were submitted before this load and wait on
+        nothing, so they finish even on a busy pool."""
+        with self._lock:
+            futs = {id(f): f for f in (self._saves.get(k) for k in keys) if f is not None}
+        deadline = time.monotonic() + self.settings.load_timeout_s
+        for f in futs.values():
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # a failed or slow save shows up as a missing block
+                pass
 
     def _save(self, job: StoreJob) -> None:
         started = time.perf_counter()
         stored = 0
+
+        def fill(first: int, slots: list, arena: Any) -> None:
+            self._copy_layers(True, job.page_ids, first, slots, arena, 1)
+
         try:
-            staging = self._gather(job.page_ids)
-            handle = self._cache.store(job.keys, [staging[b] for b in range(len(job.keys))], parent=job.parent)
-            results = handle.wait(self.settings.load_timeout_s) or []
             from ucm.cache import Outcome
 
+            results = self._cache.write_slots(job.keys, [self._block_bytes] * len(job.keys), fill,
+                                              parent=job.parent)
             stored = sum(r is Outcome.DONE for r in results)
         except Exception:
             log.exception("UCMConnector: save for %s failed", job.req_id)
