@@ -71,6 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.config import UcmConfig, load_config
+from ucm.connectors.kv_pages import PageLayout, find_page_dim, page_layout
 from ucm.errors import ConfigError
 from ucm.keys import Namespace, block_keys
 
@@ -440,8 +441,9 @@ class UCMConnector(KVConnectorBase_V1):
     # Worker side (worker process)
     # =========================================================================
     def _init_worker(self) -> None:
-        self._layers: list[torch.Tensor] = []  # per layer: [num_pages, page_bytes] uint8 views
-        self._layer_np: list[Any] = []
+        self._layouts: list[PageLayout] = []  # per layer (in layer order): where its pages lie
+        self._buffers: list[Any] = []  # per layer: its whole storage as a buffer (CPU path)
+        self._copier: Optional[Any] = None  # TorchPageCopier for device tensors
         self._page_bytes = 0
         self._num_pages = 0
         self._copy_threads = max(1, min(4, len(os.sched_getaffinity(0))))
@@ -457,77 +459,119 @@ class UCMConnector(KVConnectorBase_V1):
         self.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "load_s": 0.0, "store_s": 0.0}
 
+    def _num_kv_blocks(self, first: torch.Tensor) -> tuple[int, dict[str, int]]:
+        """vLLM's number of KV blocks (the size of each layer's page
+        dimension) and, per layer name, the engine's byte stride between
+        blocks when it states one. Without a KVCacheConfig (tests driving
+        the worker alone) the first dimension is taken as the page one."""
+        kcc = getattr(self, "_kv_cache_config", None)
+        num_blocks = getattr(kcc, "num_blocks", None)
+        if not num_blocks:
+            return first.shape[0], {}
+        strides = {name: t.block_stride for t in getattr(kcc, "kv_cache_tensors", ()) or ()
+                   for name in getattr(t, "layers", ())}
+        return num_blocks, strides
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Finds, per layer, the dimension indexing vLLM's pages and the byte
+        chunks of a page (`kv_pages.page_layout`); copies then go between
+        those chunks and the arena slots. CPU tensors are copied with native
+        memcpys, CUDA tensors with torch ops (`TorchPageCopier`)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
-        layers = []
+        first = kv_caches[names[0]]
+        num_blocks, block_strides = self._num_kv_blocks(first)
+        devices = {kv_caches[n].device for n in names}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+            raise ConfigError(f"UCMConnector copies KV tensors on one CPU or CUDA device, "
+                              f"got {sorted(map(str, devices))}")
+        layouts = []
         for name in names:
             t = kv_caches[name]
-            if t.device.type != "cpu":
-                raise ConfigError(f"UCMConnector copies host memory; layer {name} is on {t.device}")
-            if not t.is_contiguous():
-                raise ConfigError(f"UCMConnector needs each layer's KV tensor page-major and contiguous; "
-                                  f"{name} has shape {tuple(t.shape)} strides {t.stride()}")
-            layers.append(t.view(t.shape[0], -1).view(torch.uint8))
-        shapes = {tuple(x.shape) for x in layers}
-        if len(shapes) != 1:
-            raise ConfigError(f"UCMConnector needs equal page shapes in every layer, got {sorted(shapes)}")
-        self._layers = layers
-        self._layer_np = [x.numpy() for x in layers]  # buffers for the native copies (same memory)
-        self._page_bytes = layers[0].shape[1]
-        self._num_pages = layers[0].shape[0]
-        first = kv_caches[names[0]]
-        log.info("UCMConnector worker: %d layers, %d pages of %d bytes (layer tensor %s %s strides %s); "
-                 "block payload %d bytes", len(layers), layers[0].shape[0], self._page_bytes,
-                 tuple(first.shape), first.dtype, first.stride(),
-                 len(layers) * self.pages_per_block * self._page_bytes)
+            itemsize = t.element_size()
+            dim = find_page_dim(name, t.shape, num_blocks, [s * itemsize for s in t.stride()],
+                                block_strides.get(name))
+            layouts.append(page_layout(name, t.shape, t.stride(), itemsize, t.storage_offset(), dim))
+        sizes = {lay.page_bytes for lay in layouts}
+        if len(sizes) != 1:
+            raise ConfigError(f"UCMConnector needs equal page sizes in every layer, got {sorted(sizes)} bytes")
+        storages, buffers, seen = [], [], {}
+        for name, lay in zip(names, layouts):
+            st = kv_caches[name].untyped_storage()
+            flat = seen.get(st.data_ptr())
+            if flat is None:
+                flat = seen[st.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            if lay.storage_extent() > flat.numel():
+                raise ConfigError(f"KV tensor {name}: pages reach byte {lay.storage_extent()} of a "
+                                  f"{flat.numel()}-byte storage")
+            storages.append(flat)
+        self._layouts = layouts
+        self._page_bytes = layouts[0].page_bytes
+        self._num_pages = min(lay.num_pages for lay in layouts)
+        if first.device.type == "cpu":
+            arrays = {id(f): f.numpy() for f in storages}  # buffers for the native copies (same memory)
+            self._buffers = [arrays[id(f)] for f in storages]
+        else:
+            from ucm.connectors.torch_pages import TorchPageCopier
+
+            self._copier = TorchPageCopier(storages, layouts, self.pages_per_block)
+        log.info("UCMConnector worker: %d layers on %s, %d pages of %d bytes in %d chunk(s) (layer tensor %s %s "
+                 "strides %s); block payload %d bytes", len(layouts), first.device, self._num_pages,
+                 self._page_bytes, len(layouts[0].chunks), tuple(first.shape), first.dtype, first.stride(),
+                 self._block_bytes)
 
     # ---- page copies ----------------------------------------------------------
-    # A block's payload is, for each layer, its pages in order. Copies go
-    # straight between vLLM's layer tensors and the arena slots, one native
-    # call per layer (every page of every block of the chunk), GIL released.
+    # A block's payload is, for each layer, its pages in order, each page its
+    # chunks in memory order. On CPU, copies go straight between the layer
+    # storages and the arena slots, one native call per layer and chunk
+    # (every page of every block of the chunk), GIL released; device tensors
+    # go through TorchPageCopier.
     @property
     def _block_bytes(self) -> int:
-        return len(self._layers) * self.pages_per_block * self._page_bytes
+        return len(self._layouts) * self.pages_per_block * self._page_bytes
 
-    def _spans(self, page_ids: list[list[int]], first: int, slots: list) -> tuple[list[int], list[int]]:
-        """Page offsets in a layer tensor and the matching offsets of layer 0
-        in the arena, for the pages of the blocks that have a slot."""
-        pb, ppb = self._page_bytes, self.pages_per_block
-        pages: list[int] = []
-        arena: list[int] = []
+    def _blocks(self, page_ids: list[list[int]], first: int, slots: list) -> list[tuple[int, list[int]]]:
+        """(payload offset in the arena, page ids) of the blocks that have a slot."""
+        out = []
         for i, slot in enumerate(slots):
             if slot is None:
                 continue
-            for j, p in enumerate(page_ids[first + i]):
-                if p == SKIP:
-                    continue
-                if not 0 <= p < self._num_pages:
+            pages = page_ids[first + i]
+            for p in pages:
+                if p != SKIP and not 0 <= p < self._num_pages:
                     raise IndexError(f"vLLM page id {p} outside the KV cache (0..{self._num_pages - 1})")
-                pages.append(p * pb)
-                arena.append(slot[0] + j * pb)
-        return pages, arena
+            out.append((slot[0], pages))
+        return out
 
     def _copy_layers(self, to_arena: bool, page_ids: list[list[int]], first: int, slots: list, arena: Any,
-                     threads: int) -> None:
+                     threads: int, ready: Any = None) -> None:
+        blocks = self._blocks(page_ids, first, slots)
+        if self._copier is not None:
+            self._copier.copy(to_arena, blocks, arena, ready)
+            return
         from ucm import _native
 
-        pages, base = self._spans(page_ids, first, slots)
+        pb = self._page_bytes
+        pages = [(a + j * pb, p) for a, ids in blocks for j, p in enumerate(ids) if p != SKIP]
         if not pages:
             return
-        step = self.pages_per_block * self._page_bytes
-        for layer, t in enumerate(self._layer_np):
-            at = [o + layer * step for o in base]
-            if to_arena:
-                _native.copy_spans(arena, at, t, pages, self._page_bytes, threads)
-            else:
-                _native.copy_spans(t, pages, arena, at, self._page_bytes, threads)
+        step = self.pages_per_block * pb
+        for layer, (buf, lay) in enumerate(zip(self._buffers, self._layouts)):
+            for (off, n), pos in zip(lay.chunks, lay.payload_offsets):
+                at = [a + layer * step + pos for a, _ in pages]
+                kv = [lay.base + p * lay.page_stride + off for _, p in pages]
+                if to_arena:
+                    _native.copy_spans(arena, at, buf, kv, n, threads)
+                else:
+                    _native.copy_spans(buf, kv, arena, at, n, threads)
 
     # ---- loads ---------------------------------------------------------------
-    def _load(self, job: LoadJob) -> None:
+    def _load(self, job: LoadJob, ready: Any = None) -> None:
         """Copies the job's blocks into its pages; pages of blocks that did not
-        arrive (and of every block after the first such) become load errors."""
+        arrive (and of every block after the first such) become load errors.
+        `ready`: on CUDA, an event the copies wait for (the work queued on the
+        engine's stream before the load was submitted)."""
         started = time.perf_counter()
         n = len(job.keys)
         ok = 0
@@ -535,7 +579,7 @@ class UCMConnector(KVConnectorBase_V1):
         threads = 1 if job.is_async else self._copy_threads
 
         def fill(first: int, slots: list, arena: Any) -> None:
-            self._copy_layers(False, job.page_ids, first, slots, arena, threads)
+            self._copy_layers(False, job.page_ids, first, slots, arena, threads, ready)
 
         try:
             from ucm.cache import Outcome
@@ -557,22 +601,25 @@ class UCMConnector(KVConnectorBase_V1):
             log.warning("UCMConnector: %d of %d blocks of %s did not load; vLLM recomputes them", n - ok, n,
                         job.req_id)
 
-    def _load_async(self, job: LoadJob) -> None:
+    def _load_async(self, job: LoadJob, ready: Any = None) -> None:
         try:
-            self._load(job)
+            self._load(job, ready)
         finally:
             with self._lock:
                 self._done_recving.add(job.req_id)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or not self._layers:
+        if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or not self._layouts:
             return
+        # Pages given to these requests may still be in use by kernels queued
+        # earlier (a request that just finished): on CUDA, loads wait for them.
+        ready = self._copier.record_ready() if self._copier is not None else None
         for job in meta.loads:
             if job.is_async:
-                self._track(job.req_id, self._pool.submit(self._load_async, job))
+                self._track(job.req_id, self._pool.submit(self._load_async, job, ready))
             else:
-                self._load(job)
+                self._load(job, ready)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # synchronous loads finish in start_load_kv
@@ -585,13 +632,15 @@ class UCMConnector(KVConnectorBase_V1):
         """Submits this step's saves (the forward has written the pages); they
         run in the background and hold the request's pages until reported."""
         meta = self._connector_metadata
-        if not isinstance(meta, UCMConnectorMetadata) or not meta.stores or not self._layers:
+        if not isinstance(meta, UCMConnectorMetadata) or not meta.stores or not self._layouts:
             return
+        # On CUDA the forward may still be running: saves wait for this event.
+        ready = self._copier.record_ready() if self._copier is not None else None
         for job in meta.stores:
             with self._lock:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
                 self._saving_reqs.add(job.req_id)
-                fut = self._pool.submit(self._save, job)
+                fut = self._pool.submit(self._save, job, ready)
                 for k in job.keys:
                     self._saves[k] = fut
             fut.add_done_callback(lambda f, keys=job.keys: self._saved(keys, f))
@@ -616,12 +665,12 @@ class UCMConnector(KVConnectorBase_V1):
             except Exception:  # a failed or slow save shows up as a missing block
                 pass
 
-    def _save(self, job: StoreJob) -> None:
+    def _save(self, job: StoreJob, ready: Any = None) -> None:
         started = time.perf_counter()
         stored = 0
 
         def fill(first: int, slots: list, arena: Any) -> None:
-            self._copy_layers(True, job.page_ids, first, slots, arena, 1)
+            self._copy_layers(True, job.page_ids, first, slots, arena, 1, ready)
 
         try:
             from ucm.cache import Outcome
@@ -681,6 +730,10 @@ class UCMConnector(KVConnectorBase_V1):
         if pool is not None:
             pool.shutdown(wait=True)  # saves in flight finish before the engine goes
             log.info("UCMConnector worker: %s", self.counters)
+        copier = getattr(self, "_copier", None)
+        if copier is not None:
+            copier.close()  # unregisters the pinned arena(s)
+            self._copier = None
         cache = getattr(self, "_cache", None)
         if cache is not None:
             try:
