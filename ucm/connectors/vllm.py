@@ -182,9 +182,13 @@ class ConnectorSettings:
         return s
 
 
-def build_namespace(vllm_config: "VllmConfig", block_tokens: int, model_id: Optional[str] = None) -> Namespace:
+def build_namespace(vllm_config: "VllmConfig", block_tokens: int, model_id: Optional[str] = None,
+                    kv_layout: Optional[str] = None) -> Namespace:
     """The namespace of this engine's blocks: everything that changes the
-    bytes of a page (model, KV dtype, shape, page size, platform)."""
+    bytes of a page (model, KV dtype, shape, page size, platform and, off
+    CPU, vLLM's physical KV layout: CUDA backends order a page's bytes in
+    several ways; the CPU backend has one, LBHNC, and its name is kept as
+    it was so existing CPU blocks stay valid)."""
     from vllm.platforms import current_platform
 
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
@@ -202,7 +206,8 @@ def build_namespace(vllm_config: "VllmConfig", block_tokens: int, model_id: Opti
         block_tokens=block_tokens,
         tp_rank=0,
         tp_size=pc.tensor_parallel_size,
-        layout=f"vllm-{current_platform.device_type}-page{cc.block_size}",
+        layout=f"vllm-{current_platform.device_type}-page{cc.block_size}" + (
+            f"-{kv_layout}" if kv_layout and current_platform.device_type != "cpu" else ""),
     )
 
 
@@ -247,7 +252,9 @@ class UCMConnector(KVConnectorBase_V1):
     # Scheduler side (engine-core process)
     # =========================================================================
     def _init_scheduler(self, vllm_config: "VllmConfig") -> None:
-        self.namespace = build_namespace(vllm_config, self.block_tokens, self.settings.model_id)
+        kv_layout = (getattr(self._kv_cache_config, "kv_cache_layout", None)
+                     or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+        self.namespace = build_namespace(vllm_config, self.block_tokens, self.settings.model_id, kv_layout)
         self._seed = self.namespace.digest()
         self._landing = self.config.landing_tier
         self._reqs: dict[str, _ReqState] = {}
