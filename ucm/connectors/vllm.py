@@ -34,9 +34,16 @@ Which process runs what, and whether it may block:
   worker reports it. Loads that fail are reported through
   get_block_ids_with_load_errors so vLLM recomputes those pages (and the
   request's next lookup is fresh, so a dead service is not asked again).
-- Copies go straight between vLLM's layer tensors and the arena slots the
-  service leases or reserves (CacheClient.read_slots / write_slots), one
-  native call per layer, no staging buffer.
+- Copies go between vLLM's layer tensors and the arena slots the service
+  leases or reserves (CacheClient.read_slots / write_slots). A page is one
+  or more contiguous byte chunks of its layer (`kv_pages`; e.g. K then V
+  for FlashAttention's (2, num_blocks, ...)); its payload is its chunks in
+  memory order. CPU tensors: one native call per layer and chunk, no
+  staging buffer. CUDA tensors: `torch_pages.TorchPageCopier` (arena
+  registered as pinned memory, a staging buffer on the GPU, non-blocking
+  copies on ucm's own streams, saves after an event recorded when the
+  forward was queued; each copy is synchronized before its slot is
+  committed or released).
 - A block whose save is planned but not yet done still counts as a hit for
   a request that arrives meanwhile (the next turn of a chat): it is loaded
   asynchronously, after that save.
@@ -47,7 +54,14 @@ block is a miss. Only bad configuration raises, at construction.
 Limits of this version: tensor and pipeline parallel size 1, one KV cache
 group (no hybrid allocator), no multimodal or prompt-embeds requests (they
 are neither looked up nor saved), prompt blocks only (decode output is not
-saved).
+saved). KV tensors on CPU or one CUDA device, in any layout where one
+dimension of size num_blocks indexes pages and a page is made of contiguous
+chunks (refused at register_kv_caches otherwise, or when several
+dimensions have that size and the engine's block stride does not tell them
+apart); attention kernels that split a page into smaller kernel blocks are
+refused. Run end to end on the CPU backend only: the CUDA path (pinning,
+streams, events) has not been run on a GPU; its gather/scatter code is
+tested on CPU tensors.
 """
 from __future__ import annotations
 
