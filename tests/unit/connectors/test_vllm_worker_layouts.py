@@ -7,6 +7,8 @@ into other pages reproduces them exactly; SKIP pages are left alone.
 Both copy paths run here: the native one (CPU tensors) and TorchPageCopier
 (the path for CUDA tensors) forced onto CPU tensors. The CUDA specifics of
 the latter (pinned arena, streams, events) have not been run on a GPU."""
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -155,4 +157,58 @@ def test_refuses_a_layout_without_contiguous_page_chunks():
     with pytest.raises(uv.ConfigError,
                        match=r"model.layers.0.self_attn.attn.*\(10, 2, 16, 64\).*\(4096, 2048, 128, 2\)"):
         conn.register_kv_caches(kv)
+    conn.shutdown()
+
+
+def test_worker_copies_whole_pages_layer_major_and_loads_wait_for_saves():
+    """The worker side alone, on fake KV tensors and an in-memory cache: a
+    block's payload is each layer's pages in order, byte for byte; a load
+    leaves SKIP pages alone and reports the pages of blocks that did not
+    arrive."""
+    conn = object.__new__(uv.UCMConnector)  # worker state only; no vLLM engine
+    conn.settings = uv.ConnectorSettings()
+    conn.pages_per_block = 2
+    conn._cache = MemoryCache()
+    conn._init_worker()
+    names = [f"model.layers.{i}.self_attn.attn" for i in (2, 0, 1)]  # registration order is not layer order
+    kv = {n: torch.randn(10, 3, 128, 128).to(torch.bfloat16) for n in names}
+    before = {n: t.clone() for n, t in kv.items()}
+    conn.register_kv_caches(kv)
+    a, b = b"A" * 16, b"B" * 16
+    conn._pending_saves["r1"] = 1
+    conn._saving_reqs.add("r1")
+    conn._save(uv.StoreJob("r1", [a, b], [[1, 2], [3, 4]], None))
+    layer = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    expect = b"".join(before[n][p].contiguous().view(torch.uint8).numpy().tobytes() for n in layer for p in (1, 2))
+    assert conn._cache.blob(a) == expect
+    assert conn.get_finished({"r1"}) == ({"r1"}, None)
+
+    conn._cache.lost.add(b)
+    conn._load(uv.LoadJob("r2", [a, b], [[uv.SKIP, 6], [7, 8]], False))
+    for n in names:
+        assert torch.equal(kv[n][6], before[n][2])  # second page of block A
+        assert torch.equal(kv[n][5], before[n][5])  # SKIP: untouched
+    assert conn.get_block_ids_with_load_errors() == {7, 8}
+    assert conn.get_block_ids_with_load_errors() == set()
+
+    # A load planned while the same blocks are still being saved (the next
+    # turn of a chat right after the last) waits for that save.
+    gate = threading.Event()
+    write_slots = conn._cache.write_slots
+
+    def slow_write(keys, sizes, fill, parent=None):
+        gate.wait(10)
+        return write_slots(keys, sizes, fill, parent)
+
+    conn._cache.write_slots = slow_write
+    c = b"C" * 16
+    conn._connector_metadata = uv.UCMConnectorMetadata(stores=[uv.StoreJob("r3", [c], [[3, 4]], None)])
+    conn.wait_for_save()
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    conn._load(uv.LoadJob("r4", [c], [[8, 9]], True))
+    assert time.monotonic() - t0 >= 0.25
+    for n in names:
+        assert torch.equal(kv[n][8], before[n][3]) and torch.equal(kv[n][9], before[n][4])
+    assert conn.get_block_ids_with_load_errors() == set()
     conn.shutdown()
