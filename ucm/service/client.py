@@ -61,7 +61,6 @@ class CacheClient:
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
         self._arena: Optional[mmap.mmap] = None
-        self._arena_view: Optional[memoryview] = None
         self._arena_path: Optional[str] = None
         self.service_info: dict[str, Any] = {}
         self._index: Optional[mmap.mmap] = None  # the service's key index, read-only
@@ -127,10 +126,9 @@ class CacheClient:
             m.madvise(_MADV_POPULATE_WRITE)
         except (OSError, ValueError):
             pass
-        old_view, old = self._arena_view, self._arena
-        self._arena, self._arena_view, self._arena_path = m, memoryview(m), path
-        if old_view is not None:
-            old_view.release()
+        old = self._arena
+        self._arena, self._arena_path = m, path
+        if old is not None:
             try:
                 old.close()
             except BufferError:
@@ -347,8 +345,7 @@ class CacheClient:
         if self._index is not None:
             self._index.close()
             self._index = None
-        if self._arena_view is not None:
-            self._arena_view.release()
+        if self._arena is not None:
             try:
                 self._arena.close()
             except BufferError:
@@ -377,41 +374,13 @@ class CacheClient:
         return handle
 
     def _store(self, keys: list[bytes], views: list[memoryview], parent: Optional[bytes]) -> list[Outcome]:
-        """Reserve, copy, commit, in chunks of at most 1/8 of the arena so a
-        long prompt never needs more reserved slots than the arena can give."""
-        out: list[Outcome] = []
-        for i, j in self._chunks(views):
-            part = self._store_chunk(keys[i:j], views[i:j], keys[i - 1] if i else parent)
-            out.extend(part)
-            if part and part[-1] is not Outcome.DONE:  # the rest would lack its parent
-                out.extend([Outcome.MISSING] * (len(keys) - j))
-                break
-        return out
+        def fill(first: int, slots: list, arena: Any) -> None:
+            m = memoryview(arena)
+            for i, slot in enumerate(slots):
+                if slot is not None:
+                    _native.copy(m[slot[0]:slot[0] + slot[1]], views[first + i])
 
-    def _store_chunk(self, keys: list[bytes], views: list[memoryview], parent: Optional[bytes]) -> list[Outcome]:
-        try:
-            slots = self._call("reserve", {"keys": keys, "sizes": [len(v) for v in views], "parent": parent})
-            arena = self._arena_view
-        except UcmError as exc:
-            log.debug("%s", exc)
-            return [Outcome.FAILED] * len(keys)
-        filled: list[bytes] = []
-        out: list[Outcome] = []
-        for key, view, slot in zip(keys, views, slots):
-            if slot is True:
-                out.append(Outcome.DONE)  # already cached
-            elif slot is None:
-                out.append(Outcome.MISSING)  # refused: no room or not admitted
-            else:
-                off, length = slot
-                _native.copy(arena[off:off + length], view)
-                filled.append(key)
-                out.append(Outcome.DONE)
-        if filled:
-            ok = self._try("commit", {"keys": filled}, None)
-            failed = set(filled) if ok is None else {k for k, good in zip(filled, ok) if not good}
-            out = [Outcome.FAILED if k in failed else o for k, o in zip(keys, out)]
-        return out
+        return self.write_slots(keys, [len(v) for v in views], fill, parent)
 
     def _chunks(self, sizes: Sequence[Any]) -> list[tuple[int, int]]:
         """Index ranges of at most 1/8 of the arena each (at least one block),
@@ -430,34 +399,13 @@ class CacheClient:
         return out
 
     def _load(self, keys: list[bytes], views: list[memoryview]) -> list[Outcome]:
-        out: list[Outcome] = []
-        for i, j in self._chunks(views):
-            out.extend(self._load_chunk(keys[i:j], views[i:j]))
-        return out
+        def fill(first: int, slots: list, arena: Any) -> None:
+            m = memoryview(arena)
+            for i, slot in enumerate(slots):
+                if slot is not None:
+                    _native.copy(views[first + i], m[slot[0]:slot[0] + slot[1]])
 
-    def _load_chunk(self, keys: list[bytes], views: list[memoryview]) -> list[Outcome]:
-        try:
-            leases = self._call("acquire", {"keys": keys})
-            arena = self._arena_view
-        except UcmError as exc:
-            log.debug("%s", exc)
-            return [Outcome.MISSING] * len(keys)
-        out: list[Outcome] = []
-        held: list[int] = []
-        for view, lease in zip(views, leases):
-            if lease is None:
-                out.append(Outcome.MISSING)
-                continue
-            lid, off, length = lease
-            held.append(lid)
-            if length != len(view):
-                out.append(Outcome.CORRUPT)
-                continue
-            _native.copy(view, arena[off:off + length])
-            out.append(Outcome.DONE)
-        if held:
-            self._try("release", {"leases": held}, None)
-        return out
+        return self.read_slots(keys, [len(v) for v in views], fill)
 
 
 Key = bytes
