@@ -364,6 +364,10 @@ class CacheService:
         if after_send and conn.out:
             return
         if conn.busy:
+            try:  # a closed socket stays readable: stop watching it meanwhile
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
             return  # _completions drops it
         self._drop_conn(conn)
 
