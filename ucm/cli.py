@@ -83,7 +83,7 @@ def _inspect(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
     for r in (head, *rows):
         print("  ".join(str(v).rjust(w) for v, w in zip(r, widths)))
-    print(f"lookups {stats['lookups']}  loaded {stats['loaded_blocks']} blocks "
+    print(f"lookups over the socket {stats['lookups']}  loaded {stats['loaded_blocks']} blocks "
           f"({format_size(stats['bytes_loaded'])})  missing {stats['missing_blocks']}  "
           f"stored {stats['stored_blocks']}  corrupt {stats['corrupt']}  failed {stats['failed']}")
     return 0

@@ -235,7 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, t in stats.get("tiers", {}).items():
         print(f"  {name:6s} hits {t.get('hits', 0):>6}  blocks {t.get('blocks', 0):>6}  inserts {t.get('inserts', 0):>6}"
               f"  promotions in {t.get('promotions_in', 0):>4}  demotions in {t.get('demotions_in', 0):>4}")
-    top = {k: v for k, v in stats.items() if not isinstance(v, dict)}
+    # (lookups are answered by the clients from the shared key index, not counted here)
+    top = {k: v for k, v in stats.items() if not isinstance(v, dict) and k != "lookups"}
     if top:
         print("  service: " + ", ".join(f"{k} {v}" for k, v in top.items()))
     note = _plot(off, on, plot_path)

@@ -26,7 +26,7 @@ CACHE_COUNTERS = (
     ("ucm_cache_stored_bytes", "Bytes stored by clients", "bytes_stored"),
     ("ucm_cache_corrupt_blocks", "Blocks that came back with a bad checksum", "corrupt"),
     ("ucm_cache_failed_blocks", "Blocks whose I/O failed", "failed"),
-    ("ucm_cache_lookups", "Lookup requests", "lookups"),
+    ("ucm_cache_lookups", "Lookups the service answered (clients answer most from the shared key index)", "lookups"),
 )
 
 
