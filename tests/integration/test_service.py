@@ -355,3 +355,12 @@ def test_lookups_from_the_shared_index_equal_the_service_answers(service):
         every = [k for ch in chains for k in ch]
         assert 0 < sum(c.lookup([k]) for k in every) < len(every)
         assert sum(c.lookup([k]) for k in every) == sum(c._call("lookup", {"keys": [k]}) for k in every)
+        # A long request on another thread (it holds the socket) does not hold up lookups.
+        import threading
+        hit = next(ch for ch in chains if c.lookup(ch[:1]))[:1]
+        with c._lock:
+            out = []
+            t = threading.Thread(target=lambda: out.append(c.lookup(hit)))
+            t.start()
+            t.join(5)
+            assert out == [1]

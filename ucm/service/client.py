@@ -10,7 +10,8 @@ reconnects on a later call (at most every `retry_s`) and re-maps the arena
 of the restarted service. Only misuse (bad keys or buffers) raises.
 
 Thread-safe: one lock serialises requests on the socket; copies run
-outside it on a small pool that completes the Handles.
+outside it on a small pool that completes the Handles; lookups read the
+service's shared key index under a lock of their own.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class CacheClient:
         self._limit = self.config.service.max_frame_bytes
         self._retry_s = retry_s
         self._spin_s = self.config.service.poll_spin_us / 1e6
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one request at a time on the socket
+        self._index_lock = threading.Lock()  # the index mapping and the liveness poll
         self._sock: Optional[socket.socket] = None
         self._arena: Optional[mmap.mmap] = None
         self._arena_path: Optional[str] = None
@@ -101,14 +103,16 @@ class CacheClient:
             raise
         if info["arena_path"] != self._arena_path:
             self._map_arena(info["arena_path"], info["arena_bytes"])
-        if info.get("index_path") != self._index_path:
-            if self._index is not None:
-                self._index.close()
-            self._index_path = info.get("index_path")
-            self._index = (map_index(self._index_path, info["index_bytes"])
-                           if self._index_path and self._use_index else None)
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        poll = select.poll()
+        poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        with self._index_lock:
+            if info.get("index_path") != self._index_path:
+                if self._index is not None:
+                    self._index.close()
+                self._index_path = info.get("index_path")
+                self._index = (map_index(self._index_path, info["index_bytes"])
+                               if self._index_path and self._use_index else None)
+            self._poll = poll
         self.service_info = info
 
     def _map_arena(self, path: str, size: int) -> None:
@@ -135,6 +139,8 @@ class CacheClient:
                 pass  # a copy in flight still uses it; it is unmapped with the object
 
     def _disconnect_locked(self) -> None:
+        with self._index_lock:
+            self._poll = None  # no lookups from the index until connected again
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -196,14 +202,20 @@ class CacheClient:
         """The answer from the shared key index, or None to ask the service:
         no index, no live connection, an inconsistent read, or a partial hit
         that blocks other nodes put into a shared tier might extend."""
-        with self._lock:
-            if self._index is None or self._sock is None or self._closed:
+        # Not under self._lock: a long request (a load from NVMe) on another
+        # thread must not hold up lookups.
+        with self._index_lock:
+            index, poll = self._index, self._poll
+            if index is None or poll is None:
                 return None
             # A dead service hangs up its end: its index is stale from then on.
-            if self._poll.poll(0):
-                self._disconnect_locked()
-                return None
-            n = _native.index_prefix(self._index, b"".join(keys))
+            dead = bool(poll.poll(0))
+            n = -1 if dead else _native.index_prefix(index, b"".join(keys))
+        if dead:
+            with self._lock:
+                if self._poll is poll:  # not reconnected meanwhile
+                    self._disconnect_locked()
+            return None
         if n < 0 or (n < len(keys) and self.service_info.get("shared_tiers")):
             return None
         return n
@@ -342,9 +354,10 @@ class CacheClient:
             self._closed = True
             self._disconnect_locked()
         self._pool.shutdown(wait=True)
-        if self._index is not None:
-            self._index.close()
-            self._index = None
+        with self._index_lock:
+            if self._index is not None:
+                self._index.close()
+                self._index = None
         if self._arena is not None:
             try:
                 self._arena.close()
