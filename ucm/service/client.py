@@ -395,17 +395,15 @@ class CacheClient:
 
         return self.write_slots(keys, [len(v) for v in views], fill, parent)
 
-    def _chunks(self, sizes: Sequence[Any]) -> list[tuple[int, int]]:
+    def _chunks(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
         """Index ranges of at most 1/8 of the arena each (at least one block),
-        so that one request never needs more slots than the arena has.
-        `sizes` holds byte counts or buffers (their lengths count)."""
+        so that one request never needs more slots than the arena has."""
         budget = max(1, int(self.service_info.get("arena_bytes", 0)) // 8)
-        lens = [s if isinstance(s, int) else len(s) for s in sizes]
         out, i = [], 0
-        while i < len(lens):
+        while i < len(sizes):
             j, size = i, 0
-            while j < len(lens) and (j == i or size + lens[j] <= budget):
-                size += lens[j]
+            while j < len(sizes) and (j == i or size + sizes[j] <= budget):
+                size += sizes[j]
                 j += 1
             out.append((i, j))
             i = j

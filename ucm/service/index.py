@@ -51,9 +51,6 @@ class KeyIndex:
         if self._map is not None:
             _native.index_remove(self._map, key)
 
-    def __len__(self) -> int:
-        return _native.index_count(self._map) if self._map is not None else 0
-
     def close(self) -> None:
         if self._map is not None:
             self._map.close()

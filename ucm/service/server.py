@@ -454,8 +454,8 @@ class CacheService:
         return {"version": proto.VERSION, "ucm": __version__, "pid": os.getpid(),
                 "arena_path": arena.segment_path, "arena_bytes": arena.capacity_bytes,
                 "block_tokens": self.config.block_tokens, "tiers": self.cache.tier_names,
-                "index_path": self.index.path if self.index is not None else None,
-                "index_bytes": self.index.nbytes if self.index is not None else 0,
+                "index_path": self.index.path if self.index else None,
+                "index_bytes": self.index.nbytes if self.index else 0,
                 "shared_tiers": bool(self.cache._shared)}
 
     def _lookup(self, conn: _Conn, args: dict) -> int:
