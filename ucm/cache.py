@@ -107,7 +107,16 @@ class UnifiedCache:
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
         self._shared = [t for t, a in enumerate(self.adapters) if a.shared]
+        # Tiers that keep headroom: (tier, bytes kept free), made by a
+        # background thread woken after every operation that adds blocks.
+        self._headroom = [(t, int(tier.headroom * a.capacity_bytes))
+                          for t, (tier, a) in enumerate(zip(cfg.tiers, self.adapters)) if tier.headroom > 0]
+        self._reclaim_wake = threading.Event()
+        self._reclaimer: Optional[threading.Thread] = None
         self._restore()
+        if self._headroom:
+            self._reclaimer = threading.Thread(target=self._reclaim_loop, name="ucm-reclaim", daemon=True)
+            self._reclaimer.start()
 
     # ---- queries -----------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -174,7 +183,9 @@ class UnifiedCache:
             self.placement.unpin(keys)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Waits until buffered writes of every tier are on their medium."""
+        """Makes the tiers' headroom, then waits until buffered writes of
+        every tier are on their medium."""
+        self._reclaim()
         ok = True
         for a in self.adapters:
             f = getattr(a, "flush", None)
@@ -216,6 +227,9 @@ class UnifiedCache:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self._reclaimer is not None:
+            self._reclaim_wake.set()
+            self._reclaimer.join()
         for a in self.adapters:
             try:
                 a.close()
@@ -294,6 +308,7 @@ class UnifiedCache:
                 self._count("stored_blocks", 1)
                 self._count("bytes_stored", size[1])
             out.append(ok)
+        self._wake_reclaim()
         return out
 
     def abort(self, keys: Sequence[Key]) -> None:
@@ -318,22 +333,20 @@ class UnifiedCache:
         arena = self.shared_arena()
         if arena is None:
             raise ArgumentError("acquire needs a shared-memory landing tier")
-        landing = self.placement.landing
         out: list[Any] = []
         with self._meta:
             self.placement.record_request(keys)
-        for i, key in enumerate(keys):
-            lease = arena.lease(key)
-            if lease is None and self._shared and not self.placement.contains(key):
-                self._adopt_remote(key, keys[i - 1] if i else None)
-            if lease is None:
-                with self._mutate:
-                    with self._meta:
-                        src = self.placement.where(key)
-                        d = self.placement.promote(key, force=True) if src is not None and src > landing else None
-                    if d is not None:
-                        self._run_plan(d.plan, {})
-                lease = arena.lease(key)
+        leases = [arena.lease(key) for key in keys]
+        if any(le is None for le in leases):
+            for i, key in enumerate(keys):
+                if leases[i] is None and self._shared and not self.placement.contains(key):
+                    self._adopt_remote(key, keys[i - 1] if i else None)
+            need = [i for i, le in enumerate(leases) if le is None]
+            with self._mutate:  # staged blocks are leased before anything can evict them
+                self._stage([keys[i] for i in need], force=True)
+                for i in need:
+                    leases[i] = arena.lease(keys[i])
+        for lease in leases:
             out.append(lease)
             if lease is None:
                 self._count("missing_blocks", 1)
@@ -343,6 +356,7 @@ class UnifiedCache:
         with self._meta:
             self.placement.touch([k for k, le in zip(keys, out) if le is not None])
         self._drain_dropped()
+        self._wake_reclaim()
         return out
 
     def release(self, leases: Sequence[Any]) -> None:
@@ -464,6 +478,7 @@ class UnifiedCache:
                 self._count("store_refused", 1)
                 stopped = True
         self._drain_dropped()
+        self._wake_reclaim()
         return out
 
     def _load(self, keys: list[Key], views: list[memoryview]) -> list[Outcome]:
@@ -523,23 +538,82 @@ class UnifiedCache:
         return Status.NOT_FOUND
 
     def _prefetch(self, keys: list[Key]) -> list[Outcome]:
-        out: list[Outcome] = []
-        for i, key in enumerate(keys):
-            if self._shared and not self.placement.contains(key):
-                self._adopt_remote(key, keys[i - 1] if i else None)
-            with self._mutate:
-                with self._meta:
-                    src = self.placement.where(key)
-                    d = self.placement.promote(key) if src is not None else None
-                if d is None:
-                    out.append(Outcome.MISSING)
-                    continue
-                ok = self._run_plan(d.plan, {})
-                with self._meta:
-                    staged = self.placement.where(key) == self.placement.landing
-            out.append(Outcome.DONE if ok and staged else Outcome.MISSING)
+        if self._shared:
+            for i, key in enumerate(keys):
+                if not self.placement.contains(key):
+                    self._adopt_remote(key, keys[i - 1] if i else None)
+        with self._mutate:
+            self._stage(keys, force=False)
+            with self._meta:
+                landing = self.placement.landing
+                out = [Outcome.DONE if self.placement.where(k) == landing else Outcome.MISSING for k in keys]
         self._drain_dropped()
+        self._wake_reclaim()
         return out
+
+    def _stage(self, keys: Sequence[Key], force: bool) -> None:
+        """Copies the blocks of `keys` held only below the landing tier up
+        into it (`force`: without asking the policy, for a reader). Every
+        promotion is planned first, so that the evictions they need run
+        before, and the reads as one batch per source tier (in parallel on
+        the adapter's I/O threads) instead of one block at a time."""
+        landing = self.placement.landing
+        plan: Plan = []
+        staged: list[Key] = []
+        with self._mutate:
+            with self._meta:
+                for key in keys:
+                    src = self.placement.where(key)
+                    if src is None or src <= landing:
+                        continue
+                    d = self.placement.promote(key, force=force)
+                    plan.extend(d.plan)
+                    if d.placed:  # later promotions must not pick it as a victim before its copy
+                        self.placement.pin([key])
+                        staged.append(key)
+            try:
+                copies = [s for s in plan if s.op is Op.COPY]
+                self._run_plan_locked([s for s in plan if s.op is not Op.COPY], {})
+                self._copy_batch(copies)
+            finally:
+                with self._meta:
+                    self.placement.unpin(staged)
+
+    def _copy_batch(self, steps: Plan) -> None:
+        """COPY steps, one adapter read per source tier when the destination
+        hands out slots to read into (the dram arena); others one by one."""
+        groups: dict[tuple[int, int], Plan] = {}
+        for step in steps:
+            groups.setdefault((step.src, step.dst), []).append(step)
+        for (src, dst), group in groups.items():
+            a, b = self.adapters[src], self.adapters[dst]
+            if getattr(b, "reserve", None) is None or getattr(a, "lease", None) is not None:
+                self._run_plan_locked(group, {})
+                continue
+            keys, views, failed = [], [], []
+            for step in group:
+                size = a.size_of(step.key)
+                view = b.reserve(step.key, size) if size is not None else None
+                if view is None:
+                    failed.append((step.key, Status.NOT_FOUND if size is None else Status.NO_SPACE))
+                else:
+                    keys.append(step.key)
+                    views.append(view)
+            statuses = a.get(keys, views) if keys else []
+            for key, view, st in zip(keys, views, statuses):
+                view.release()
+                if st is Status.OK:
+                    b.commit(key)
+                else:
+                    b.abort(key)
+                    failed.append((key, st))
+            for key, st in failed:
+                if st is Status.CORRUPT:
+                    self._count("corrupt", 1)
+                with self._meta:
+                    undo = self.placement.remove(key, dst)
+                b.delete([key])
+                self._run_plan_locked(undo, {})
 
     def _forget(self, key: Key, tier: int) -> None:
         with self._mutate:
@@ -547,6 +621,35 @@ class UnifiedCache:
                 plan = self.placement.remove(key, tier)
             self.adapters[tier].delete([key])
             self._run_plan(plan, {})
+
+    def _wake_reclaim(self) -> None:
+        if self._reclaimer is not None:
+            self._reclaim_wake.set()
+
+    def _reclaim_loop(self) -> None:
+        while True:
+            self._reclaim_wake.wait()
+            self._reclaim_wake.clear()
+            if self._closed:
+                return
+            try:
+                self._reclaim()
+            except Exception:  # a failed demotion is dropped by _run_plan; never kill the thread
+                log.exception("ucm: making headroom failed")
+
+    def _reclaim(self) -> None:
+        """Demotes victims until each tier with headroom has it free, a few
+        at a time so that foreground operations are not held up behind a
+        long run of writes."""
+        for t, free in self._headroom:
+            while not self._closed:
+                with self._mutate:
+                    with self._meta:
+                        plan = self.placement.reclaim(t, free, max_victims=4)
+                    if not plan:
+                        break
+                    self._run_plan_locked(plan, {})
+        self._drain_dropped()
 
     def _drain_dropped(self) -> None:
         for t, a in enumerate(self.adapters):

@@ -31,6 +31,20 @@ class TierConfig(_Strict):
     adapter: str  # an installed `ucm.adapters` entry point: hbm, dram, nvme, ...
     capacity: int  # bytes; written like 4GiB
     options: dict[str, Any] = Field(default_factory=dict)  # the adapter's own Config
+    # Fraction of the capacity kept free by demoting the policy's victims in
+    # the background (write-on-evict, ahead of need), so that stores and
+    # staged hits find free room without waiting for the tier below.
+    headroom: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    @field_validator("headroom", mode="before")
+    @classmethod
+    def _headroom(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().endswith("%"):
+            try:
+                return float(v.strip()[:-1]) / 100.0
+            except ValueError:
+                raise ValueError(f"must be a fraction in [0, 1) or a percentage like 5%, got {v!r}") from None
+        return v
 
     @field_validator("capacity", mode="before")
     @classmethod
@@ -104,6 +118,10 @@ class UcmConfig(_Strict):
             raise ValueError(f"tiers: each adapter may appear once, got {names}")
         if self.landing_tier not in names:
             raise ValueError(f"landing_tier: {self.landing_tier!r} is not one of the configured tiers {names}")
+        if self.tiers[-1].headroom:
+            raise ValueError(f"tiers.{len(names) - 1}.headroom: only a tier with a tier below it can keep "
+                             f"headroom (its victims are demoted there); the lowest tier must have 0, "
+                             f"got {self.tiers[-1].headroom}")
         return self
 
 

@@ -258,6 +258,23 @@ class Placement:
         plan.append(Step(Op.COPY, key, src=src, dst=t))
         return Decision(True, plan)
 
+    def reclaim(self, t: int, free_bytes: int, max_victims: int) -> Plan:
+        """Evicts up to `max_victims` of tier t's victims (demoted as on any
+        eviction) while less than `free_bytes` of it is free: room made
+        ahead of need. The plan is empty when there is room already."""
+        tier = self._tiers[t]
+        cap = tier.info.capacity_bytes
+        plan: Plan = []
+        if tier.info.lowest:
+            return plan
+        for _ in range(max_victims):
+            if tier.used + free_bytes <= cap:
+                break
+            before = tier.used  # room for one byte more than is free: exactly one victim
+            if not self._make_room(t, cap - before + 1, plan, None) or tier.used >= before:
+                break
+        return plan
+
     def remove(self, key: Key, tier: Optional[int] = None) -> Plan:
         """A tier lost `key` (failed write, corrupt bytes, adapter eviction,
         explicit delete); with tier None every copy is gone. If no copy is

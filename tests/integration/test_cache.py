@@ -15,10 +15,11 @@ from ucm.errors import ArgumentError, ConfigError
 SIZE = 64 * 1024
 
 
-def cfg(nvme_dir, dram="1MiB", nvme="16MiB", policy="lru", landing="dram", tiers=("dram", "nvme"), **nv):
+def cfg(nvme_dir, dram="1MiB", nvme="16MiB", policy="lru", landing="dram", tiers=("dram", "nvme"), headroom=0.0,
+        **nv):
     t = []
     if "dram" in tiers:
-        t.append({"adapter": "dram", "capacity": dram})
+        t.append({"adapter": "dram", "capacity": dram, "headroom": headroom})
     if "nvme" in tiers:
         t.append({"adapter": "nvme", "capacity": nvme,
                   "options": {"path": nvme_dir, "region_size": "512KiB", "io_chunk": "128KiB", **nv}})
@@ -273,3 +274,60 @@ def test_prefetch_stages_nvme_blocks_into_dram(nvme_dir):
         res, out = load_all(c, low)
         expect = dict(zip(keys, data))
         assert out == [expect[k] for k in low]
+
+
+def test_acquire_stages_nvme_blocks_in_one_read(nvme_dir):
+    """Blocks held only on NVMe are planned together and read in one batch;
+    a block staged for this reader is never the victim of the next one's
+    promotion, so when DRAM cannot hold them all the rest are misses."""
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        keys, data = chain(40, 11)  # DRAM holds 16 of them
+        c.store(keys, data).wait(30)
+        c.flush()
+        low = [i for i, t in enumerate(c.locate(keys)) if t == "nvme"][:12]
+        assert len(low) == 12
+        nvme = c.adapters[1]
+        calls = []
+        get = nvme.get
+
+        def counting_get(ks, dsts):
+            calls.append(len(ks))
+            return get(ks, dsts)
+
+        nvme.get = counting_get
+        leases = c.acquire([keys[i] for i in low])
+        try:
+            assert [bytes(le.view) for le in leases] == [data[i] for i in low]
+            assert calls == [12]
+        finally:
+            c.release(leases)
+        assert c.locate([keys[i] for i in low]) == ["dram"] * 12
+        # More NVMe blocks than DRAM holds: the first 16 staged, the rest not.
+        more = [i for i, t in enumerate(c.locate(keys)) if t == "nvme"][:20]
+        assert len(more) == 20
+        leases = c.acquire([keys[i] for i in more])
+        try:
+            got = [le is not None for le in leases]
+            assert sum(got) == 16
+            assert all(bytes(le.view) == data[i] for le, i in zip(leases, more) if le is not None)
+        finally:
+            c.release(leases)
+        assert c.lookup(keys) == 40  # nothing was lost on the way
+
+
+def test_headroom_demotes_ahead_of_need(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir, headroom="25%")) as c:  # 1 MiB of DRAM keeps 256 KiB (4 blocks) free
+        keys, data = chain(30, 12)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 30
+        deadline = time.monotonic() + 10
+        while c.stats()["tiers"]["dram"]["used_bytes"] > (1 << 20) - (256 << 10) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the background thread makes it
+        assert c.stats()["tiers"]["dram"]["used_bytes"] <= (1 << 20) - (256 << 10)
+        c.store(*chain(3, 13)).wait(30)
+        assert c.flush()  # makes it too
+        s = c.stats()["tiers"]
+        assert s["dram"]["used_bytes"] <= (1 << 20) - (256 << 10)
+        assert s["dram"]["used_bytes"] >= (1 << 20) - (256 << 10) - 4 * SIZE  # no more than needed
+        assert c.lookup(keys) == 30  # demoted, not dropped
+        res, out = load_all(c, keys)
+        assert res == [Outcome.DONE] * 30 and out == data

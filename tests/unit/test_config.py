@@ -75,6 +75,23 @@ def test_bad_tier_entries(tmp_path):
         load_config(raw, environ={})
 
 
+def test_headroom(tmp_path):
+    raw = two_tiers(tmp_path)
+    raw["tiers"][0]["headroom"] = "5%"
+    assert load_config(raw, environ={}).tiers[0].headroom == pytest.approx(0.05)
+    raw["tiers"][0]["headroom"] = 0.2
+    assert load_config(raw, environ={}).tiers[0].headroom == pytest.approx(0.2)
+    for bad, needle in (("x%", r"tiers.0.headroom: must be a fraction in \[0, 1\) or a percentage"),
+                        (1.5, r"tiers.0.headroom: .*less than 1")):
+        raw["tiers"][0]["headroom"] = bad
+        with pytest.raises(ConfigError, match=needle):
+            load_config(raw, environ={})
+    raw = two_tiers(tmp_path)
+    raw["tiers"][1]["headroom"] = 0.1  # the lowest tier has nowhere to demote to
+    with pytest.raises(ConfigError, match="tiers.1.headroom: only a tier with a tier below it"):
+        load_config(raw, environ={})
+
+
 def test_environment_overrides(tmp_path):
     env = {"UCM_BLOCK_TOKENS": "128", "UCM_TIERS__NVME__CAPACITY": "2GiB", "UCM_POLICY__NAME": "lru",
            "UCM_TIERS__0__OPTIONS__PREFAULT": "false", "HOME": "/x"}
