@@ -243,6 +243,35 @@ def test_disk_full_real_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_dram_arena_larger_than_its_tmpfs_is_a_clear_error(tmp_path):
+    """A container's small /dev/shm: an error at start naming the fix, not a
+    SIGBUS when a copy first writes past what the tmpfs holds."""
+    from ucm.adapters.dram import DramAdapter, DramConfig
+    from ucm.errors import AdapterError
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        for prefault in (True, False):
+            with pytest.raises(AdapterError, match=r"capacity.*--shm-size"):
+                DramAdapter(4 << 20, DramConfig(path=str(mnt), prefault=prefault))
+            assert os.listdir(mnt) == []  # nothing left behind
+        a = DramAdapter(512 << 10, DramConfig(path=str(mnt)))  # fits
+        try:
+            from ucm.adapters.base import Status
+
+            out = bytearray(4096)
+            assert a.put([b"k" * 16], [b"x" * 4096]) == [Status.OK]
+            assert a.get([b"k" * 16], [out]) == [Status.OK] and out == b"x" * 4096
+        finally:
+            a.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def test_bad_arguments_and_config(nvme_dir):
     with UnifiedCache(cfg(nvme_dir)) as c:
         with pytest.raises(ArgumentError, match="16-byte"):

@@ -12,6 +12,7 @@ Thread-safe: one lock guards the index; copies run outside it.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -49,6 +50,11 @@ class Lease:
     view: memoryview  # read-only use: the committed blob
 
 
+def _free_bytes(fd: int) -> int:
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
 class DramAdapter(StorageAdapter):
     """Blobs in fixed-size slots of a shared-memory arena."""
 
@@ -70,10 +76,13 @@ class DramAdapter(StorageAdapter):
             raise AdapterError(f"dram: cannot create shared-memory file in {self.config.path!r}: {exc}") from exc
         try:
             os.ftruncate(fd, capacity_bytes)
+            self._reserve_memory(fd, capacity_bytes)
             self._mmap = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
+        except (OSError, AdapterError) as exc:
             os.close(fd)
             os.unlink(self.segment_path)
+            if isinstance(exc, AdapterError):
+                raise
             raise AdapterError(f"dram: cannot map {capacity_bytes} bytes at {self.segment_path!r}: {exc}") from exc
         os.close(fd)
         self._view = memoryview(self._mmap)
@@ -81,6 +90,28 @@ class DramAdapter(StorageAdapter):
             _native.prefault(self._view)
         self._closed = False
         self._stats = {"bytes_in": 0, "bytes_out": 0}
+
+    def _reserve_memory(self, fd: int, capacity_bytes: int) -> None:
+        """A file in a tmpfs smaller than the capacity (a container's 64 MiB
+        /dev/shm) would die of SIGBUS at the first write past what the tmpfs
+        holds, in the service or in an engine copying into the arena. So
+        the memory is allocated now (`prefault`), or at least checked free."""
+        path = self.config.path
+        hint = (f"lower the dram tier's capacity or give {path!r} more room (a container: "
+                f"docker run --shm-size=SIZE or --ipc=host)")
+        if self.config.prefault:
+            try:
+                os.posix_fallocate(fd, 0, capacity_bytes)
+                return
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise AdapterError(f"dram: {path!r} cannot hold the arena's {capacity_bytes} bytes "
+                                       f"({_free_bytes(fd)} free): {hint}") from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+        free = _free_bytes(fd)
+        if free < capacity_bytes:
+            raise AdapterError(f"dram: {path!r} has {free} bytes free, the arena needs {capacity_bytes}: {hint}")
 
     # ---- slot-level API (zero-copy users: the cache, the service) ----------
     def reserve(self, key: Key, size: int) -> Optional[memoryview]:
