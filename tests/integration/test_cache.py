@@ -229,47 +229,44 @@ def test_disk_full_injected(nvme_dir):
         _disk_full_checks(c, keys, data)
 
 
-def test_disk_full_real_tmpfs(tmp_path):
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (skips where mounting is not allowed)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
-        with UnifiedCache(cfg(str(mnt), nvme="8MiB", retry_after_s=0.0)) as c:
-            keys, data = chain(60, 8)
-            _disk_full_checks(c, keys, data)
+        yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_dram_arena_larger_than_its_tmpfs_is_a_clear_error(tmp_path):
+def test_disk_full_real_tmpfs(small_tmpfs):
+    with UnifiedCache(cfg(str(small_tmpfs), nvme="8MiB", retry_after_s=0.0)) as c:
+        keys, data = chain(60, 8)
+        _disk_full_checks(c, keys, data)
+
+
+def test_dram_arena_larger_than_its_tmpfs_is_a_clear_error(small_tmpfs):
     """A container's small /dev/shm: an error at start naming the fix, not a
     SIGBUS when a copy first writes past what the tmpfs holds."""
+    from ucm.adapters.base import Status
     from ucm.adapters.dram import DramAdapter, DramConfig
     from ucm.errors import AdapterError
 
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    for prefault in (True, False):
+        with pytest.raises(AdapterError, match=r"capacity.*--shm-size"):
+            DramAdapter(4 << 20, DramConfig(path=str(small_tmpfs), prefault=prefault))
+        assert os.listdir(small_tmpfs) == []  # nothing left behind
+    a = DramAdapter(512 << 10, DramConfig(path=str(small_tmpfs)))  # fits
     try:
-        for prefault in (True, False):
-            with pytest.raises(AdapterError, match=r"capacity.*--shm-size"):
-                DramAdapter(4 << 20, DramConfig(path=str(mnt), prefault=prefault))
-            assert os.listdir(mnt) == []  # nothing left behind
-        a = DramAdapter(512 << 10, DramConfig(path=str(mnt)))  # fits
-        try:
-            from ucm.adapters.base import Status
-
-            out = bytearray(4096)
-            assert a.put([b"k" * 16], [b"x" * 4096]) == [Status.OK]
-            assert a.get([b"k" * 16], [out]) == [Status.OK] and out == b"x" * 4096
-        finally:
-            a.close()
+        out = bytearray(4096)
+        assert a.put([b"k" * 16], [b"x" * 4096]) == [Status.OK]
+        assert a.get([b"k" * 16], [out]) == [Status.OK] and out == b"x" * 4096
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        a.close()
 
 
 def test_bad_arguments_and_config(nvme_dir):

@@ -114,7 +114,7 @@ def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threa
         res["nvme_store_gbps"] = _gbps(total, time.perf_counter() - t)
         nv.close()
         if not res["nvme_direct_io"]:
-            _drop_page_cache(os.path.join(nvme_dir, "ucm-regions.dat"))
+            drop_page_cache(os.path.join(nvme_dir, "ucm-regions.dat"))
         nv = NvmeAdapter(capacity_bytes=cap, config=cfg)
         for d in dsts:
             d[:16] = bytes(16)
@@ -153,7 +153,9 @@ def _lay_out(path: str, size: int) -> None:
         chunk.close()
 
 
-def _drop_page_cache(path: str) -> None:
+def drop_page_cache(path: str) -> None:
+    """Evicts a file from the OS page cache (written back first: dirty pages
+    cannot be dropped)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

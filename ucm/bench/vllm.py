@@ -183,16 +183,12 @@ def _run_config(spec: dict) -> dict:
 
 
 def _drop_page_cache(root: Path) -> None:
-    """Evicts the files under `root` from the OS page cache (written back
-    first: dirty pages cannot be dropped)."""
+    """Evicts the files under `root` from the OS page cache."""
+    from ucm.bench.io import drop_page_cache
+
     for path in root.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(str(path))
 
 
 def _namespace(model: str):
