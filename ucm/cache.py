@@ -599,7 +599,11 @@ class UnifiedCache:
                 else:
                     keys.append(step.key)
                     views.append(view)
-            statuses = a.get(keys, views) if keys else []
+            try:
+                statuses = a.get(keys, views) if keys else []
+            except Exception:  # a fault is a miss; the reserved slots are given back below
+                log.exception("ucm: reading %d blocks from tier %s failed", len(keys), self.tier_names[src])
+                statuses = [Status.FAILED] * len(keys)
             for key, view, st in zip(keys, views, statuses):
                 view.release()
                 if st is Status.OK:

@@ -357,3 +357,28 @@ def test_headroom_demotes_ahead_of_need(nvme_dir):
         assert c.lookup(keys) == 30  # demoted, not dropped
         res, out = load_all(c, keys)
         assert res == [Outcome.DONE] * 30 and out == data
+
+
+def test_a_failing_batch_read_is_a_miss_and_gives_the_slots_back(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        keys, data = chain(40, 14)
+        c.store(keys, data).wait(30)
+        c.flush()
+        low = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"][:6]
+        nvme = c.adapters[1]
+        get = nvme.get
+
+        def broken(ks, dsts):
+            raise OSError("injected: the device went away")
+
+        nvme.get = broken
+        assert c.acquire(low) == [None] * 6
+        assert c.adapters[0]._pending == {}  # no reservation left behind
+        assert c.locate(low) == ["nvme"] * 6  # still cached below
+        nvme.get = get
+        leases = c.acquire(low)  # the same slots can be had again, and the blocks are intact
+        try:
+            expect = dict(zip(keys, data))
+            assert [bytes(le.view) for le in leases] == [expect[k] for k in low]
+        finally:
+            c.release(leases)
