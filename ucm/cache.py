@@ -337,7 +337,8 @@ class UnifiedCache:
         with self._meta:
             self.placement.record_request(keys)
         leases = [arena.lease(key) for key in keys]
-        if any(le is None for le in leases):
+        staging = any(le is None for le in leases)
+        if staging:
             for i, key in enumerate(keys):
                 if leases[i] is None and self._shared and not self.placement.contains(key):
                     self._adopt_remote(key, keys[i - 1] if i else None)
@@ -356,7 +357,8 @@ class UnifiedCache:
         with self._meta:
             self.placement.touch([k for k, le in zip(keys, out) if le is not None])
         self._drain_dropped()
-        self._wake_reclaim()
+        if staging:
+            self._wake_reclaim()
         return out
 
     def release(self, leases: Sequence[Any]) -> None:
