@@ -210,7 +210,7 @@ class UnifiedCache:
         for name, a in zip(self.tier_names, self.adapters):
             tiers[name]["adapter"] = a.stats()
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
-                  "store_refused", "bytes_loaded", "bytes_stored"):
+                  "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions"):
             counts.setdefault(k, 0)
         return {"tiers": tiers, **counts}
 
@@ -654,6 +654,7 @@ class UnifiedCache:
                         plan = self.placement.reclaim(t, free, max_victims=4)
                     if not plan:
                         break
+                    self._count("headroom_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
                     self._run_plan_locked(plan, {})
         self._drain_dropped()
 

@@ -354,6 +354,7 @@ def test_headroom_demotes_ahead_of_need(nvme_dir):
         s = c.stats()["tiers"]
         assert s["dram"]["used_bytes"] <= (1 << 20) - (256 << 10)
         assert s["dram"]["used_bytes"] >= (1 << 20) - (256 << 10) - 4 * SIZE  # no more than needed
+        assert 0 < c.stats()["headroom_evictions"] <= s["dram"]["evictions"]  # counted apart
         assert c.lookup(keys) == 30  # demoted, not dropped
         res, out = load_all(c, keys)
         assert res == [Outcome.DONE] * 30 and out == data

@@ -265,6 +265,8 @@ def test_private_files_and_observability(service):
     assert 'ucm_tier_used_bytes{tier="dram"}' in text
     assert "ucm_cache_hit_blocks_total 4.0" in text
     assert 'ucm_service_request_seconds_count{op="acquire"}' in text
+    assert 'ucm_tier_demotions_in_total{tier="nvme"} 0.0' in text
+    assert "ucm_cache_headroom_evictions_total 0.0" in text
     r = subprocess.run([sys.executable, "-m", "ucm.cli", "inspect", "--config", cfg_path, "--json"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -15,6 +15,8 @@ TIER_METRICS = (
     ("ucm_tier_hits", "counter", "Block accesses served by the tier", "hits"),
     ("ucm_tier_inserts", "counter", "Blocks that entered the tier", "inserts"),
     ("ucm_tier_evictions", "counter", "Blocks evicted from the tier", "evictions"),
+    ("ucm_tier_demotions_in", "counter", "Blocks demoted into the tier from the one above", "demotions_in"),
+    ("ucm_tier_promotions_in", "counter", "Blocks promoted (staged) into the tier from below", "promotions_in"),
     ("ucm_tier_written_bytes", "counter", "Bytes written into the tier", "bytes_written"),
 )
 # (name, help, stats key) for the whole cache
@@ -27,6 +29,8 @@ CACHE_COUNTERS = (
     ("ucm_cache_corrupt_blocks", "Blocks that came back with a bad checksum", "corrupt"),
     ("ucm_cache_failed_blocks", "Blocks whose I/O failed", "failed"),
     ("ucm_cache_lookups", "Lookups the service answered (clients answer most from the shared key index)", "lookups"),
+    ("ucm_cache_headroom_evictions", "Blocks evicted (demoted or dropped) ahead of need to keep tiers' headroom",
+     "headroom_evictions"),
 )
 
 
