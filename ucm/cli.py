@@ -85,7 +85,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print("  ".join(str(v).rjust(w) for v, w in zip(r, widths)))
     print(f"lookups over the socket {stats['lookups']}  loaded {stats['loaded_blocks']} blocks "
           f"({format_size(stats['bytes_loaded'])})  missing {stats['missing_blocks']}  "
-          f"stored {stats['stored_blocks']}  corrupt {stats['corrupt']}  failed {stats['failed']}")
+          f"stored {stats['stored_blocks']}  corrupt {stats['corrupt']}  failed {stats['failed']}  "
+          f"evicted for headroom {stats.get('headroom_evictions', 0)}")
     return 0
 
 
