@@ -293,6 +293,21 @@ def test_connect_starts_a_private_service_that_exits_when_unused(tmp_path):
     assert not os.path.exists(sock)
 
 
+def test_connect_says_why_a_private_service_did_not_start(tmp_path, caplog):
+    from ucm.service import connect
+    _, sock, cfg = write_config(tmp_path)
+    cfg["tiers"][0]["options"] = {"path": str(tmp_path / "no-such-dir")}
+    cfg["service"]["name"] = f"nostart-{os.getpid()}"
+    with caplog.at_level("WARNING", logger="ucm.service.client"):
+        c = connect(cfg, timeout_s=30)
+    try:
+        assert not c.connected
+        assert c.lookup(chain(2, 11)[0]) == 0  # runs without a cache
+    finally:
+        c.close()
+    assert "cannot create shared-memory file" in caplog.text and "running without a cache" in caplog.text
+
+
 def test_slot_access_copies_straight_between_arena_and_caller(service):
     """write_slots/read_slots: the caller copies into and out of the arena
     itself (what the vLLM connector does page by page)."""

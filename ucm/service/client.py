@@ -485,6 +485,20 @@ def connect(config: Union[None, str, Mapping[str, Any], UcmConfig] = None, start
         except OSError:
             pass
     if not client.connected:
-        log.warning("ucm: could not start a private service for %s (see %s); running without a cache",
-                    path, log_path)
+        proc = client.spawned
+        why = (f": it did not answer within {timeout_s:g} s" if proc is not None and proc.poll() is None
+               else _last_error(log_path))
+        log.warning("ucm: could not start a private service for %s%s (log: %s); running without a cache",
+                    path, why, log_path)
     return client
+
+
+def _last_error(log_path: str) -> str:
+    """': <the service's last log line>' (why it did not start), or ''."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1]}" if lines else ""
