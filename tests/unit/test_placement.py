@@ -88,3 +88,22 @@ def test_child_without_parent_is_refused_and_pins_hold():
     assert p.contains(a) and p.contains(x)
     p.unpin([x])
     assert p.insert(key("y", 0), None, 1).placed and p.contains(a) and not p.contains(x)
+
+
+def test_reclaim_demotes_victims_until_the_headroom_is_free():
+    p = Placement([TierSpec("dram", 6), TierSpec("nvme", 10)], load_policy("lru"))
+    ks = [key("h", i) for i in range(6)]
+    p.record_request(ks)
+    for i, k in enumerate(ks):
+        assert p.insert(k, ks[i - 1] if i else None, 1).placed
+    p.pin([ks[5]])
+    assert len(p.reclaim(0, 1, max_victims=8)) == 1 and p.used_bytes(0) == 5  # one block's room asked
+    plan = p.reclaim(0, 3, max_victims=1)  # a few at a time: one victim per call here
+    assert [(s.op, s.src, s.dst) for s in plan] == [(Op.MOVE, 0, 1)]
+    plan = p.reclaim(0, 3, max_victims=8)
+    assert p.used_bytes(0) == 3 and p.reclaim(0, 3, max_victims=8) == []  # no more than asked
+    assert all(s.op is Op.MOVE for s in plan)
+    assert p.lookup(ks) == 6 and p.where(ks[5]) == 0  # demoted, not lost; the pinned block stays
+    assert p.reclaim(1, 10, max_victims=8) == []  # the lowest tier has nowhere to demote to
+    p.pin(ks[:5])
+    assert p.reclaim(0, 6, max_victims=8) == []  # nothing evictable: nothing planned
