@@ -6,7 +6,8 @@ deterministic and independent of wall-clock speed. Per block it keeps a
 decayed access frequency, the time of the last access, the raw count, and
 the block's parent in the prefix tree, and whether that access was the
 deepest block of its request (the first access after a `tick`; the cache
-reports a request's blocks deepest first). Statistics outlive residency for
+reports a request's blocks deepest first), and whether its parent had been
+seen before that access. Statistics outlive residency for
 a bounded number of blocks (`history_blocks`) so that a block that comes
 back is recognised as reused. On request (`reuse_model()`), it also feeds a
 ReuseModel (ucm/reuse.py) that learns reuse hazards from every access.
@@ -35,6 +36,7 @@ class BlockHeat:
     parent: Optional[Key] = None
     next_use: float = INF  # oracle: next access time, set by trace replay only
     tail: bool = False  # the last access was the deepest block of its request
+    ext: bool = False  # at its last access its parent had been seen before
 
 
 class HeatTracker:
@@ -88,8 +90,10 @@ class HeatTracker:
         h = self._get(key)
         now = self.now
         first, self._first = self._first, False
+        ph = self._blocks.get(parent) if parent is not None else None
+        ext = ph is not None and ph.count > 0 and ph.last < now
         if self._reuse is not None:
-            self._reuse.access(h, now, first)
+            self._reuse.access(h, now, first, ext)
         if h.last >= 0:
             gap = float(now - h.last)
             h.gaps = gap if h.gaps == 0.0 else 0.5 * h.gaps + 0.5 * gap
@@ -101,6 +105,7 @@ class HeatTracker:
             h.parent = parent
         h.next_use = next_use
         h.tail = first
+        h.ext = ext
 
     def link(self, key: Key, parent: Optional[Key]) -> None:
         """Records the prefix-tree parent of `key` without counting an access."""

@@ -5,7 +5,7 @@ learns does not depend on what a cache kept; the tracker's history plays the
 ghost list) and on every clock tick; read by placement policies. Runs under
 the owner's lock like the tracker; never blocks.
 
-Blocks are grouped into classes by two facts that predict reuse of KV blocks:
+Blocks are grouped into classes by three facts that predict reuse of KV blocks:
 - how often the block was used: once, twice, or three times or more. Most
   blocks are used once, while a block that came back tends to come back
   again; a shared prefix (a system prompt, a template) is used by many
@@ -13,6 +13,12 @@ Blocks are grouped into classes by two facts that predict reuse of KV blocks:
   reused once per turn. Lifetime counts also measure old popularity, and
   finer classes split the evidence thinner; the hazard by age (below)
   carries the rest;
+- for a block used once, whether its parent had been seen before: new text
+  behind a known prefix (a question after a template, a retrieved chunk
+  after shared headers, a conversation's new turn) has another fate than
+  text that arrived with a new prefix (a new document or template, which
+  the next request may send again); which fate is the likelier one is
+  learned, not assumed;
 - whether its last access was the deepest block of its request. A
   conversation's next turn extends the prompt, which rewrites the last,
   partly filled block (new id), while the blocks before it are reused; a
@@ -43,15 +49,19 @@ import numpy as np
 if TYPE_CHECKING:
     from ucm.heat import BlockHeat
 
-USE_CLASSES = 3  # used once, twice, three times or more
-NUM_CLASSES = 2 * USE_CLASSES  # x (last access ended its request or not)
+# How often a block was used: once behind an unseen prefix, once behind a
+# prefix seen before, twice, three times or more.
+USE_KINDS = 4
+NUM_CLASSES = 2 * USE_KINDS  # x (last access ended its request or not)
 AGE_BUCKETS = 20  # ages up to 2**20 ticks (requests); the last bucket is open
 
 
-def classify(count: int, tail: bool) -> int:
+def classify(count: int, tail: bool, ext: bool = False) -> int:
     """The class of a block accessed `count` times, the last time as the
-    deepest block of its request if `tail`."""
-    return min(max(count, 1), USE_CLASSES) - 1 + (USE_CLASSES if tail else 0)
+    deepest block of its request if `tail`; a block used once is told apart
+    by `ext`, whether its parent had been seen before that use."""
+    kind = (1 if ext else 0) if count <= 1 else min(count, 3)
+    return kind + (USE_KINDS if tail else 0)
 
 
 def age_bucket(age: int) -> int:
@@ -80,22 +90,22 @@ class ReuseModel:
         self._hazard_version = -1
 
     # ---- fed by the HeatTracker --------------------------------------------
-    def access(self, h: "BlockHeat", now: int, tail: bool) -> None:
+    def access(self, h: "BlockHeat", now: int, tail: bool, ext: bool = False) -> None:
         """`h` is accessed at `now`, as the deepest block of its request if
         `tail`; called before the tracker updates `h`."""
         if h.last >= 0:  # ends the episode that began at the last access
-            c = classify(h.count, h.tail)
+            c = classify(h.count, h.tail, h.ext)
             b = age_bucket(now - h.last)
             self.events[c, b] += 1.0
             self._alive[c, b] -= 1.0
-        c = classify(h.count + 1, tail)
+        c = classify(h.count + 1, tail, ext)
         self._alive[c, 0] += 1.0
         self._waiting[1].append((now, h, c))
 
     def forget(self, h: "BlockHeat", now: int) -> None:
         """The tracker dropped `h` from its history: its episode ends unseen."""
         if h.last >= 0:
-            self._alive[classify(h.count, h.tail), age_bucket(now - h.last)] -= 1.0
+            self._alive[classify(h.count, h.tail, h.ext), age_bucket(now - h.last)] -= 1.0
             h.last = -1
 
     def advance(self, now: int) -> None:
@@ -146,9 +156,10 @@ class ReuseModel:
         prior = mult[:, None] * base[None, :]
         out = (ev + PRIOR_EVENTS) / (ex + PRIOR_EVENTS / prior)
         for tail in (False, True):
-            for uses in range(2, USE_CLASSES + 1):
-                less, more = classify(uses - 1, tail), classify(uses, tail)
-                np.maximum(out[more], out[less], out=out[more])
+            twice, more = classify(2, tail), classify(3, tail)
+            for once in (classify(1, tail, False), classify(1, tail, True)):
+                np.maximum(out[twice], out[once], out=out[twice])
+            np.maximum(out[more], out[twice], out=out[more])
         return out
 
     def density(self, horizon: float) -> list[list[float]]:

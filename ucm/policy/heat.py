@@ -4,9 +4,11 @@ Built from what KV-cache workloads look like, not from constants fitted to a
 trace:
 - most blocks are used once, and a block that came back tends to come back
   again; a shared prefix is used by many requests; a conversation's next
-  turn rewrites the last, partly filled block of its prompt. So blocks fall
-  in six classes: used once, twice, or three times or more, and whether
-  their last access ended a request (ucm/reuse.py);
+  turn rewrites the last, partly filled block of its prompt; new text behind
+  a known prefix (a question after a template) fares otherwise than text
+  that came with a new prefix. So blocks fall in eight classes: used once
+  (behind an unseen or a seen prefix), twice, or three times or more, and
+  whether their last access ended a request (ucm/reuse.py);
 - reuse comes in bursts across the turns of a conversation, and how soon
   depends on the workload. The ReuseModel learns each class's reuse hazard
   at each age (ticks since the last access) from every access the
@@ -89,7 +91,7 @@ class HeatPolicy(PlacementPolicy):
         h = self.heat.get(key)
         if h is None:
             return 0.0
-        return table[classify(h.count, h.tail)][age_bucket(self.heat.now - h.last)]
+        return table[classify(h.count, h.tail, h.ext)][age_bucket(self.heat.now - h.last)]
 
     def _requeue(self, key: Key) -> None:
         h = self.heat.get(key)
@@ -97,7 +99,7 @@ class HeatPolicy(PlacementPolicy):
         if h is None:
             self._queues.update(key, 0, (-1, self._seq))
         else:
-            self._queues.update(key, classify(h.count, h.tail), (h.last, self._seq))
+            self._queues.update(key, classify(h.count, h.tail, h.ext), (h.last, self._seq))
 
     def _lowest(self, evictable: Callable[[Key], bool]) -> Optional[tuple[float, tuple, Key]]:
         """The evictable block of lowest value among the oldest of each class."""
@@ -112,7 +114,7 @@ class HeatPolicy(PlacementPolicy):
                     break
                 prio, key = head
                 h = self.heat.get(key)
-                if h is not None and (h.last != prio[0] or classify(h.count, h.tail) != q):
+                if h is not None and (h.last != prio[0] or classify(h.count, h.tail, h.ext) != q):
                     # Accessed since it was queued, served by another tier
                     # (or the class moved): put it where it belongs, look again.
                     self._requeue(key)
@@ -142,7 +144,7 @@ class HeatPolicy(PlacementPolicy):
         if h is None:
             self._queues.add(key, 0, (-1, self._seq))
         else:
-            self._queues.add(key, classify(h.count, h.tail), (h.last, self._seq))
+            self._queues.add(key, classify(h.count, h.tail, h.ext), (h.last, self._seq))
         self._sizes[key] = size_bytes
         self._used += size_bytes
         self._block = size_bytes

@@ -117,8 +117,41 @@ def test_reuse_model_forgets_with_the_tracker_history():
 
 
 def test_classes_and_age_buckets():
-    assert len({classify(n, t) for n in (1, 2, 9) for t in (False, True)}) == NUM_CLASSES
+    classes = {classify(n, t, e) for n in (1, 2, 9) for t in (False, True) for e in (False, True)}
+    assert len(classes) == NUM_CLASSES
     assert classify(3, False) == classify(50, False) != classify(2, False) != classify(1, False)
+    assert classify(1, False, True) != classify(1, False, False)
+    assert classify(2, True, True) == classify(2, True, False)  # only a block used once is split
+
+
+def test_tracker_tells_new_text_behind_a_known_prefix():
+    heat = HeatTracker()
+    p, a, b, q = b"p" * 8, b"a" * 8, b"b" * 8, b"q" * 8
+    heat.tick()  # request 1: p <- a, deepest first as Placement.record_request reports it
+    heat.touch(a, parent=p)
+    heat.touch(p)
+    assert not heat.get(a).ext and not heat.get(p).ext  # p was seen in this request only
+    heat.tick()  # request 2: p <- b <- q, the same prefix with new text behind it
+    heat.touch(q, parent=b)
+    heat.touch(b, parent=p)
+    heat.touch(p)
+    assert heat.get(b).ext and not heat.get(q).ext  # q's parent b is new too
+    assert classify(heat.get(b).count, heat.get(b).tail, heat.get(b).ext) == classify(1, False, True)
+
+
+def test_reuse_model_learns_each_once_used_kind_apart():
+    heat = HeatTracker()
+    model = heat.reuse_model()
+    root = b"root" * 2
+    for t in range(1, 300):  # new documents come back; questions behind a known prefix never do
+        heat.tick()
+        doc = b"d" + (t // 2).to_bytes(7, "little")  # each document is sent twice, two ticks apart
+        heat.touch(b"q" + t.to_bytes(7, "little"), parent=root)
+        heat.touch(root)
+        heat.tick()
+        heat.touch(doc)
+    h = model.hazard()
+    assert h[classify(1, True, False)].max() > 10 * h[classify(1, True, True)].max()
     assert [age_bucket(a) for a in (0, 1, 2, 3, 4, 7, 8)] == [0, 0, 1, 1, 2, 2, 3]
 
 
