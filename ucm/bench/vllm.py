@@ -23,11 +23,19 @@ warm-up request:
   The DRAM tier keeps 20 % headroom (one document), made in the background
   between requests, so staging reads NVMe without first writing victims.
 
-`outputs_equal`: the first token of every ucm hit equals the APC hit's for
-the same prompt, the first token of every ucm cold run equals the
-no-connector run's, and an extra 8-token greedy continuation of every pass-2
-prompt from ucm (after the timings) equals the APC one. TTFTs are means over
-the documents, seconds. Environment defaults (kept if already set):
+Every hit is measured `--repeat` times over all the documents (pass 2 again;
+before each NVMe-only round the filler pushes the documents out of DRAM
+again, before each ExampleConnector disk round its files are dropped from
+the page cache again), so that one slow moment of these shared vCPUs does
+not decide a comparison. Cold and no-connector TTFTs have one sample per
+document (a second pass would be a hit).
+
+`outputs_equal`: the first token of every ucm hit (every round) equals the
+APC hit's for the same prompt, the first token of every ucm cold run equals
+the no-connector run's, and an extra 8-token greedy continuation of every
+pass-2 prompt from ucm (after the timings) equals the APC one. The
+`*_ttft_s` keys are medians over documents x rounds, in seconds; `mean_ttft_s`
+gives the means, `per_doc_ttft_s` every sample. Environment defaults (kept if already set):
 VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND=0-(cores-1),
 HF_HUB_OFFLINE=1; every configuration runs with the same thread binding.
 """
@@ -62,6 +70,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", type=int, default=4, help="documents (default 4; PEERS used 8)")
     p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of every hit measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -118,6 +127,19 @@ def _phase(llm, prompts: list[list[int]], max_tokens: int = 1) -> dict[str, Any]
     return {"ttft_s": ttft, "tokens": toks, "cached": cached}
 
 
+def _rounds(llm, prompts: list[list[int]], rounds: int, before=None) -> dict[str, Any]:
+    """`rounds` phases of the same prompts (`before()` ahead of each): every
+    TTFT, round after round; the tokens and cached counts of every round."""
+    phases = []
+    for _ in range(rounds):
+        if before is not None:
+            before()
+        phases.append(_phase(llm, prompts))
+    return {"ttft_s": [t for ph in phases for t in ph["ttft_s"]],
+            "tokens": [tok for ph in phases for tok in ph["tokens"]],
+            "cached": [c for ph in phases for c in ph["cached"]]}
+
+
 def _evict_to_nvme(client, keys: list[bytes], block_bytes: int, limit: int) -> list[Optional[str]]:
     """Store one-shot filler blocks until every key in `keys` is below DRAM."""
     import numpy as np
@@ -138,6 +160,7 @@ def _run_config(spec: dict) -> dict:
     """One configuration in one engine: the phases named in spec["config"]."""
     pass1, pass2, warm = spec["pass1"], spec["pass2"], spec["warm"]
     name = spec["config"]
+    rounds = int(spec.get("repeat", 1))
     max_len = max(len(p) for p in pass1 + pass2) + 64
     kv: Optional[dict] = None
     if name == "example":
@@ -152,12 +175,12 @@ def _run_config(spec: dict) -> dict:
     out: dict[str, Any] = {}
     out["pass1"] = _phase(llm, pass1)
     if name != "none":  # without a connector pass 2 is another full prefill: pass 1 measures it
-        out["pass2"] = _phase(llm, pass2)
+        out["pass2"] = _rounds(llm, pass2, rounds)
     if name == "apc":
         out["check"] = _phase(llm, pass2, CHECK_TOKENS)
     elif name == "example":
-        _drop_page_cache(Path(spec["example_dir"]))
-        out["disk"] = _phase(llm, pass2)  # its files read back from the disk, as ucm's NVMe-only hits are
+        # Its files read back from the disk, as ucm's NVMe-only hits are.
+        out["disk"] = _rounds(llm, pass2, rounds, before=lambda: _drop_page_cache(Path(spec["example_dir"])))
     elif name == "ucm":
         import ucm
         from ucm.connectors.vllm import build_namespace  # noqa: F401  (same module the engine loaded)
@@ -167,9 +190,13 @@ def _run_config(spec: dict) -> dict:
         ns = _namespace(spec["model"])
         keys = [k for p in pass2 for k in block_keys(ns, p, BLOCK_TOKENS)]
         out["tiers_before_evict"] = _count(client.locate(keys))
-        out["tiers_nvme_phase"] = _count(_evict_to_nvme(client, keys, spec["block_bytes"], limit=200))
+        out["tiers_nvme_phase"] = []
+
+        def evict() -> None:
+            out["tiers_nvme_phase"].append(_count(_evict_to_nvme(client, keys, spec["block_bytes"], limit=200)))
+
         stats0 = client.stats()
-        out["nvme"] = _phase(llm, pass2)
+        out["nvme"] = _rounds(llm, pass2, rounds, before=evict)
         out["check"] = _phase(llm, pass2, CHECK_TOKENS)
         stats1 = client.stats()
         out["promotions"] = stats1["tiers"]["dram"].get("promotions_in", 0) - stats0["tiers"]["dram"].get(
@@ -223,7 +250,16 @@ def _mean(xs: list[float]) -> float:
     return round(sum(xs) / len(xs), 4)
 
 
-def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print) -> dict[str, Any]:
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return round(statistics.median(xs), 4)
+
+
+def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
+            repeat: int = 3) -> dict[str, Any]:
+    if repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {repeat}")
     import yaml
 
     import ucm
@@ -253,7 +289,8 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print) 
     (work / "example").mkdir()
     cfg_path = work / "ucm.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    base = {"model": model, "pass1": pass1, "pass2": pass2, "warm": warm, "block_bytes": block_bytes}
+    base = {"model": model, "pass1": pass1, "pass2": pass2, "warm": warm, "block_bytes": block_bytes,
+            "repeat": repeat}
     res: dict[str, dict] = {}
     cwd = os.getcwd()
     os.chdir(work)  # a private service is spawned as `python -m ucm.cli` here, away from a source checkout
@@ -273,28 +310,33 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print) 
             client.close()
         os.chdir(cwd)
         shutil.rmtree(work, ignore_errors=True)
+    return summarize(res, docs, doc_tokens, len(pass1[0]), len(pass2[0]), repeat, service)
+
+
+def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: int, pass2_tokens: int,
+              repeat: int, service: dict) -> dict[str, Any]:
+    """The JSON of the bench from what each configuration's subprocess returned."""
     none, apc, ex, u = res["none"], res["apc"], res["example"], res["ucm"]
     first = lambda ph: [t[0] for t in ph["tokens"]]  # noqa: E731
+    ref = first(apc["pass2"])[:docs]  # APC's first round; every round of every hit must give the same
+    hit_eq = lambda ph: len(ref) == docs and first(ph) == ref * repeat  # noqa: E731
     eq = {
         "ucm_cold_vs_no_connector_first_token": first(u["pass1"]) == first(none["pass1"]),
-        "ucm_dram_hit_vs_apc_first_token": first(u["pass2"]) == first(apc["pass2"]),
-        "ucm_nvme_hit_vs_apc_first_token": first(u["nvme"]) == first(apc["pass2"]),
+        "apc_rounds_agree": hit_eq(apc["pass2"]),
+        "ucm_dram_hit_vs_apc_first_token": hit_eq(u["pass2"]),
+        "ucm_nvme_hit_vs_apc_first_token": hit_eq(u["nvme"]),
         f"ucm_hit_vs_apc_{CHECK_TOKENS}_tokens": u["check"]["tokens"] == apc["check"]["tokens"],
-        "example_hit_vs_apc_first_token": first(ex["pass2"]) == first(apc["pass2"]),
-        "example_disk_hit_vs_apc_first_token": first(ex["disk"]) == first(apc["pass2"]),
+        "example_hit_vs_apc_first_token": hit_eq(ex["pass2"]),
+        "example_disk_hit_vs_apc_first_token": hit_eq(ex["disk"]),
     }
+    samples = {"no_connector": none["pass1"], "apc_hit": apc["pass2"], "example_connector_hit": ex["pass2"],
+               "example_connector_disk_hit": ex["disk"], "ucm_cold": u["pass1"], "ucm_dram_hit": u["pass2"],
+               "ucm_nvme_hit": u["nvme"], "apc_cold": apc["pass1"], "example_connector_cold": ex["pass1"]}
     r = {
-        "docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": len(pass1[0]), "pass2_tokens": len(pass2[0]),
-        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        "no_connector_ttft_s": _mean(none["pass1"]["ttft_s"]),
-        "apc_hit_ttft_s": _mean(apc["pass2"]["ttft_s"]),
-        "example_connector_hit_ttft_s": _mean(ex["pass2"]["ttft_s"]),
-        "example_connector_disk_hit_ttft_s": _mean(ex["disk"]["ttft_s"]),
-        "ucm_cold_ttft_s": _mean(u["pass1"]["ttft_s"]),
-        "ucm_dram_hit_ttft_s": _mean(u["pass2"]["ttft_s"]),
-        "ucm_nvme_hit_ttft_s": _mean(u["nvme"]["ttft_s"]),
-        "apc_cold_ttft_s": _mean(apc["pass1"]["ttft_s"]),
-        "example_connector_cold_ttft_s": _mean(ex["pass1"]["ttft_s"]),
+        "docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": pass1_tokens, "pass2_tokens": pass2_tokens,
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "repeat": repeat, "statistic": "median",
+        **{f"{k}_ttft_s": _median(ph["ttft_s"]) for k, ph in samples.items()},
+        "mean_ttft_s": {k: _mean(ph["ttft_s"]) for k, ph in samples.items()},
         "cached_tokens": {"apc_hit": apc["pass2"]["cached"], "example_hit": ex["pass2"]["cached"],
                           "ucm_cold": u["pass1"]["cached"], "ucm_dram_hit": u["pass2"]["cached"],
                           "ucm_nvme_hit": u["nvme"]["cached"]},
@@ -302,11 +344,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print) 
         "ucm_promotions_nvme_phase": u["promotions"],
         "outputs_equal": all(eq.values()),
         "outputs_equal_detail": eq,
-        "per_doc_ttft_s": {"no_connector": none["pass1"]["ttft_s"],
-                           "apc_hit": apc["pass2"]["ttft_s"], "example_hit": ex["pass2"]["ttft_s"],
-                           "example_disk_hit": ex["disk"]["ttft_s"],
-                           "ucm_cold": u["pass1"]["ttft_s"], "ucm_dram_hit": u["pass2"]["ttft_s"],
-                           "ucm_nvme_hit": u["nvme"]["ttft_s"]},
+        "per_doc_ttft_s": {k: ph["ttft_s"] for k, ph in samples.items()},
         "ucm_service": {k: v for k, v in service.items() if not isinstance(v, dict)},
     }
     nc, apc_hit = r["no_connector_ttft_s"], r["apc_hit_ttft_s"]
@@ -325,8 +363,8 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print) 
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     try:
-        r = measure(args.docs, args.doc_tokens, args.model, log=log)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        r = measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat)
+    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
         print(f"ucm bench vllm: {e}", file=sys.stderr)
         return 1
     if args.json:

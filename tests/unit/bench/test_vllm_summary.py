@@ -1,0 +1,66 @@
+"""`ucm bench vllm`: rounds of hit measurements and the summary (no engine needed)."""
+from __future__ import annotations
+
+import copy
+
+import ucm.bench.vllm as bv
+
+
+def _phase(ttft, first_tokens, cached=2944):
+    return {"ttft_s": list(ttft), "tokens": [[t] for t in first_tokens], "cached": [cached] * len(ttft)}
+
+
+def _results(docs=2, rounds=3):
+    hit = [11, 22] * rounds
+    return {
+        "none": {"pass1": _phase([8.0, 7.0], [5, 6], 0)},
+        "apc": {"pass1": _phase([8.1, 7.1], [5, 6], 0), "pass2": _phase([0.30, 0.32, 0.31, 0.90, 0.30, 0.33], hit),
+                "check": {"tokens": [[11, 1], [22, 2]]}},
+        "example": {"pass1": _phase([8.2, 7.2], [5, 6], 0), "pass2": _phase([0.35] * 6, hit),
+                    "disk": _phase([0.45] * 6, hit)},
+        "ucm": {"pass1": _phase([8.0, 7.4], [5, 6], 0), "pass2": _phase([0.33, 0.31, 0.32, 0.34, 0.31, 2.0], hit),
+                "nvme": _phase([0.44, 0.42, 0.43, 0.41, 0.40, 0.45], hit), "check": {"tokens": [[11, 1], [22, 2]]},
+                "tiers_nvme_phase": [{"nvme": 46}] * rounds, "promotions": 46 * rounds},
+    }
+
+
+def test_summary_is_medians_over_documents_and_rounds():
+    r = bv.summarize(_results(), docs=2, doc_tokens=3000, pass1_tokens=3020, pass2_tokens=3021, repeat=3,
+                     service={"lookups": 1, "tiers": {}})
+    assert r["statistic"] == "median" and r["repeat"] == 3
+    assert r["apc_hit_ttft_s"] == 0.315  # one slow sample (0.90) does not move it
+    assert r["ucm_dram_hit_ttft_s"] == 0.325
+    assert r["mean_ttft_s"]["ucm_dram_hit"] == round((0.33 + 0.31 + 0.32 + 0.34 + 0.31 + 2.0) / 6, 4)
+    assert r["no_connector_ttft_s"] == 7.5 and r["ucm_cold_ttft_s"] == 7.7
+    assert r["ratios"]["ucm_dram_hit_over_example_hit"] == round(0.325 / 0.35, 3)
+    assert r["outputs_equal"] is True
+    assert len(r["per_doc_ttft_s"]["ucm_nvme_hit"]) == 6
+    assert r["ucm_service"] == {"lookups": 1}
+
+
+def test_one_wrong_token_in_any_round_is_not_equal():
+    res = _results()
+    bad = copy.deepcopy(res)
+    bad["ucm"]["nvme"]["tokens"][5] = [99]  # the third round's second document
+    r = bv.summarize(bad, 2, 3000, 3020, 3021, 3, {})
+    assert r["outputs_equal"] is False
+    assert r["outputs_equal_detail"]["ucm_nvme_hit_vs_apc_first_token"] is False
+    assert r["outputs_equal_detail"]["ucm_dram_hit_vs_apc_first_token"] is True
+    short = copy.deepcopy(res)
+    short["example"]["disk"] = _phase([0.45] * 4, [11, 22] * 2)  # a round missing
+    assert bv.summarize(short, 2, 3000, 3020, 3021, 3, {})["outputs_equal"] is False
+
+
+def test_rounds_run_before_each_and_keep_every_sample(monkeypatch):
+    calls = []
+
+    def fake_phase(llm, prompts, max_tokens=1):
+        calls.append("phase")
+        n = len(calls)
+        return {"ttft_s": [float(n)] * len(prompts), "tokens": [[n]] * len(prompts), "cached": [n] * len(prompts)}
+
+    monkeypatch.setattr(bv, "_phase", fake_phase)
+    out = bv._rounds(None, [[1], [2]], 2, before=lambda: calls.append("before"))
+    assert calls == ["before", "phase", "before", "phase"]
+    assert out["ttft_s"] == [2.0, 2.0, 4.0, 4.0]
+    assert out["tokens"] == [[2], [2], [4], [4]]
