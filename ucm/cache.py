@@ -266,7 +266,7 @@ class UnifiedCache:
         landing = self.placement.landing
         out: list[Union[None, bool, memoryview]] = []
         with self._meta:
-            self.placement.record_request(keys)
+            self.placement.record_request(keys, parent=parent)
         for i, key in enumerate(keys):
             if out and out[-1] is None:
                 out.append(None)
@@ -454,7 +454,7 @@ class UnifiedCache:
         out: list[Outcome] = []
         stopped = False
         with self._meta:
-            self.placement.record_request(keys)
+            self.placement.record_request(keys, parent=parent)
         for i, key in enumerate(keys):
             if stopped:  # a child is useless without its parent
                 out.append(Outcome.MISSING)

@@ -184,12 +184,15 @@ class Placement:
         return key in self._pins
 
     # ---- accesses ----------------------------------------------------------
-    def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None) -> None:
+    def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None,
+                       parent: Optional[Key] = None) -> None:
         """Counts one access to each block of a request in the HeatTracker
-        (call once per request before lookups and inserts); deepest first."""
+        (call once per request before lookups and inserts); deepest first.
+        `parent`: the block before keys[0] (a store that continues a cached
+        prefix), so the tracker knows what keys[0] follows."""
         heat = self.heat
         heat.tick()
-        parent_of = [None, *keys[:-1]] if keys else []
+        parent_of = [parent, *keys[:-1]] if keys else []
         for i in range(len(keys) - 1, -1, -1):
             heat.touch(keys[i], parent_of[i], INF if next_uses is None else next_uses[i])
 

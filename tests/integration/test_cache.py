@@ -439,3 +439,23 @@ def test_concurrent_readers_writers_and_the_headroom_thread_never_see_wrong_byte
             n = c.lookup(keys)
             res, out = load_all(c, keys[:n])
             assert res == [Outcome.DONE] * n and out == data[:n]
+
+
+def test_heat_learns_what_a_store_continues(nvme_dir):
+    """A store behind a cached prefix (a chat's next turn, a question after
+    a template) tells the HeatTracker which block its first block follows,
+    through `store` and through `reserve` (the vLLM connector's path)."""
+    with UnifiedCache(cfg(nvme_dir, policy="heat", dram="4MiB")) as c:
+        keys, data = chain(6, 7)
+        assert c.store(keys[:3], data[:3]).wait(30) == [Outcome.DONE] * 3
+        heat = c.placement.heat
+        assert not any(heat.get(k).ext for k in keys[:3])  # a new prompt: nothing before it was known
+        assert c.store(keys[3:4], data[3:4], parent=keys[2]).wait(30) == [Outcome.DONE]
+        assert heat.get(keys[3]).ext and heat.get(keys[3]).parent == keys[2]
+        slots = c.reserve(keys[4:6], [SIZE, SIZE], parent=keys[3])
+        assert all(isinstance(s, memoryview) for s in slots)
+        for s, d in zip(slots, data[4:6]):
+            s[:] = d
+        assert c.commit(keys[4:6]) == [True, True]
+        assert heat.get(keys[4]).ext and not heat.get(keys[5]).ext  # keys[5] follows keys[4], new itself
+        assert load_all(c, keys)[1] == data
