@@ -92,7 +92,8 @@ class ReuseModel:
     # ---- fed by the HeatTracker --------------------------------------------
     def access(self, h: "BlockHeat", now: int, tail: bool, ext: bool = False) -> None:
         """`h` is accessed at `now`, as the deepest block of its request if
-        `tail`; called before the tracker updates `h`."""
+        `tail`, behind a parent seen before if `ext`; called before the
+        tracker updates `h`."""
         if h.last >= 0:  # ends the episode that began at the last access
             c = classify(h.count, h.tail, h.ext)
             b = age_bucket(now - h.last)
