@@ -6,10 +6,12 @@ deterministic and independent of wall-clock speed. Per block it keeps a
 decayed access frequency, the time of the last access, the raw count, and
 the block's parent in the prefix tree, and whether that access was the
 deepest block of its request (the first access after a `tick`; the cache
-reports a request's blocks deepest first), and whether its parent had been
-seen before that access. Statistics outlive residency for
-a bounded number of blocks (`history_blocks`) so that a block that comes
-back is recognised as reused. On request (`reuse_model()`), it also feeds a
+reports a request's blocks deepest first), whether its parent had been
+seen before that access, and whether the request that last used it
+generated a long answer (`finish`, when the engine reports it).
+Statistics outlive residency for a bounded number of blocks
+(`history_blocks`) so that a block that comes back is recognised as
+reused. On request (`reuse_model()`), it also feeds a
 ReuseModel (ucm/reuse.py) that learns reuse hazards from every access.
 """
 from __future__ import annotations
@@ -17,9 +19,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
-from ucm.reuse import ReuseModel
+from ucm.reuse import LONG_OUTPUT, ReuseModel
 
 Key = bytes
 
@@ -37,6 +39,7 @@ class BlockHeat:
     next_use: float = INF  # oracle: next access time, set by trace replay only
     tail: bool = False  # the last access was the deepest block of its request
     ext: bool = False  # at its last access its parent had been seen before
+    long_out: bool = False  # its last finished request generated >= LONG_OUTPUT tokens
 
 
 class HeatTracker:
@@ -92,6 +95,8 @@ class HeatTracker:
         first, self._first = self._first, False
         ph = self._blocks.get(parent) if parent is not None else None
         ext = ph is not None and ph.count > 0 and ph.last < now
+        if h.last < 0 and ph is not None:
+            h.long_out = ph.long_out  # a new block: its parent's kind until its request reports
         if self._reuse is not None:
             self._reuse.access(h, now, first, ext)
         if h.last >= 0:
@@ -106,6 +111,21 @@ class HeatTracker:
         h.next_use = next_use
         h.tail = first
         h.ext = ext
+
+    def finish(self, keys: Iterable[Key], output_tokens: int) -> None:
+        """The request that used `keys` finished after generating
+        `output_tokens` tokens: its blocks take that output kind (a feature
+        of the ReuseModel's classes). Unknown keys are skipped."""
+        long_out = output_tokens >= LONG_OUTPUT
+        reuse = self._reuse
+        for key in keys:
+            h = self._blocks.get(key)
+            if h is None or h.long_out == long_out:
+                continue
+            if reuse is not None:
+                reuse.reclass(h, self.now, long_out)
+            else:
+                h.long_out = long_out
 
     def link(self, key: Key, parent: Optional[Key]) -> None:
         """Records the prefix-tree parent of `key` without counting an access."""

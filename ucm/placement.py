@@ -196,6 +196,16 @@ class Placement:
         for i in range(len(keys) - 1, -1, -1):
             heat.touch(keys[i], parent_of[i], INF if next_uses is None else next_uses[i])
 
+    def finish_request(self, keys: Sequence[Key], output_tokens: int) -> None:
+        """The request that used `keys` finished after generating
+        `output_tokens` tokens: tells the HeatTracker, then the policy of
+        every tier holding one of them (`on_reclass`)."""
+        self.heat.finish(keys, output_tokens)
+        for k in keys:
+            for tier in self._tiers:
+                if k in tier.blocks:
+                    tier.policy.on_reclass(k)
+
     def touch(self, keys: Sequence[Key]) -> None:
         """Reports that the resident blocks among `keys` were used by a request:
         one `on_hit` to the tier serving each, deepest block first."""

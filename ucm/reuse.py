@@ -5,7 +5,7 @@ learns does not depend on what a cache kept; the tracker's history plays the
 ghost list) and on every clock tick; read by placement policies. Runs under
 the owner's lock like the tracker; never blocks.
 
-Blocks are grouped into classes by three facts that predict reuse of KV blocks:
+Blocks are grouped into classes by four facts that predict reuse of KV blocks:
 - how often the block was used: once, twice, or three times or more. Most
   blocks are used once, while a block that came back tends to come back
   again; a shared prefix (a system prompt, a template) is used by many
@@ -24,6 +24,15 @@ Blocks are grouped into classes by three facts that predict reuse of KV blocks:
   partly filled block (new id), while the blocks before it are reused; a
   workload whose prompts end on block boundaries simply shows no difference
   between the two.
+- how long an answer the last request that used it generated, when the
+  engine reports it (`HeatTracker.finish`): under `LONG_OUTPUT` tokens (a
+  label, an extraction, a tool call, a short answer over a document) or
+  more (a summary, an essay, a chat reply). The two are different jobs,
+  and jobs differ in whether their prompts come back: documents queried
+  again and again get short answers, one-shot summarisation long ones. A
+  new block takes its parent's kind until its own request reports; which
+  kind is reused more, if either, is learned; without reports every block
+  stays in the first kind.
 Per class and per age bucket (ticks since the last access: [0,2), [2,4),
 [4,8), ...) it measures the reuse hazard: reuses that happened at that age
 divided by the block-ticks spent alive at that age (blocks not yet reused;
@@ -52,16 +61,23 @@ if TYPE_CHECKING:
 # How often a block was used: once behind an unseen prefix, once behind a
 # prefix seen before, twice, three times or more.
 USE_KINDS = 4
-NUM_CLASSES = 2 * USE_KINDS  # x (last access ended its request or not)
+NUM_CLASSES = 4 * USE_KINDS  # x (last access ended its request or not) x (long output or not)
+LONG_OUTPUT = 128  # output tokens from which a request's answer counts as long
 AGE_BUCKETS = 20  # ages up to 2**20 ticks (requests); the last bucket is open
 
 
-def classify(count: int, tail: bool, ext: bool = False) -> int:
+def classify(count: int, tail: bool, ext: bool = False, long_out: bool = False) -> int:
     """The class of a block accessed `count` times, the last time as the
-    deepest block of its request if `tail`; a block used once is told apart
-    by `ext`, whether its parent had been seen before that use."""
+    deepest block of its request if `tail`, by a request that generated a
+    long answer if `long_out`; a block used once is told apart by `ext`,
+    whether its parent had been seen before that use."""
     kind = (1 if ext else 0) if count <= 1 else min(count, 3)
-    return kind + (USE_KINDS if tail else 0)
+    return kind + (USE_KINDS if tail else 0) + (2 * USE_KINDS if long_out else 0)
+
+
+def class_of(h: "BlockHeat") -> int:
+    """The class of the block `h` as the tracker knows it now."""
+    return classify(h.count, h.tail, h.ext, h.long_out)
 
 
 def age_bucket(age: int) -> int:
@@ -83,7 +99,7 @@ class ReuseModel:
         self.events = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # reuses seen at that age
         self.exposure = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # block-ticks alive at that age
         self._alive = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # blocks waiting, by age now
-        # _waiting[i]: episodes (start, heat, class) that may cross into bucket i.
+        # _waiting[i]: episodes (start, heat) that may cross into bucket i.
         self._waiting: list[deque] = [deque() for _ in range(AGE_BUCKETS)]
         self.version = 0  # bumped every tick: tables derived from the model go stale
         self._hazard: Optional[np.ndarray] = None
@@ -93,20 +109,30 @@ class ReuseModel:
     def access(self, h: "BlockHeat", now: int, tail: bool, ext: bool = False) -> None:
         """`h` is accessed at `now`, as the deepest block of its request if
         `tail`, behind a parent seen before if `ext`; called before the
-        tracker updates `h`."""
+        tracker updates `h` (its output kind, `h.long_out`, stays until
+        `reclass`)."""
         if h.last >= 0:  # ends the episode that began at the last access
-            c = classify(h.count, h.tail, h.ext)
+            c = class_of(h)
             b = age_bucket(now - h.last)
             self.events[c, b] += 1.0
             self._alive[c, b] -= 1.0
-        c = classify(h.count + 1, tail, ext)
-        self._alive[c, 0] += 1.0
-        self._waiting[1].append((now, h, c))
+        self._alive[classify(h.count + 1, tail, ext, h.long_out), 0] += 1.0
+        self._waiting[1].append((now, h))
+
+    def reclass(self, h: "BlockHeat", now: int, long_out: bool) -> None:
+        """The request that last used `h` reported its output kind: the
+        block's waiting episode moves to that class from now on (its
+        exposure so far stays where it was counted)."""
+        if h.last >= 0 and h.long_out != long_out:
+            b = age_bucket(now - h.last)
+            self._alive[class_of(h), b] -= 1.0
+            self._alive[classify(h.count, h.tail, h.ext, long_out), b] += 1.0
+        h.long_out = long_out
 
     def forget(self, h: "BlockHeat", now: int) -> None:
         """The tracker dropped `h` from its history: its episode ends unseen."""
         if h.last >= 0:
-            self._alive[classify(h.count, h.tail, h.ext), age_bucket(now - h.last)] -= 1.0
+            self._alive[class_of(h), age_bucket(now - h.last)] -= 1.0
             h.last = -1
 
     def advance(self, now: int) -> None:
@@ -119,8 +145,9 @@ class ReuseModel:
             nxt = self._waiting[i + 1] if i + 1 < AGE_BUCKETS else None
             while q and q[0][0] <= edge:
                 ep = q.popleft()
-                start, h, c = ep
+                start, h = ep
                 if h.last == start:  # not used since: now older than _START[i]
+                    c = class_of(h)
                     alive[c, i - 1] -= 1.0
                     alive[c, i] += 1.0
                     if nxt is not None:
@@ -157,10 +184,11 @@ class ReuseModel:
         prior = mult[:, None] * base[None, :]
         out = (ev + PRIOR_EVENTS) / (ex + PRIOR_EVENTS / prior)
         for tail in (False, True):
-            twice, more = classify(2, tail), classify(3, tail)
-            for once in (classify(1, tail, False), classify(1, tail, True)):
-                np.maximum(out[twice], out[once], out=out[twice])
-            np.maximum(out[more], out[twice], out=out[more])
+            for long_out in (False, True):
+                twice, more = classify(2, tail, False, long_out), classify(3, tail, False, long_out)
+                for ext in (False, True):
+                    np.maximum(out[twice], out[classify(1, tail, ext, long_out)], out=out[twice])
+                np.maximum(out[more], out[twice], out=out[more])
         return out
 
     def density(self, horizon: float) -> list[list[float]]:

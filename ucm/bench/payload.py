@@ -89,8 +89,9 @@ class PayloadReplay(TraceReplay):
         super().execute(plan)
 
     def run_request(self, keys: Sequence[Key], tokens: Sequence[int],
-                    next_use: Optional[Sequence[float]] = None) -> list[int]:
-        served = super().run_request(keys, tokens, next_use)
+                    next_use: Optional[Sequence[float]] = None,
+                    output_tokens: Optional[int] = None) -> list[int]:
+        served = super().run_request(keys, tokens, next_use, output_tokens)
         c, size, buf = self.counts, self.cost.block_bytes, self._buf
         adapters = self.cache.adapters
         for key in keys[:len(served)]:

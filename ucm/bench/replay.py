@@ -16,7 +16,9 @@ Per request, in order:
 4. the missing blocks are inserted in order, each with the previous block as
    parent, stopping at the first one not placed (refused or no room: its
    descendants would be useless);
-5. `touch` reports the request's accesses to the policies.
+5. `touch` reports the request's accesses to the policies;
+6. `finish_request` reports the request's output length (from the trace),
+   as the engine does when a request ends.
 So after a request all its blocks are cached (stored or touched) unless a
 policy refused one.
 
@@ -203,9 +205,11 @@ class TraceReplay:
                 r.demotions += 1
 
     def run_request(self, keys: Sequence[Key], tokens: Sequence[int],
-                    next_use: Optional[Sequence[float]] = None) -> list[int]:
+                    next_use: Optional[Sequence[float]] = None,
+                    output_tokens: Optional[int] = None) -> list[int]:
         """One request: returns the serving tier of each hit block (the hit
-        prefix is `len` of the result)."""
+        prefix is `len` of the result). `output_tokens`, if given, is
+        reported when the request is done, after its blocks are placed."""
         p = self.placement
         p.record_request(keys, next_use)
         n = p.lookup(keys)
@@ -232,6 +236,8 @@ class TraceReplay:
             p.touch(keys)
         finally:
             p.unpin(hit)
+        if output_tokens is not None:
+            p.finish_request(keys, output_tokens)
         r = self.result
         r.requests += 1
         r.blocks += len(keys)
@@ -254,6 +260,6 @@ class TraceReplay:
         bt = self.block_tokens
         for req, nu in zip(requests, nus):
             keys = [block_key(h) for h in req.hash_ids]
-            self.run_request(keys, req.block_tokens(bt), nu)
+            self.run_request(keys, req.block_tokens(bt), nu, req.output_length)
         self.result.elapsed_s += time.perf_counter() - t0
         return self.result

@@ -11,6 +11,9 @@ Calls a policy receives, per tier:
   per request occurrence). Within a request the cache reports accesses
   deepest block first, so a parent is always at least as recent as its child.
 - `on_remove(key)` — the block left this tier (evicted, moved, deleted).
+- `on_reclass(key)` — the HeatTracker learned more about the block without
+  an access (its request reported its output length); a policy that files
+  blocks by what the tracker knows re-files it. Default: nothing.
 - `victim(evictable)` — the block to evict next among those for which
   `evictable(key)` is true (the cache excludes pinned blocks and parents whose
   children are resident), or None if there is none.
@@ -71,6 +74,9 @@ class PlacementPolicy(abc.ABC):
 
     @abc.abstractmethod
     def victim(self, evictable: Callable[[Key], bool]) -> Optional[Key]: ...
+
+    def on_reclass(self, key: Key) -> None:
+        """The tracker's record of `key` changed without an access."""
 
     def admit(self, key: Key, why: Admission) -> bool:
         return True

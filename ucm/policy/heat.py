@@ -6,9 +6,12 @@ trace:
   again; a shared prefix is used by many requests; a conversation's next
   turn rewrites the last, partly filled block of its prompt; new text behind
   a known prefix (a question after a template) fares otherwise than text
-  that came with a new prefix. So blocks fall in eight classes: used once
-  (behind an unseen or a seen prefix), twice, or three times or more, and
-  whether their last access ended a request (ucm/reuse.py);
+  that came with a new prefix; the job a prompt serves shows in how long an
+  answer it got (short answers over documents queried again, long one-shot
+  summaries). So blocks fall in sixteen classes: used once (behind an
+  unseen or a seen prefix), twice, or three times or more; whether their
+  last access ended a request; and whether their last finished request
+  generated a long answer (ucm/reuse.py);
 - reuse comes in bursts across the turns of a conversation, and how soon
   depends on the workload. The ReuseModel learns each class's reuse hazard
   at each age (ticks since the last access) from every access the
@@ -46,7 +49,7 @@ from typing import Callable, Optional
 from ucm.heat import Key
 from ucm.policy.base import Admission, PlacementPolicy
 from ucm.policy.leafqueue import LeafQueues
-from ucm.reuse import NUM_CLASSES, age_bucket, classify
+from ucm.reuse import NUM_CLASSES, age_bucket, class_of
 
 
 def _always(key: Key) -> bool:
@@ -91,7 +94,7 @@ class HeatPolicy(PlacementPolicy):
         h = self.heat.get(key)
         if h is None:
             return 0.0
-        return table[classify(h.count, h.tail, h.ext)][age_bucket(self.heat.now - h.last)]
+        return table[class_of(h)][age_bucket(self.heat.now - h.last)]
 
     def _requeue(self, key: Key) -> None:
         h = self.heat.get(key)
@@ -99,7 +102,7 @@ class HeatPolicy(PlacementPolicy):
         if h is None:
             self._queues.update(key, 0, (-1, self._seq))
         else:
-            self._queues.update(key, classify(h.count, h.tail, h.ext), (h.last, self._seq))
+            self._queues.update(key, class_of(h), (h.last, self._seq))
 
     def _lowest(self, evictable: Callable[[Key], bool]) -> Optional[tuple[float, tuple, Key]]:
         """The evictable block of lowest value among the oldest of each class."""
@@ -114,7 +117,7 @@ class HeatPolicy(PlacementPolicy):
                     break
                 prio, key = head
                 h = self.heat.get(key)
-                if h is not None and (h.last != prio[0] or classify(h.count, h.tail, h.ext) != q):
+                if h is not None and (h.last != prio[0] or class_of(h) != q):
                     # Accessed since it was queued, served by another tier
                     # (or the class moved): put it where it belongs, look again.
                     self._requeue(key)
@@ -144,7 +147,7 @@ class HeatPolicy(PlacementPolicy):
         if h is None:
             self._queues.add(key, 0, (-1, self._seq))
         else:
-            self._queues.add(key, classify(h.count, h.tail, h.ext), (h.last, self._seq))
+            self._queues.add(key, class_of(h), (h.last, self._seq))
         self._sizes[key] = size_bytes
         self._used += size_bytes
         self._block = size_bytes
@@ -153,6 +156,10 @@ class HeatPolicy(PlacementPolicy):
             self._first_tick = self.heat.now
 
     def on_hit(self, key: Key) -> None:
+        if key in self._queues:
+            self._requeue(key)
+
+    def on_reclass(self, key: Key) -> None:
         if key in self._queues:
             self._requeue(key)
 

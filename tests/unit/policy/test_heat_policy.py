@@ -117,8 +117,10 @@ def test_reuse_model_forgets_with_the_tracker_history():
 
 
 def test_classes_and_age_buckets():
-    classes = {classify(n, t, e) for n in (1, 2, 9) for t in (False, True) for e in (False, True)}
+    classes = {classify(n, t, e, o) for n in (1, 2, 9) for t in (False, True) for e in (False, True)
+               for o in (False, True)}
     assert len(classes) == NUM_CLASSES
+    assert classify(2, False, False, True) != classify(2, False, False, False)
     assert classify(3, False) == classify(50, False) != classify(2, False) != classify(1, False)
     assert classify(1, False, True) != classify(1, False, False)
     assert classify(2, True, True) == classify(2, True, False)  # only a block used once is split
@@ -217,3 +219,76 @@ def test_leaf_queues_wake_puts_a_parked_block_back():
     assert q.head(0, lambda k: k == b) == (1, b)  # a parked: it has a child
     q.wake(a)  # the policy now wants to see it (e.g. S3-FIFO moving it on)
     assert q.head(0, lambda k: True) == (0, a)
+
+
+def test_finish_reclasses_a_waiting_block_and_new_blocks_inherit_the_kind():
+    heat = HeatTracker()
+    model = heat.reuse_model()
+    a, b = b"a" * 8, b"b" * 8
+    heat.tick()
+    heat.touch(a)
+    heat.finish([a, b"unknown!"], 500)  # a long answer; an unknown key is skipped
+    assert heat.get(a).long_out and heat.get(b"unknown!") is None
+    long_once, short_once = classify(1, True, False, True), classify(1, True, False, False)
+    assert model._alive[long_once, 0] == 1.0 and model._alive[short_once].sum() == 0.0
+    for _ in range(3):  # the waiting episode ages in its new class
+        heat.tick()
+    assert model.exposure[long_once].sum() == 3.0 and model.exposure[short_once].sum() == 0.0
+    heat.touch(b, parent=a)  # a new block behind a: its parent's kind until its request reports
+    assert heat.get(b).long_out
+    heat.finish([a, b], 20)
+    assert not heat.get(a).long_out and not heat.get(b).long_out
+    assert model._alive.sum() == 2.0 and model._alive[long_once].sum() == 0.0
+
+
+def test_reuse_model_learns_which_output_kind_comes_back():
+    """Documents that got short answers are sent again; those summarised at
+    length never are. Nothing else tells the two apart."""
+    heat = HeatTracker()
+    model = heat.reuse_model()
+    for t in range(1, 400):
+        heat.tick()
+        doc = b"d" + t.to_bytes(7, "little")
+        heat.touch(doc)
+        heat.finish([doc], 20 if t % 2 else 900)
+        if t > 2 and t % 2:
+            heat.tick()
+            old = b"d" + (t - 2).to_bytes(7, "little")
+            heat.touch(old)
+            heat.finish([old], 20)
+    h = model.hazard()
+    assert h[classify(1, True, False, False)].max() > 10 * h[classify(1, True, False, True)].max()
+
+
+def summaries_and_queried_documents(seed=11, n=3000):
+    """New documents of 6 blocks each: a third get a short answer and are
+    asked about once more 30 to 80 requests later; the rest are summarised
+    at length and never come back. Sizes and timing say nothing more."""
+    rnd = random.Random(seed)
+    counter = iter(range(1 << 40))
+    again: dict[int, tuple] = {}
+    reqs = []
+    for i in range(n):
+        if i in again:
+            ids, out = again.pop(i), 16
+        else:
+            ids = tuple(next(counter) for _ in range(6))
+            out = 600
+            if rnd.random() < 1 / 3:
+                out = 16
+                t = i + rnd.randint(30, 80)
+                while t in again:
+                    t += 1
+                again[t] = ids
+        reqs.append(TraceRequest(i + 1, float(i), 512 * len(ids), out, ids))
+    return reqs
+
+
+def test_heat_uses_the_output_length_the_engine_reports():
+    reqs = summaries_and_queried_documents()
+    blind = [TraceRequest(r.line, r.timestamp_ms, r.input_length, 16, r.hash_ids) for r in reqs]
+    ratio = {}
+    for name, trace in (("told", reqs), ("blind", blind)):
+        p = Placement([TierSpec("dram", 150)], load_policy("heat"), heat=HeatTracker())
+        ratio[name] = TraceReplay(p, CostModel(block_bytes=1)).replay(trace).hit_ratio
+    assert ratio["told"] > 1.1 * ratio["blind"]
