@@ -1,7 +1,8 @@
 """UnifiedCache: the one API over every tier.
 
 `lookup`, `locate`, batched asynchronous `load` / `store` / `prefetch`
-returning Handles with one Outcome per block, `pin` / `unpin`, `stats`.
+returning Handles with one Outcome per block, `pin` / `unpin`, `stats`,
+and the placement hint `finish` (a request's output length).
 Placement decisions (admission, eviction, demotion, promotion) are made by
 `ucm.placement.Placement` with the configured policy and HeatTracker; this
 class executes the resulting plans against the adapters.
@@ -35,6 +36,13 @@ from ucm.placement import Op, Placement, Plan, TierSpec
 from ucm.policy.base import load_policy
 
 log = logging.getLogger(__name__)
+
+
+def check_output_tokens(value: Any) -> int:
+    """`finish`'s output_tokens: an int >= 0, else ArgumentError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ArgumentError(f"finish: output_tokens must be an integer >= 0, got {value!r}")
+    return value
 
 
 class Outcome(enum.Enum):
@@ -182,6 +190,15 @@ class UnifiedCache:
         with self._meta:
             self.placement.unpin(keys)
 
+    def finish(self, keys: Sequence[Key], output_tokens: int) -> None:
+        """Hint: the request whose prompt has the blocks `keys` finished after
+        generating `output_tokens` tokens. Placement learns from it which
+        kind of job's prompts come back (ucm/reuse.py); moves nothing."""
+        check_output_tokens(output_tokens)
+        with self._meta:
+            self.placement.finish_request(keys, output_tokens)
+        self._count("finished_requests")
+
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Makes the tiers' headroom, then waits until buffered writes of
         every tier are on their medium."""
@@ -210,7 +227,8 @@ class UnifiedCache:
         for name, a in zip(self.tier_names, self.adapters):
             tiers[name]["adapter"] = a.stats()
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
-                  "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions"):
+                  "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
+                  "finished_requests"):
             counts.setdefault(k, 0)
         return {"tiers": tiers, **counts}
 

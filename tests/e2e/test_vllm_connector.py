@@ -109,6 +109,9 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
     assert r["p1_tiers"] == ["nvme", "nvme"]  # so the connector chose an asynchronous load
     assert r["promoted_after"] - r["promoted_before"] >= 2  # staged NVMe -> DRAM
     assert r["service"]["loaded_blocks"] >= 6
+    # Every finished request told the service how long its answer was (a
+    # placement hint): 1 cold + 2 hit + 1 NVMe-hit request at least.
+    assert r["service"]["finished_requests"] >= 4
 
 
 @pytest.mark.timeout(900)

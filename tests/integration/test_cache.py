@@ -279,6 +279,9 @@ def test_bad_arguments_and_config(nvme_dir):
             c.load([os.urandom(16)], [bytes(SIZE)])
         with pytest.raises(ArgumentError, match="unknown tier 'ssd'"):
             c.prefetch([os.urandom(16)], tier="ssd")
+        for bad_count in (-1, 2.5, True, "12"):
+            with pytest.raises(ArgumentError, match="output_tokens must be an integer >= 0"):
+                c.finish([os.urandom(16)], bad_count)
     with pytest.raises(ConfigError, match="tiers.1.adapter: unknown adapter 'floppy'"):
         bad = cfg(nvme_dir)
         bad["tiers"][1]["adapter"] = "floppy"
@@ -459,3 +462,7 @@ def test_heat_learns_what_a_store_continues(nvme_dir):
         assert c.commit(keys[4:6]) == [True, True]
         assert heat.get(keys[4]).ext and not heat.get(keys[5]).ext  # keys[5] follows keys[4], new itself
         assert load_all(c, keys)[1] == data
+        # The engine reports how long an answer the prompt got: a placement hint.
+        c.finish(keys[:4], 900)
+        assert [heat.get(k).long_out for k in keys] == [True] * 4 + [False] * 2
+        assert c.stats()["finished_requests"] == 1

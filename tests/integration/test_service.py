@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from ucm.cache import Outcome
+from ucm.errors import ArgumentError, UcmError
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
 
@@ -226,6 +227,9 @@ def test_malformed_frames_never_crash_the_service(service):
         proto.pack([1, "reserve", {"keys": [b"k" * 16], "sizes": [1 << 40]}]),
         proto.pack([1, "release", {"leases": ["a", None, 5]}]), proto.pack([1, "acquire", {"keys": [1, 2]}]),
         proto.pack([1, "hello", {"version": 99}]), struct.pack("<I", len(good)) + good[:-3],
+        proto.pack([1, "finish", {"keys": [b"k" * 16], "output_tokens": -1}]),
+        proto.pack([1, "finish", {"keys": [b"k" * 16], "output_tokens": "9"}]),
+        proto.pack([1, "finish", {"keys": [b"k" * 16]}]),
     ]
     for _ in range(200):
         n = rnd.randrange(0, 64)
@@ -327,6 +331,12 @@ def test_slot_access_copies_straight_between_arena_and_caller(service):
         seen = []
         assert c.write_slots(keys, [SIZE] * 6, lambda f, s, a: (seen.extend(s), put(f, s, a))) == [Outcome.DONE] * 6
         assert seen[:4] == [None] * 4 and all(s is not None for s in seen[4:])
+        c.finish(keys, 40)  # the placement hint crosses the socket
+        assert c.stats()["finished_requests"] == 1
+        with pytest.raises(ArgumentError, match="output_tokens"):
+            c.finish(keys, -5)
+        with pytest.raises(UcmError, match=r"output_tokens: value must be an integer in \[0, "):
+            c._call("finish", {"keys": keys, "output_tokens": -5})  # the service checks too
 
         out = bytearray(len(flat))
 

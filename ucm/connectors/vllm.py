@@ -445,6 +445,10 @@ class UCMConnector(KVConnectorBase_V1):
             return False, None
         if st.pinned:
             self._cache.unpin(st.pinned)
+        out = getattr(request, "num_output_tokens", None)
+        if st.keys and isinstance(out, int):
+            # A placement hint: how long an answer this prompt got (ucm/reuse.py).
+            self._cache.finish(st.keys, out)
         # Saves in flight read these pages: keep them until the worker reports
         # the request in get_finished's finished_sending.
         return st.stores_issued, None

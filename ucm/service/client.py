@@ -33,7 +33,7 @@ import yaml
 
 from ucm import _native
 from ucm.buffers import byte_view
-from ucm.cache import Handle, Outcome
+from ucm.cache import Handle, Outcome, check_output_tokens
 from ucm.config import UcmConfig, load_config
 from ucm.errors import ArgumentError, ClosedError, UcmError
 from ucm.service import protocol as proto
@@ -229,6 +229,10 @@ class CacheClient:
 
     def unpin(self, keys: Sequence[Key]) -> None:
         self._try("unpin", {"keys": _keys(keys)}, None)
+
+    def finish(self, keys: Sequence[Key], output_tokens: int) -> None:
+        n = check_output_tokens(output_tokens)
+        self._try("finish", {"keys": _keys(keys), "output_tokens": n}, None)
 
     def stats(self) -> dict[str, Any]:
         return self._try("stats", {}, {"available": False})

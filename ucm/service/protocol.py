@@ -141,9 +141,18 @@ def ints_arg(args: dict, name: str, n: int, lo: int, hi: int) -> list[int]:
     if not isinstance(v, list) or len(v) != n:
         raise ProtocolError(f"{name}: expected a list of {n} integers")
     for x in v:
-        if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
-            raise ProtocolError(f"{name}: every value must be an integer in [{lo}, {hi}], got {x!r:.40}")
+        _check_int(name, "every value", x, lo, hi)
     return v
+
+
+def int_arg(args: dict, name: str, lo: int, hi: int) -> int:
+    return _check_int(name, "value", args.get(name), lo, hi)
+
+
+def _check_int(name: str, what: str, x: Any, lo: int, hi: int) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
+        raise ProtocolError(f"{name}: {what} must be an integer in [{lo}, {hi}], got {x!r:.40}")
+    return x
 
 
 def check_args(args: Any, allowed: set[str]) -> dict:

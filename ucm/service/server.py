@@ -127,7 +127,8 @@ class CacheService:
             "hello": self._hello, "lookup": self._lookup, "locate": self._locate,
             "reserve": self._reserve, "commit": self._commit, "abort": self._abort,
             "acquire": self._acquire, "release": self._release, "prefetch": self._prefetch,
-            "pin": self._pin, "unpin": self._unpin, "stats": self._stats, "flush": self._flush,
+            "pin": self._pin, "unpin": self._unpin, "finish": self._finish,
+            "stats": self._stats, "flush": self._flush,
         }
         # Operations that may wait on I/O (NVMe reads and writes, evictions,
         # cluster stores) run on worker threads; the rest answer on the loop.
@@ -525,6 +526,10 @@ class CacheService:
         conn.pins.subtract(keys)
         conn.pins += Counter()  # drop zero counts
         self.cache.unpin(keys)
+
+    def _finish(self, conn: _Conn, args: dict) -> None:
+        keys = self._keys(args, {"keys", "output_tokens"})
+        self.cache.finish(keys, proto.int_arg(args, "output_tokens", 0, 1 << 40))
 
     def _stats(self, conn: _Conn, args: dict) -> dict:
         proto.check_args(args, set())
