@@ -38,6 +38,20 @@ from ucm.policy.base import load_policy
 log = logging.getLogger(__name__)
 
 
+def check_keys(keys: Any) -> Sequence[Key]:
+    """`keys` as a list or tuple of 16-byte block keys, else ArgumentError
+    (a single key passed where a sequence belongs is the usual slip)."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise ArgumentError(f"keys must be a sequence of 16-byte bytes objects, got one "
+                            f"{type(keys).__name__} object; wrap a single key in a list")
+    if not isinstance(keys, (list, tuple)):
+        keys = list(keys)
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) != 16:
+            raise ArgumentError(f"keys must be 16-byte bytes objects, got {k!r:.40}")
+    return keys
+
+
 def check_output_tokens(value: Any) -> int:
     """`finish`'s output_tokens: an int >= 0, else ArgumentError."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -130,6 +144,7 @@ class UnifiedCache:
     def lookup(self, keys: Sequence[Key]) -> int:
         """Length of the longest prefix of `keys` cached in any tier
         (including blocks other nodes put into a shared tier)."""
+        keys = check_keys(keys)
         with self._meta:
             self._count("lookups", 1)
             n = self.placement.lookup(keys)
@@ -147,6 +162,7 @@ class UnifiedCache:
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
         """The fastest tier holding each key, or None."""
+        keys = check_keys(keys)
         with self._meta:
             out = [None if t is None else self.tier_names[t] for t in self.placement.locate(keys)]
         missing = [i for i, t in enumerate(out) if t is None]
@@ -175,6 +191,7 @@ class UnifiedCache:
 
     def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
         """Stages blocks held below `tier` (default the landing tier) into it."""
+        keys = check_keys(keys)
         target = self.placement.landing if tier is None else self._tier_index(tier)
         if target != self.placement.landing:
             raise ArgumentError(f"prefetch: blocks are staged into the landing tier "
@@ -183,10 +200,12 @@ class UnifiedCache:
 
     def pin(self, keys: Sequence[Key]) -> None:
         """Keeps the blocks from eviction until `unpin` (counted leases)."""
+        keys = check_keys(keys)
         with self._meta:
             self.placement.pin(keys)
 
     def unpin(self, keys: Sequence[Key]) -> None:
+        keys = check_keys(keys)
         with self._meta:
             self.placement.unpin(keys)
 
@@ -194,6 +213,7 @@ class UnifiedCache:
         """Hint: the request whose prompt has the blocks `keys` finished after
         generating `output_tokens` tokens. Placement learns from it which
         kind of job's prompts come back (ucm/reuse.py); moves nothing."""
+        keys = check_keys(keys)
         check_output_tokens(output_tokens)
         with self._meta:
             self.placement.finish_request(keys, output_tokens)
@@ -279,6 +299,7 @@ class UnifiedCache:
         if arena is None:
             raise ArgumentError(f"reserve needs a shared-memory landing tier; landing is "
                                 f"{self.tier_names[self.placement.landing]!r}")
+        keys = check_keys(keys)
         if len(keys) != len(sizes):
             raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
         landing = self.placement.landing
@@ -315,6 +336,7 @@ class UnifiedCache:
     def commit(self, keys: Sequence[Key]) -> list[bool]:
         """Makes filled slots visible; False for a key with no reservation
         (it was taken back meanwhile)."""
+        keys = check_keys(keys)
         arena = self.shared_arena()
         out = []
         for key in keys:
@@ -331,6 +353,7 @@ class UnifiedCache:
 
     def abort(self, keys: Sequence[Key]) -> None:
         """Gives back reserved slots that will not be filled."""
+        keys = check_keys(keys)
         arena = self.shared_arena()
         landing = self.placement.landing
         for key in keys:
@@ -351,6 +374,7 @@ class UnifiedCache:
         arena = self.shared_arena()
         if arena is None:
             raise ArgumentError("acquire needs a shared-memory landing tier")
+        keys = check_keys(keys)
         out: list[Any] = []
         with self._meta:
             self.placement.record_request(keys)
@@ -419,11 +443,9 @@ class UnifiedCache:
     def _views(self, keys: Sequence[Key], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
         if self._closed:
             raise ClosedError("UnifiedCache used after close()")
+        keys = check_keys(keys)
         if len(keys) != len(bufs):
             raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
-        for k in keys:
-            if not isinstance(k, bytes) or len(k) != 16:
-                raise ArgumentError(f"keys must be 16-byte bytes objects, got {k!r}")
         views = [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
         for v in views:
             if len(v) == 0:

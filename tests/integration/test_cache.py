@@ -279,6 +279,13 @@ def test_bad_arguments_and_config(nvme_dir):
             c.load([os.urandom(16)], [bytes(SIZE)])
         with pytest.raises(ArgumentError, match="unknown tier 'ssd'"):
             c.prefetch([os.urandom(16)], tier="ssd")
+        key = os.urandom(16)
+        for call in (c.lookup, c.locate, c.pin, c.unpin, c.commit, c.abort, c.prefetch,
+                     lambda k: c.finish(k, 1), lambda k: c.reserve(k, [SIZE] * 16), c.acquire):
+            with pytest.raises(ArgumentError, match="wrap a single key in a list"):
+                call(key)  # one key where a list belongs: an error, never a silent no-op
+            with pytest.raises(ArgumentError, match="16-byte"):
+                call([key, b"short"])
         for bad_count in (-1, 2.5, True, "12"):
             with pytest.raises(ArgumentError, match="output_tokens must be an integer >= 0"):
                 c.finish([os.urandom(16)], bad_count)

@@ -33,7 +33,7 @@ import yaml
 
 from ucm import _native
 from ucm.buffers import byte_view
-from ucm.cache import Handle, Outcome, check_output_tokens
+from ucm.cache import Handle, Outcome, check_keys, check_output_tokens
 from ucm.config import UcmConfig, load_config
 from ucm.errors import ArgumentError, ClosedError, UcmError
 from ucm.service import protocol as proto
@@ -429,11 +429,7 @@ SlotFn = Callable[[int, list, Any], None]
 
 
 def _keys(keys: Sequence[Key]) -> list[bytes]:
-    out = list(keys)
-    for k in out:
-        if not isinstance(k, bytes) or len(k) != proto.KEY_BYTES:
-            raise ArgumentError(f"keys must be {proto.KEY_BYTES}-byte bytes objects, got {k!r:.40}")
-    return out
+    return list(check_keys(keys))
 
 
 def _views(keys: list[bytes], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
