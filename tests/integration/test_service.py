@@ -297,8 +297,9 @@ def test_connect_starts_a_private_service_that_exits_when_unused(tmp_path):
     assert not os.path.exists(sock)
 
 
-def test_connect_says_why_a_private_service_did_not_start(tmp_path, caplog):
+def test_connect_says_why_a_private_service_did_not_start(tmp_path, caplog, monkeypatch):
     from ucm.service import connect
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # its log stays in tmp_path
     _, sock, cfg = write_config(tmp_path)
     cfg["tiers"][0]["options"] = {"path": str(tmp_path / "no-such-dir")}
     cfg["service"]["name"] = f"nostart-{os.getpid()}"
