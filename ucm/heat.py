@@ -112,12 +112,14 @@ class HeatTracker:
         h.tail = first
         h.ext = ext
 
-    def finish(self, keys: Iterable[Key], output_tokens: int) -> None:
+    def finish(self, keys: Iterable[Key], output_tokens: int) -> list[Key]:
         """The request that used `keys` finished after generating
         `output_tokens` tokens: its blocks take that output kind (a feature
-        of the ReuseModel's classes). Unknown keys are skipped."""
+        of the ReuseModel's classes). Unknown keys are skipped. Returns the
+        keys whose kind changed."""
         long_out = output_tokens >= LONG_OUTPUT
         reuse = self._reuse
+        changed = []
         for key in keys:
             h = self._blocks.get(key)
             if h is None or h.long_out == long_out:
@@ -126,6 +128,8 @@ class HeatTracker:
                 reuse.reclass(h, self.now, long_out)
             else:
                 h.long_out = long_out
+            changed.append(key)
+        return changed
 
     def link(self, key: Key, parent: Optional[Key]) -> None:
         """Records the prefix-tree parent of `key` without counting an access."""

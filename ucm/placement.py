@@ -198,10 +198,10 @@ class Placement:
 
     def finish_request(self, keys: Sequence[Key], output_tokens: int) -> None:
         """The request that used `keys` finished after generating
-        `output_tokens` tokens: tells the HeatTracker, then the policy of
-        every tier holding one of them (`on_reclass`)."""
-        self.heat.finish(keys, output_tokens)
-        for k in keys:
+        `output_tokens` tokens: tells the HeatTracker, then, for each block
+        whose kind changed, the policy of every tier holding it
+        (`on_reclass`)."""
+        for k in self.heat.finish(keys, output_tokens):
             for tier in self._tiers:
                 if k in tier.blocks:
                     tier.policy.on_reclass(k)

@@ -227,7 +227,8 @@ def test_finish_reclasses_a_waiting_block_and_new_blocks_inherit_the_kind():
     a, b = b"a" * 8, b"b" * 8
     heat.tick()
     heat.touch(a)
-    heat.finish([a, b"unknown!"], 500)  # a long answer; an unknown key is skipped
+    assert heat.finish([a, b"unknown!"], 500) == [a]  # a long answer; an unknown key is skipped
+    assert heat.finish([a], 900) == []  # already long: nothing changes, nothing to re-file
     assert heat.get(a).long_out and heat.get(b"unknown!") is None
     long_once, short_once = classify(1, True, False, True), classify(1, True, False, False)
     assert model._alive[long_once, 0] == 1.0 and model._alive[short_once].sum() == 0.0
