@@ -18,12 +18,15 @@ Blocks are grouped into classes by four facts that predict reuse of KV blocks:
   after shared headers, a conversation's new turn) has another fate than
   text that arrived with a new prefix (a new document or template, which
   the next request may send again); which fate is the likelier one is
-  learned, not assumed;
+  learned, not assumed. Only the first block of such text is told apart:
+  the blocks after it have a new parent (keeping the rest of a continuing
+  request's new text apart too was measured, docs/trace_bench.md, and not
+  kept);
 - whether its last access was the deepest block of its request. A
   conversation's next turn extends the prompt, which rewrites the last,
   partly filled block (new id), while the blocks before it are reused; a
   workload whose prompts end on block boundaries simply shows no difference
-  between the two.
+  between the two;
 - how long an answer the last request that used it generated, when the
   engine reports it (`HeatTracker.finish`): under `LONG_OUTPUT` tokens (a
   label, an extraction, a tool call, a short answer over a document) or
