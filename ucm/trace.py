@@ -54,6 +54,8 @@ def parse_line(text: str, line: int) -> TraceRequest:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"line {line}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # an int past sys.get_int_max_str_digits(); deep nesting
+        raise TraceError(f"line {line}: not a trace record ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"line {line}: expected a JSON object, got {type(obj).__name__}")
     for name in ("timestamp", "input_length", "hash_ids"):
