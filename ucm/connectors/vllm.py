@@ -171,7 +171,7 @@ class ConnectorSettings:
     """What the connector reads from kv_connector_extra_config."""
 
     ucm_config: Union[None, str, Mapping[str, Any]] = None  # YAML path or mapping; None: $UCM_CONFIG/defaults
-    model_id: Optional[str] = None  # names the model in block keys (default: vLLM's model name or path)
+    model_id: Optional[str] = None  # names the model in block keys (default: a fingerprint of the weights)
     load_mode: str = "auto"  # auto: sync from DRAM, async below; or force "sync" / "async"
     load_timeout_s: float = 30.0  # a synchronous load waiting longer is a miss
 
@@ -196,13 +196,33 @@ class ConnectorSettings:
         return s
 
 
+def model_identity(model_config: Any) -> str:
+    """The model part of the block namespace for vLLM's `ModelConfig`: a
+    fingerprint of the weights (`identity.model_fingerprint` over the model
+    directory or file, vLLM's effective hf_config with its overrides, the
+    revision and code revision, the quantization method, the compute dtype
+    and, for weights pulled from object storage, their URI). The served
+    name and the path are labels, not part of it: changed weights behind
+    the same name or path get a new namespace."""
+    from ucm.connectors.identity import model_fingerprint
+
+    mc = model_config
+    extra = {"engine": "vllm", "dtype": str(mc.dtype).removeprefix("torch."),
+             "quantization": mc.quantization, "code_revision": mc.code_revision,
+             "model_weights": mc.model_weights or None}
+    fp = model_fingerprint(mc.model, revision=mc.revision, config=mc.hf_config.to_dict(), extra=extra)
+    return f"weights:{fp.digest}"
+
+
 def build_namespace(vllm_config: "VllmConfig", block_tokens: int, model_id: Optional[str] = None,
                     kv_layout: Optional[str] = None) -> Namespace:
     """The namespace of this engine's blocks: everything that changes the
-    bytes of a page (model, KV dtype, shape, page size, platform and, off
-    CPU, vLLM's physical KV layout: CUDA backends order a page's bytes in
-    several ways; the CPU backend has one, LBHNC, and its name is kept as
-    it was so existing CPU blocks stay valid)."""
+    bytes of a page (the model's identity, KV dtype, shape, page size,
+    platform and, off CPU, vLLM's physical KV layout: CUDA backends order a
+    page's bytes in several ways; the CPU backend has one, LBHNC, and its
+    name is kept as it was so existing CPU blocks stay valid). The model's
+    identity is `model_id` when given (kv_connector_extra_config's
+    `ucm_model_id`), else `model_identity(vllm_config.model_config)`."""
     from vllm.platforms import current_platform
 
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
@@ -212,7 +232,7 @@ def build_namespace(vllm_config: "VllmConfig", block_tokens: int, model_id: Opti
     if dtype not in _KV_DTYPES:
         raise ConfigError(f"vLLM KV cache dtype {dtype!r} is not supported by ucm; allowed: {sorted(_KV_DTYPES)}")
     return Namespace(
-        model=model_id or str(mc.served_model_name or mc.model),
+        model=model_id or model_identity(mc),
         kv_dtype=_KV_DTYPES[dtype],
         num_layers=mc.get_num_layers(pc),
         num_kv_heads=mc.get_num_kv_heads(pc),
@@ -282,7 +302,10 @@ class UCMConnector(KVConnectorBase_V1):
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
                         self._kv_transfer_config.kv_load_failure_policy)
-        log.info("UCMConnector scheduler: namespace %s, block_tokens %d (%d pages)", self.namespace,
+        mc = vllm_config.model_config
+        log.info("UCMConnector scheduler: model %s (%s) identified as %s; namespace %s, block_tokens %d "
+                 "(%d pages)", mc.served_model_name or mc.model, mc.model,
+                 "set by ucm_model_id" if self.settings.model_id else "its weights", self.namespace,
                  self.block_tokens, self.pages_per_block)
 
     def _state(self, request: "Request") -> Optional[_ReqState]:
