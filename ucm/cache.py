@@ -468,22 +468,43 @@ class UnifiedCache:
         return handle
 
     def _restore(self) -> None:
-        """Records the blocks tiers hold at start (a restarted NVMe log)."""
+        """Records the blocks tiers hold at start (a restarted NVMe log),
+        each under its recorded parent when that parent is restored too
+        (parents first), so the prefix tree survives the restart; a block
+        whose parent is not cached anywhere is recorded as a root."""
+
+        def parents_first(entries: Mapping[Key, Any]) -> list[Any]:
+            """The entries (key -> BlockEntry), each after its parent when the
+            parent is among them. A cycle (garbage parents) is broken where
+            the walk meets it: that entry comes first, as a root."""
+            order: list[Any] = []
+            done: set[Key] = set()
+            for key in entries:
+                path: list[Key] = []
+                on_path: set[Key] = set()
+                k: Optional[Key] = key
+                while k is not None and k in entries and k not in done and k not in on_path:
+                    path.append(k)
+                    on_path.add(k)
+                    k = entries[k].parent
+                for k in reversed(path):
+                    order.append(entries[k])
+                    done.add(k)
+            return order
+
         for t, a in enumerate(self.adapters):
             if a.shared:
                 continue  # other nodes' blocks: asked for on demand
-            keys = list(a.iter_keys())
+            entries = {e.key: e for e in a.iter_entries()}
             with self._mutate:
-                for k in keys:
-                    size = a.size_of(k)
-                    if size is None:
-                        continue
+                for e in parents_first(entries):
                     with self._meta:
-                        d = self.placement.insert(k, None, self._footprint(size), tier=t, restored=True)
-                        kept = d.placed or self.placement.contains(k)
+                        par = e.parent if e.parent is not None and self.placement.contains(e.parent) else None
+                        d = self.placement.insert(e.key, par, self._footprint(e.size_bytes), tier=t, restored=True)
+                        kept = d.placed or self.placement.contains(e.key)
                     self._run_plan_locked(d.plan, {})  # takes _meta itself if a step fails
                     if not kept:
-                        a.delete([k])
+                        a.delete([e.key])
 
     def _footprint(self, size: int) -> int:
         a = self.adapters[self.placement.landing]
@@ -719,10 +740,12 @@ class UnifiedCache:
             if step.op is Op.DROP:
                 self.adapters[step.src].delete([step.key])
                 continue
+            with self._meta:  # written with the bytes: a tier may keep the tree across a restart
+                parent = self.placement._parent.get(step.key)  # no public accessor on Placement yet
             if step.op is Op.WRITE:
-                st = self.adapters[step.dst].put([step.key], [sources[step.key]])[0]
+                st = self.adapters[step.dst].put_with_parents([step.key], [sources[step.key]], [parent])[0]
             else:
-                st = self._transfer(step.key, step.src, step.dst, sources.get(step.key))
+                st = self._transfer(step.key, step.src, step.dst, sources.get(step.key), parent)
                 if step.op is Op.MOVE:
                     self.adapters[step.src].delete([step.key])
             if st is not Status.OK:
@@ -735,11 +758,13 @@ class UnifiedCache:
                 self._run_plan_locked(undo, {})
         return ok
 
-    def _transfer(self, key: Key, src: int, dst: int, have: Optional[memoryview]) -> Status:
+    def _transfer(self, key: Key, src: int, dst: int, have: Optional[memoryview],
+                  parent: Optional[Key] = None) -> Status:
         """Copies one block between tiers (through the caller's buffer when
-        it already holds the bytes, else through a staging buffer)."""
+        it already holds the bytes, else through a staging buffer); `parent`
+        goes with it to the destination."""
         if have is not None:
-            return self.adapters[dst].put([key], [have])[0]
+            return self.adapters[dst].put_with_parents([key], [have], [parent])[0]
         a = self.adapters[src]
         lease = getattr(a, "lease", None)
         if lease is not None:  # zero-copy read out of a shared-memory slot
@@ -747,7 +772,7 @@ class UnifiedCache:
             if held is None:
                 return Status.NOT_FOUND
             try:
-                return self.adapters[dst].put([key], [held.view])[0]
+                return self.adapters[dst].put_with_parents([key], [held.view], [parent])[0]
             finally:
                 a.release(held)
         size = a.size_of(key)
@@ -767,4 +792,4 @@ class UnifiedCache:
             return st
         staging = bytearray(size)
         st = a.get([key], [staging])[0]
-        return self.adapters[dst].put([key], [staging])[0] if st is Status.OK else st
+        return self.adapters[dst].put_with_parents([key], [staging], [parent])[0] if st is Status.OK else st

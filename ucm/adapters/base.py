@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, NamedTuple, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,6 +32,15 @@ class Status(enum.Enum):
     NO_SPACE = "no_space"  # the medium is full (or the device said ENOSPC)
     CORRUPT = "corrupt"  # bytes came back with a bad checksum or foreign header
     FAILED = "failed"  # I/O error, dead service, timeout
+
+
+class BlockEntry(NamedTuple):
+    """A block an adapter holds: its key, stored size and prefix-tree parent
+    (None for a root, or where the adapter does not record parents)."""
+
+    key: Key
+    size_bytes: int
+    parent: Optional[Key]
 
 
 class AdapterConfig(BaseModel):
@@ -54,6 +63,13 @@ class StorageAdapter(abc.ABC):
         """Stores each blob (a buffer-protocol object) under its key. A key
         already present is left as it is (OK): blobs under a key never change."""
 
+    def put_with_parents(self, keys: Sequence[Key], blobs: Sequence[Any],
+                         parents: Sequence[Optional[Key]]) -> list[Status]:
+        """`put`, with each key's prefix-tree parent (None for a root). An
+        adapter that keeps parents across a restart (see `iter_entries`)
+        overrides it; by default the parents are ignored."""
+        return self.put(keys, blobs)
+
     @abc.abstractmethod
     def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
         """Copies each blob into its writable destination buffer, whose size
@@ -73,6 +89,14 @@ class StorageAdapter(abc.ABC):
     @abc.abstractmethod
     def iter_keys(self) -> Iterator[Key]:
         """Every key currently held (recovery, inspection); a snapshot."""
+
+    def iter_entries(self) -> Iterator[BlockEntry]:
+        """Every block currently held with its size and parent (recovery); a
+        snapshot. By default from `iter_keys` and `size_of`, without parents."""
+        for key in list(self.iter_keys()):
+            size = self.size_of(key)
+            if size is not None:
+                yield BlockEntry(key, size, None)
 
     @property
     @abc.abstractmethod

@@ -3,10 +3,12 @@
 Layout. The medium is an array of equal regions (`region_size` bytes): a
 file `ucm-regions.dat` in the configured directory, or the block device
 itself. A region holds blocks appended at 4 KiB-aligned offsets from its
-start, and a footer at its end: one entry per block (key, offset, length,
-XXH3-64 checksum) followed by a trailer in the last bytes (magic, region
-sequence number, entry count, footer size, checksum of the entries, checksum
-of the trailer). There is no file per block and no directory scan.
+start, and a footer at its end: one entry per block (key, parent key,
+offset, length, XXH3-64 checksum) followed by a trailer in the last bytes
+(magic and format version, region sequence number, entry count, footer
+size, checksum of the entries, region index and size, checksum of the
+trailer). The format and its decoding are in `ucm.adapters.nvme_format`.
+There is no file per block and no directory scan.
 
 Writes. `put` appends blocks into an in-memory region buffer (readable at
 once). A full buffer is sealed on a background thread: the region's old
@@ -20,15 +22,19 @@ sealed region are read with O_DIRECT (batched, many in flight) and verified;
 a bad checksum is a CORRUPT status, the block is dropped, never returned.
 
 Space. When no region is free, the region with the fewest live bytes (the
-oldest on ties) is reclaimed in place: its live blocks are read back, the
-ones the owner's `retain` hook keeps (hot blocks; all live ones by default)
-are re-inserted at the head of the new buffer for that same region, the rest
-are dropped and reported by `drain_dropped()`. `capacity_bytes` is the
-logical capacity the owner should fill: `usable_fraction` of the medium, the
-rest being slack for reclamation.
+oldest on ties) is reclaimed in place: its live blocks are read back and
+re-inserted at the head of the new buffer for that same region (with their
+parents); those that no longer fit are dropped and reported by
+`drain_dropped()`. `capacity_bytes` is the logical capacity the owner
+should fill: `usable_fraction` of the medium, the rest being slack for
+reclamation.
 
 Restart. The index is rebuilt from the trailers and footers alone (no
-payload reads); when a key appears in several regions the newest wins.
+payload reads), read in batches into a few large buffers; when a key
+appears in several regions the newest wins. A region whose footer is
+refused (garbage, torn, another format version) counts as empty.
+`iter_entries()` gives each block's parent, so the owner can rebuild its
+prefix tree.
 
 Failures. A failed region write (ENOSPC, EIO) drops that region's blocks
 (reported by `drain_dropped()`), and for `retry_after_s` new puts answer
@@ -43,36 +49,26 @@ import logging
 import mmap
 import os
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pydantic import Field, field_validator
 
 from ucm import _native
-from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.adapters import nvme_format as fmt
+from ucm.adapters.base import AdapterConfig, BlockEntry, Key, Status, StorageAdapter
+from ucm.adapters.nvme_format import ALIGN, FooterEntry, Refused, align_up as _align_up, footer_bytes as _footer_bytes
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
 from ucm.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 FILE_NAME = "ucm-regions.dat"
-_MAGIC = 0x314E474552_4D4355  # "UCMREGN1" little-endian-ish tag
-_ENTRY = struct.Struct("<16sQQQ")  # key, offset, length, checksum
-_TRAILER = struct.Struct("<QQQQQQQ")  # magic, seq, n, footer_bytes, entries_csum, region, trailer_csum
-_TRAILER_BYTES = 64
-
-
-def _align_up(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
-
-
-def _footer_bytes(n_entries: int) -> int:
-    return _align_up(n_entries * _ENTRY.size + _TRAILER_BYTES)
+_TRAILER_BATCH = 2048  # region trailers read per batch at recovery (one 8 MiB buffer)
+_FOOTER_BATCH_BYTES = 8 << 20  # footers longer than a page, read per batch at recovery
 
 
 class NvmeConfig(AdapterConfig):
@@ -101,6 +97,7 @@ class _Loc:
     offset: int
     length: int
     checksum: int
+    parent: Optional[Key] = None
 
 
 @dataclass(slots=True)
@@ -110,7 +107,7 @@ class _Buffer:
     region: int = -1
     seq: int = 0
     end: int = 0  # bytes of data appended
-    entries: list[tuple[Key, int, int, int]] = field(default_factory=list)
+    entries: list[FooterEntry] = field(default_factory=list)
     readers: int = 0
     sealing: bool = False
 
@@ -129,11 +126,9 @@ class NvmeAdapter(StorageAdapter):
     name = "nvme"
     Config = NvmeConfig
 
-    def __init__(self, capacity_bytes: int, config: NvmeConfig,
-                 retain: Optional[Callable[[list[Key]], list[bool]]] = None) -> None:
+    def __init__(self, capacity_bytes: int, config: NvmeConfig) -> None:
         self.config = config
         rs = config.region_size
-        self._retain = retain
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
@@ -195,58 +190,130 @@ class NvmeAdapter(StorageAdapter):
         return target, fd, direct, medium
 
     def _recover(self) -> None:
-        """Rebuilds the index from region trailers and footers."""
+        """Rebuilds the index from region trailers and footers. Trailers are
+        read in batches into one buffer, and footers longer than the page
+        read with the trailer in batches into another, so a medium of any
+        number of regions opens with two mappings and few I/O batches."""
         rs = self.config.region_size
-        size = os.fstat(self._fd).st_size if not stat.S_ISBLK(os.fstat(self._fd).st_mode) else self.n_regions * rs
-        present = [r for r in range(self.n_regions) if (r + 1) * rs <= size]
-        tails = {r: mmap.mmap(-1, ALIGN) for r in present}
-        results = self._io.read_batch(self._fd, [tails[r] for r in present], [(r + 1) * rs - ALIGN for r in present])
-        best: dict[Key, tuple[int, _Loc]] = {}
-        for r, res in zip(present, results):
-            if res != ALIGN:
-                continue
-            t = tails[r]
-            fields = _TRAILER.unpack_from(t, ALIGN - _TRAILER_BYTES)
-            magic, seq, n, fbytes, ecsum, region, tcsum = fields
-            head = bytes(t[ALIGN - _TRAILER_BYTES:ALIGN - _TRAILER_BYTES + _TRAILER.size - 8])
-            if magic != _MAGIC or region != r or tcsum != _native.checksum(head):
-                continue
-            if fbytes != _footer_bytes(n) or fbytes > rs:
-                continue
-            self._regions[r].has_footer = True
-            foot = mmap.mmap(-1, fbytes)
-            if self._io.read_batch(self._fd, [foot], [(r + 1) * rs - fbytes])[0] != fbytes:
-                continue
-            ebytes = n * _ENTRY.size
-            if _native.checksum(memoryview(foot)[:ebytes]) != ecsum:
-                continue
-            self._seq = max(self._seq, seq)
-            for i in range(n):
-                key, off, length, csum = _ENTRY.unpack_from(foot, i * _ENTRY.size)
-                if off % ALIGN or off + length > rs - fbytes:
-                    continue
-                prev = best.get(key)
-                if prev is None or prev[0] < seq:
-                    best[key] = (seq, _Loc(r, off, length, csum))
-            self._regions[r].seq = seq
-        for key, (_, loc) in best.items():
-            self._index[key] = loc
-            reg = self._regions[loc.region]
-            reg.live.add(key)
-            reg.live_bytes += _align_up(loc.length)
+        st = os.fstat(self._fd)
+        size = self.n_regions * rs if stat.S_ISBLK(st.st_mode) else st.st_size
+        present = min(self.n_regions, size // rs)
+        found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]] = []
+        long: list[tuple[int, fmt.Trailer]] = []  # footers longer than the page read with the trailer
+        refused: dict[Refused, int] = {}
+        if present:
+            batch = min(present, _TRAILER_BATCH)
+            tails = mmap.mmap(-1, batch * ALIGN)
+            whole = memoryview(tails)
+            views = [whole[i * ALIGN:(i + 1) * ALIGN] for i in range(batch)]
+            try:
+                for start in range(0, present, batch):
+                    m = min(batch, present - start)
+                    res = self._io.read_batch(self._fd, views[:m], [(start + i + 1) * rs - ALIGN for i in range(m)])
+                    for i in range(m):
+                        if res[i] != ALIGN:
+                            self._stats["read_errors"] += 1
+                            continue
+                        r = start + i
+                        t = fmt.decode_trailer(views[i], r, rs)
+                        if isinstance(t, Refused):
+                            refused[t] = refused.get(t, 0) + 1
+                            # any trailer of ours is invalidated before the region is rewritten
+                            self._regions[r].has_footer = t is not Refused.EMPTY
+                            continue
+                        self._regions[r].has_footer = True
+                        if t.footer_bytes > ALIGN:
+                            long.append((r, t))
+                            continue
+                        self._accept(r, t, fmt.decode_entries(views[i], t), found, refused)
+            finally:
+                for v in views:
+                    v.release()
+                whole.release()
+                tails.close()
+        if long:
+            self._read_long_footers(long, found, refused)
+        self._index_found(found)
         self._free_regions = [r for r in range(self.n_regions) if not self._regions[r].live]
         self._free_regions.reverse()  # pop() hands out low regions first
         self._stats["recovered_blocks"] = len(self._index)
+        bad = {k.value: v for k, v in refused.items() if k is not Refused.EMPTY}
+        if bad:
+            log.warning("nvme: %s: regions refused at recovery (treated as empty): %s", self._path, bad)
         if self._index:
-            log.info("nvme: recovered %d blocks from %s", len(self._index), self._path)
+            log.info("nvme: recovered %d blocks from %d regions of %s", len(self._index), len(found), self._path)
+
+    def _read_long_footers(self, long: list[tuple[int, fmt.Trailer]],
+                           found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]],
+                           refused: dict[Refused, int]) -> None:
+        """Reads footers longer than a page, packed into one buffer a batch
+        at a time."""
+        rs = self.config.region_size
+        cap = max(_FOOTER_BATCH_BYTES, max(t.footer_bytes for _, t in long))
+        mem = mmap.mmap(-1, cap)
+        whole = memoryview(mem)
+        try:
+            i = 0
+            while i < len(long):
+                group, used = [], 0
+                while i < len(long) and used + long[i][1].footer_bytes <= cap:
+                    group.append((long[i], whole[used:used + long[i][1].footer_bytes]))
+                    used += long[i][1].footer_bytes
+                    i += 1
+                res = self._io.read_batch(self._fd, [v for _, v in group],
+                                          [(r + 1) * rs - t.footer_bytes for (r, t), _ in group])
+                for ((r, t), v), n in zip(group, res):
+                    if n != t.footer_bytes:
+                        self._stats["read_errors"] += 1
+                    else:
+                        self._accept(r, t, fmt.decode_entries(v, t), found, refused)
+                    v.release()
+        finally:
+            whole.release()
+            mem.close()
+
+    def _accept(self, region: int, trailer: fmt.Trailer, entries: Any,
+                found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]],
+                refused: dict[Refused, int]) -> None:
+        if isinstance(entries, Refused):
+            refused[entries] = refused.get(entries, 0) + 1
+        else:
+            found.append((region, trailer, entries))
+
+    def _index_found(self, found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]]) -> None:
+        """Indexes the recovered entries: where a key is in several regions
+        the newest (highest sequence number) wins."""
+        best: dict[Key, tuple[int, int, FooterEntry]] = {}
+        for r, t, entries in found:
+            self._seq = max(self._seq, t.seq)
+            self._regions[r].seq = t.seq
+            for e in entries:
+                prev = best.get(e.key)
+                if prev is None or prev[0] <= t.seq:
+                    best[e.key] = (t.seq, r, e)
+        for key, (_, r, e) in best.items():
+            self._index[key] = _Loc(r, e.offset, e.length, e.checksum, e.parent)
+            reg = self._regions[r]
+            reg.live.add(key)
+            reg.live_bytes += _align_up(e.length)
 
     # ---- write path --------------------------------------------------------
-    def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
+    def put(self, keys: Sequence[Key], blobs: Sequence[Any],
+            parents: Optional[Sequence[Optional[Key]]] = None) -> list[Status]:
+        """Stores each blob; `parents[i]` (None for a root) is written into
+        the footer with keys[i], so that a restart rebuilds the prefix tree."""
         if len(keys) != len(blobs):
             raise ArgumentError(f"put: {len(keys)} keys but {len(blobs)} blobs")
+        if parents is None:
+            parents = [None] * len(keys)
+        elif len(parents) != len(keys):
+            raise ArgumentError(f"put: {len(keys)} keys but {len(parents)} parents")
+        for p in parents:
+            if p is not None and not (isinstance(p, bytes) and len(p) == fmt.KEY_BYTES):
+                raise ArgumentError(f"put: a parent must be None or {fmt.KEY_BYTES} bytes, got {p!r:.40}")
         rs = self.config.region_size
         out: list[Status] = []
-        for key, blob in zip(keys, blobs):
+        for key, blob, parent in zip(keys, blobs, parents):
             src = byte_view(blob, what="blob")
             n = len(src)
             if n == 0 or _align_up(n) + _footer_bytes(1) > rs:
@@ -276,8 +343,8 @@ class NvmeAdapter(StorageAdapter):
                 raise
             with self._lock:
                 buf.readers -= 1
-                buf.entries.append((key, off, n, csum))
-                self._index[key] = _Loc(buf.region, off, n, csum)
+                buf.entries.append(FooterEntry(key, parent, off, n, csum))
+                self._index[key] = _Loc(buf.region, off, n, csum, parent)
                 reg = self._regions[buf.region]
                 reg.live.add(key)
                 reg.live_bytes += _align_up(n)
@@ -328,9 +395,9 @@ class NvmeAdapter(StorageAdapter):
         return victim
 
     def _reinsert_into(self, buf: _Buffer, reserve: int) -> None:
-        """If `buf`'s region was reclaimed, re-inserts its retained live
-        blocks at the head of the buffer, leaving room for a blob of
-        `reserve` bytes so that the writer always progresses; the others are
+        """If `buf`'s region was reclaimed, re-inserts its live blocks at the
+        head of the buffer, leaving room for a blob of `reserve` bytes so
+        that the writer always progresses; those that do not fit are
         dropped. Called with the lock held."""
         victim, self._pending_reclaim = self._pending_reclaim, None
         if victim is None:
@@ -340,12 +407,6 @@ class NvmeAdapter(StorageAdapter):
         reg.live, reg.live_bytes = set(), 0
         if not live:
             return
-        keep = [True] * len(live)
-        if self._retain is not None:
-            try:
-                keep = list(self._retain(list(live)))
-            except Exception:  # a broken hook must not lose the region
-                log.exception("nvme: retain hook failed; keeping every live block")
         # Read the region's live data back (lock held: the region is not
         # readable meanwhile, and the scratch read is one batched request).
         rs = self.config.region_size
@@ -353,19 +414,19 @@ class NvmeAdapter(StorageAdapter):
         end = max(self._index[k].offset + _align_up(self._index[k].length) for k in live)
         res = self._read_ranges([(scratch, 0, end)], victim)
         ok_read = res[0] == end
-        for key, k_ok in zip(live, keep):
+        for key in live:
             loc = self._index.pop(key)
             src = memoryview(scratch)[loc.offset:loc.offset + loc.length]
             good = ok_read and _native.checksum(src) == loc.checksum
             if not good:
                 self._stats["corrupt" if ok_read else "read_errors"] += 1
             room = buf.end + _align_up(loc.length) + _align_up(reserve) + _footer_bytes(len(buf.entries) + 2)
-            if k_ok and good and room <= rs:
+            if good and room <= rs:
                 off = buf.end
                 _native.copy(buf.view[off:off + loc.length], src)
                 buf.end = off + _align_up(loc.length)
-                buf.entries.append((key, off, loc.length, loc.checksum))
-                self._index[key] = _Loc(victim, off, loc.length, loc.checksum)
+                buf.entries.append(FooterEntry(key, loc.parent, off, loc.length, loc.checksum))
+                self._index[key] = _Loc(victim, off, loc.length, loc.checksum, loc.parent)
                 reg.live.add(key)
                 reg.live_bytes += _align_up(loc.length)
                 self._stats["reinserted"] += 1
@@ -486,13 +547,7 @@ class NvmeAdapter(StorageAdapter):
             v.release()
         # Footer: entries, then the trailer in the region's last bytes.
         foot = buf.view[rs - fbytes:rs]
-        foot[:] = bytes(fbytes)
-        for i, (key, off, length, csum) in enumerate(entries):
-            _ENTRY.pack_into(foot, i * _ENTRY.size, key, off, length, csum)
-        ecsum = _native.checksum(foot[:len(entries) * _ENTRY.size])
-        head = _TRAILER.pack(_MAGIC, buf.seq, len(entries), fbytes, ecsum, buf.region, 0)[:-8]
-        _TRAILER.pack_into(foot, fbytes - _TRAILER_BYTES, _MAGIC, buf.seq, len(entries), fbytes, ecsum,
-                           buf.region, _native.checksum(head))
+        fmt.encode_footer_into(foot, entries, buf.seq, buf.region, rs)
         r = self._io.write_batch(self._fd, [foot], [base + rs - fbytes])[0]
         foot.release()
         if r != fbytes:
@@ -620,6 +675,15 @@ class NvmeAdapter(StorageAdapter):
         with self._lock:
             return iter(list(self._index))
 
+    def iter_entries(self) -> Iterator[BlockEntry]:
+        """Every block held with its size and the parent recorded at put."""
+        with self._lock:
+            return iter([BlockEntry(k, loc.length, loc.parent) for k, loc in self._index.items()])
+
+    def put_with_parents(self, keys: Sequence[Key], blobs: Sequence[Any],
+                         parents: Sequence[Optional[Key]]) -> list[Status]:
+        return self.put(keys, blobs, parents)
+
     def drain_dropped(self) -> list[Key]:
         with self._lock:
             out, self._dropped = self._dropped, []
@@ -635,7 +699,7 @@ class NvmeAdapter(StorageAdapter):
             return sum(r.live_bytes for r in self._regions)
 
     def slot_bytes(self, size: int) -> int:
-        return _align_up(size) + _ENTRY.size
+        return _align_up(size) + fmt.ENTRY.size
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

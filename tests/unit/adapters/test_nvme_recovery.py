@@ -1,0 +1,249 @@
+"""nvme recovery: large sparse media, the footer format and its version, the
+parents the footer carries, and the prefix tree UnifiedCache rebuilds."""
+import os
+import struct
+
+import pytest
+
+from ucm import _native
+from ucm.adapters import nvme, nvme_format as fmt
+from ucm.adapters.base import BlockEntry, Status
+from ucm.adapters.nvme import FILE_NAME, NvmeAdapter, NvmeConfig
+from ucm.cache import Outcome, UnifiedCache
+
+RS = 64 << 10
+
+
+def config(path, **kw):
+    return NvmeConfig(path=str(path), region_size=RS, io_chunk=RS, **kw)
+
+
+def write_region(path, region, blocks, seq, rs=RS):
+    """Writes a sealed region by hand: each (key, parent, bytes) at the next
+    4 KiB-aligned offset, then its footer."""
+    entries, off = [], 0
+    with open(path, "r+b") as f:
+        for key, parent, data in blocks:
+            f.seek(region * rs + off)
+            f.write(data)
+            entries.append(fmt.FooterEntry(key, parent, off, len(data), _native.checksum(data)))
+            off += fmt.align_up(len(data))
+        foot = fmt.encode_footer(entries, seq=seq, region=region, region_size=rs)
+        assert off + len(foot) <= rs
+        f.seek((region + 1) * rs - len(foot))
+        f.write(foot)
+
+
+def read_back(a, keys, sizes):
+    out = [bytearray(n) for n in sizes]
+    return a.get(keys, out), [bytes(o) for o in out]
+
+
+def test_recovers_a_sparse_medium_of_100k_regions(tmp_path):
+    n = 100_000
+    cap = n * RS
+    keys = [os.urandom(16) for _ in range(30)]
+    data = [os.urandom(1000 + 211 * i) for i in range(30)]
+    parents = [None] + keys[:-1]
+    a = NvmeAdapter(cap, config(tmp_path))
+    assert a.put(keys[:20], data[:20], parents[:20]) == [Status.OK] * 20  # low regions
+    assert a.flush()
+    a.close()
+    path = tmp_path / FILE_NAME
+    os.truncate(path, cap)  # the rest of the medium: holes, read as zeros (never sealed)
+    write_region(path, 50_000, list(zip(keys[20:25], parents[20:25], data[20:25])), seq=1000)
+    write_region(path, n - 1, list(zip(keys[25:], parents[25:], data[25:])), seq=1001)
+
+    b = NvmeAdapter(cap, config(tmp_path))
+    try:
+        assert b.stats()["recovered_blocks"] == 30
+        assert sorted(b.iter_entries()) == sorted(BlockEntry(k, len(d), p) for k, d, p in zip(keys, data, parents))
+        statuses, out = read_back(b, keys, [len(d) for d in data])
+        assert statuses == [Status.OK] * 30
+        assert out == data
+        # regions holding blocks are not handed out again; the next put goes to a free one
+        k, d = os.urandom(16), os.urandom(9000)
+        assert b.put([k], [d]) == [Status.OK]
+        assert b.flush()
+    finally:
+        b.close()
+    c = NvmeAdapter(cap, config(tmp_path))
+    try:
+        statuses, out = read_back(c, keys + [k], [len(x) for x in data] + [len(d)])
+        assert statuses == [Status.OK] * 31 and out == data + [d]
+    finally:
+        c.close()
+
+
+def test_footers_longer_than_a_page_are_read_in_batches(tmp_path, monkeypatch):
+    # 64 entries of 64 bytes and the trailer need two pages of footer. Small
+    # batches (a tuning constant, not behaviour) so that several are needed.
+    monkeypatch.setattr(nvme, "_TRAILER_BATCH", 7)
+    monkeypatch.setattr(nvme, "_FOOTER_BATCH_BYTES", 3 * fmt.ALIGN)
+    rs = 512 << 10
+    cap = 40 * rs
+    conf = NvmeConfig(path=str(tmp_path), region_size=rs, io_chunk=rs)
+    NvmeAdapter(cap, conf).close()
+    os.truncate(tmp_path / FILE_NAME, cap)
+    blocks = {r: [(os.urandom(16), None, os.urandom(1 + (r * 7 + i) % 400)) for i in range(64 + r % 5)]
+              for r in range(0, 40, 3)}
+    for r, bl in blocks.items():
+        write_region(tmp_path / FILE_NAME, r, bl, seq=r + 1, rs=rs)
+    assert fmt.footer_bytes(64) == 2 * fmt.ALIGN
+    b = NvmeAdapter(cap, conf)
+    try:
+        flat = [blk for bl in blocks.values() for blk in bl]
+        assert b.stats()["recovered_blocks"] == len(flat)
+        statuses, out = read_back(b, [k for k, _, _ in flat], [len(d) for _, _, d in flat])
+        assert statuses == [Status.OK] * len(flat)
+        assert out == [d for _, _, d in flat]
+    finally:
+        b.close()
+
+
+def test_newest_copy_of_a_key_wins(tmp_path):
+    cap = 8 * RS
+    NvmeAdapter(cap, config(tmp_path)).close()
+    os.truncate(tmp_path / FILE_NAME, cap)
+    key, old_parent, new_parent = os.urandom(16), os.urandom(16), os.urandom(16)
+    data = os.urandom(3000)
+    write_region(tmp_path / FILE_NAME, 5, [(key, new_parent, data)], seq=9)
+    write_region(tmp_path / FILE_NAME, 2, [(key, old_parent, data)], seq=4)
+    a = NvmeAdapter(cap, config(tmp_path))
+    try:
+        assert list(a.iter_entries()) == [BlockEntry(key, 3000, new_parent)]
+    finally:
+        a.close()
+
+
+# The version-1 layout, written out by hand: 48-byte entries (key, offset,
+# length, checksum) and a 56-byte trailer ending 8 bytes before the region's end.
+V1_MAGIC = b"UCMREGN1"
+
+
+def write_v1_region(path, region, key, data):
+    entry = key + struct.pack("<QQQ", 0, len(data), _native.checksum(data))
+    foot = bytearray(fmt.ALIGN)
+    foot[:48] = entry
+    head = V1_MAGIC + struct.pack("<QQQQQ", 7, 1, fmt.ALIGN, _native.checksum(bytes(entry)), region)
+    foot[fmt.ALIGN - 64:fmt.ALIGN - 8] = head + struct.pack("<Q", _native.checksum(head))
+    with open(path, "r+b") as f:
+        f.seek(region * RS)
+        f.write(data)
+        f.seek((region + 1) * RS - fmt.ALIGN)
+        f.write(bytes(foot))
+
+
+def test_a_version_1_region_is_another_format_and_counts_as_empty(tmp_path):
+    cap = 4 * RS
+    NvmeAdapter(cap, config(tmp_path)).close()
+    os.truncate(tmp_path / FILE_NAME, cap)
+    old_key = os.urandom(16)
+    write_v1_region(tmp_path / FILE_NAME, 0, old_key, os.urandom(2000))
+    with open(tmp_path / FILE_NAME, "rb") as f:
+        f.seek(RS - fmt.ALIGN)
+        tail = f.read(fmt.ALIGN)
+    assert fmt.decode_trailer(memoryview(tail), 0, RS) is fmt.Refused.OTHER_FORMAT
+    a = NvmeAdapter(cap, config(tmp_path))
+    try:
+        assert list(a.iter_keys()) == []
+        assert a.stats()["free_regions"] == 4
+        k, d = os.urandom(16), os.urandom(7000)
+        assert a.put([k], [d]) == [Status.OK] and a.flush()  # reuses region 0, invalidating the old trailer
+    finally:
+        a.close()
+    b = NvmeAdapter(cap, config(tmp_path))
+    try:
+        assert list(b.iter_keys()) == [k]
+        assert read_back(b, [k], [len(d)]) == ([Status.OK], [d])
+    finally:
+        b.close()
+
+
+def test_footer_layout_is_version_2():
+    key, parent = bytes(range(16)), bytes(range(16, 32))
+    foot = fmt.encode_footer([fmt.FooterEntry(key, parent, 8192, 5000, 0x1122334455667788),
+                              fmt.FooterEntry(parent, None, 0, 4096, 7)], seq=3, region=9, region_size=RS)
+    assert len(foot) == fmt.ALIGN
+    assert foot[:64] == (key + parent + bytes.fromhex("0020000000000000" "8813000000000000"
+                                                     "8877665544332211" "0100000000000000"))
+    assert foot[64:128] == parent + bytes(16) + bytes.fromhex("0000000000000000" "0010000000000000"
+                                                              "0700000000000000" "0000000000000000")
+    trailer = foot[-64:]
+    assert trailer[:8] == b"UCMREGN2"
+    assert struct.unpack("<QQQ", trailer[8:32]) == (3, 2, 4096)
+    assert struct.unpack("<QQ", trailer[40:56]) == (9, RS)
+    t = fmt.decode_trailer(memoryview(foot), 9, RS)
+    assert t == fmt.Trailer(3, 2, 4096, t.entries_checksum, 9, RS)
+    assert fmt.decode_entries(memoryview(foot), t) == (
+        fmt.FooterEntry(key, parent, 8192, 5000, 0x1122334455667788), fmt.FooterEntry(parent, None, 0, 4096, 7))
+    # the same bytes read as another region, or with another region size, are refused
+    assert fmt.decode_trailer(memoryview(foot), 8, RS) is fmt.Refused.BAD_TRAILER
+    assert fmt.decode_trailer(memoryview(foot), 9, 2 * RS) is fmt.Refused.BAD_TRAILER
+    assert fmt.decode_trailer(memoryview(bytes(4096)), 9, RS) is fmt.Refused.EMPTY
+
+
+def test_overlapping_entries_refuse_the_region():
+    k1, k2 = os.urandom(16), os.urandom(16)
+    foot = fmt.encode_footer([fmt.FooterEntry(k1, None, 0, 5000, 1), fmt.FooterEntry(k2, None, 4096, 10, 2)],
+                             seq=1, region=0, region_size=RS)
+    t = fmt.decode_trailer(memoryview(foot), 0, RS)
+    assert fmt.decode_entries(memoryview(foot), t) is fmt.Refused.BAD_ENTRY
+
+
+def test_put_checks_parents(tmp_path):
+    with NvmeAdapter(4 * RS, config(tmp_path)) as a:
+        with pytest.raises(Exception, match="2 keys but 1 parents"):
+            a.put([os.urandom(16)] * 2, [b"x" * 10] * 2, [None])
+        with pytest.raises(Exception, match="parent must be None or 16 bytes"):
+            a.put([os.urandom(16)], [b"x" * 10], [b"short"])
+
+
+def cache_config(path):
+    return {"tiers": [{"adapter": "nvme", "capacity": f"{16 * RS}",
+                       "options": {"path": str(path), "region_size": f"{RS}", "io_chunk": f"{RS}"}}],
+            "landing_tier": "nvme", "policy": {"name": "lru"}}
+
+
+def corrupt(path, data):
+    raw = open(path, "rb").read()
+    pos = raw.find(data[:4096]) + 100
+    assert pos > 100
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        f.write(bytes([raw[pos] ^ 1]))
+
+
+def test_restart_keeps_the_prefix_tree(tmp_path):
+    keys = [os.urandom(16) for _ in range(6)]
+    data = [os.urandom(6000) for _ in range(6)]
+    with UnifiedCache(cache_config(tmp_path)) as c:
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 6
+        assert c.flush()
+    corrupt(tmp_path / FILE_NAME, data[2])
+    with UnifiedCache(cache_config(tmp_path)) as c:
+        out = [bytearray(6000) for _ in keys]
+        res = c.load(keys, out).wait(30)
+        assert res[:3] == [Outcome.DONE, Outcome.DONE, Outcome.CORRUPT]
+        # the bad block's descendants went with it: they are useless without their prefix
+        assert c.locate(keys) == ["nvme", "nvme", None, None, None, None]
+
+
+def test_restart_orders_parents_first_and_keeps_orphans_as_roots(tmp_path):
+    keys = [os.urandom(16) for _ in range(5)]
+    data = [os.urandom(6000) for _ in range(5)]
+    orphan, orphan_data = os.urandom(16), os.urandom(6000)
+    a = NvmeAdapter(16 * RS, config(tmp_path))
+    # children before their parents, each in its own region: the footers list them deepest first
+    for i in reversed(range(5)):
+        assert a.put_with_parents([keys[i]], [data[i]], [keys[i - 1] if i else None]) == [Status.OK]
+        assert a.flush()
+    assert a.put_with_parents([orphan], [orphan_data], [os.urandom(16)]) == [Status.OK]  # its parent is nowhere
+    a.close()
+    corrupt(tmp_path / FILE_NAME, data[0])
+    with UnifiedCache(cache_config(tmp_path)) as c:
+        assert c.locate(keys + [orphan]) == ["nvme"] * 6
+        out = bytearray(6000)
+        assert c.load([orphan], [out]).wait(30) == [Outcome.DONE] and bytes(out) == orphan_data
+        assert c.load([keys[0]], [bytearray(6000)]).wait(30) == [Outcome.CORRUPT]
+        assert c.locate(keys + [orphan]) == [None] * 5 + ["nvme"]
