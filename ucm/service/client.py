@@ -9,9 +9,24 @@ answers 0, loads report MISSING, stores report FAILED, and the client
 reconnects on a later call (at most every `retry_s`) and re-maps the arena
 of the restarted service. Only misuse (bad keys or buffers) raises.
 
-Thread-safe: one lock serialises requests on the socket; copies run
-outside it on a small pool that completes the Handles; lookups read the
-service's shared key index under a lock of their own.
+A connection (`_Link`) is built whole before it is published: its socket,
+the service's `hello` (pid, epoch, arena identity), the arena mapping, the
+key index mapping and the liveness poll. Any error on the way (an
+unopenable or unmappable arena, EMFILE, ENOMEM, a refused hello) is
+"service unavailable", and the previous state stays as it was. Every slot
+handed out over a link is filled only through that link's own arena, and
+only when the reply carries the link's epoch and lies inside the arena;
+its commit or release goes over the same link. A link that fails while
+copies into or out of its slots are still running is retired but its
+socket stays open until the last of them ends, so the service cannot hand
+those slots to anyone else mid-copy (the service gives back what a
+connection held only when it closes).
+
+Thread-safe: `_lock` serialises requests on the socket and guards the
+links, their in-flight counts and the mappings; copies run outside it (on
+a small pool that completes the Handles, or on the caller's thread for
+read_slots / write_slots); lookups read the service's shared key index
+under `_index_lock`. Lock order: `_lock`, then `_index_lock`.
 """
 from __future__ import annotations
 
@@ -44,31 +59,89 @@ log = logging.getLogger(__name__)
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# Errors a connection attempt can meet that mean "no usable service now".
+_CONNECT_ERRORS = (OSError, ValueError, KeyError, TypeError, OverflowError, UcmError)
 
 
 class ServiceUnavailable(UcmError):
     """The service could not be reached; callers turn it into misses."""
 
 
+def map_arena(path: str, size: int, inode: int) -> mmap.mmap:
+    """Maps the service's arena file read-write. Refuses a file that is not
+    the one the service announced (another inode, or smaller than `size`)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != inode or st.st_size < size:
+            raise ServiceUnavailable(f"arena {path!r} is not the service's (inode {st.st_ino}, "
+                                     f"{st.st_size} bytes; announced inode {inode}, {size} bytes)")
+        # MAP_POPULATE: map every page now, so copies into slots take no faults.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        # MAP_POPULATE maps shared pages read-only (the first write to each
+        # still faults); MADV_POPULATE_WRITE maps them writable without
+        # touching their bytes (Linux 5.14+; older kernels refuse it).
+        m.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        pass
+    return m
+
+
+class _Mapping:
+    """A shared mapping (arena or key index) used by one or more links."""
+
+    __slots__ = ("m", "refs")
+
+    def __init__(self, m: mmap.mmap) -> None:
+        self.m = m
+        self.refs = 0
+
+
+class _Link:
+    """One connection to one service instance, with the arena and key index
+    that instance announced. `inflight` counts copies running into or out
+    of slots handed out over it; `dead` means no new request goes over it."""
+
+    __slots__ = ("sock", "reader", "info", "epoch", "arena", "arena_id", "index", "index_id", "poll",
+                 "inflight", "dead")
+
+    def __init__(self, sock: socket.socket, reader: proto.FrameReader, info: dict, arena: _Mapping,
+                 arena_id: tuple, index: Optional[_Mapping], index_id: Optional[tuple],
+                 poll: select.poll) -> None:
+        self.sock, self.reader, self.info = sock, reader, info
+        self.epoch = info["epoch"]
+        self.arena, self.arena_id = arena, arena_id
+        self.index, self.index_id = index, index_id
+        self.poll = poll
+        self.inflight = 0
+        self.dead = False
+
+
 class CacheClient:
     def __init__(self, path: str, config: Optional[UcmConfig] = None, io_workers: int = 2,
-                 retry_s: float = 0.5, connect: bool = True, use_index: bool = True) -> None:
+                 retry_s: float = 0.5, connect: bool = True, use_index: bool = True,
+                 socket_factory: Optional[Callable[[], socket.socket]] = None) -> None:
+        """`socket_factory` makes the connection's socket (a Unix stream
+        socket by default); tests wrap a real socket through it to inject
+        faults."""
         self.path = path
         self.config = config or UcmConfig()
         self._timeout = self.config.service.request_timeout_s
         self._limit = self.config.service.max_frame_bytes
         self._retry_s = retry_s
         self._spin_s = self.config.service.poll_spin_us / 1e6
-        self._lock = threading.Lock()  # one request at a time on the socket
-        self._index_lock = threading.Lock()  # the index mapping and the liveness poll
-        self._sock: Optional[socket.socket] = None
-        self._arena: Optional[mmap.mmap] = None
-        self._arena_path: Optional[str] = None
+        self._socket_factory = socket_factory or (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        self._lock = threading.Lock()  # one request at a time on the socket; links and mappings
+        self._index_lock = threading.Lock()  # lookups reading the current link's index
+        self._link: Optional[_Link] = None
+        self._maps: dict[tuple, _Mapping] = {}  # arena and index mappings by identity
+        self._kept: Optional[tuple] = None  # the last arena, kept mapped for a reconnect to it
         self.service_info: dict[str, Any] = {}
-        self._index: Optional[mmap.mmap] = None  # the service's key index, read-only
-        self._index_path: Optional[str] = None
         self._use_index = use_index  # False: every lookup is a request over the socket
-        self._poll: Optional[select.poll] = None
         self._rid = 0
         self._next_try = 0.0
         self._closed = False
@@ -84,110 +157,186 @@ class CacheClient:
     # ---- connection --------------------------------------------------------
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        return self._link is not None
 
-    def _connect_locked(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self._timeout)
+    @property
+    def reads_index(self) -> bool:
+        """Whether lookups are answered from the service's shared key index
+        (no round trip) on the current connection."""
+        link = self._link
+        return link is not None and link.index is not None
+
+    def _connect_locked(self) -> _Link:
+        """Builds a link and publishes it, or raises ServiceUnavailable and
+        leaves everything as it was."""
+        sock: Optional[socket.socket] = None
+        held: list[tuple] = []
         try:
+            sock = self._socket_factory()
+            sock.settimeout(self._timeout)
             sock.connect(self.path)
-        except OSError as exc:
-            sock.close()
+            reader = proto.FrameReader(sock, self._limit)
+            info = self._exchange(sock, reader, "hello", {"version": proto.VERSION})
+            if not isinstance(info, dict):
+                raise ServiceUnavailable(f"hello: expected a map, got {type(info).__name__}")
+            epoch, size, inode = info["epoch"], info["arena_bytes"], info["arena_inode"]
+            if not all(isinstance(v, int) for v in (epoch, size, inode)):
+                raise ServiceUnavailable("hello: epoch, arena_bytes and arena_inode must be integers")
+            arena_id = ("arena", info["arena_path"], inode, epoch)
+            arena = self._map_locked(arena_id, lambda: map_arena(info["arena_path"], size, inode))
+            held.append(arena_id)
+            index = index_id = None
+            if info.get("index_path") and self._use_index:
+                index_id = ("index", info["index_path"], epoch)
+                index = self._map_locked(index_id, lambda: map_index(info["index_path"], info["index_bytes"]))
+                held.append(index_id)
+            poll = select.poll()
+            # POLLHUP only: a reply that arrived for another thread's request
+            # (POLLIN) must not look like a dead service.
+            poll.register(sock, select.POLLHUP)
+        except _CONNECT_ERRORS as exc:
+            for ident in held:
+                self._unmap_locked(ident)
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
             self._next_try = time.monotonic() + self._retry_s
-            raise ServiceUnavailable(f"no ucm service at {self.path}: {exc}") from None
-        self._sock = sock
-        self._reader = proto.FrameReader(sock, self._limit)
-        try:
-            info = self._request_locked("hello", {"version": proto.VERSION})
-        except ServiceUnavailable:
-            raise
-        if info["arena_path"] != self._arena_path:
-            self._map_arena(info["arena_path"], info["arena_bytes"])
-        poll = select.poll()
-        poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if isinstance(exc, ServiceUnavailable):
+                raise
+            raise ServiceUnavailable(f"no usable ucm service at {self.path}: {type(exc).__name__}: {exc}") from None
+        link = _Link(sock, reader, info, arena, arena_id, index, index_id, poll)
+        if self._kept != arena_id:  # keep the newest arena mapped across a reconnect to it
+            if self._kept is not None:
+                self._unmap_locked(self._kept)
+            self._map_locked(arena_id, lambda: arena.m)
+            self._kept = arena_id
         with self._index_lock:
-            if info.get("index_path") != self._index_path:
-                if self._index is not None:
-                    self._index.close()
-                self._index_path = info.get("index_path")
-                self._index = (map_index(self._index_path, info["index_bytes"])
-                               if self._index_path and self._use_index else None)
-            self._poll = poll
+            self._link = link
         self.service_info = info
+        return link
 
-    def _map_arena(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            # MAP_POPULATE: map every page now, so copies into slots take no faults.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        try:
-            # MAP_POPULATE maps shared pages read-only (the first write to each
-            # still faults); MADV_POPULATE_WRITE maps them writable without
-            # touching their bytes (Linux 5.14+; older kernels refuse it).
-            m.madvise(_MADV_POPULATE_WRITE)
-        except (OSError, ValueError):
-            pass
-        old = self._arena
-        self._arena, self._arena_path = m, path
-        if old is not None:
-            try:
-                old.close()
-            except BufferError:
-                pass  # a copy in flight still uses it; it is unmapped with the object
-
-    def _disconnect_locked(self) -> None:
-        with self._index_lock:
-            self._poll = None  # no lookups from the index until connected again
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-            self._sock = None
-        self._next_try = time.monotonic() + self._retry_s
-
-    def _request_locked(self, op: str, args: dict) -> Any:
+    def _exchange(self, sock: socket.socket, reader: proto.FrameReader, op: str, args: dict) -> Any:
+        """One request and its reply on a socket (raises on any fault)."""
         self._rid += 1
         rid = self._rid
-        try:
-            self._sock.sendall(proto.pack([rid, op, args]))
-            reply = self._reader.read(self._spin_s)
-        except (OSError, proto.ProtocolError) as exc:
-            self._disconnect_locked()
-            raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
+        sock.sendall(proto.pack([rid, op, args]))
+        reply = reader.read(self._spin_s)
         if reply is None:
-            self._disconnect_locked()
             raise ServiceUnavailable(f"ucm service at {self.path} closed the connection during {op}")
         if not (isinstance(reply, list) and len(reply) == 3 and reply[0] == rid):
-            self._disconnect_locked()
             raise ServiceUnavailable(f"ucm service at {self.path} sent a malformed reply to {op}")
         if not reply[1]:
             raise UcmError(f"ucm service refused {op}: {reply[2]}")
         return reply[2]
 
+    def _map_locked(self, ident: tuple, make: Callable[[], mmap.mmap]) -> _Mapping:
+        mapping = self._maps.get(ident)
+        if mapping is None:
+            mapping = self._maps[ident] = _Mapping(make())
+        mapping.refs += 1
+        return mapping
+
+    def _unmap_locked(self, ident: tuple) -> None:
+        mapping = self._maps.get(ident)
+        if mapping is None:
+            return
+        mapping.refs -= 1
+        if mapping.refs > 0:
+            return
+        del self._maps[ident]
+        with self._index_lock:  # no lookup is reading it
+            try:
+                mapping.m.close()
+            except BufferError:
+                pass  # a view of it is still alive; it is unmapped with the object
+
+    def _retire_locked(self, link: _Link) -> None:
+        """No new request goes over `link`; its socket closes once no copy
+        into or out of its slots runs any more."""
+        if link.dead:
+            return
+        link.dead = True
+        with self._index_lock:
+            if self._link is link:
+                self._link = None
+        self._next_try = time.monotonic() + self._retry_s
+        if link.inflight == 0:
+            self._close_link_locked(link)
+
+    def _close_link_locked(self, link: _Link) -> None:
+        try:
+            link.sock.close()  # the service gives back what this connection held
+        except OSError:
+            pass
+        self._unmap_locked(link.arena_id)
+        if link.index_id is not None:
+            self._unmap_locked(link.index_id)
+
+    def _request_locked(self, link: _Link, op: str, args: dict) -> Any:
+        try:
+            return self._exchange(link.sock, link.reader, op, args)
+        except ServiceUnavailable:
+            self._retire_locked(link)
+            raise
+        except (OSError, proto.ProtocolError) as exc:
+            self._retire_locked(link)
+            raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
+
+    def _live_locked(self) -> _Link:
+        if self._closed:
+            raise ClosedError("CacheClient used after close()")
+        if self._link is None:
+            if time.monotonic() < self._next_try:
+                raise ServiceUnavailable(f"ucm service at {self.path} is down")
+            return self._connect_locked()
+        return self._link
+
     def _call(self, op: str, args: dict) -> Any:
         with self._lock:
-            if self._closed:
-                raise ClosedError("CacheClient used after close()")
-            if self._sock is None:
-                if time.monotonic() < self._next_try:
-                    raise ServiceUnavailable(f"ucm service at {self.path} is down")
-                self._connect_locked()
-            return self._request_locked(op, args)
+            return self._request_locked(self._live_locked(), op, args)
+
+    def _begin_fill(self, op: str, args: dict) -> tuple[_Link, Any]:
+        """Sends `op` (reserve or acquire) and counts a copy in flight on the
+        link that answered; `_end_fill` must follow."""
+        with self._lock:
+            link = self._live_locked()
+            reply = self._request_locked(link, op, args)
+            link.inflight += 1
+            return link, reply
+
+    def _end_fill(self, link: _Link, op: Optional[str], args: dict) -> Any:
+        """Ends a copy begun by `_begin_fill` and sends `op` (commit, abort or
+        release) over the same link. None when that link is gone: the
+        service then gives the slots back when the link's socket closes."""
+        with self._lock:
+            link.inflight -= 1
+            result = None
+            if op is not None and not link.dead:
+                try:
+                    result = self._request_locked(link, op, args)
+                except ServiceUnavailable as exc:
+                    log.debug("%s", exc)
+                except UcmError as exc:
+                    log.warning("%s", exc)
+            if link.dead and link.inflight == 0:
+                self._close_link_locked(link)
+            return result
 
     def _try(self, op: str, args: dict, default: Any) -> Any:
         try:
             return self._call(op, args)
+        except (ClosedError, ArgumentError):
+            raise
         except ServiceUnavailable as exc:
             log.debug("%s", exc)
             return default
         except UcmError as exc:
-            if isinstance(exc, ClosedError):
-                raise
             log.warning("%s", exc)
+            return default
+        except Exception:  # a cache fault is never an exception into the engine
+            log.exception("ucm client: %s failed", op)
             return default
 
     # ---- the UnifiedCache API ------------------------------------------------
@@ -205,18 +354,17 @@ class CacheClient:
         # Not under self._lock: a long request (a load from NVMe) on another
         # thread must not hold up lookups.
         with self._index_lock:
-            index, poll = self._index, self._poll
-            if index is None or poll is None:
+            link = self._link
+            if link is None or link.index is None:
                 return None
             # A dead service hangs up its end: its index is stale from then on.
-            dead = bool(poll.poll(0))
-            n = -1 if dead else _native.index_prefix(index, b"".join(keys))
+            dead = any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in link.poll.poll(0))
+            n = -1 if dead else _native.index_prefix(link.index.m, b"".join(keys))
         if dead:
             with self._lock:
-                if self._poll is poll:  # not reconnected meanwhile
-                    self._disconnect_locked()
+                self._retire_locked(link)
             return None
-        if n < 0 or (n < len(keys) and self.service_info.get("shared_tiers")):
+        if n < 0 or (n < len(keys) and link.info.get("shared_tiers")):
             return None
         return n
 
@@ -297,58 +445,96 @@ class CacheClient:
                 break
         return out
 
+    def _slots(self, link: _Link, reply: Any, n: int, width: int) -> list:
+        """The per-key entries of a reserve/acquire reply, checked to be for
+        this link's arena: the reply's epoch is the link's and every slot
+        lies inside the arena. Raises ServiceUnavailable otherwise."""
+        if not (isinstance(reply, dict) and reply.get("epoch") == link.epoch
+                and isinstance(reply.get("slots"), list) and len(reply["slots"]) == n):
+            raise ServiceUnavailable(f"ucm service at {self.path}: slots for another arena or malformed "
+                                     f"(epoch {reply.get('epoch') if isinstance(reply, dict) else None!r}, "
+                                     f"link epoch {link.epoch})")
+        size = len(link.arena.m)
+        for s in reply["slots"]:
+            if isinstance(s, list):
+                ok = len(s) == width and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+                off, length = (s[width - 2], s[width - 1]) if ok else (-1, 0)
+                if not (ok and 0 <= off and 0 < length and off + length <= size):
+                    raise ServiceUnavailable(f"ucm service at {self.path}: slot {s!r:.60} outside the "
+                                             f"{size}-byte arena")
+        return reply["slots"]
+
     def _read_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn) -> list[Outcome]:
         try:
-            leases = self._call("acquire", {"keys": keys})
-            arena = self._arena
+            link, reply = self._begin_fill("acquire", {"keys": keys})
         except UcmError as exc:
+            if isinstance(exc, ClosedError):
+                raise
             log.debug("%s", exc)
             return [Outcome.MISSING] * len(keys)
-        held = [lease[0] for lease in leases if lease is not None]
-        slots: list[Optional[tuple[int, int]]] = []
-        out: list[Outcome] = []
-        for lease, size in zip(leases, sizes):
-            if lease is None:
-                slots.append(None)
-                out.append(Outcome.MISSING)
-            elif lease[2] != size:
-                slots.append(None)
-                out.append(Outcome.CORRUPT)
-            else:
-                slots.append((lease[1], lease[2]))
-                out.append(Outcome.DONE)
+        held: list[int] = []
+        out: list[Outcome] = [Outcome.MISSING] * len(keys)
         try:
+            leases = self._slots(link, reply, len(keys), 3)
+            held = [lease[0] for lease in leases if lease is not None]
+            slots: list[Optional[tuple[int, int]]] = []
+            out = []
+            for lease, size in zip(leases, sizes):
+                if lease is None:
+                    slots.append(None)
+                    out.append(Outcome.MISSING)
+                elif lease[2] != size:
+                    slots.append(None)
+                    out.append(Outcome.CORRUPT)
+                else:
+                    slots.append((lease[1], lease[2]))
+                    out.append(Outcome.DONE)
             if any(s is not None for s in slots):
-                fill(first, slots, arena)
+                fill(first, slots, link.arena.m)
+        except ServiceUnavailable as exc:
+            log.warning("%s", exc)
+            with self._lock:
+                self._retire_locked(link)  # closing the link gives its leases back
+            out = [Outcome.MISSING] * len(keys)
         except Exception:
             log.exception("ucm client: copying out of leased slots failed")
-            out = [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
+            out = [Outcome.FAILED if o is Outcome.DONE else o for o in out]
         finally:
-            if held:
-                self._try("release", {"leases": held}, None)
+            self._end_fill(link, "release" if held else None, {"leases": held})
         return out
 
     def _write_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                      parent: Optional[bytes]) -> list[Outcome]:
         try:
-            reply = self._call("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent})
-            arena = self._arena
+            link, reply = self._begin_fill("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent})
         except UcmError as exc:
+            if isinstance(exc, ClosedError):
+                raise
             log.debug("%s", exc)
             return [Outcome.FAILED] * len(keys)
-        slots = [tuple(r) if isinstance(r, list) else None for r in reply]
+        try:
+            entries = self._slots(link, reply, len(keys), 2)
+        except ServiceUnavailable as exc:
+            log.warning("%s", exc)
+            with self._lock:
+                self._retire_locked(link)  # closing the link aborts its reservations
+            self._end_fill(link, None, {})
+            return [Outcome.FAILED] * len(keys)
+        slots = [tuple(r) if isinstance(r, list) else None for r in entries]
         filled = [k for k, s in zip(keys, slots) if s is not None]
-        out = [Outcome.MISSING if r is None else Outcome.DONE for r in reply]
+        out = [Outcome.MISSING if r is None else Outcome.DONE for r in entries]
         if not filled:
+            self._end_fill(link, None, {})
             return out
         try:
-            fill(first, slots, arena)
+            fill(first, slots, link.arena.m)
         except Exception:
             log.exception("ucm client: copying into reserved slots failed")
-            self._try("abort", {"keys": filled}, None)
+            self._end_fill(link, "abort", {"keys": filled})
             return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
-        ok = self._try("commit", {"keys": filled}, None)
-        failed = set(filled) if ok is None else {k for k, good in zip(filled, ok) if not good}
+        # Over the link that reserved them: reservations belong to a connection.
+        ok = self._end_fill(link, "commit", {"keys": filled})
+        failed = set(filled) if not isinstance(ok, list) else {k for k, good in zip(filled, ok) if not good}
         return [Outcome.FAILED if k in failed else o for k, o in zip(keys, out)]
 
     def close(self) -> None:
@@ -356,17 +542,13 @@ class CacheClient:
             if self._closed:
                 return
             self._closed = True
-            self._disconnect_locked()
-        self._pool.shutdown(wait=True)
-        with self._index_lock:
-            if self._index is not None:
-                self._index.close()
-                self._index = None
-        if self._arena is not None:
-            try:
-                self._arena.close()
-            except BufferError:
-                pass
+            if self._link is not None:
+                self._retire_locked(self._link)
+        self._pool.shutdown(wait=True)  # copies in flight end, and their links close
+        with self._lock:
+            if self._kept is not None:
+                self._unmap_locked(self._kept)
+                self._kept = None
 
     def __enter__(self) -> "CacheClient":
         return self

@@ -21,7 +21,9 @@ import msgpack
 
 from ucm.errors import UcmError
 
-VERSION = 1
+# 2: hello announces the instance's epoch and arena inode; reserve and
+# acquire answer {"epoch": int, "slots": [...]}.
+VERSION = 2
 _LEN = struct.Struct("<I")
 KEY_BYTES = 16
 

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import queue
+import secrets
 import selectors
 import signal
 import socket
@@ -118,6 +119,10 @@ class CacheService:
         self._last_active = time.monotonic()
         self._next_conn = 1
         self.metrics: Optional[Metrics] = None
+        # This instance's identity: every slot it hands out carries it, so a
+        # client never fills a slot through another instance's arena.
+        self.epoch = secrets.randbits(62)
+        self._arena_inode = 0
         self._sel: Optional[selectors.BaseSelector] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._done: "queue.SimpleQueue[tuple[_Conn, bytes]]" = queue.SimpleQueue()
@@ -133,6 +138,10 @@ class CacheService:
         # Operations that may wait on I/O (NVMe reads and writes, evictions,
         # cluster stores) run on worker threads; the rest answer on the loop.
         self._slow_ops = {"reserve", "commit", "acquire", "prefetch", "flush"}
+        # Unsent reply bytes past which a connection is not read from until
+        # its client takes them (a client that stops reading cannot grow the
+        # service's memory).
+        self._out_limit = 1 << 20
 
     # ---- life cycle --------------------------------------------------------
     def start(self) -> None:
@@ -158,6 +167,7 @@ class CacheService:
             if self.index is not None:
                 self.index.close()
             raise
+        self._arena_inode = os.stat(self.cache.shared_arena().segment_path).st_ino
         log.info("ucm serve: listening on %s (arena %s)", self.path, self.cache.shared_arena().segment_path)
 
     def _bind(self) -> socket.socket:
@@ -261,7 +271,7 @@ class CacheService:
     def _dispatch(self, conn: _Conn) -> None:
         """Answers the buffered requests of `conn` until one goes to the
         pool (the connection then waits for it: requests stay in order)."""
-        while not conn.busy and not conn.closing:
+        while not conn.busy and not conn.closing and len(conn.out) <= self._out_limit:
             try:
                 frame = conn.decoder.next()
             except proto.ProtocolError as exc:
@@ -330,6 +340,8 @@ class CacheService:
     def _reply(self, conn: _Conn, data: bytes) -> None:
         if conn.out:
             conn.out += data
+            if len(conn.out) > self._out_limit and not conn.closing:
+                self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)  # stop reading it
             return
         try:
             n = conn.sock.send(data)
@@ -340,7 +352,8 @@ class CacheService:
             return
         if n < len(data):
             conn.out += data[n:]
-            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            reading = selectors.EVENT_READ if len(conn.out) <= self._out_limit else 0
+            self._sel.modify(conn.sock, reading | selectors.EVENT_WRITE, conn)
 
     def _flush_out(self, conn: _Conn) -> None:
         try:
@@ -351,12 +364,17 @@ class CacheService:
             conn.out.clear()
             self._close_conn(conn)
             return
+        throttled = len(conn.out) > self._out_limit
         del conn.out[:n]
         if not conn.out:
             if conn.closing:
                 self._close_conn(conn)
             else:
                 self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        elif throttled and len(conn.out) <= self._out_limit and not conn.closing:
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        if throttled and len(conn.out) <= self._out_limit and not conn.closing:
+            self._dispatch(conn)  # the requests it buffered meanwhile
 
     def _close_conn(self, conn: _Conn, after_send: bool = False) -> None:
         """Stops serving `conn`; what it owns is given back once no request of
@@ -452,8 +470,9 @@ class CacheService:
             raise proto.ProtocolError(f"protocol version {args.get('version')!r} not supported; "
                                       f"this service speaks {proto.VERSION}")
         arena = self.cache.shared_arena()
-        return {"version": proto.VERSION, "ucm": __version__, "pid": os.getpid(),
+        return {"version": proto.VERSION, "ucm": __version__, "pid": os.getpid(), "epoch": self.epoch,
                 "arena_path": arena.segment_path, "arena_bytes": arena.capacity_bytes,
+                "arena_inode": self._arena_inode,
                 "block_tokens": self.config.block_tokens, "tiers": self.cache.tier_names,
                 "index_path": self.index.path if self.index else None,
                 "index_bytes": self.index.nbytes if self.index else 0,
@@ -465,7 +484,7 @@ class CacheService:
     def _locate(self, conn: _Conn, args: dict) -> list:
         return self.cache.locate(self._keys(args, {"keys"}))
 
-    def _reserve(self, conn: _Conn, args: dict) -> list:
+    def _reserve(self, conn: _Conn, args: dict) -> dict:
         keys = self._keys(args, {"keys", "sizes", "parent"})
         arena = self.cache.shared_arena()
         sizes = proto.ints_arg(args, "sizes", len(keys), 1, arena.capacity_bytes)
@@ -479,7 +498,7 @@ class CacheService:
             off = arena.slot_offset(key)
             conn.reserved.add(key)
             out.append([off[0], off[1]])
-        return out
+        return {"epoch": self.epoch, "slots": out}
 
     def _commit(self, conn: _Conn, args: dict) -> list:
         keys = [k for k in self._keys(args, {"keys"}) if k in conn.reserved]
@@ -491,7 +510,7 @@ class CacheService:
         conn.reserved.difference_update(keys)
         self.cache.abort(keys)
 
-    def _acquire(self, conn: _Conn, args: dict) -> list:
+    def _acquire(self, conn: _Conn, args: dict) -> dict:
         keys = self._keys(args, {"keys"})
         out = []
         for lease in self.cache.acquire(keys):
@@ -502,7 +521,7 @@ class CacheService:
             conn.next_lease += 1
             conn.leases[lid] = lease
             out.append([lid, lease.slot.offset, lease.slot.length])
-        return out
+        return {"epoch": self.epoch, "slots": out}
 
     def _release(self, conn: _Conn, args: dict) -> None:
         proto.check_args(args, {"leases"})
