@@ -164,6 +164,10 @@ class Placement:
     def size_of(self, key: Key) -> Optional[int]:
         return self._size.get(key)
 
+    def parent_of(self, key: Key) -> Optional[Key]:
+        """The parent of a cached block (None for a root or an unknown key)."""
+        return self._parent.get(key)
+
     def resident_keys(self, t: int) -> Iterable[Key]:
         return self._tiers[t].blocks.keys()
 
@@ -286,6 +290,68 @@ class Placement:
             before = tier.used  # room for one byte more than is free: exactly one victim
             if not self._make_room(t, cap - before + 1, plan, None) or tier.used >= before:
                 break
+        return plan
+
+    def may_evict(self, t: int, keys: Iterable[Key], protect: Optional[Key] = None,
+                  relaxed: bool = False) -> bool:
+        """Whether `evict_keys(t, keys)` would evict every one of `keys`: each
+        is resident in tier t, not pinned and not `protect`; a child of one
+        that is resident in t is one of them too (children go first), unless
+        `relaxed` in a tier that is not the lowest (a parent is demoted ahead
+        of its children, as when only parents are left); and in the lowest
+        tier a block held nowhere else leaves only with every child it has,
+        which must be held nowhere else either (a parent never leaves the
+        cache while a child is cached)."""
+        group = keys if isinstance(keys, (set, frozenset)) else set(keys)
+        tier = self._tiers[t]
+        pins = self._pins
+        if not group:
+            return False
+        for k in group:
+            if k not in tier.blocks or k in pins or k == protect:
+                return False
+        lowest = tier.info.lowest
+        if relaxed and not lowest:
+            return True
+        for k in group:
+            kids = self._children.get(k, ())
+            if not lowest or any(k in o.blocks for o in self._tiers if o is not tier):
+                if tier.kids.get(k) and any(c in tier.blocks and c not in group for c in kids):
+                    return False
+            elif any(c not in group or len(self.tiers_of(c)) > 1 for c in kids):
+                return False
+        return True
+
+    def evict_keys(self, t: int, keys: Iterable[Key], any_one: bool = False,
+                   protect: Optional[Key] = None, relaxed: bool = False) -> Plan:
+        """Evicts from tier t blocks an adapter names because it needs those
+        very blocks gone (the DRAM arena emptying an extent for another size
+        class: `DramAdapter.victims_for`), demoted or dropped exactly as any
+        eviction. `any_one`: only the policy's victim among `keys` (its
+        evictable blocks; `relaxed` also its parents, outside the lowest
+        tier). Otherwise all of them, children before parents, or none when
+        `may_evict` says no. `protect` (the parent of the block that needs
+        the room) never goes. The plan is empty when nothing was evicted."""
+        tier = self._tiers[t]
+        plan: Plan = []
+        if any_one:
+            named = {k for k in keys if k in tier.blocks}
+            if not named:
+                return plan
+            evictable = self._evictable_in(t, protect)
+            victim = tier.policy.victim(lambda k: k in named and evictable(k))
+            if victim is None and relaxed and not tier.info.lowest:
+                pins = self._pins
+                victim = tier.policy.victim(lambda k: k in named and k not in pins and k != protect)
+            if victim is not None:
+                self._evict(victim, t, plan)
+            return plan
+        group = set(keys)
+        if not self.may_evict(t, group, protect=protect, relaxed=relaxed):
+            return plan
+        for k in self._children_first(group):
+            if k in tier.blocks:  # not dropped meanwhile with a parent whose demotion failed
+                self._evict(k, t, plan)
         return plan
 
     def remove(self, key: Key, tier: Optional[int] = None) -> Plan:
@@ -432,6 +498,20 @@ class Placement:
         plan.append(Step(Op.DROP, key, src=t))
         if not elsewhere:
             self._drop_descendants(key, plan)
+
+    def _children_first(self, group: set[Key]) -> list[Key]:
+        """The keys of `group` ordered so that each comes after every one of
+        its descendants in the group."""
+        order: list[Key] = []
+        stack = [(k, False) for k in group if self._parent.get(k) not in group]
+        while stack:
+            k, expanded = stack.pop()
+            if expanded:
+                order.append(k)
+                continue
+            stack.append((k, True))
+            stack.extend((c, False) for c in self._children.get(k, ()) if c in group)
+        return order
 
     def _drop_descendants(self, key: Key, plan: Plan) -> None:
         """`key` left its last tier: drop its resident descendants (useless

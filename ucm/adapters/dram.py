@@ -3,12 +3,19 @@
 The arena is one file in a tmpfs directory (`/dev/shm` by default), mode
 0600, mapped shared, so that other processes of the same user (engine
 workers, through the service) can map it and copy in and out of slots
-directly. Slots have fixed sizes per payload size (ucm.adapters.slab);
-an index maps key -> slot. Leases guard readers: a slot being read is never
-reused, a deleted slot is freed when its last lease is released. Writers
-reserve a slot, fill it, then commit it; until commit it is invisible.
+directly. Slots have fixed sizes per payload size, carved from extents
+that each size class takes from a free pool and gives back when empty
+(ucm.adapters.slab, `extent_bytes`); an index maps key -> slot. Leases
+guard readers: a slot being read is never reused, a deleted slot is freed
+when its last lease is released. Writers reserve a slot, fill it, then
+commit it; until commit it is invisible.
 
-Thread-safe: one lock guards the index; copies run outside it.
+When `reserve` finds no slot of a size although the owner's byte count has
+room (the free bytes sit in extents of other classes), `victims_for(size)`
+names the committed blocks whose eviction makes that slot: the owner (the
+cache) evicts them through its placement and reserves again.
+
+Thread-safe: one lock guards the index and the arena; copies run outside it.
 """
 from __future__ import annotations
 
@@ -18,27 +25,43 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ucm import _native
 from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
-from ucm.adapters.slab import SlabArena
+from ucm.adapters.slab import DEFAULT_EXTENT_BYTES, SlabArena
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.sizes import parse_size
+
+SLOT_ALIGN = 4096  # slots start on page boundaries
 
 
 class DramConfig(AdapterConfig):
     path: str = "/dev/shm"  # directory of the shared-memory file (tmpfs)
     prefault: bool = True  # touch every page at start so copies take no faults
     copy_threads: int = Field(default=1, ge=1, le=64)  # threads per large copy
+    # Largest unit of space a size class takes or gives back; a small arena
+    # is cut into smaller extents (at least 8). A slot larger than an
+    # extent takes a run of contiguous extents.
+    extent_bytes: int = DEFAULT_EXTENT_BYTES
+
+    @field_validator("extent_bytes", mode="before")
+    @classmethod
+    def _extent(cls, v: Any) -> int:
+        n = parse_size(v)
+        if n < SLOT_ALIGN or n % SLOT_ALIGN:
+            raise ValueError(f"must be a positive multiple of {SLOT_ALIGN} bytes, got {n}")
+        return n
 
 
 @dataclass(slots=True)
 class _Slot:
     offset: int
     length: int
+    unit: int  # first extent of the arena unit holding it
     leases: int = 0
     doomed: bool = False  # deleted while leased: free on last release
 
@@ -48,6 +71,17 @@ class Lease:
     key: Key
     slot: _Slot
     view: memoryview  # read-only use: the committed blob
+
+
+@dataclass(frozen=True, slots=True)
+class SlotVictims:
+    """Blocks to evict so that a slot can be reserved (`victims_for`).
+    `any_one`: evicting any one of `keys` frees a slot of the size's own
+    class (the owner's policy picks which); otherwise every key must go:
+    together they empty the arena units the size needs."""
+
+    keys: tuple[Key, ...]
+    any_one: bool
 
 
 def _free_bytes(fd: int) -> int:
@@ -65,10 +99,11 @@ class DramAdapter(StorageAdapter):
         self.config = config or DramConfig()
         if capacity_bytes <= 0:
             raise ArgumentError(f"dram: capacity_bytes must be > 0, got {capacity_bytes}")
-        self._arena = SlabArena(capacity_bytes)
+        self._arena = SlabArena(capacity_bytes, align=SLOT_ALIGN, extent_bytes=self.config.extent_bytes)
         self._lock = threading.Lock()
         self._index: dict[Key, _Slot] = {}
         self._pending: dict[Key, _Slot] = {}  # reserved, not yet committed
+        self._by_unit: dict[int, set[Key]] = {}  # arena unit -> its committed keys
         self.segment_path = os.path.join(self.config.path, f"ucm-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -124,8 +159,44 @@ class DramAdapter(StorageAdapter):
             off = self._arena.alloc(size)
             if off is None:
                 return None
-            self._pending[key] = _Slot(off, size)
+            self._pending[key] = _Slot(off, size, self._arena.extent_of(off))
             return self._view[off:off + size]
+
+    def victims_for(self, size: int,
+                    acceptable: Optional[Callable[[tuple[Key, ...]], bool]] = None) -> SlotVictims:
+        """What to evict when `reserve(key, size)` found no slot: the keys of
+        the cheapest arena unit of another size class that still has free
+        slots (fewest live blocks); else any one block of the size's own
+        class, when it has units; else the blocks of the cheapest unit (or
+        run of units, for a slot larger than an extent) of any class. Units
+        holding a leased, reserved or doomed slot are never named, nor keys
+        that `acceptable` (the owner's judgement: pins, prefix order; asked
+        per unit with its keys, per key for the own class) refuses. Empty
+        when nothing can be freed. Evicting them and reserving again is the
+        caller's move (this lock is not held between the two). Lock order:
+        the owner may hold its own locks; `acceptable` runs under this one
+        and must not call the adapter."""
+        with self._lock:
+            self._check_open()
+            arena = self._arena
+            ok = acceptable or (lambda keys: True)
+
+            def releasable(head: int) -> bool:
+                keys = tuple(self._by_unit.get(head, ()))
+                return (arena.live(head) == len(keys) and all(self._index[k].leases == 0 for k in keys)
+                        and ok(keys))
+
+            heads = arena.release_candidates(size, releasable, partial_only=True)
+            if heads is None and arena.has_class(size):
+                cls = arena.slot_bytes(size)
+                own = tuple(k for u in arena.units() if u.slot_bytes == cls
+                            for k in self._by_unit.get(u.head, ()) if self._index[k].leases == 0 and ok((k,)))
+                if own:
+                    return SlotVictims(own, any_one=True)
+            if heads is None:
+                heads = arena.release_candidates(size, releasable)
+            keys = tuple(k for h in heads or () for k in self._by_unit.get(h, ()))
+            return SlotVictims(keys, any_one=False)
 
     def commit(self, key: Key) -> bool:
         with self._lock:
@@ -133,6 +204,7 @@ class DramAdapter(StorageAdapter):
             if slot is None:
                 return False
             self._index[key] = slot
+            self._by_unit.setdefault(slot.unit, set()).add(key)
             self._stats["bytes_in"] += slot.length
             return True
 
@@ -233,6 +305,10 @@ class DramAdapter(StorageAdapter):
                 if slot is None:
                     out.append(False)
                     continue
+                unit = self._by_unit[slot.unit]
+                unit.discard(key)
+                if not unit:
+                    del self._by_unit[slot.unit]
                 if slot.leases:
                     slot.doomed = True
                 else:
@@ -260,12 +336,16 @@ class DramAdapter(StorageAdapter):
             return self._arena.used_bytes
 
     def slot_bytes(self, size: int) -> int:
-        """Arena bytes a blob of `size` bytes occupies."""
-        return self._arena.slot_bytes(size)
+        """Arena bytes a blob of `size` bytes costs: its slot's share of its
+        extent (what `used_bytes` counts), so that a byte count of the tier
+        runs out when its extents do."""
+        return self._arena.footprint_bytes(size)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._stats, segment=self.segment_path, blocks=len(self._index))
+            a = self._arena
+            return dict(self._stats, segment=self.segment_path, blocks=len(self._index),
+                        extent_bytes=a.extent_bytes, extents=a.extent_count, extents_free=a.free_extents)
 
     def close(self) -> None:
         with self._lock:
@@ -274,6 +354,7 @@ class DramAdapter(StorageAdapter):
             self._closed = True
             self._index.clear()
             self._pending.clear()
+            self._by_unit.clear()
         self._view.release()
         try:
             self._mmap.close()

@@ -2,8 +2,9 @@
 
 One uint8 tensor of `capacity_bytes` on the accelerator (CUDA when present,
 else the CPU, so the same code runs in tests), carved into fixed-size slots
-(ucm.adapters.slab). Sources and destinations may be buffer-protocol objects
-or torch tensors on any device; device-to-device copies stay on the device.
+in extents that size classes take and give back (ucm.adapters.slab).
+Sources and destinations may be buffer-protocol objects or torch tensors on
+any device; device-to-device copies stay on the device.
 In vLLM the engine owns HBM; this tier serves standalone and transformers use.
 
 Thread-safe: one lock guards the index; copies run outside it (a slot being
@@ -170,7 +171,9 @@ class HbmAdapter(StorageAdapter):
             return self._arena.used_bytes
 
     def slot_bytes(self, size: int) -> int:
-        return self._arena.slot_bytes(size)
+        """Pool bytes a blob of `size` bytes costs: its slot's share of its
+        extent (what `used_bytes` counts; ucm.adapters.slab)."""
+        return self._arena.footprint_bytes(size)
 
     def stats(self) -> dict[str, Any]:
         return {"device": str(self.device), "blocks": len(self._index)}

@@ -186,6 +186,11 @@ class SlabArena:
             yield UnitInfo(u.head, u.span, u.cls.slot_bytes, u.live, u.cls.per_unit)
             i += u.span
 
+    def live(self, head: int) -> int:
+        """Live slots of the unit whose first extent is `head` (0 if free)."""
+        u = self._units[head]
+        return 0 if u is None or u.head != head else u.live
+
     def has_class(self, size: int) -> bool:
         """True when the class of `size` holds at least one unit."""
         return self.slot_bytes(size) in self._classes
