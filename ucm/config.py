@@ -163,7 +163,10 @@ def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str,
         if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG:
             continue
         path = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
-        value = yaml.safe_load(environ[var]) if environ[var] != "" else ""
+        try:
+            value = yaml.safe_load(environ[var]) if environ[var] != "" else ""
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise ConfigError(f"{var}: the value is not valid YAML: {exc}") from None
         node: Any = data
         model: Any = UcmConfig
         for depth, part in enumerate(path):
@@ -219,9 +222,9 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
         path = Path(source)
         try:
             raw = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, or text that is not UTF-8
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from exc
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")

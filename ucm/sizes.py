@@ -31,7 +31,8 @@ def parse_size(value: Union[int, float, str]) -> int:
         m = _RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            return int(n)
+            if n != float("inf"):  # hundreds of digits overflow the float: no size, not an OverflowError
+                return int(n)
     raise ValueError(f"invalid size {value!r}; use {ALLOWED}")
 
 
