@@ -1,15 +1,34 @@
 """Block identity: namespace digests and chained 16-byte block keys.
 
 A block is `block_tokens` consecutive tokens of one prompt for one model
-shard. Its key is `key_i = XXH3-128(key_{i-1} || tokens_i)`, seeded with the
-digest of the namespace, computed in ucm._native (tokens hashed as
-little-endian uint32). Keys are stable across processes, restarts and
-machines; only full blocks are keyed.
+shard. Keys are stable across processes, restarts and machines (NVMe and
+cluster tiers find blocks again by them), so their format is fixed here and
+pinned by golden vectors in tests/unit/test_keys.py and cpp/tests/test_core.cpp.
+
+Key format (computed in ucm._native, `chain_keys`)
+    key_{-1} = seed: Namespace.digest(), or any 16-byte key to continue from
+    key_i    = XXH3-128(key_{i-1} || tokens of block i)
+Tokens are hashed as little-endian uint32, 4 bytes each; only full blocks are
+keyed (a partial last block has no key). XXH3-128 runs with seed 0 and its
+16 bytes are written in xxHash's canonical order (high 64 bits first, each
+half big-endian): `_native.digest128(b"")` is 99aa06d3014798d86001c324468d497f.
+
+Namespace digest (DIGEST_VERSION 2)
+    digest = XXH3-128(canonical_bytes), canonical as above, where
+    canonical_bytes = b"ucm.namespace" || u8 DIGEST_VERSION || u8 field count
+                      || for each (name, kind) of DIGEST_FIELDS, in order:
+                         u8 len(name) || name (ASCII) || kind (b"s" or b"i")
+                         || value: "s" u32 LE byte length || UTF-8 bytes,
+                                   "i" int64 LE (two's complement)
+Every field of Namespace is in DIGEST_FIELDS, in declaration order; adding,
+removing, renaming or reordering one is a format change (bump DIGEST_VERSION;
+the tests fail until DIGEST_FIELDS matches the dataclass). Version 1 hashed
+the JSON of the fields; its keys are simply not found by version 2.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+import struct
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -20,6 +39,16 @@ from ucm.errors import ArgumentError
 Key = bytes
 KEY_BYTES = 16
 LAYOUT_VERSION = 1
+DIGEST_VERSION = 2
+_DIGEST_TAG = b"ucm.namespace"
+
+# (field, kind) in encoding order: "s" UTF-8 text, "i" int64. See the module docstring.
+DIGEST_FIELDS: tuple[tuple[str, str], ...] = (
+    ("model", "s"), ("kv_dtype", "s"), ("num_layers", "i"), ("num_kv_heads", "i"), ("head_size", "i"),
+    ("block_tokens", "i"), ("tp_rank", "i"), ("tp_size", "i"), ("layout", "s"), ("layout_version", "i"),
+    ("salt", "s"),
+)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 _DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "uint8")
 
@@ -42,6 +71,12 @@ class Namespace:
     salt: str = ""  # tenant, LoRA adapter, cache_salt, multimodal extras
 
     def __post_init__(self) -> None:
+        for name, kind in DIGEST_FIELDS:
+            v = getattr(self, name)
+            if kind == "s" and not isinstance(v, str):
+                raise ArgumentError(f"Namespace.{name} must be a str, got {v!r}")
+            if kind == "i" and (not isinstance(v, int) or isinstance(v, bool) or not _INT64[0] <= v <= _INT64[1]):
+                raise ArgumentError(f"Namespace.{name} must be an int in [-2**63, 2**63), got {v!r}")
         if not self.model:
             raise ArgumentError("Namespace.model must be a non-empty string")
         if self.kv_dtype not in _DTYPES:
@@ -53,10 +88,24 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ArgumentError(f"Namespace.tp_rank must be in 0..{self.tp_size - 1}, got {self.tp_rank!r}")
 
+    def canonical_bytes(self) -> bytes:
+        """The bytes digest() hashes: every field in DIGEST_FIELDS order, typed
+        and length-prefixed (format in the module docstring)."""
+        out = [_DIGEST_TAG, bytes((DIGEST_VERSION, len(DIGEST_FIELDS)))]
+        for name, kind in DIGEST_FIELDS:
+            v = getattr(self, name)
+            out += [bytes((len(name),)), name.encode("ascii"), kind.encode("ascii")]
+            if kind == "s":
+                b = v.encode("utf-8")
+                out += [struct.pack("<I", len(b)), b]
+            else:
+                out.append(struct.pack("<q", v))
+        return b"".join(out)
+
     def digest(self) -> Key:
-        """16-byte digest of the canonical JSON form of every field."""
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-        return _native.digest128(canon)
+        """16-byte XXH3-128 digest of canonical_bytes(): the seed of the
+        namespace's block keys."""
+        return _native.digest128(self.canonical_bytes())
 
 
 def _as_tokens(tokens: Union[Sequence[int], np.ndarray]) -> np.ndarray:

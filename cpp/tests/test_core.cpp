@@ -15,6 +15,9 @@
 #include "ucm/hash.hpp"
 #include "ucm/io_engine.hpp"
 
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
 static int failures = 0;
 #define CHECK(cond)                                                  \
   do {                                                               \
@@ -41,6 +44,92 @@ static void test_chain_keys() {
   tokens[0] ^= 1;
   ucm::chain_keys(seed, tokens.data(), 768, 256, b.data());
   for (int i = 0; i < 3; ++i) CHECK(std::memcmp(a.data() + 16 * i, b.data() + 16 * i, 16) != 0);
+}
+
+static std::string hex(const std::uint8_t* p, std::size_t n) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < n; ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+static std::vector<std::uint8_t> unhex(const std::string& s) {
+  std::vector<std::uint8_t> out;
+  for (std::size_t i = 0; i + 1 < s.size(); i += 2) {
+    out.push_back(static_cast<std::uint8_t>(std::stoi(s.substr(i, 2), nullptr, 16)));
+  }
+  return out;
+}
+
+// XXH3-128 of `data` straight from xxHash, written high 64 bits first, each
+// half big-endian: the canonical order ucm::digest128 promises, built here
+// without XXH128_canonicalFromHash.
+static std::string xxh3_128_hex(const std::vector<std::uint8_t>& data) {
+  const XXH128_hash_t h = XXH3_128bits(data.data(), data.size());
+  std::uint8_t out[16];
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<std::uint8_t>(h.high64 >> (56 - 8 * i));
+    out[8 + i] = static_cast<std::uint8_t>(h.low64 >> (56 - 8 * i));
+  }
+  return hex(out, 16);
+}
+
+// The key of one block from first principles: XXH3-128(prev || tokens as little-endian uint32).
+static std::string block_key_hex(const std::vector<std::uint8_t>& prev, const std::uint32_t* tokens,
+                                 std::size_t n) {
+  std::vector<std::uint8_t> buf(prev);
+  for (std::size_t j = 0; j < n; ++j) {
+    for (int b = 0; b < 4; ++b) buf.push_back(static_cast<std::uint8_t>(tokens[j] >> (8 * b)));
+  }
+  return xxh3_128_hex(buf);
+}
+
+// Known-answer vectors: the same values as tests/unit/test_keys.py. Keys are
+// stable across processes, releases and machines; a change here is a format change.
+static void test_key_vectors() {
+  std::uint8_t out[16];
+  // Published XXH3-128 vectors (xxHash's sanity tests, canonical form).
+  ucm::digest128("", 0, out);
+  CHECK(hex(out, 16) == "99aa06d3014798d86001c324468d497f");
+  ucm::digest128("abc", 3, out);
+  CHECK(hex(out, 16) == "06b05ab6733a618578af5f94892f3950");
+  CHECK(xxh3_128_hex({'a', 'b', 'c'}) == "06b05ab6733a618578af5f94892f3950");
+
+  // A chain seeded from a digest: two full blocks of 4 and a partial one (not keyed).
+  std::vector<std::uint8_t> seed(16);
+  for (int i = 0; i < 16; ++i) seed[i] = static_cast<std::uint8_t>(i);
+  const std::uint32_t tokens[] = {0, 1, 0xFFFFFFFFu, 42, 7, 7, 7, 7, 100000, 5};
+  std::uint8_t keys[32];
+  CHECK(ucm::chain_keys(seed.data(), tokens, 10, 4, keys) == 2);
+  CHECK(hex(keys, 16) == "28f3cae8d82cef12f51f2eff5579f990");
+  CHECK(hex(keys + 16, 16) == "27c93a501a256314d502a3393f855836");
+  CHECK(block_key_hex(seed, tokens, 4) == hex(keys, 16));
+  CHECK(block_key_hex(std::vector<std::uint8_t>(keys, keys + 16), tokens + 4, 4) == hex(keys + 16, 16));
+
+  // Namespace(model="smollm2-135m", kv_dtype="bfloat16", num_layers=30,
+  // num_kv_heads=3, head_size=64, block_tokens=256).canonical_bytes()
+  // (DIGEST_VERSION 2, format in ucm/keys.py), its digest, and the keys of tokens 0..511.
+  const std::vector<std::uint8_t> canon = unhex(
+      "75636d2e6e616d657370616365020b056d6f64656c730c000000736d6f6c6c6d322d3133356d086b765f6474797065730800"
+      "000062666c6f617431360a6e756d5f6c6179657273691e000000000000000c6e756d5f6b765f686561647369030000000000"
+      "000009686561645f73697a656940000000000000000c626c6f636b5f746f6b656e736900010000000000000774705f72616e"
+      "6b6900000000000000000774705f73697a65690100000000000000066c61796f757473000000000e6c61796f75745f766572"
+      "73696f6e6901000000000000000473616c747300000000");
+  CHECK(canon.size() == 223);
+  std::uint8_t ns[16];
+  ucm::digest128(canon.data(), canon.size(), ns);
+  CHECK(hex(ns, 16) == "0ef30df10995485f95064255df088329");
+  CHECK(xxh3_128_hex(canon) == hex(ns, 16));
+  std::vector<std::uint32_t> seq(512);
+  for (std::uint32_t i = 0; i < 512; ++i) seq[i] = i;
+  CHECK(ucm::chain_keys(ns, seq.data(), seq.size(), 256, keys) == 2);
+  CHECK(hex(keys, 16) == "bbf1185d8550a9e9a13ebefa2a3d543c");
+  CHECK(hex(keys + 16, 16) == "20c680326eb9171d2fb25fc481000279");
+  CHECK(block_key_hex(std::vector<std::uint8_t>(ns, ns + 16), seq.data(), 256) == hex(keys, 16));
+  CHECK(block_key_hex(std::vector<std::uint8_t>(keys, keys + 16), seq.data() + 256, 256) == hex(keys + 16, 16));
 }
 
 static void test_copy() {
@@ -145,6 +234,7 @@ static void test_io_engine() {
 
 int main() {
   test_chain_keys();
+  test_key_vectors();
   test_copy();
   test_copy_spans();
   test_index();
