@@ -33,7 +33,7 @@ from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker, Key
 from ucm.placement import Op, Placement, Plan, TierSpec
-from ucm.policy.base import load_policy
+from ucm.policy.base import check_live_policy, load_policy
 
 log = logging.getLogger(__name__)
 
@@ -106,18 +106,28 @@ class UnifiedCache:
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
     def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None) -> None:
+        """Opens every tier and restores what they hold. A failure on the way
+        closes whatever was opened already (no arena file or thread is left
+        behind) and raises."""
         self.config = config if isinstance(config, UcmConfig) else load_config(config)
         cfg = self.config
+        check_live_policy(cfg.policy.name, cfg.policy.options)  # a UcmConfig built in code is checked too
         self.tier_names = [t.adapter for t in cfg.tiers]
         self.adapters: list[StorageAdapter] = []
+        self._closed = False
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._reclaimer: Optional[threading.Thread] = None
+        self._reclaim_wake = threading.Event()
         try:
-            for i, tier in enumerate(cfg.tiers):
-                cls = load_adapter_class(tier.adapter)
-                self.adapters.append(cls(capacity_bytes=tier.capacity, config=adapter_options(tier, i)))
+            self._open(cfg)
         except BaseException:
-            for a in self.adapters:
-                a.close()
+            self.close()
             raise
+
+    def _open(self, cfg: UcmConfig) -> None:
+        for i, tier in enumerate(cfg.tiers):
+            cls = load_adapter_class(tier.adapter)
+            self.adapters.append(cls(capacity_bytes=tier.capacity, config=adapter_options(tier, i)))
         self.heat = HeatTracker(half_life=cfg.heat.half_life_requests)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
@@ -125,7 +135,6 @@ class UnifiedCache:
         self._meta = threading.Lock()
         self._mutate = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
-        self._closed = False
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
         self._shared = [t for t, a in enumerate(self.adapters) if a.shared]
@@ -133,8 +142,6 @@ class UnifiedCache:
         # background thread woken after every operation that adds blocks.
         self._headroom = [(t, int(tier.headroom * a.capacity_bytes))
                           for t, (tier, a) in enumerate(zip(cfg.tiers, self.adapters)) if tier.headroom > 0]
-        self._reclaim_wake = threading.Event()
-        self._reclaimer: Optional[threading.Thread] = None
         self._restore()
         if self._headroom:
             self._reclaimer = threading.Thread(target=self._reclaim_loop, name="ucm-reclaim", daemon=True)
@@ -264,7 +271,8 @@ class UnifiedCache:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self._reclaimer is not None:
             self._reclaim_wake.set()
             self._reclaimer.join()

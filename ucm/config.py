@@ -141,7 +141,9 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> Optional[list[str]]:
     return None
 
 
-def _format(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+def describe_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """One line per error of `exc`, each naming the key (after `prefix`)
+    and what is allowed."""
     lines = []
     for err in exc.errors():
         loc = tuple(err["loc"])
@@ -232,7 +234,7 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
     try:
         cfg = UcmConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format(exc, UcmConfig)) from None
+        raise ConfigError(describe_validation_error(exc, UcmConfig)) from None
     for i, tier in enumerate(cfg.tiers):
         adapter_options(tier, index=i)
     _check_policy(cfg.policy)
@@ -247,12 +249,11 @@ def adapter_options(tier: TierConfig, index: int = 0) -> BaseModel:
     try:
         return cls.Config.model_validate(tier.options)
     except ValidationError as exc:
-        raise ConfigError(_format(exc, cls.Config, prefix=f"tiers.{index}.options.")) from None
+        raise ConfigError(describe_validation_error(exc, cls.Config, prefix=f"tiers.{index}.options.")) from None
 
 
 def _check_policy(policy: PolicyConfig) -> None:
-    from importlib.metadata import entry_points
+    """An installed live policy, its options valid (ConfigError otherwise)."""
+    from ucm.policy.base import check_live_policy
 
-    names = sorted({ep.name for ep in entry_points(group="ucm.policies")})
-    if policy.name not in names:
-        raise ConfigError(f"policy.name: unknown policy {policy.name!r}; installed: {names}")
+    check_live_policy(policy.name, policy.options)

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from ucm.errors import ArgumentError
 from ucm.reuse import LONG_OUTPUT, ReuseModel
 
 Key = bytes
@@ -51,7 +52,7 @@ class HeatTracker:
 
     def __init__(self, half_life: float = 2000.0, history_blocks: int = 1 << 20) -> None:
         if half_life <= 0:
-            raise ValueError(f"half_life must be > 0, got {half_life!r}")
+            raise ArgumentError(f"half_life must be > 0, got {half_life!r}")
         self.now = 0
         self.half_life = float(half_life)
         self._lam = math.log(2.0) / self.half_life

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from ucm.adapters.base import Status, adapter_names, load_adapter_class
-from ucm.errors import AdapterNotFoundError, ArgumentError
+from ucm.errors import ArgumentError
 
 CAP = 8 << 20
 SIZE = 100_000
@@ -132,8 +132,3 @@ def test_misuse_raises_typed_errors(name, make):
         a.put(keys(2), data(1))
     with pytest.raises(ArgumentError):
         a.get(keys(1), [b"read-only bytes"])
-
-
-def test_unknown_adapter_name(name):
-    with pytest.raises(AdapterNotFoundError, match=r"No 'ucm.adapters' driver found, looking for 'floppy'"):
-        load_adapter_class("floppy")

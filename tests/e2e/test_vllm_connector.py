@@ -16,9 +16,11 @@ private ucm service so the cache outlives each engine:
   from DRAM to NVMe (LRU policy, 16 MiB of DRAM); a new engine then finds
   them below DRAM and loads them through the asynchronous path.
 
-A second, fast test drives the worker side alone on fake KV tensors (payload
-layout, SKIP pages, load-error reporting). Both are skipped when vLLM (or,
-for the first, the model package) is not installed. The engines run with
+A second driver (`--robustness`, test_ucm_connector_partial_concurrent_and_service_faults)
+checks partial hits, concurrent requests and a standalone service killed and
+restarted under the engine. The worker side alone, on fake KV tensors, is
+tested in tests/unit/connectors/. Both drivers are skipped when vLLM or the
+model package is not installed. The engines run with
 VLLM_CPU_KVCACHE_SPACE=1 and VLLM_CPU_OMP_THREADS_BIND=0-1 (about 4 minutes
 on 2 cores).
 """

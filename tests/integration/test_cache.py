@@ -55,8 +55,10 @@ def test_round_trip_demotion_and_promotion(nvme_dir):
         assert res == [Outcome.DONE] * 40 and out == data
         s = c.stats()
         assert s["tiers"]["nvme"]["demotions_in"] > 0 and s["tiers"]["dram"]["promotions_in"] > 0
-        # Promotion copies up: what was served from NVMe is now in DRAM too.
-        assert c.locate(keys[-3:]) == ["dram"] * 3 or "dram" in c.locate(keys)
+        # Promotion copies up: blocks that were only on NVMe are in DRAM now.
+        after = c.locate(keys)
+        assert any(a == "dram" for w, a in zip(where, after) if w == "nvme")
+        assert None not in after
 
 
 def test_lookup_is_the_exact_longest_prefix(nvme_dir):
@@ -138,7 +140,6 @@ def test_flipped_byte_is_a_miss_and_counted(nvme_dir):
     with UnifiedCache(conf) as c:
         res, out = load_all(c, keys)
         assert res[3] is Outcome.CORRUPT
-        assert out[3] != data[3] or res[3] is not Outcome.DONE
         assert [r for i, r in enumerate(res) if i != 3] == [Outcome.DONE] * 5
         assert [o for i, o in enumerate(out) if i != 3] == [d for i, d in enumerate(data) if i != 3]
         assert c.stats()["corrupt"] == 1

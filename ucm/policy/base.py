@@ -22,6 +22,13 @@ Calls a policy receives, per tier:
 
 Policies read shared statistics (frequency, recency, prefix links, and in
 trace replay the oracle's next use) from the HeatTracker they are given.
+
+Options. A policy declares the options it takes as its `Config` (a frozen
+pydantic model that forbids unknown keys; none by default), validated when
+the configuration is loaded (`check_policy`) and again at construction;
+a bad option is a ConfigError naming `policy.options.<key>`. A policy that
+needs what only a trace replay knows (the oracle's next use) sets
+`live = False`: a live cache refuses it.
 """
 from __future__ import annotations
 
@@ -30,7 +37,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ucm.errors import PolicyNotFoundError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ucm.errors import ConfigError, PolicyNotFoundError
 from ucm.heat import HeatTracker, Key
 
 POLICY_NAMESPACE = "ucm.policies"
@@ -50,16 +59,21 @@ class TierInfo:
     lowest: bool  # no tier below this one
 
 
+class PolicyOptions(BaseModel):
+    """A policy's options (`policy.options` in the config): none by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class PlacementPolicy(abc.ABC):
     """Eviction order and admission for the blocks of one tier."""
 
     name: str = ""
+    Config: type[PolicyOptions] = PolicyOptions
+    live: bool = True  # False: needs the trace's future, replay only
 
     def __init__(self, tier: TierInfo, heat: HeatTracker, **options: Any) -> None:
-        if options:
-            raise ValueError(
-                f"policy {self.name!r} takes no options, got {sorted(options)}"
-            )
+        self.options = validate_options(type(self), options)
         self.tier = tier
         self.heat = heat
 
@@ -85,9 +99,26 @@ class PlacementPolicy(abc.ABC):
 PolicyFactory = Callable[[TierInfo, HeatTracker], PlacementPolicy]
 
 
-def load_policy(name: str, **options: Any) -> PolicyFactory:
-    """Finds the policy class registered as `name` in the `ucm.policies`
-    entry points and returns a factory binding `options`."""
+def validate_options(cls: type[PlacementPolicy], options: dict[str, Any]) -> PolicyOptions:
+    """`options` checked against the policy's Config, else ConfigError."""
+    from ucm.config import describe_validation_error
+
+    try:
+        return cls.Config.model_validate(options)
+    except ValidationError as exc:
+        raise ConfigError(f"policy {cls.name!r}: "
+                          + describe_validation_error(exc, cls.Config, prefix="policy.options.")) from None
+
+
+def policy_names() -> list[str]:
+    """The names registered in the `ucm.policies` entry points."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=POLICY_NAMESPACE)})
+
+
+def load_policy_class(name: str) -> type[PlacementPolicy]:
+    """The policy class registered as `name` in the `ucm.policies` entry points."""
     from stevedore import ExtensionManager
 
     mgr = ExtensionManager(namespace=POLICY_NAMESPACE, invoke_on_load=False,
@@ -97,7 +128,29 @@ def load_policy(name: str, **options: Any) -> PolicyFactory:
         raise PolicyNotFoundError(
             f"No {POLICY_NAMESPACE!r} driver found, looking for {name!r}; available: {names}"
         )
-    cls = mgr[name].plugin
+    return mgr[name].plugin
+
+
+def check_live_policy(name: str, options: dict[str, Any]) -> type[PlacementPolicy]:
+    """The class of policy `name` for a live cache, its options validated;
+    ConfigError for an unknown or replay-only policy or a bad option."""
+    names = policy_names()
+    if name not in names:
+        raise ConfigError(f"policy.name: unknown policy {name!r}; installed: {names}")
+    cls = load_policy_class(name)
+    if not cls.live:
+        live = [n for n in names if load_policy_class(n).live]
+        raise ConfigError(f"policy.name: {name!r} is for trace replay only (it needs each block's next use, "
+                          f"which a live cache cannot know); live policies: {live}")
+    validate_options(cls, options)
+    return cls
+
+
+def load_policy(name: str, **options: Any) -> PolicyFactory:
+    """Finds the policy class registered as `name` in the `ucm.policies`
+    entry points and returns a factory binding `options` (validated now)."""
+    cls = load_policy_class(name)
+    validate_options(cls, options)
 
     def factory(tier: TierInfo, heat: HeatTracker) -> PlacementPolicy:
         return cls(tier, heat, **options)

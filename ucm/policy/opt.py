@@ -34,6 +34,7 @@ from ucm.policy.base import Admission, PlacementPolicy
 
 class OptPolicy(PlacementPolicy):
     name = "opt"
+    live = False  # needs each block's next use: trace replay only
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

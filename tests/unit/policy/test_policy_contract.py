@@ -101,7 +101,7 @@ def test_admit_answers_a_bool(policy, why):
     store(pol, heat, [b"x" * 8, b"y" * 8])
     heat.tick()
     heat.touch(b"z" * 8)
-    assert pol.admit(b"z" * 8, why) in (True, False)
+    assert type(pol.admit(b"z" * 8, why)) is bool
 
 
 def workload(seed, n=300):
@@ -127,7 +127,12 @@ def test_capacity_is_never_exceeded_in_a_replay(policy, tiers):
     for req, nu in zip(reqs, next_uses(reqs)):
         keys = [block_key(h) for h in req.hash_ids]
         served = replay.run_request(keys, req.block_tokens(), nu)
-        assert served == placement.locate(keys)[:len(served)] or len(tiers) > 1
+        # Hit blocks stay cached through their request: where they were, or
+        # promoted to a faster tier.
+        where_now = placement.locate(keys)[:len(served)]
+        assert all(w is not None and w <= s for w, s in zip(where_now, served))
+        if len(tiers) == 1:
+            assert where_now == served
         for t in range(placement.tier_count):
             assert placement.used_bytes(t) <= placement.capacity_bytes(t)
             assert placement.blocks(t) <= tiers[t]

@@ -1,0 +1,51 @@
+"""UnifiedCache's construction: policy options and replay-only policies are
+typed configuration errors, and a construction that fails half-way leaves
+no arena file behind (review 0a4baf9, item 12)."""
+import os
+
+import pytest
+
+import ucm.cache
+from ucm.cache import UnifiedCache
+from ucm.config import UcmConfig, load_config
+from ucm.errors import ConfigError
+from ucm.policy.base import load_policy
+
+
+def dram_only(tmp_path, **policy):
+    return {"tiers": [{"adapter": "dram", "capacity": "1MiB", "options": {"path": str(tmp_path)}}],
+            "policy": {"name": "lru", **policy}}
+
+
+def test_unknown_policy_option_is_a_config_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"policy\.options\.size: unknown key; allowed: \[\]"):
+        load_config(dram_only(tmp_path, options={"size": 1}), environ={})
+    with pytest.raises(ConfigError, match=r"policy\.options\.size"):
+        load_policy("heat", size=1)
+
+
+def test_a_replay_only_policy_is_refused_for_a_live_cache(tmp_path):
+    cfg = dram_only(tmp_path)
+    cfg["policy"]["name"] = "opt"
+    with pytest.raises(ConfigError, match=r"policy\.name: 'opt' is for trace replay only.*live policies: \[.*'lru'"):
+        load_config(cfg, environ={})
+    with pytest.raises(ConfigError, match="trace replay only"):
+        UnifiedCache(UcmConfig.model_validate(cfg))  # built in code: load_config never saw it
+    assert os.listdir(tmp_path) == []
+    assert load_policy("opt") is not None  # the replay still has it
+
+
+def test_bad_options_in_a_config_built_in_code_leave_nothing_behind(tmp_path):
+    with pytest.raises(ConfigError, match=r"policy\.options\.size"):
+        UnifiedCache(UcmConfig.model_validate(dram_only(tmp_path, options={"size": 1})))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_construction_that_fails_after_the_tiers_opened_closes_them(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("placement failed")
+
+    monkeypatch.setattr(ucm.cache, "Placement", broken)
+    with pytest.raises(RuntimeError, match="placement failed"):
+        UnifiedCache(dram_only(tmp_path))
+    assert os.listdir(tmp_path) == []  # the arena file went with the failed cache
