@@ -49,3 +49,13 @@ def test_a_construction_that_fails_after_the_tiers_opened_closes_them(tmp_path, 
     with pytest.raises(RuntimeError, match="placement failed"):
         UnifiedCache(dram_only(tmp_path))
     assert os.listdir(tmp_path) == []  # the arena file went with the failed cache
+
+
+def test_a_cache_dropped_without_close_removes_its_arena_file(tmp_path):
+    import gc
+
+    c = UnifiedCache(dram_only(tmp_path))
+    assert len(os.listdir(tmp_path)) == 1
+    del c
+    gc.collect()
+    assert os.listdir(tmp_path) == []

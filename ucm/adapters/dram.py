@@ -24,6 +24,7 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -109,13 +110,16 @@ class DramAdapter(StorageAdapter):
             fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise AdapterError(f"dram: cannot create shared-memory file in {self.config.path!r}: {exc}") from exc
+        # The file goes with the adapter even when close() is never called
+        # (a failed construction, an owner that was garbage collected).
+        self._unlink = weakref.finalize(self, _unlink_quietly, self.segment_path)
         try:
             os.ftruncate(fd, capacity_bytes)
             self._reserve_memory(fd, capacity_bytes)
             self._mmap = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, AdapterError) as exc:
             os.close(fd)
-            os.unlink(self.segment_path)
+            self._unlink()
             if isinstance(exc, AdapterError):
                 raise
             raise AdapterError(f"dram: cannot map {capacity_bytes} bytes at {self.segment_path!r}: {exc}") from exc
@@ -360,11 +364,15 @@ class DramAdapter(StorageAdapter):
             self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the process
-        try:
-            os.unlink(self.segment_path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("dram adapter used after close()")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
