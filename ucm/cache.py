@@ -11,8 +11,10 @@ Threads. Any method may be called from any thread. Loads, stores and
 prefetches run on a pool of `io_workers` threads. Two locks:
 `_meta` guards the placement metadata (held briefly, never across I/O);
 `_mutate` serialises plan execution, so steps reach the adapters in the
-order they were planned (lock order: `_mutate`, then `_meta`). Loads copy
-without `_mutate` under pins, so a block being read is never evicted.
+order they were planned (lock order: `_mutate`, then `_meta`, then an
+adapter's own lock: `_make_slot` asks the dram arena for victims under
+`_meta`). Loads copy without `_mutate` under pins, so a block being read is
+never evicted.
 
 Faults. Nothing on the data path raises for a cache fault: a missing file, a
 bad checksum, a failed write or a full medium is an Outcome (MISSING,
@@ -327,7 +329,7 @@ class UnifiedCache:
                 self._run_plan(steps, {})
                 view = None
                 if d.placed:
-                    view = arena.reserve(key, sizes[i])
+                    view = self._reserve_slot(landing, key, sizes[i])
                     if view is None:
                         with self._meta:
                             undo = self.placement.remove(key, landing)
@@ -664,7 +666,7 @@ class UnifiedCache:
             keys, views, failed = [], [], []
             for step in group:
                 size = a.size_of(step.key)
-                view = b.reserve(step.key, size) if size is not None else None
+                view = self._reserve_slot(dst, step.key, size) if size is not None else None
                 if view is None:
                     failed.append((step.key, Status.NOT_FOUND if size is None else Status.NO_SPACE))
                 else:
@@ -689,6 +691,59 @@ class UnifiedCache:
                     undo = self.placement.remove(key, dst)
                 b.delete([key])
                 self._run_plan_locked(undo, {})
+
+    def _reserve_slot(self, t: int, key: Key, size: int) -> Optional[memoryview]:
+        """Tier t's `reserve(key, size)`, made to succeed once more by
+        `_make_slot` when the arena has no slot of that size. Every
+        reservation of the cache goes through here. Caller holds `_mutate`,
+        not `_meta`."""
+        a = self.adapters[t]
+        view = a.reserve(key, size)
+        if view is None and self._make_slot(t, key, size):
+            view = a.reserve(key, size)
+        return view
+
+    def _put_block(self, t: int, key: Key, src: Any, parent: Optional[Key]) -> Status:
+        """Tier t's `put_with_parents` of one block, tried once more after
+        `_make_slot` when the tier said NO_SPACE. Caller holds `_mutate`,
+        not `_meta`."""
+        a = self.adapters[t]
+        st = a.put_with_parents([key], [src], [parent])[0]
+        if st is Status.NO_SPACE and self._make_slot(t, key, len(src)):
+            st = a.put_with_parents([key], [src], [parent])[0]
+        return st
+
+    def _make_slot(self, t: int, key: Key, size: int) -> bool:
+        """Tier t found no slot for `key` although Placement made room by
+        bytes (the freed bytes lie in extents of another size class of a
+        slab arena, ucm.adapters.slab). Asks the adapter which blocks to give
+        up (`victims_for`), first those Placement may evict in prefix order,
+        else with parents demoted ahead of their children; evicts them
+        through Placement (`evict_keys`: demoted like any victim) and runs
+        that plan. True when something was evicted, so one more try is
+        worth it. Caller holds `_mutate`, not `_meta`."""
+        a = self.adapters[t]
+        victims_for = getattr(a, "victims_for", None)
+        if victims_for is None or a.contains([key])[0]:
+            return False
+        plan: Plan = []
+        with self._meta:  # the adapter's lock is taken inside `_meta` here (a leaf lock)
+            p = self.placement
+            protect = p.parent_of(key)
+            for relaxed in (False, True):
+                def acceptable(keys: tuple[Key, ...], relaxed: bool = relaxed) -> bool:
+                    return p.may_evict(t, keys, protect=protect, relaxed=relaxed)
+
+                v = victims_for(size, acceptable)
+                if v.keys:
+                    plan = p.evict_keys(t, v.keys, any_one=v.any_one, protect=protect, relaxed=relaxed)
+                    if plan:
+                        break
+        if not plan:
+            return False
+        self._count("slot_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
+        self._run_plan_locked(plan, {})
+        return True
 
     def _forget(self, key: Key, tier: int) -> None:
         with self._mutate:
@@ -751,7 +806,7 @@ class UnifiedCache:
             with self._meta:  # written with the bytes: a tier may keep the tree across a restart
                 parent = self.placement._parent.get(step.key)  # no public accessor on Placement yet
             if step.op is Op.WRITE:
-                st = self.adapters[step.dst].put_with_parents([step.key], [sources[step.key]], [parent])[0]
+                st = self._put_block(step.dst, step.key, sources[step.key], parent)
             else:
                 st = self._transfer(step.key, step.src, step.dst, sources.get(step.key), parent)
                 if step.op is Op.MOVE:
@@ -772,7 +827,7 @@ class UnifiedCache:
         it already holds the bytes, else through a staging buffer); `parent`
         goes with it to the destination."""
         if have is not None:
-            return self.adapters[dst].put_with_parents([key], [have], [parent])[0]
+            return self._put_block(dst, key, have, parent)
         a = self.adapters[src]
         lease = getattr(a, "lease", None)
         if lease is not None:  # zero-copy read out of a shared-memory slot
@@ -780,7 +835,7 @@ class UnifiedCache:
             if held is None:
                 return Status.NOT_FOUND
             try:
-                return self.adapters[dst].put_with_parents([key], [held.view], [parent])[0]
+                return self._put_block(dst, key, held.view, parent)
             finally:
                 a.release(held)
         size = a.size_of(key)
@@ -788,7 +843,7 @@ class UnifiedCache:
             return Status.NOT_FOUND
         reserve = getattr(self.adapters[dst], "reserve", None)
         if reserve is not None:  # read straight into the destination slot
-            view = reserve(key, size)
+            view = self._reserve_slot(dst, key, size)
             if view is None:
                 return Status.NO_SPACE
             st = a.get([key], [view])[0]
@@ -800,4 +855,4 @@ class UnifiedCache:
             return st
         staging = bytearray(size)
         st = a.get([key], [staging])[0]
-        return self.adapters[dst].put_with_parents([key], [staging], [parent])[0] if st is Status.OK else st
+        return self._put_block(dst, key, staging, parent) if st is Status.OK else st

@@ -1,7 +1,7 @@
 """Slot allocation for fixed-size payloads inside one linear arena, in extents.
 
-The arena is cut into equal extents (at most `extent_bytes` each, and at
-least `MIN_EXTENTS` of them, so a small test arena still has several).
+The arena is cut into equal extents (`extent_bytes` each, smaller in an
+arena too small for `MIN_EXTENTS` of them, so that it still has several).
 Slots are rounded up to `align` bytes and grouped in size classes by their
 rounded size. A class takes space one unit at a time from the pool of free
 extents: a unit is one extent holding `extent // slot` slots, or, for a slot
@@ -32,6 +32,20 @@ from ucm.errors import ArgumentError
 
 DEFAULT_EXTENT_BYTES = 64 << 20
 MIN_EXTENTS = 8
+
+
+def _extent_size(capacity: int, align: int, extent_bytes: int) -> int:
+    """See SlabArena."""
+    bound = min(extent_bytes, capacity // MIN_EXTENTS)
+    if bound < align:
+        return align
+    if bound == extent_bytes and capacity % extent_bytes == 0:
+        return extent_bytes
+    top = 1 << (bound.bit_length() - 1)
+    size = top
+    while size > align and capacity % size:
+        size //= 2
+    return size if capacity % size == 0 and size * 64 >= top else top
 
 
 @dataclass(slots=True)
@@ -67,10 +81,13 @@ class UnitInfo:
 class SlabArena:
     """Fixed-size slots in size classes, handed out from extents.
 
-    `extent_bytes` is an upper bound: the arena is split into
-    at least max(MIN_EXTENTS, ceil(capacity / extent_bytes)) equal extents,
-    each a multiple of `align` (so a tiny arena has one-alignment extents);
-    what is left past the last whole extent is not used."""
+    Extents are `extent_bytes` each when that divides the arena into at
+    least MIN_EXTENTS; otherwise a power of two below that bound, the
+    largest that divides the arena (so that its bytes are all used and
+    power-of-two block sizes fill extents without waste) unless that is
+    under 1/64 of the bound, where the largest power of two under the bound
+    is taken and the tail past the last whole extent is not used.
+    `capacity_bytes` is what the extents cover."""
 
     def __init__(self, capacity_bytes: int, align: int = 4096,
                  extent_bytes: int = DEFAULT_EXTENT_BYTES) -> None:
@@ -81,10 +98,8 @@ class SlabArena:
         if extent_bytes < align:
             raise ArgumentError(f"extent_bytes must be >= align ({align}), got {extent_bytes}")
         self.align = align
-        count = max(MIN_EXTENTS, -(-capacity_bytes // extent_bytes))
-        size = (capacity_bytes // count) & ~(align - 1)
-        size = max(size, align)
-        count = capacity_bytes // size  # rounding `size` down may leave room for more
+        size = _extent_size(capacity_bytes, align, extent_bytes)
+        count = capacity_bytes // size
         self.extent_bytes = size
         self.extent_count = count
         self.capacity_bytes = count * size

@@ -21,9 +21,18 @@ def test_slots_are_aligned_reused_and_bounded():
 
 
 def test_extent_size_is_a_bound_and_small_arenas_get_several():
-    assert (SlabArena(1000 * MiB).extent_count, SlabArena(1000 * MiB).extent_bytes) == (16, 62.5 * MiB)
+    whole = SlabArena(1024 * MiB)
+    assert (whole.extent_count, whole.extent_bytes, whole.capacity_bytes) == (16, 64 * MiB, 1024 * MiB)
+    big = SlabArena(1000 * MiB)  # 64 MiB does not divide it: 8 MiB extents use every byte
+    assert (big.extent_count, big.extent_bytes, big.capacity_bytes) == (125, 8 * MiB, 1000 * MiB)
+    ragged = SlabArena(1024 * MiB + 4096)  # only 4 KiB divides it: 64 MiB extents, the last page unused
+    assert (ragged.extent_count, ragged.extent_bytes, ragged.capacity_bytes) == (16, 64 * MiB, 1024 * MiB)
+    assert SlabArena(3 * MiB, extent_bytes=3 * MiB // 8).extent_bytes == 3 * MiB // 8  # taken as given
     small = SlabArena(1 * MiB)
     assert (small.extent_count, small.extent_bytes) == (MIN_EXTENTS, 128 * KiB)
+    odd = SlabArena(96 * KiB)  # a power of two of which it holds 8: twelve of 8 KiB, no byte lost
+    assert (odd.extent_count, odd.extent_bytes, odd.capacity_bytes) == (12, 8 * KiB, 96 * KiB)
+    assert [odd.alloc(8 * KiB) for _ in range(13)].count(None) == 1  # twelve 8 KiB blocks fit
     tiny = SlabArena(10 * 4096)  # fewer pages than MIN_EXTENTS extents of two pages: one page each
     assert (tiny.extent_count, tiny.extent_bytes, tiny.capacity_bytes) == (10, 4096, 10 * 4096)
     assert SlabArena(0).capacity_bytes == 0 and SlabArena(0).alloc(1) is None
