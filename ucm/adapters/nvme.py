@@ -40,7 +40,15 @@ Failures. A failed region write (ENOSPC, EIO) drops that region's blocks
 (reported by `drain_dropped()`), and for `retry_after_s` new puts answer
 NO_SPACE at once instead of queueing work that will fail.
 
-Thread-safe. Lock order: `_lock`, then nothing (I/O runs outside it).
+Threads. Any method may be called from any thread. `put` copies into the
+open buffer on the caller's thread; a full buffer is written by the sealer
+thread (`ucm-nvme-sealer`); `get` reads on the caller's thread, through the
+native I/O threads. Lock order: `_lock`, then nothing: no I/O and no bulk
+copy runs under it. A writer that reclaims a region reads it back and copies
+its live blocks into the new buffer without the lock; meanwhile the
+region's blocks stay readable from the medium, other writers wait for the
+new buffer, and the result is reconciled under the lock (a block deleted or
+dropped meanwhile is left out).
 """
 from __future__ import annotations
 
@@ -152,7 +160,7 @@ class NvmeAdapter(StorageAdapter):
         self._open_buf: Optional[_Buffer] = None
         self._seq = 0
         self._dropped: list[Key] = []
-        self._pending_reclaim: Optional[int] = None
+        self._opening = False  # a writer is reading back a reclaimed region for a new buffer
         self._failed_at = -1e18
         self._stats = {"bytes_written": 0, "bytes_read": 0, "regions_sealed": 0, "regions_reclaimed": 0,
                        "reinserted": 0, "dropped": 0, "corrupt": 0, "write_errors": 0, "read_errors": 0,
@@ -357,7 +365,9 @@ class NvmeAdapter(StorageAdapter):
 
     def _writable_buffer(self, n: int) -> Optional[_Buffer]:
         """The open buffer with room for `n` bytes, sealing and opening
-        buffers as needed. Called with the lock held; may wait."""
+        buffers as needed. Called with the lock held; may wait, and lets the
+        lock go while it reads back a reclaimed region (one writer opens a
+        buffer at a time: the others wait for it)."""
         deadline = time.monotonic() + self.config.put_timeout_s
         while True:
             buf = self._open_buf
@@ -366,75 +376,105 @@ class NvmeAdapter(StorageAdapter):
             if buf is not None:
                 self._queue_seal(buf)
                 self._open_buf = None
-            while not self._spare:
+            while not self._spare or self._opening:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return None
                 self._cond.wait(left)
             if self._open_buf is not None:  # another writer opened one meanwhile
                 continue
-            region = self._take_region()
-            if region is None:
+            taken = self._take_region()
+            if taken is None:
                 return None
+            region, reclaimed = taken
             buf = self._spare.pop()
             self._seq += 1
             buf.region, buf.seq, buf.end, buf.entries = region, self._seq, 0, []
+            if reclaimed:
+                self._opening = True
+                try:
+                    self._reclaim_into(buf, reserve=n)
+                except BaseException:
+                    self._spare.append(buf)  # the region keeps its blocks on the medium
+                    raise
+                finally:
+                    self._opening = False
+                    self._cond.notify_all()
             self._mem[region] = buf
             self._open_buf = buf
-            self._reinsert_into(buf, reserve=n)
 
-    def _take_region(self) -> Optional[int]:
+    def _take_region(self) -> Optional[tuple[int, bool]]:
+        """A region for a new buffer, and whether it is reclaimed (its live
+        blocks are still in it). Called with the lock held."""
         if self._free_regions:
-            return self._free_regions.pop()
+            return self._free_regions.pop(), False
         candidates = [r for r in range(self.n_regions) if r not in self._mem]
         if not candidates:
             return None
         victim = min(candidates, key=lambda r: (self._regions[r].live_bytes, self._regions[r].seq))
         self._stats["regions_reclaimed"] += 1
-        self._pending_reclaim = victim
-        return victim
+        return victim, True
 
-    def _reinsert_into(self, buf: _Buffer, reserve: int) -> None:
-        """If `buf`'s region was reclaimed, re-inserts its live blocks at the
+    def _reclaim_into(self, buf: _Buffer, reserve: int) -> None:
+        """Re-inserts the live blocks of `buf`'s (reclaimed) region at the
         head of the buffer, leaving room for a blob of `reserve` bytes so
-        that the writer always progresses; those that do not fit are
-        dropped. Called with the lock held."""
-        victim, self._pending_reclaim = self._pending_reclaim, None
-        if victim is None:
-            return
+        that the writer always progresses; those that do not fit, or come
+        back bad, are dropped. Called with the lock held; reads the region
+        and copies into `buf` without it. Meanwhile the region's blocks stay
+        readable from the medium (nothing rewrites it before `buf` is
+        sealed), and `buf` is nobody else's (neither open nor in `_mem`).
+        Back under the lock, a block deleted or dropped meanwhile is left
+        out (its copy is a hole in the buffer)."""
+        victim = buf.region
         reg = self._regions[victim]
-        live = sorted(reg.live, key=lambda k: self._index[k].offset)
-        reg.live, reg.live_bytes = set(), 0
+        live = sorted(((k, self._index[k]) for k in reg.live), key=lambda kl: kl[1].offset)
         if not live:
+            reg.live_bytes = 0
             return
-        # Read the region's live data back (lock held: the region is not
-        # readable meanwhile, and the scratch read is one batched request).
         rs = self.config.region_size
-        scratch = mmap.mmap(-1, rs)
-        end = max(self._index[k].offset + _align_up(self._index[k].length) for k in live)
-        res = self._read_ranges([(scratch, 0, end)], victim)
-        ok_read = res[0] == end
-        for key in live:
-            loc = self._index.pop(key)
-            src = memoryview(scratch)[loc.offset:loc.offset + loc.length]
-            good = ok_read and _native.checksum(src) == loc.checksum
-            if not good:
-                self._stats["corrupt" if ok_read else "read_errors"] += 1
-            room = buf.end + _align_up(loc.length) + _align_up(reserve) + _footer_bytes(len(buf.entries) + 2)
-            if good and room <= rs:
-                off = buf.end
-                _native.copy(buf.view[off:off + loc.length], src)
-                buf.end = off + _align_up(loc.length)
-                buf.entries.append(FooterEntry(key, loc.parent, off, loc.length, loc.checksum))
-                self._index[key] = _Loc(victim, off, loc.length, loc.checksum, loc.parent)
-                reg.live.add(key)
-                reg.live_bytes += _align_up(loc.length)
-                self._stats["reinserted"] += 1
-            else:
-                self._dropped.append(key)
-                self._stats["dropped"] += 1
-            src.release()
-        scratch.close()
+        end = max(loc.offset + _align_up(loc.length) for _, loc in live)
+        placed: list[tuple[Key, _Loc, int]] = []  # (key, its location when read, offset in buf)
+        refused: list[tuple[Key, _Loc, str]] = []  # (key, location, why: "room", "corrupt", "read_errors")
+        self._lock.release()
+        try:
+            scratch = mmap.mmap(-1, end)
+            try:
+                ok_read = self._read_ranges([(scratch, 0, end)], victim)[0] == end
+                at, n_entries = 0, 0
+                for key, loc in live:
+                    src = memoryview(scratch)[loc.offset:loc.offset + loc.length]
+                    good = ok_read and _native.checksum(src) == loc.checksum
+                    room = at + _align_up(loc.length) + _align_up(reserve) + _footer_bytes(n_entries + 2)
+                    if good and room <= rs:
+                        _native.copy(buf.view[at:at + loc.length], src)
+                        placed.append((key, loc, at))
+                        at += _align_up(loc.length)
+                        n_entries += 1
+                    else:
+                        refused.append((key, loc, "room" if good else "corrupt" if ok_read else "read_errors"))
+                    src.release()
+            finally:
+                scratch.close()
+        finally:
+            self._lock.acquire()
+        reg.live, reg.live_bytes = set(), 0
+        buf.end = at
+        for key, loc, off in placed:
+            if self._index.get(key) is not loc:  # deleted, or dropped by a reader, meanwhile
+                continue
+            buf.entries.append(FooterEntry(key, loc.parent, off, loc.length, loc.checksum))
+            self._index[key] = _Loc(victim, off, loc.length, loc.checksum, loc.parent)
+            reg.live.add(key)
+            reg.live_bytes += _align_up(loc.length)
+            self._stats["reinserted"] += 1
+        for key, loc, why in refused:
+            if self._index.get(key) is not loc:
+                continue
+            del self._index[key]
+            self._dropped.append(key)
+            self._stats["dropped"] += 1
+            if why != "room":
+                self._stats[why] += 1
 
     def _read_ranges(self, bufs: list[tuple[Any, int, int]], region: int) -> list[int]:
         """Reads (buffer, offset-in-region, length) ranges of one region."""
