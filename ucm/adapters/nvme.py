@@ -17,9 +17,10 @@ pieces all in flight on the native I/O threads, then the footer. A crash at
 any instant leaves each region either with a valid footer describing intact
 data, or with none (ignored at restart); block checksums catch the rest.
 
-Reads. The index maps key -> (region, offset, length, checksum). Blocks in a
-sealed region are read with O_DIRECT (batched, many in flight) and verified;
-a bad checksum is a CORRUPT status, the block is dropped, never returned.
+Reads. The index maps key -> (region, offset, length, checksum, parent).
+Blocks in a sealed region are read with O_DIRECT (batched, many in flight)
+and verified; a bad checksum is a CORRUPT status, the block is dropped,
+never returned.
 
 Space. When no region is free, the region with the fewest live bytes (the
 oldest on ties) is reclaimed in place: its live blocks are read back and
