@@ -1,13 +1,13 @@
 """Seeded random inputs and byte mutations for the fuzz tests.
 
 Each test draws from its own `random.Random`, seeded from the test's name
-and `UCM_FUZZ_SEED` (default 0), so a CI run is reproducible and a failure
-message's seed replays it. `UCM_FUZZ_EXAMPLES=N` runs N examples per test
+and `UCMFUZZ_SEED` (default 0), so a CI run is reproducible and a failure
+message's seed replays it. `UCMFUZZ_EXAMPLES=N` runs N examples per test
 instead of the modest CI default, for long runs by hand:
 
-    UCM_FUZZ_EXAMPLES=200000 UCM_FUZZ_SEED=$RANDOM pytest -q tests/fuzz
+    UCMFUZZ_EXAMPLES=200000 UCMFUZZ_SEED=$RANDOM pytest -q tests/fuzz
 
-(hypothesis and atheris are not installed in this project's environment;
+(Not UCM_...: those are config overrides. hypothesis and atheris are not installed in this project's environment;
 plain seeded generators keep the tests dependency-free.)
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import random
 import struct
 from typing import Any
 
-SEED = int(os.environ.get("UCM_FUZZ_SEED", "0"))
+SEED = int(os.environ.get("UCMFUZZ_SEED", "0"))
 
 
 def examples(default: int) -> int:
-    """Examples to run: `UCM_FUZZ_EXAMPLES` when set, else `default`."""
-    v = os.environ.get("UCM_FUZZ_EXAMPLES")
+    """Examples to run: `UCMFUZZ_EXAMPLES` when set, else `default`."""
+    v = os.environ.get("UCMFUZZ_EXAMPLES")
     return int(v) if v else default
 
 
