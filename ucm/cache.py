@@ -257,7 +257,7 @@ class UnifiedCache:
             tiers[name]["adapter"] = a.stats()
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
                   "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
-                  "finished_requests"):
+                  "finished_requests", "slot_evictions"):
             counts.setdefault(k, 0)
         return {"tiers": tiers, **counts}
 

@@ -77,7 +77,7 @@ def test_a_second_size_gets_room_when_freed_bytes_are_scattered(nvme_dir):
         assert c.stats()["store_refused"] == 0
         where = c.locate(a_keys)
         assert where.count("nvme") >= 8 and None not in where  # every A block still cached
-        assert c.adapters[0].stats()["extents_free"] + c.adapters[0].used_bytes // (128 * KiB) <= 8
+        assert c.stats()["slot_evictions"] > 0  # the arena named victims beyond what Placement evicted by bytes
         load_exact(c, a_keys, a_data)  # byte-exact from NVMe (and promoted again)
         load_exact(c, b_keys, b_data)
 
