@@ -6,8 +6,6 @@ in another class's extents, the cache evicts what the arena names
 the first size's blocks are demoted to NVMe, not lost."""
 import hashlib
 
-import pytest
-
 from ucm.cache import Outcome, UnifiedCache
 
 KiB = 1024

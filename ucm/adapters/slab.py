@@ -17,9 +17,10 @@ So the owner's byte accounting runs out exactly when the units do, except
 for units that still hold free slots of another class; `release_candidates`
 names the cheapest units to empty for those.
 
-Costs: alloc and free are O(1) amortised (a free-slot stack per unit, the
-units with a free slot per class, a heap of free extents), except that a
-run of extents is found by a scan over the extents. Not thread-safe: the
+Costs: alloc and free are O(1), or O(log extents) when a unit is taken or
+given back (a free-slot stack per unit, the units with a free slot per
+class, a heap of free extents); a run of extents for an oversized slot and
+`release_candidates` (the slow path) scan the extents. Not thread-safe: the
 owning adapter holds its lock.
 """
 from __future__ import annotations
