@@ -804,7 +804,7 @@ class UnifiedCache:
                 self.adapters[step.src].delete([step.key])
                 continue
             with self._meta:  # written with the bytes: a tier may keep the tree across a restart
-                parent = self.placement._parent.get(step.key)  # no public accessor on Placement yet
+                parent = self.placement.parent_of(step.key)
             if step.op is Op.WRITE:
                 st = self._put_block(step.dst, step.key, sources[step.key], parent)
             else:
