@@ -13,7 +13,7 @@ being recomputed.
 
 vLLM builds two instances. The SCHEDULER one lives in the engine-core
 process: it keys the prompt's full blocks (`ucm.keys.block_keys` under a
-namespace built from the model and KV layout), asks the cache how long a
+namespace built from the model's weights and the KV layout), asks the cache how long a
 prefix it holds, and plans per step which blocks workers load and save
 (`UCMConnectorMetadata`). The WORKER one lives in the worker process: it
 copies whole vLLM pages, every layer, verbatim between vLLM's paged KV
@@ -26,12 +26,18 @@ Which process runs what, and whether it may block:
 - scheduler: get_num_new_matched_tokens (lookup; pins the hit; no other
   side effect, memoised per request), update_state_after_alloc,
   build_connector_meta, update_connector_output, request_finished: short
-  control calls to the cache service only, never payload copies.
+  control calls to the cache service only, never payload copies. Requests
+  still waiting for vLLM's pages pin at most `ucm_max_waiting_pin_bytes`
+  in all (default a quarter of the landing tier); hits beyond are misses
+  until there is room.
 - worker: start_load_kv blocks for synchronous loads (blocks already in
-  DRAM) before the forward; asynchronous loads (blocks below DRAM) and all
+  DRAM) before the forward, and never waits there for a save in flight;
+  asynchronous loads (blocks below DRAM, or still being saved) and all
   saves run on a background thread and are reported through get_finished.
   A save holds the request's pages (request_finished returns True) until the
-  worker reports it. Loads that fail are reported through
+  worker reports it; a preemption takes them back at once (handle_preemptions
+  waits only for a copy in progress; a save not yet copied is dropped, never
+  committed). Loads that fail are reported through
   get_block_ids_with_load_errors so vLLM recomputes those pages (and the
   request's next lookup is fresh, so a dead service is not asked again).
 - Copies go between vLLM's layer tensors and the arena slots the service
@@ -198,6 +204,8 @@ class _ReqState:
     hit_tiers: list[Optional[str]] = field(default_factory=list)
     looked_up: bool = False
     pinned: list[Key] = field(default_factory=list)
+    allocated: bool = False  # vLLM gave it pages (update_state_after_alloc); else it waits
+    capped: bool = False  # its hit was cut at the waiting-pin cap: look up again when there is room
     local_tokens: int = 0  # vLLM's own (page-aligned) hit at the last lookup
     load_async: bool = False  # what the last lookup answered vLLM: both sides must agree
     page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
@@ -213,7 +221,10 @@ class ConnectorSettings:
     ucm_config: Union[None, str, Mapping[str, Any]] = None  # YAML path or mapping; None: $UCM_CONFIG/defaults
     model_id: Optional[str] = None  # names the model in block keys (default: a fingerprint of the weights)
     load_mode: str = "auto"  # auto: sync from DRAM, async below; or force "sync" / "async"
-    load_timeout_s: float = 30.0  # a synchronous load waiting longer is a miss
+    load_timeout_s: float = 30.0  # an asynchronous load waits at most this long for saves in flight
+    # Bytes that requests still waiting for vLLM's pages may keep pinned;
+    # hits beyond it are misses. None: a quarter of the landing tier.
+    max_waiting_pin_bytes: Optional[int] = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "ConnectorSettings":
@@ -233,6 +244,10 @@ class ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.ucm_load_mode: {s.load_mode!r} not one of {list(_LOAD_MODES)}")
         if not (isinstance(s.load_timeout_s, (int, float)) and s.load_timeout_s > 0):
             raise ConfigError(f"kv_connector_extra_config.ucm_load_timeout_s must be > 0, got {s.load_timeout_s!r}")
+        cap = s.max_waiting_pin_bytes
+        if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap > 0):
+            raise ConfigError(f"kv_connector_extra_config.ucm_max_waiting_pin_bytes must be a positive int "
+                              f"(bytes) or absent, got {cap!r}")
         return s
 
 
@@ -338,15 +353,25 @@ class UCMConnector(KVConnectorBase_V1):
         # a chat) still hits them; its load waits in the worker for the save.
         self._saving_keys: dict[str, list[Key]] = {}
         self._saving: Counter = Counter()
+        # Pins held by requests that wait for vLLM's pages (nothing bounds
+        # how many wait), capped; a running request's pins are bounded by
+        # the pages vLLM gave it.
+        group = self._kv_cache_config.kv_cache_groups[0]
+        block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names) * self.pages_per_block
+        cap = self.settings.max_waiting_pin_bytes
+        if cap is None:
+            cap = next(t.capacity for t in self.config.tiers if t.adapter == self._landing) // 4
+        self._max_waiting_pinned = cap // block_bytes  # in blocks
+        self._waiting_pinned = 0
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
                         self._kv_transfer_config.kv_load_failure_policy)
         mc = vllm_config.model_config
         log.info("UCMConnector scheduler: model %s (%s) identified as %s; namespace %s, block_tokens %d "
-                 "(%d pages)", mc.served_model_name or mc.model, mc.model,
-                 "set by ucm_model_id" if self.settings.model_id else "its weights", self.namespace,
-                 self.block_tokens, self.pages_per_block)
+                 "(%d pages); waiting requests pin at most %d blocks", mc.served_model_name or mc.model,
+                 mc.model, "set by ucm_model_id" if self.settings.model_id else "its weights", self.namespace,
+                 self.block_tokens, self.pages_per_block, self._max_waiting_pinned)
 
     def _state(self, request: "Request") -> Optional[_ReqState]:
         st = self._reqs.get(request.request_id)
@@ -364,11 +389,24 @@ class UCMConnector(KVConnectorBase_V1):
         self._reqs[request.request_id] = st
         return st
 
+    def _unpin(self, st: _ReqState) -> None:
+        if st.pinned:
+            self._cache.unpin(st.pinned)
+            if not st.allocated:
+                self._waiting_pinned -= len(st.pinned)
+            st.pinned = []
+
     def _lookup(self, st: _ReqState) -> None:
-        """Longest cached prefix, pinned so it stays until the request ends."""
+        """Longest cached prefix, pinned so it stays until the request ends.
+        A request that is not allocated yet pins at most what is left of
+        the waiting-pin cap; the blocks beyond are misses for now."""
+        self._unpin(st)
         st.looked_up = True
         # After two lost loads the request is computed without ucm's help.
         n = self._cache.lookup(st.keys) if st.keys and self.can_load and st.load_failures < 2 else 0
+        room = n if st.allocated else max(0, self._max_waiting_pinned - self._waiting_pinned)
+        st.capped = n > room
+        n = min(n, room)
         if n:
             self._cache.pin(st.keys[:n])
             m = self._cache.lookup(st.keys[:n])  # still there now that it is pinned?
@@ -376,8 +414,10 @@ class UCMConnector(KVConnectorBase_V1):
                 self._cache.unpin(st.keys[m:n])
             n = m
         st.pinned = st.keys[:n]
+        if not st.allocated:
+            self._waiting_pinned += n
         st.hit_tiers = self._cache.locate(st.keys[:n]) if n else []
-        if self._saving and st.load_failures < 2:
+        if self._saving and st.load_failures < 2 and not st.capped:
             while n < len(st.keys) and st.keys[n] in self._saving:
                 n += 1
             st.hit_tiers = [PENDING if k in self._saving else t
@@ -389,16 +429,20 @@ class UCMConnector(KVConnectorBase_V1):
         st = self._state(request)
         if st is None:
             return 0, False
-        if not st.looked_up:
+        if not st.looked_up or (st.capped and not st.allocated
+                                and self._waiting_pinned < self._max_waiting_pinned):
             self._lookup(st)
         st.local_tokens = num_computed_tokens
+        mode = self.settings.load_mode
+        blocks = st.hit_blocks
+        if mode == "sync":  # a synchronous load never waits for a save: stop at the first one in flight
+            blocks = next((i for i, t in enumerate(st.hit_tiers[:blocks]) if t == PENDING), blocks)
         # A full hit is reported one token short: vLLM must compute the last
         # prompt token to sample the next one.
-        hit = min(st.hit_blocks * self.block_tokens, request.num_tokens - 1)
+        hit = min(blocks * self.block_tokens, request.num_tokens - 1)
         if hit <= num_computed_tokens:
             return 0, False
         first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
-        mode = self.settings.load_mode
         if mode == "auto":
             is_async = any(t != self._landing for t in st.hit_tiers[first:last])
         else:
@@ -411,6 +455,9 @@ class UCMConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None:
             return
+        if not st.allocated:  # running now: its pins leave the waiting budget
+            st.allocated = True
+            self._waiting_pinned -= len(st.pinned)
         st.page_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
@@ -456,9 +503,8 @@ class UCMConnector(KVConnectorBase_V1):
             if st is not None:  # its pages are gone; look up again when it resumes
                 st.page_ids = []
                 st.looked_up = False
-                if st.pinned:
-                    self._cache.unpin(st.pinned)
-                    st.pinned = []
+                self._unpin(st)
+                st.allocated = False
         return meta
 
     def _plan_store(self, req_id: str, st: _ReqState, computed_tokens: int, meta: UCMConnectorMetadata) -> None:
@@ -497,17 +543,14 @@ class UCMConnector(KVConnectorBase_V1):
                     st.next_store = min(st.next_store, p // self.pages_per_block)
                     st.looked_up = False
                     st.load_failures += 1
-                    if st.pinned:
-                        self._cache.unpin(st.pinned)
-                        st.pinned = []
+                    self._unpin(st)
                     break
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.pinned:
-            self._cache.unpin(st.pinned)
+        self._unpin(st)
         out = getattr(request, "num_output_tokens", None)
         if st.keys and isinstance(out, int):
             # A placement hint: how long an answer this prompt got (ucm/reuse.py).
