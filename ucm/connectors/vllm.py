@@ -503,6 +503,9 @@ class UCMConnector(KVConnectorBase_V1):
             if st is not None:  # its pages are gone; look up again when it resumes
                 st.page_ids = []
                 st.looked_up = False
+                # Its saves not yet copied were dropped (handle_preemptions):
+                # save again what the next lookup does not find.
+                st.next_store = 0
                 self._unpin(st)
                 st.allocated = False
         return meta

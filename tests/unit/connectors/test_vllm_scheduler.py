@@ -296,3 +296,22 @@ def test_default_pin_cap_is_a_quarter_of_the_landing_tier(make):
 def test_bad_pin_cap_is_refused_naming_the_key(value):
     with pytest.raises(ConfigError, match=r"ucm_max_waiting_pin_bytes.*" + str(value).replace(".", r"\.")):
         uv.ConnectorSettings.from_extra({"ucm_max_waiting_pin_bytes": value})
+
+
+def test_blocks_whose_save_a_preemption_dropped_are_planned_again_on_resume(make):
+    conn, cache = make()
+    tokens = list(range(100))
+    req = _request("r1", tokens)
+    keys = conn._state(req).keys
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 0)
+    [s] = conn.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5, 6, 7], 0, 100)])).stores
+    assert s.keys == keys
+    cache.tiers[keys[0]] = "dram"  # the worker saved block 0; the preemption dropped blocks 1 and 2
+    conn.build_connector_meta(_output(preempted={"r1"}))
+    conn.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
+    conn.update_state_after_alloc(req, _blocks([8, 9, 10, 11, 12, 13, 14]), 32)
+    meta = conn.build_connector_meta(_output(cached=[("r1", [8, 9, 10, 11, 12, 13, 14], 32, 68, True)]))
+    [s] = meta.stores
+    assert (s.keys, s.page_ids, s.parent) == (keys[1:], [[10, 11], [12, 13]], keys[0])
