@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from ucm.connectors import identity
 from ucm.connectors.identity import model_fingerprint
 
