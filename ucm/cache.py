@@ -35,7 +35,7 @@ from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker, Key
 from ucm.placement import Op, Placement, Plan, TierSpec
-from ucm.policy.base import check_live_policy, load_policy
+from ucm.policy.base import check_policy, load_policy
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +104,33 @@ class Handle:
         self._event.set()
 
 
+# tier_factory(index, adapter class, capacity_bytes, validated options) -> adapter
+TierFactory = Callable[[int, type, int, Any], StorageAdapter]
+
+
+def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> StorageAdapter:
+    return cls(capacity_bytes=capacity_bytes, config=options)
+
+
 class UnifiedCache:
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
-    def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None) -> None:
+    def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None, replay: bool = False,
+                 tier_factory: Optional[TierFactory] = None) -> None:
         """Opens every tier and restores what they hold. A failure on the way
         closes whatever was opened already (no arena file or thread is left
-        behind) and raises."""
-        self.config = config if isinstance(config, UcmConfig) else load_config(config)
+        behind) and raises.
+
+        `replay`: driven by a trace replay that reports each block's next use
+        (`Placement.record_request`), so a replay-only policy (`opt`) is
+        allowed. `tier_factory(index, cls, capacity_bytes, options)` builds
+        each tier (default `cls(capacity_bytes=..., config=options)`): the
+        seam through which tests wrap a tier or its device to inject faults
+        (ucm.adapters.faults)."""
+        self.config = config if isinstance(config, UcmConfig) else load_config(config, replay=replay)
         cfg = self.config
-        check_live_policy(cfg.policy.name, cfg.policy.options)  # a UcmConfig built in code is checked too
+        check_policy(cfg.policy.name, cfg.policy.options, replay=replay)  # a UcmConfig built in code too
+        self._tier_factory = tier_factory or _default_tier
         self.tier_names = [t.adapter for t in cfg.tiers]
         self.adapters: list[StorageAdapter] = []
         self._closed = False
@@ -129,7 +146,7 @@ class UnifiedCache:
     def _open(self, cfg: UcmConfig) -> None:
         for i, tier in enumerate(cfg.tiers):
             cls = load_adapter_class(tier.adapter)
-            self.adapters.append(cls(capacity_bytes=tier.capacity, config=adapter_options(tier, i)))
+            self.adapters.append(self._tier_factory(i, cls, tier.capacity, adapter_options(tier, i)))
         self.heat = HeatTracker(half_life=cfg.heat.half_life_requests)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]

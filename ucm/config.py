@@ -207,11 +207,12 @@ def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str,
 
 
 def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
-                environ: Optional[Mapping[str, str]] = None) -> UcmConfig:
+                environ: Optional[Mapping[str, str]] = None, replay: bool = False) -> UcmConfig:
     """Reads, overrides from the environment, and validates a configuration.
 
     `source`: a YAML path, an already-parsed mapping, or None for the file
-    named by UCM_CONFIG (or the built-in defaults).
+    named by UCM_CONFIG (or the built-in defaults). `replay`: for a trace
+    replay, which may use a policy that needs the trace's future (`opt`).
     """
     env = os.environ if environ is None else environ
     if source is None and env.get(ENV_CONFIG):
@@ -237,7 +238,7 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
         raise ConfigError(describe_validation_error(exc, UcmConfig)) from None
     for i, tier in enumerate(cfg.tiers):
         adapter_options(tier, index=i)
-    _check_policy(cfg.policy)
+    _check_policy(cfg.policy, replay)
     return cfg
 
 
@@ -252,8 +253,9 @@ def adapter_options(tier: TierConfig, index: int = 0) -> BaseModel:
         raise ConfigError(describe_validation_error(exc, cls.Config, prefix=f"tiers.{index}.options.")) from None
 
 
-def _check_policy(policy: PolicyConfig) -> None:
-    """An installed live policy, its options valid (ConfigError otherwise)."""
-    from ucm.policy.base import check_live_policy
+def _check_policy(policy: PolicyConfig, replay: bool = False) -> None:
+    """An installed policy (a live one unless `replay`), its options valid
+    (ConfigError otherwise)."""
+    from ucm.policy.base import check_policy
 
-    check_live_policy(policy.name, policy.options)
+    check_policy(policy.name, policy.options, replay=replay)

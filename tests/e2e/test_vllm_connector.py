@@ -69,6 +69,16 @@ TEXT = (
 )
 
 
+def _model_id(model: str) -> str:
+    """The model part of the namespace UCMConnector gives this model's blocks
+    (a fingerprint of its weights, not its path)."""
+    from vllm.config import ModelConfig
+
+    from ucm.connectors.vllm import model_identity
+
+    return model_identity(ModelConfig(model=model, skip_tokenizer_init=True))
+
+
 def _driver_env() -> dict:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -272,7 +282,7 @@ def _driver(out: Path, work: Path) -> int:
         result["promoted_before"] = client.stats()["tiers"]["dram"]["promotions_in"]
         from ucm.keys import Namespace, block_keys
 
-        ns = Namespace(model=model, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
+        ns = Namespace(model=_model_id(model), kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
                        block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")  # as UCMConnector names them
         result["p1_tiers"] = client.locate(block_keys(ns, p1))
         llm = _engine(model, str(cfg_path), prefix_caching=True)
@@ -356,7 +366,7 @@ def _robustness_driver(out: Path, work: Path) -> int:
     p1, _ = _prompts(tok)
     more = _more_prompts(tok, p1)
     q, c1, c2, d = more["q"], more["c1"], more["c2"], more["d"]
-    ns = Namespace(model=model, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
+    ns = Namespace(model=_model_id(model), kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
                    block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
     result: dict = {}
     svc = _start_service(cfg_path, work)

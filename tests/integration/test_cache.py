@@ -9,6 +9,9 @@ import time
 
 import pytest
 
+from ucm import _native
+from ucm.adapters.faults import FaultyAdapter, FaultyDevice
+from ucm.adapters.nvme import NvmeAdapter
 from ucm.cache import Outcome, UnifiedCache
 from ucm.errors import ArgumentError, ConfigError
 
@@ -193,19 +196,6 @@ def test_sigkill_mid_write_leaves_intact_or_missing(nvme_dir):
         assert served >= 100  # sealed regions survived the kill
 
 
-class _FullDevice:
-    """Wraps the native I/O engine: every write fails with ENOSPC."""
-
-    def __init__(self, real):
-        self.real = real
-
-    def read_batch(self, fd, bufs, offsets):
-        return self.real.read_batch(fd, bufs, offsets)
-
-    def write_batch(self, fd, bufs, offsets):
-        return [-errno.ENOSPC] * len(bufs)
-
-
 def _disk_full_checks(c, keys, data):
     res = c.store(keys, data).wait(30)  # more than DRAM holds: demotions hit the full disk
     assert Outcome.DONE in res
@@ -223,9 +213,25 @@ def _disk_full_checks(c, keys, data):
     assert st["tiers"]["nvme"]["adapter"]["write_errors"] >= 1
 
 
+def _with_device(device):
+    """A tier factory that builds the nvme tier on `device`."""
+    def make(index, cls, capacity, options):
+        if cls is NvmeAdapter:
+            return cls(capacity_bytes=capacity, config=options, device=device)
+        return cls(capacity_bytes=capacity, config=options)
+    return make
+
+
+def _faulty_nvme(index, cls, capacity, options):
+    """A tier factory that wraps the nvme tier in a FaultyAdapter."""
+    a = cls(capacity_bytes=capacity, config=options)
+    return FaultyAdapter(a) if cls is NvmeAdapter else a
+
+
 def test_disk_full_injected(nvme_dir):
-    with UnifiedCache(cfg(nvme_dir, retry_after_s=0.0)) as c:
-        c.adapters[1]._io = _FullDevice(c.adapters[1]._io)
+    device = FaultyDevice(_native.IoEngine(2))
+    device.fail_writes(errno.ENOSPC)  # every write, from the start
+    with UnifiedCache(cfg(nvme_dir, retry_after_s=0.0), tier_factory=_with_device(device)) as c:
         keys, data = chain(40, 7)
         _disk_full_checks(c, keys, data)
 
@@ -317,25 +323,18 @@ def test_acquire_stages_nvme_blocks_in_one_read(nvme_dir):
     """Blocks held only on NVMe are planned together and read in one batch;
     a block staged for this reader is never the victim of the next one's
     promotion, so when DRAM cannot hold them all the rest are misses."""
-    with UnifiedCache(cfg(nvme_dir)) as c:
+    with UnifiedCache(cfg(nvme_dir), tier_factory=_faulty_nvme) as c:
         keys, data = chain(40, 11)  # DRAM holds 16 of them
         c.store(keys, data).wait(30)
         c.flush()
         low = [i for i, t in enumerate(c.locate(keys)) if t == "nvme"][:12]
         assert len(low) == 12
         nvme = c.adapters[1]
-        calls = []
-        get = nvme.get
-
-        def counting_get(ks, dsts):
-            calls.append(len(ks))
-            return get(ks, dsts)
-
-        nvme.get = counting_get
+        before = nvme.calls["get"]
         leases = c.acquire([keys[i] for i in low])
         try:
             assert [bytes(le.view) for le in leases] == [data[i] for i in low]
-            assert calls == [12]
+            assert nvme.calls["get"] - before == 1  # the twelve blocks in one batch
         finally:
             c.release(leases)
         assert c.locate([keys[i] for i in low]) == ["dram"] * 12
@@ -372,22 +371,17 @@ def test_headroom_demotes_ahead_of_need(nvme_dir):
 
 
 def test_a_failing_batch_read_is_a_miss_and_gives_the_slots_back(nvme_dir):
-    with UnifiedCache(cfg(nvme_dir)) as c:
+    with UnifiedCache(cfg(nvme_dir), tier_factory=_faulty_nvme) as c:
         keys, data = chain(40, 14)
         c.store(keys, data).wait(30)
         c.flush()
         low = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"][:6]
         nvme = c.adapters[1]
-        get = nvme.get
-
-        def broken(ks, dsts):
-            raise OSError("injected: the device went away")
-
-        nvme.get = broken
+        nvme.raise_on("get", OSError("injected: the device went away"))
         assert c.acquire(low) == [None] * 6
-        assert c.adapters[0]._pending == {}  # no reservation left behind
+        assert [c.adapters[0].slot_offset(k) for k in low] == [None] * 6  # no reservation left behind
         assert c.locate(low) == ["nvme"] * 6  # still cached below
-        nvme.get = get
+        nvme.clear()
         leases = c.acquire(low)  # the same slots can be had again, and the blocks are intact
         try:
             expect = dict(zip(keys, data))

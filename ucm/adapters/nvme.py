@@ -135,7 +135,11 @@ class NvmeAdapter(StorageAdapter):
     name = "nvme"
     Config = NvmeConfig
 
-    def __init__(self, capacity_bytes: int, config: NvmeConfig) -> None:
+    def __init__(self, capacity_bytes: int, config: NvmeConfig, device: Any = None) -> None:
+        """`device`: the positional I/O engine (`read_batch` / `write_batch`
+        returning bytes moved or -errno per request); by default the native
+        core's `IoEngine(config.io_threads)`. Wrapping one injects faults
+        (ucm.adapters.faults.FaultyDevice)."""
         self.config = config
         rs = config.region_size
         self._lock = threading.Lock()
@@ -148,7 +152,7 @@ class NvmeAdapter(StorageAdapter):
                 f"nvme: capacity {capacity_bytes} bytes holds {n_regions} region(s) of {rs} bytes; need >= 2")
         self.n_regions = n_regions
         self._capacity = int(n_regions * rs * config.usable_fraction)
-        self._io = _native.IoEngine(config.io_threads)
+        self._io = device if device is not None else _native.IoEngine(config.io_threads)
         self._regions = [_Region() for _ in range(n_regions)]
         self._index: dict[Key, _Loc] = {}
         self._mem: dict[int, _Buffer] = {}  # region -> buffer holding it in memory

@@ -119,7 +119,7 @@ def run_payload(requests: Sequence[TraceRequest], policy: str,
     with tempfile.TemporaryDirectory(prefix="ucm-trace-", dir=nvme_dir) as tmp:
         cfg = cache_config(policy, [b for _, _, b in tiers], cost.block_bytes, tmp)
         t0 = time.perf_counter()
-        with UnifiedCache(cfg) as cache:
+        with UnifiedCache(cfg, replay=True) as cache:
             for t, (name, _, nbytes) in enumerate(tiers):
                 got = cache.placement.capacity_bytes(t)
                 if got != nbytes:

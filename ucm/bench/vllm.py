@@ -219,10 +219,15 @@ def _drop_page_cache(root: Path) -> None:
 
 
 def _namespace(model: str):
+    from vllm.config import ModelConfig
+
+    from ucm.connectors.vllm import model_identity
     from ucm.keys import Namespace
 
-    # As UCMConnector names the blocks of SmolLM2 on vLLM for CPU (bf16, 128-token pages).
-    return Namespace(model=model, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
+    # As UCMConnector names the blocks of SmolLM2 on vLLM for CPU (bf16, 128-token
+    # pages): the model part is the fingerprint of its weights.
+    model_id = model_identity(ModelConfig(model=model, skip_tokenizer_init=True))
+    return Namespace(model=model_id, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
                      block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
 
 

@@ -131,14 +131,14 @@ def load_policy_class(name: str) -> type[PlacementPolicy]:
     return mgr[name].plugin
 
 
-def check_live_policy(name: str, options: dict[str, Any]) -> type[PlacementPolicy]:
-    """The class of policy `name` for a live cache, its options validated;
-    ConfigError for an unknown or replay-only policy or a bad option."""
+def check_policy(name: str, options: dict[str, Any], replay: bool = False) -> type[PlacementPolicy]:
+    """The class of policy `name`, its options validated; ConfigError for an
+    unknown policy, a bad option, or (unless `replay`) a replay-only policy."""
     names = policy_names()
     if name not in names:
         raise ConfigError(f"policy.name: unknown policy {name!r}; installed: {names}")
     cls = load_policy_class(name)
-    if not cls.live:
+    if not cls.live and not replay:
         live = [n for n in names if load_policy_class(n).live]
         raise ConfigError(f"policy.name: {name!r} is for trace replay only (it needs each block's next use, "
                           f"which a live cache cannot know); live policies: {live}")

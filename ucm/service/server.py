@@ -16,6 +16,7 @@ serves what that log had sealed.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import logging
 import os
 import queue
@@ -570,6 +571,9 @@ def serve(config: UcmConfig, private: bool = False, idle_exit_s: float = 5.0) ->
     svc.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: svc.stop())
+    # `kill -USR1 <pid>` writes every thread's stack to the service's stderr
+    # (its log): what a stuck request waits on, without stopping the service.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     print(f"ucm serve: listening on {svc.path}", flush=True)
     svc.serve_forever()
     return 0

@@ -4,36 +4,19 @@ reconciled (a block deleted meanwhile does not come back)."""
 import os
 import threading
 
+from ucm import _native
 from ucm.adapters.base import Status
+from ucm.adapters.faults import FaultyDevice
 from ucm.adapters.nvme import NvmeAdapter, NvmeConfig
 
 RS = 64 << 10
 SIZE = 20_000  # three blocks and a footer per region
 
 
-class GatedIo:
-    """The adapter's real I/O engine, with a hook run (on the calling
-    thread) before the first read issued by `thread` once armed."""
-
-    def __init__(self, io, thread, hook):
-        self._io, self._thread, self._hook, self.armed = io, thread, hook, False
-
-    def read_batch(self, fd, bufs, offsets):
-        if self.armed and threading.current_thread() is self._thread:
-            self.armed = False
-            self._hook()
-        return self._io.read_batch(fd, bufs, offsets)
-
-    def write_batch(self, fd, bufs, offsets):
-        return self._io.write_batch(fd, bufs, offsets)
-
-    @property
-    def threads(self):
-        return self._io.threads
-
-
 def test_victim_region_is_read_without_the_lock(tmp_path):
-    a = NvmeAdapter(3 * RS, NvmeConfig(path=str(tmp_path), region_size=RS, io_chunk=RS, write_buffers=1))
+    conf = NvmeConfig(path=str(tmp_path), region_size=RS, io_chunk=RS, write_buffers=1)
+    device = FaultyDevice(_native.IoEngine(conf.io_threads))  # the real engine, behind the seam
+    a = NvmeAdapter(3 * RS, conf, device=device)
     try:
         keys = [os.urandom(16) for _ in range(9)]
         data = {k: os.urandom(SIZE) for k in keys}
@@ -56,9 +39,14 @@ def test_victim_region_is_read_without_the_lock(tmp_path):
             t.join(20)  # a deadlock bound, not a timing: with the lock held here `other` could never finish
             seen["finished"] = not t.is_alive()
 
-        gate = GatedIo(a._io, threading.current_thread(), during_reclaim)
-        a._io = gate  # wraps the real engine: the seam the adapter reads the medium through
-        gate.armed = True
+        me, armed = threading.current_thread(), [True]
+
+        def before(op):  # the first read this thread issues from now on: the victim read
+            if op == "read" and armed and threading.current_thread() is me:
+                armed.clear()
+                during_reclaim()
+
+        device.before = before
         new = os.urandom(16)
         data[new] = os.urandom(SIZE)
         assert a.put([new], [data[new]]) == [Status.OK]  # no free region: reclaims region 0
