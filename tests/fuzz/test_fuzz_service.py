@@ -223,3 +223,25 @@ def test_random_requests_are_refused_never_internal_errors_and_give_back_what_th
     finally:
         good.close()
     assert "Traceback" not in log_path.read_text()
+
+
+def test_stalled_and_half_sent_frames_do_not_hold_up_other_clients(service):
+    """One event loop serves every connection: peers that stop mid-frame,
+    or connect and say nothing, never block a well-behaved client."""
+    sock, proc, _ = service
+    rnd = rng("service_stalls")
+    stalled = []
+    try:
+        for n in range(examples(40)):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            frame = proto.pack([n, "lookup", {"keys": [rnd.randbytes(16)]}])
+            s.sendall(frame[:rnd.randrange(0, len(frame))])  # a prefix of a frame, then silence
+            stalled.append(s)
+        with CacheClient(sock) as good:
+            round_trip(good, 5)
+            assert good.stats()["service"]["connections"] == len(stalled) + 1
+    finally:
+        for s in stalled:
+            s.close()
+    assert proc.poll() is None
