@@ -399,12 +399,17 @@ class UCMConnector(KVConnectorBase_V1):
     def _lookup(self, st: _ReqState) -> None:
         """Longest cached prefix, pinned so it stays until the request ends.
         A request that is not allocated yet pins at most what is left of
-        the waiting-pin cap; the blocks beyond are misses for now."""
+        the waiting-pin cap (all of its hit when no other waiting request
+        holds pins, so one long prompt still hits whole); the blocks beyond
+        are misses for now."""
         self._unpin(st)
         st.looked_up = True
         # After two lost loads the request is computed without ucm's help.
         n = self._cache.lookup(st.keys) if st.keys and self.can_load and st.load_failures < 2 else 0
-        room = n if st.allocated else max(0, self._max_waiting_pinned - self._waiting_pinned)
+        if st.allocated or self._waiting_pinned == 0:
+            room = n
+        else:
+            room = max(0, self._max_waiting_pinned - self._waiting_pinned)
         st.capped = n > room
         n = min(n, room)
         if n:

@@ -277,6 +277,19 @@ def test_waiting_requests_pin_at_most_the_cap_and_beyond_it_count_as_misses(make
     assert cache.pinned() == 0 and conn._waiting_pinned == 0
 
 
+def test_the_only_waiting_request_pins_its_whole_hit_past_the_cap(make):
+    """The cap bounds a queue of waiting requests, not one long prompt: with
+    no other pins waiting, a hit larger than the cap is served whole."""
+    conn, cache = make(ucm_max_waiting_pin_bytes=1 * BLOCK_BYTES)
+    a_tokens, b_tokens = list(range(100)), list(range(500, 600))
+    _cache_prompt(conn, cache, a_tokens, ["dram"] * 3)
+    _cache_prompt(conn, cache, b_tokens, ["dram"] * 3)
+    assert conn.get_num_new_matched_tokens(_request("a", a_tokens), 0) == (96, False)
+    assert cache.pinned() == 3
+    assert conn.get_num_new_matched_tokens(_request("b", b_tokens), 0) == (0, False)  # a waits with 3
+    assert cache.pinned() == 3
+
+
 def test_a_finished_waiting_request_gives_its_pin_budget_back(make):
     conn, cache = make(ucm_max_waiting_pin_bytes=2 * BLOCK_BYTES)
     tokens = list(range(70))
