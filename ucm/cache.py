@@ -818,25 +818,38 @@ class UnifiedCache:
         ok = True
         for step in plan:
             if step.op is Op.DROP:
-                self.adapters[step.src].delete([step.key])
+                self._delete(step.src, step.key)
                 continue
             with self._meta:  # written with the bytes: a tier may keep the tree across a restart
                 parent = self.placement.parent_of(step.key)
-            if step.op is Op.WRITE:
-                st = self._put_block(step.dst, step.key, sources[step.key], parent)
-            else:
-                st = self._transfer(step.key, step.src, step.dst, sources.get(step.key), parent)
-                if step.op is Op.MOVE:
-                    self.adapters[step.src].delete([step.key])
+            try:
+                if step.op is Op.WRITE:
+                    st = self._put_block(step.dst, step.key, sources[step.key], parent)
+                else:
+                    st = self._transfer(step.key, step.src, step.dst, sources.get(step.key), parent)
+            except Exception:  # a tier that raises is a failed step, never a slot left behind
+                log.exception("ucm: %s of a block to tier %s failed", step.op.name.lower(),
+                              self.tier_names[step.dst])
+                st = Status.FAILED
+            if step.op is Op.MOVE:
+                self._delete(step.src, step.key)
             if st is not Status.OK:
                 ok = False
                 if st is Status.CORRUPT:
                     self._count("corrupt", 1)
                 with self._meta:
                     undo = self.placement.remove(step.key, step.dst)
-                self.adapters[step.dst].delete([step.key])
+                self._delete(step.dst, step.key)
                 self._run_plan_locked(undo, {})
         return ok
+
+    def _delete(self, t: int, key: Key) -> None:
+        """Tier t's delete of one block; a tier that raises is logged (the
+        placement has already let the block go)."""
+        try:
+            self.adapters[t].delete([key])
+        except Exception:
+            log.exception("ucm: deleting a block from tier %s failed", self.tier_names[t])
 
     def _transfer(self, key: Key, src: int, dst: int, have: Optional[memoryview],
                   parent: Optional[Key] = None) -> Status:

@@ -468,3 +468,26 @@ def test_heat_learns_what_a_store_continues(nvme_dir):
         c.finish(keys[:4], 900)
         assert [heat.get(k).long_out for k in keys] == [True] * 4 + [False] * 2
         assert c.stats()["finished_requests"] == 1
+
+
+def test_a_block_larger_than_an_nvme_region_is_refused_there_and_leaves_no_slot_behind(tmp_path):
+    """Demoting a block the lower tier cannot hold (bigger than a region) is
+    a refused step: the block is dropped, its DRAM slot comes back, and the
+    cache keeps storing (review of the service fuzzer's finding)."""
+    conf = {"tiers": [{"adapter": "dram", "capacity": "4MiB", "options": {"path": str(tmp_path)}},
+                      {"adapter": "nvme", "capacity": "32MiB",
+                       "options": {"path": str(tmp_path / "nvme"), "region_size": "512KiB", "io_chunk": "128KiB"}}],
+            "policy": {"name": "lru"}}
+    with UnifiedCache(conf) as c:
+        big = [os.urandom(16) for _ in range(3)]
+        for k in big:  # 2 MiB each: DRAM holds one at a time beside the rest, NVMe none
+            assert c.store([k], [bytes(2 << 20)]).wait(30) == [Outcome.DONE]
+        keys, data = chain(8, 31)
+        for _ in range(3):
+            assert c.store(keys, data).wait(30) == [Outcome.DONE] * 8
+        st = c.stats()["tiers"]
+        assert st["dram"]["blocks"] == st["dram"]["adapter"]["blocks"]  # no slot the placement forgot
+        assert st["nvme"]["adapter"]["too_large"] >= 1
+        res, out = load_all(c, keys)
+        assert res == [Outcome.DONE] * 8 and out == data
+        assert c.locate(big).count(None) >= 2  # the ones pushed out are gone, not half-kept

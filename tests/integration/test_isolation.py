@@ -217,7 +217,7 @@ def test_fs_keys_of_any_bytes_stay_inside_its_directory(tmp_path, shard_levels):
         fs.close()
 
 
-@pytest.mark.parametrize("prefix", ["a/b", "../x", "/abs", "", "a\x00b", "x" * 65, "a b"])
+@pytest.mark.parametrize("prefix", ["a/b", "../x", "/abs", "", "a\x00b", "x" * 65, "a b", "..", "."])
 def test_fs_key_prefix_that_names_another_directory_is_a_config_error(prefix):
     from ucm.config import load_config
 

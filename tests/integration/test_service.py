@@ -392,3 +392,17 @@ def test_lookups_from_the_shared_index_equal_the_service_answers(service):
             t.start()
             t.join(5)
             assert out == [1]
+
+
+def test_a_lease_id_must_be_an_integer_not_a_bool(service):
+    """`true` is not lease 1: a release names leases by integer id only."""
+    cfg_path, sock, cfg, _ = service
+    with CacheClient(sock) as c:
+        keys, data = chain(1, 21)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE]
+        lease = c._call("acquire", {"keys": keys})["slots"][0]
+        assert lease[0] == 1 and c.stats()["service"]["leases"] == 1
+        c._call("release", {"leases": [True]})
+        assert c.stats()["service"]["leases"] == 1
+        c._call("release", {"leases": [1]})
+        assert c.stats()["service"]["leases"] == 0

@@ -68,7 +68,8 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 class FsConfig(AdapterConfig):
     path: str  # the shared mount point (or any directory)
-    key_prefix: str = Field(default="ucm", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # subdirectory: one per deployment
+    # A subdirectory of `path`, one per deployment (not "." or "..").
+    key_prefix: str = Field(default="ucm", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     shard_levels: int = Field(default=2, ge=0, le=3)  # directory levels of 256 entries
     io_threads: int = Field(default=8, ge=1, le=256)
     fsync: bool = False  # fsync each block before it is renamed into place (durability across crashes)
@@ -77,6 +78,13 @@ class FsConfig(AdapterConfig):
     scan_on_start: bool = True  # index the blocks already in the tree
     rescan_interval_s: float = Field(default=0.0, ge=0.0)  # 0: never rescan in the background
     tmp_max_age_s: float = Field(default=3600.0, gt=0.0)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _one_directory_down(cls, v: str) -> str:
+        if v in (".", ".."):
+            raise ValueError(f"must name a subdirectory of path, not {v!r}")
+        return v
 
     @field_validator("path")
     @classmethod

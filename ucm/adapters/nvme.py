@@ -169,7 +169,7 @@ class NvmeAdapter(StorageAdapter):
         self._failed_at = -1e18
         self._stats = {"bytes_written": 0, "bytes_read": 0, "regions_sealed": 0, "regions_reclaimed": 0,
                        "reinserted": 0, "dropped": 0, "corrupt": 0, "write_errors": 0, "read_errors": 0,
-                       "recovered_blocks": 0}
+                       "recovered_blocks": 0, "too_large": 0}
         self._recover()
         self._seal_queue: list[_Buffer] = []
         self._sealer = threading.Thread(target=self._seal_loop, name="ucm-nvme-sealer", daemon=True)
@@ -329,8 +329,17 @@ class NvmeAdapter(StorageAdapter):
         for key, blob, parent in zip(keys, blobs, parents):
             src = byte_view(blob, what="blob")
             n = len(src)
-            if n == 0 or _align_up(n) + _footer_bytes(1) > rs:
-                raise ArgumentError(f"nvme: blob of {n} bytes does not fit a region of {rs} bytes")
+            if n == 0:
+                raise ArgumentError("nvme: a blob must not be empty")
+            if _align_up(n) + _footer_bytes(1) > rs:  # this tier cannot hold it: a refusal, not misuse
+                with self._lock:
+                    self._stats["too_large"] += 1
+                    first = self._stats["too_large"] == 1
+                if first:
+                    log.warning("nvme: a block of %d bytes does not fit a region of %d bytes (region_size); "
+                                "such blocks are not kept on %s", n, rs, self.config.path)
+                out.append(Status.NO_SPACE)
+                continue
             csum = _native.checksum(src)
             with self._lock:
                 self._check_open()

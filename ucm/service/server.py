@@ -529,7 +529,7 @@ class CacheService:
         ids = args.get("leases")
         if not isinstance(ids, list) or len(ids) > self.config.service.max_keys:
             raise proto.ProtocolError("leases: expected a list of lease ids")
-        self.cache.release([conn.leases.pop(i) for i in ids if isinstance(i, int) and i in conn.leases])
+        self.cache.release([conn.leases.pop(i) for i in ids if type(i) is int and i in conn.leases])
 
     def _prefetch(self, conn: _Conn, args: dict) -> list:
         h = self.cache.prefetch(self._keys(args, {"keys"}))
