@@ -12,6 +12,7 @@ import pytest
 from ucm import _native
 from ucm.adapters.faults import FaultyAdapter, FaultyDevice
 from ucm.adapters.nvme import NvmeAdapter
+from support import chain
 from ucm.cache import Outcome, UnifiedCache
 from ucm.errors import ArgumentError, ConfigError
 
@@ -27,18 +28,6 @@ def cfg(nvme_dir, dram="1MiB", nvme="16MiB", policy="lru", landing="dram", tiers
         t.append({"adapter": "nvme", "capacity": nvme,
                   "options": {"path": nvme_dir, "region_size": "512KiB", "io_chunk": "128KiB", **nv}})
     return {"tiers": t, "landing_tier": landing, "policy": {"name": policy}}
-
-
-def chain(n, seed):
-    """Consecutive block keys of one prompt and their payloads."""
-    import hashlib
-    keys, data = [], []
-    prev = seed.to_bytes(16, "little")
-    for i in range(n):
-        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-        keys.append(prev)
-        data.append(hashlib.shake_128(prev).digest(SIZE))
-    return keys, data
 
 
 def load_all(cache, keys):

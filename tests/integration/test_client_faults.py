@@ -2,12 +2,9 @@
 in flight when a connection dies, and replies for another arena. A cache
 fault is a miss, never an exception into the engine and never other bytes
 reported as a hit (review 0a4baf9, item 1)."""
-import hashlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,17 +16,8 @@ from ucm.cache import Outcome
 from ucm.config import UcmConfig
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
+from support import SIZE, chain, start_service, stop_service
 
-SIZE = 64 * 1024
-
-
-def chain(n, seed):
-    keys, data, prev = [], [], seed.to_bytes(16, "little")
-    for i in range(n):
-        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-        keys.append(prev)
-        data.append(hashlib.shake_128(prev).digest(SIZE))
-    return keys, data
 
 
 def write_config(tmp_path, tiers):
@@ -40,28 +28,8 @@ def write_config(tmp_path, tiers):
     return str(path), sock
 
 
-def start_service(cfg_path, sock):
-    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"service exited: {proc.stdout.read()}")
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(sock)
-            s.close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("service did not start")
-
-
 def stop(proc):
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+    stop_service(proc, signal.SIGKILL)
 
 
 def client_config(timeout_s=30.0):

@@ -1,11 +1,11 @@
 """Two nodes' caches share blocks through each cluster tier: fs on a common
 directory, Redis and the Mooncake store on servers started on 127.0.0.1."""
-import hashlib
 import os
 
 import pytest
 
 from ucm.cache import Outcome, UnifiedCache
+from support import chain
 
 SIZE = 64 * 1024
 
@@ -26,15 +26,6 @@ def node(shared_dir, dram="512KiB", tier="fs"):
     return UnifiedCache({"tiers": [{"adapter": "dram", "capacity": dram},
                                    {"adapter": tier, "capacity": "64MiB", "options": _tier_options(tier, shared_dir)}],
                          "policy": {"name": "lru"}})
-
-
-def chain(n, seed):
-    keys, data, prev = [], [], seed.to_bytes(16, "little")
-    for i in range(n):
-        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-        keys.append(prev)
-        data.append(hashlib.shake_128(prev).digest(SIZE))
-    return keys, data
 
 
 @pytest.mark.parametrize("tier", ["fs", "redis", "mooncake"])

@@ -20,6 +20,7 @@ from ucm.cache import Outcome
 from ucm.errors import ArgumentError, UcmError
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
+from support import chain, start_service
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZE = 64 * 1024
@@ -39,24 +40,6 @@ def write_config(tmp_path, metrics=False):
     return str(path), sock, cfg
 
 
-def start_service(cfg_path, sock):
-    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"service exited: {proc.stdout.read()}")
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(sock)
-            s.close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("service did not start")
-
-
 @pytest.fixture
 def service(tmp_path):
     cfg_path, sock, cfg = write_config(tmp_path, metrics=True)
@@ -68,16 +51,6 @@ def service(tmp_path):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def chain(n, seed):
-    import hashlib
-    keys, data, prev = [], [], seed.to_bytes(16, "little")
-    for i in range(n):
-        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-        keys.append(prev)
-        data.append(hashlib.shake_128(prev).digest(SIZE))
-    return keys, data
 
 
 def run_client(script, cfg_path, *args, background=False):

@@ -1,0 +1,50 @@
+"""Helpers shared by the test suites (importable as `support`: tests/ is on
+sys.path through tests/conftest.py)."""
+import hashlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+SIZE = 64 * 1024
+
+
+def chain(n, seed, size=SIZE):
+    """Consecutive block keys of one prompt and their payloads (each derived
+    from its key, so any copy can be checked)."""
+    keys, data, prev = [], [], seed.to_bytes(16, "little")
+    for i in range(n):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        keys.append(prev)
+        data.append(hashlib.shake_128(prev).digest(size))
+    return keys, data
+
+
+def start_service(cfg_path, sock, timeout_s=30.0):
+    """`ucm serve --config cfg_path` as a subprocess, once its socket answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"service exited: {proc.stdout.read()}")
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            s.close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("service did not start")
+
+
+def stop_service(proc, sig=signal.SIGTERM):
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
