@@ -127,6 +127,7 @@ class CacheService:
         self._sel: Optional[selectors.BaseSelector] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._done: "queue.SimpleQueue[tuple[_Conn, bytes]]" = queue.SimpleQueue()
+        self._running: dict[int, tuple[str, float, bool]] = {}  # worker thread -> (op, start, logged)
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._ops: dict[str, Callable[[_Conn, dict], Any]] = {
@@ -210,6 +211,7 @@ class CacheService:
                                         thread_name_prefix="ucm-serve")
         self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        threading.Thread(target=self._watchdog, name="ucm-serve-watchdog", daemon=True).start()
         spin = self.config.service.poll_spin_us / 1e6
         busy_until = 0.0
         try:
@@ -310,15 +312,37 @@ class CacheService:
         return proto.pack(reply)
 
     def _run_slow(self, conn: _Conn, frame: list) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            self._running[me] = (frame[1], time.monotonic(), False)
         try:
             out = self._handle(conn, frame)
         except BaseException as exc:  # pack failed: never leave the connection busy
             out = proto.pack([frame[0], False, f"internal error: {type(exc).__name__}"])
+        finally:
+            with self._lock:
+                self._running.pop(me, None)
         self._done.put((conn, out))
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass  # the wake pipe is full: the loop is awake anyway
+
+    def _watchdog(self) -> None:
+        """Logs, once per request, an operation that has run for a third of
+        the clients' request timeout, with every thread's stack: what a
+        request that clients will give up on waits for."""
+        limit = self.config.service.request_timeout_s / 3
+        while not self._stop.wait(min(1.0, limit / 2)):
+            now = time.monotonic()
+            with self._lock:
+                stuck = [(t, op, now - t0) for t, (op, t0, told) in self._running.items()
+                         if not told and now - t0 > limit]
+                for t, op, _ in stuck:
+                    self._running[t] = (op, self._running[t][1], True)
+            for t, op, age in stuck:
+                log.warning("ucm serve: %s has run for %.1f s (thread %d); stacks follow", op, age, t)
+                faulthandler.dump_traceback(all_threads=True)
 
     def _completions(self) -> None:
         try:
