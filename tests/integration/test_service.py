@@ -379,3 +379,27 @@ def test_a_lease_id_must_be_an_integer_not_a_bool(service):
         assert c.stats()["service"]["leases"] == 1
         c._call("release", {"leases": [1]})
         assert c.stats()["service"]["leases"] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell a binding apart")
+def test_a_private_service_does_not_inherit_the_engine_cpu_binding(tmp_path):
+    """An engine bound to one core (vLLM's OpenMP binding) starts a private
+    service: the service runs on every CPU, not queued behind the engine."""
+    from ucm.service.server import allowed_cpus
+
+    cfg = {"tiers": [{"adapter": "dram", "capacity": "4MiB"}], "policy": {"name": "lru"},
+           "service": {"socket": str(tmp_path / "p.sock")}}
+    cfg_path = tmp_path / "p.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    script = textwrap.dedent("""
+        import os, sys
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the engine's binding
+        import ucm
+        c = ucm.connect(sys.argv[1])
+        pid = c.service_info["pid"]
+        print(sorted(os.sched_getaffinity(pid)), flush=True)
+        c.close()
+    """)
+    r = subprocess.run([sys.executable, "-c", script, str(cfg_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == sorted(allowed_cpus())

@@ -589,8 +589,47 @@ class CacheService:
         return self.cache.flush()
 
 
+def allowed_cpus() -> set[int]:
+    """The CPUs processes here may run on: the cgroup's cpuset, else every
+    online CPU."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            text = f.read().strip()
+    except OSError:
+        text = ""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            return set(range(os.cpu_count() or 1))
+    return cpus or set(range(os.cpu_count() or 1))
+
+
+def release_inherited_affinity() -> None:
+    """A private service is started by an engine process, whose threads are
+    often bound to a few cores (vLLM for CPU binds its OpenMP threads with
+    VLLM_CPU_OMP_THREADS_BIND, and the worker process to one of them): the
+    service must not inherit that binding, or every copy and NVMe request
+    of the cache queues behind the engine's spinning threads on one core
+    (measured: a 6 MB copy stalled for 30 s). It runs on every CPU allowed
+    here instead."""
+    want = allowed_cpus()
+    try:
+        if os.sched_getaffinity(0) != want:
+            os.sched_setaffinity(0, want)
+    except (OSError, AttributeError) as exc:  # a cpuset that changed meanwhile; non-Linux
+        log.info("ucm serve: keeping the inherited CPU affinity (%s)", exc)
+
+
 def serve(config: UcmConfig, private: bool = False, idle_exit_s: float = 5.0) -> int:
-    """Runs the service until SIGTERM/SIGINT (or idle, when private)."""
+    """Runs the service until SIGTERM/SIGINT (or idle, when private). A
+    private service first drops the CPU binding it inherited from the
+    engine that started it (release_inherited_affinity); a service started
+    by hand keeps whatever `taskset` or the unit file gave it."""
+    if private:
+        release_inherited_affinity()  # before any thread is started: they inherit it
     svc = CacheService(config, private=private, idle_exit_s=idle_exit_s)
     svc.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
