@@ -225,7 +225,10 @@ class UnifiedCache:
         return self._submit(len(keys), self._prefetch, list(keys))
 
     def pin(self, keys: Sequence[Key]) -> None:
-        """Keeps the blocks from eviction until `unpin` (counted leases)."""
+        """Keeps the blocks cached until `unpin` (counted): a hit promised to
+        an engine. A pinned block may leave a tier only while another tier
+        holds it too, so a reader can stage a pinned prefix longer than the
+        landing tier, chunk by chunk."""
         keys = check_keys(keys)
         with self._meta:
             self.placement.pin(keys)
@@ -354,7 +357,7 @@ class UnifiedCache:
                         self._count("store_refused", 1)
                 with self._meta:
                     if view is not None:
-                        self.placement.pin([key])  # not a victim until committed or aborted
+                        self.placement.hold([key])  # not a victim until committed or aborted
                     if view is not None or present:
                         self.placement.touch([key])
             out.append(True if present else view)
@@ -371,7 +374,7 @@ class UnifiedCache:
             ok = arena.commit(key)
             if ok:
                 with self._meta:
-                    self.placement.unpin([key])
+                    self.placement.unhold([key])
                 self._count("stored_blocks", 1)
                 self._count("bytes_stored", size[1])
             out.append(ok)
@@ -389,7 +392,7 @@ class UnifiedCache:
             arena.abort(key)
             with self._mutate:
                 with self._meta:
-                    self.placement.unpin([key])
+                    self.placement.unhold([key])
                     undo = self.placement.remove(key, landing) if not arena.contains([key])[0] else []
                 self._run_plan(undo, {})
 
@@ -586,7 +589,7 @@ class UnifiedCache:
                     out[i] = Outcome.MISSING
                 else:
                     by_tier.setdefault(t, []).append(i)
-            self.placement.pin([keys[i] for idx in by_tier.values() for i in idx])
+            self.placement.hold([keys[i] for idx in by_tier.values() for i in idx])
         promote: list[int] = []
         try:
             for t, idx in sorted(by_tier.items()):
@@ -601,7 +604,7 @@ class UnifiedCache:
                         self._forget(keys[i], t)
         finally:
             with self._meta:
-                self.placement.unpin([keys[i] for idx in by_tier.values() for i in idx])
+                self.placement.unhold([keys[i] for idx in by_tier.values() for i in idx])
         for i in promote:
             with self._mutate:
                 with self._meta:
@@ -659,7 +662,7 @@ class UnifiedCache:
                     d = self.placement.promote(key, force=force)
                     plan.extend(d.plan)
                     if d.placed:  # later promotions must not pick it as a victim before its copy
-                        self.placement.pin([key])
+                        self.placement.hold([key])
                         staged.append(key)
             try:
                 copies = [s for s in plan if s.op is Op.COPY]
@@ -667,7 +670,7 @@ class UnifiedCache:
                 self._copy_batch(copies)
             finally:
                 with self._meta:
-                    self.placement.unpin(staged)
+                    self.placement.unhold(staged)
 
     def _copy_batch(self, steps: Plan) -> None:
         """COPY steps, one adapter read per source tier when the destination

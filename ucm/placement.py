@@ -13,7 +13,12 @@ Invariants it keeps:
 - a block is resident in a tier only if its parent is resident somewhere
   (a child without its prefix is useless), so a parent never leaves the
   cache before its children;
-- a pinned block is never a victim;
+- a held block (`hold`: a reservation being written, a block being staged
+  or read) is never a victim; a pinned block (`pin`: a hit promised to an
+  engine) never leaves the cache: it is a victim in a tier only while
+  another tier holds it too (dropping that copy keeps it cached), so a
+  reader staging its own pinned prefix through a small tier can always make
+  room from the copies it staged before;
 - within a tier, blocks with resident children there are victims only when
   nothing else is evictable, and then only by demotion to the tier below
   (the prefix stays cached);
@@ -111,7 +116,8 @@ class Placement:
         self._parent: dict[Key, Optional[Key]] = {}  # resident anywhere -> parent
         self._children: dict[Key, set[Key]] = {}  # resident parent -> resident children
         self._size: dict[Key, int] = {}
-        self._pins: Counter = Counter()
+        self._pins: Counter = Counter()  # promised to an engine: stays cached (some tier)
+        self._holds: Counter = Counter()  # in use where it is: stays in every tier it is in
         self._on_link: Optional[Callable[[Key], None]] = None
         self._on_unlink: Optional[Callable[[Key], None]] = None
 
@@ -171,21 +177,33 @@ class Placement:
     def resident_keys(self, t: int) -> Iterable[Key]:
         return self._tiers[t].blocks.keys()
 
-    # ---- pins --------------------------------------------------------------
+    # ---- pins and holds ------------------------------------------------------
     def pin(self, keys: Iterable[Key]) -> None:
+        """Counted: the blocks stay cached (in some tier) until unpinned."""
         for k in keys:
             self._pins[k] += 1
 
     def unpin(self, keys: Iterable[Key]) -> None:
+        _release(self._pins, keys)
+
+    def hold(self, keys: Iterable[Key]) -> None:
+        """Counted: the blocks stay in every tier they are in until unheld
+        (their bytes are being written, staged or read there)."""
         for k in keys:
-            n = self._pins.get(k, 0)
-            if n <= 1:
-                self._pins.pop(k, None)
-            else:
-                self._pins[k] = n - 1
+            self._holds[k] += 1
+
+    def unhold(self, keys: Iterable[Key]) -> None:
+        _release(self._holds, keys)
 
     def pinned(self, key: Key) -> bool:
-        return key in self._pins
+        return key in self._pins or key in self._holds
+
+    def _stuck(self, key: Key, tier: "_Tier") -> bool:
+        """Whether `key` may not leave `tier` now: held, or pinned with no
+        copy in another tier."""
+        if key in self._holds:
+            return True
+        return key in self._pins and not any(key in o.blocks for o in self._tiers if o is not tier)
 
     # ---- accesses ----------------------------------------------------------
     def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None,
@@ -263,11 +281,11 @@ class Placement:
         if not (force or dst.policy.admit(key, Admission.PROMOTE)):
             return Decision(False, [])
         plan: Plan = []
-        self._pins[key] += 1  # the source must survive the evictions made for it
+        self._holds[key] += 1  # the source must survive the evictions made for it
         try:
             room = self._make_room(t, size, plan, protect=self._parent.get(key))
         finally:
-            self.unpin([key])
+            self.unhold([key])
         if not room or key not in self._parent:
             return Decision(False, plan)
         self._enter(key, t, size)
@@ -304,11 +322,10 @@ class Placement:
         cache while a child is cached)."""
         group = keys if isinstance(keys, (set, frozenset)) else set(keys)
         tier = self._tiers[t]
-        pins = self._pins
         if not group:
             return False
         for k in group:
-            if k not in tier.blocks or k in pins or k == protect:
+            if k not in tier.blocks or self._stuck(k, tier) or k == protect:
                 return False
         lowest = tier.info.lowest
         if relaxed and not lowest:
@@ -341,8 +358,7 @@ class Placement:
             evictable = self._evictable_in(t, protect)
             victim = tier.policy.victim(lambda k: k in named and evictable(k))
             if victim is None and relaxed and not tier.info.lowest:
-                pins = self._pins
-                victim = tier.policy.victim(lambda k: k in named and k not in pins and k != protect)
+                victim = tier.policy.victim(lambda k: k in named and not self._stuck(k, tier) and k != protect)
             if victim is not None:
                 self._evict(victim, t, plan)
             return plan
@@ -428,20 +444,24 @@ class Placement:
 
     def _evictable_in(self, t: int, protect: Optional[Key]) -> Callable[[Key], bool]:
         tier = self._tiers[t]
-        pins = self._pins
+        holds, pins = self._holds, self._pins
         kids = tier.kids
+        others = [o.blocks for o in self._tiers if o is not tier]
+
+        def stuck(key: Key) -> bool:  # _stuck, inlined: policies call this per candidate
+            return key in holds or (key in pins and not any(key in b for b in others))
+
         if not tier.info.lowest:
             def evictable(key: Key) -> bool:
-                return key not in pins and key != protect and key not in kids
+                return key != protect and key not in kids and not stuck(key)
 
             return evictable
         children = self._children
-        others = [o.blocks for o in self._tiers if o is not tier]
 
         def evictable_lowest(key: Key) -> bool:
             # From the lowest tier a block leaves the cache unless another tier
             # holds it; then its children anywhere would be orphaned.
-            if key in pins or key == protect or key in kids:
+            if key == protect or key in kids or stuck(key):
                 return False
             return key not in children or any(key in b for b in others)
 
@@ -460,10 +480,8 @@ class Placement:
                 # Only parents are left: demote one ahead of its children (it
                 # stays cached below, so the prefix survives).
                 if relaxed is None:
-                    pins = self._pins
-
                     def relaxed(key: Key) -> bool:
-                        return key not in pins and key != protect
+                        return key != protect and not self._stuck(key, tier)
                 victim = tier.policy.victim(relaxed)
             if victim is None:
                 return False
@@ -481,11 +499,11 @@ class Placement:
             needed = key in self._children  # has resident children: keep the prefix
             if needed or below.policy.admit(key, Admission.DEMOTE):
                 self._leave(key, t)
-                self._pins[key] += 1
+                self._holds[key] += 1
                 try:
                     room = self._make_room(lower, size, plan, protect=self._parent.get(key))
                 finally:
-                    self.unpin([key])
+                    self.unhold([key])
                 if room:
                     self._enter(key, lower, size)
                     below.counters.demotions_in += 1
@@ -528,3 +546,12 @@ class Placement:
                 self._leave(k, x)
                 plan.append(Step(Op.DROP, k, src=x))
             self._unlink(k)
+
+
+def _release(counts: Counter, keys: Iterable[Key]) -> None:
+    for k in keys:
+        n = counts.get(k, 0)
+        if n <= 1:
+            counts.pop(k, None)
+        else:
+            counts[k] = n - 1

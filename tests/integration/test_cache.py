@@ -480,3 +480,29 @@ def test_a_block_larger_than_an_nvme_region_is_refused_there_and_leaves_no_slot_
         res, out = load_all(c, keys)
         assert res == [Outcome.DONE] * 8 and out == data
         assert c.locate(big).count(None) >= 2  # the ones pushed out are gone, not half-kept
+
+
+def test_a_pinned_hit_longer_than_dram_is_delivered_chunk_by_chunk(nvme_dir):
+    """Issue 14 item 8 at the cache: an engine was promised (pinned) a hit
+    of more blocks than DRAM holds, all of them on NVMe; its worker reads
+    them one chunk at a time (acquire, copy, release). Every chunk stages:
+    the room comes from the pinned copies staged before, which are still on
+    NVMe; nothing promised is lost."""
+    conf = cfg(nvme_dir)
+    conf["tiers"][0]["capacity"] = "256KiB"  # four 64 KiB slots
+    with UnifiedCache(conf) as c:
+        keys, data = chain(6, 41)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 6
+        filler, fdata = chain(8, 42)
+        c.store(filler, fdata).wait(30)
+        c.flush()
+        assert c.locate(keys) == ["nvme"] * 6
+        c.pin(keys)
+        try:
+            for k, d in zip(keys, data):
+                (lease,) = c.acquire([k])
+                assert lease is not None and bytes(lease.view) == d
+                c.release([lease])
+            assert None not in c.locate(keys)
+        finally:
+            c.unpin(keys)

@@ -107,3 +107,48 @@ def test_reclaim_demotes_victims_until_the_headroom_is_free():
     assert p.reclaim(1, 10, max_victims=8) == []  # the lowest tier has nowhere to demote to
     p.pin(ks[:5])
     assert p.reclaim(0, 6, max_victims=8) == []  # nothing evictable: nothing planned
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_reader_stages_a_pinned_prefix_longer_than_the_landing_tier(policy):
+    """Pins promise a hit: the blocks stay cached, not in a given tier. A
+    reader staging its own pinned prefix, block by block, through a landing
+    tier smaller than the prefix makes room from the copies it staged
+    before (they are still below), so every block can be staged."""
+    p = Placement([TierSpec("dram", 3), TierSpec("nvme", 20)], load_policy(policy), HeatTracker(50))
+    ks = [key("doc", i) for i in range(6)]
+    p.record_request(ks)
+    for i, k in enumerate(ks):
+        assert p.insert(k, ks[i - 1] if i else None, 1).placed
+    fill = [key("fill", i) for i in range(6)]  # push the document down to nvme
+    p.record_request(fill)
+    for i, k in enumerate(fill):
+        p.insert(k, fill[i - 1] if i else None, 1)
+    assert p.locate(ks) == [1] * 6
+    p.pin(ks)  # the engine was promised all six
+    for k in ks:
+        p.hold([k])  # the reader's lease while it copies
+        try:
+            assert p.where(k) == 0 or p.promote(k, force=True).placed
+            assert p.where(k) == 0
+        finally:
+            p.unhold([k])
+        check(p, ks)
+    p.hold(ks[-1:])
+    assert p.where(ks[-1]) == 0 and p.promote(ks[0], force=True).placed  # the held one stays
+    assert p.where(ks[-1]) == 0
+    check(p, ks)
+
+
+def test_a_pinned_block_with_no_other_copy_is_never_a_victim():
+    p = Placement([TierSpec("dram", 2), TierSpec("nvme", 2)], load_policy("lru"), HeatTracker(50))
+    a = [key("a", i) for i in range(2)]
+    p.record_request(a)
+    for i, k in enumerate(a):
+        p.insert(k, a[i - 1] if i else None, 1)
+    p.pin(a)
+    b = [key("b", i) for i in range(4)]
+    p.record_request(b)
+    for i, k in enumerate(b):
+        p.insert(k, b[i - 1] if i else None, 1)
+    check(p, a)  # demoted at most (one copy, somewhere), never dropped

@@ -215,7 +215,7 @@ class TraceReplay:
         n = p.lookup(keys)
         hit = keys[:n]
         served = [p.where(k) for k in hit]
-        p.pin(hit)
+        p.hold(hit)  # a request's hits stay where they are while it places its blocks
         try:
             landing = p.landing
             for k, t in zip(hit, served):
@@ -235,7 +235,7 @@ class TraceReplay:
                 parent = k
             p.touch(keys)
         finally:
-            p.unpin(hit)
+            p.unhold(hit)
         if output_tokens is not None:
             p.finish_request(keys, output_tokens)
         r = self.result
