@@ -262,31 +262,44 @@ def _summary(st: dict) -> Optional[dict]:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs one target at a seeded random instant (1-4 s apart), waits
-    0.2-1.5 s, restarts it; `kills` times. Before each kill it records the
-    ucm service's stats (when it answers) and which request was in flight."""
+    """SIGKILLs one target `kills` times, at seeded random instants spread
+    over the stream: a random delay (0-1.5 s) into a request drawn among the
+    first `span` ones, so kills fall into lookups, loads, forwards and the
+    saves behind them; each time it waits 0.2-1.5 s and restarts the target.
+    Before each kill it records the ucm service's stats (when it answers)
+    and which request was in flight. No fixed sleep decides whether a kill
+    lands during the stream: it waits for its request to start."""
 
-    def __init__(self, rng: random.Random, kills: int, targets: dict, service: Service,
+    def __init__(self, rng: random.Random, kills: int, span: int, targets: dict, service: Service,
                  current: list) -> None:
         super().__init__(name="chaos-killer", daemon=True)
         self.rng, self.kills, self.targets, self.service, self.current = rng, kills, targets, service, current
+        self.at = sorted(rng.sample(range(1, max(span, kills + 1)), kills))
         self.stop_event = threading.Event()
         self.log: list[dict] = []
         self.error: Optional[str] = None
+
+    def _wait_for(self, i: int) -> bool:
+        while not self.stop_event.is_set():
+            cur = self.current[0]
+            if cur is not None and cur >= i:
+                return True
+            self.stop_event.wait(0.02)
+        return False
 
     def run(self) -> None:
         names = sorted(self.targets)
         order: list[str] = []
         try:
-            for i in range(self.kills):
+            for n, i in enumerate(self.at):
                 if not order:  # every target once per round, in a seeded order
                     order = names[:]
                     self.rng.shuffle(order)
                 name = order.pop()
-                if self.stop_event.wait(self.rng.uniform(1.0, 4.0)):
+                if not self._wait_for(i) or self.stop_event.wait(self.rng.uniform(0.0, 1.5)):
                     return
                 kill, start = self.targets[name]
-                ev = {"n": i + 1, "target": name, "request": self.current[0],
+                ev = {"n": n + 1, "target": name, "request": self.current[0],
                       "stats_before": _summary(self.service.client.stats()) if name == "ucm" else None}
                 t0 = time.monotonic()
                 kill()
@@ -388,7 +401,7 @@ def chaos(variant: str, work: Path, kills: int, min_requests: int, seed: int, n_
         llm = _engine(model, cfg_path)
         result["engine_start_s"] = round(time.monotonic() - t_start, 1)
         current = [None]
-        killer = Killer(random.Random(seed + 1), kills, targets, service, current)
+        killer = Killer(random.Random(seed + 1), kills, min_requests - 2, targets, service, current)
         killer.start()
         max_requests = 4 * min_requests
         t_run = time.monotonic()
