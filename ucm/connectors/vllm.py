@@ -596,8 +596,10 @@ class UCMConnector(KVConnectorBase_V1):
         self._finished_saving: set[str] = set()  # finished by vLLM, waiting for saves
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._tainted: set[str] = set()  # requests whose synchronous load failed this step
         self.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0,
-                         "store_failed_blocks": 0, "abandoned_blocks": 0, "load_s": 0.0, "store_s": 0.0}
+                         "store_failed_blocks": 0, "abandoned_blocks": 0, "tainted_blocks": 0,
+                         "load_s": 0.0, "store_s": 0.0}
 
     def _num_kv_blocks(self, first: torch.Tensor) -> tuple[int, dict[str, int]]:
         """vLLM's number of KV blocks (the size of each layer's page
@@ -707,7 +709,7 @@ class UCMConnector(KVConnectorBase_V1):
                     _native.copy_spans(buf, kv, arena, at, n, threads)
 
     # ---- loads ---------------------------------------------------------------
-    def _load(self, job: LoadJob, ready: Any = None, guard: Optional[_PageGuard] = None) -> None:
+    def _load(self, job: LoadJob, ready: Any = None, guard: Optional[_PageGuard] = None) -> bool:
         """Copies the job's blocks into its pages; pages of blocks that did not
         arrive (and of every block after the first such) become load errors.
         `ready`: on CUDA, an event the copies wait for (the work queued on the
@@ -716,7 +718,8 @@ class UCMConnector(KVConnectorBase_V1):
         still being saved is a load error: vLLM recomputes it); an
         asynchronous one waits for those saves, at most load_timeout_s.
         `guard`: an asynchronous load's hold on the pages; once revoked it
-        copies and reports nothing (the pages are other requests' now)."""
+        copies and reports nothing (the pages are other requests' now).
+        Returns whether every block arrived."""
         started = time.perf_counter()
         guard = guard if guard is not None else _PageGuard()
         n = len(job.keys)
@@ -752,10 +755,11 @@ class UCMConnector(KVConnectorBase_V1):
             with self._lock:
                 self.counters["abandoned_blocks"] += n
             log.info("UCMConnector: load for %s abandoned: the request was preempted", job.req_id)
-            return
+            return False
         if bad:
             log.warning("UCMConnector: %d of %d blocks of %s did not load; vLLM recomputes them", n - ok, n,
                         job.req_id)
+        return not bad
 
     def _load_async(self, job: LoadJob, ready: Any, guard: _PageGuard) -> None:
         try:
@@ -775,8 +779,10 @@ class UCMConnector(KVConnectorBase_V1):
             if job.is_async:
                 guard = _PageGuard()
                 self._track(job.req_id, self._pool.submit(self._load_async, job, ready, guard), guard)
-            else:
-                self._load(job, ready)
+            elif not self._load(job, ready):
+                # This step's forward runs over the pages that did not arrive:
+                # whatever it computes for the request is not saved.
+                self._tainted.add(job.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # synchronous loads finish in start_load_kv
@@ -793,7 +799,15 @@ class UCMConnector(KVConnectorBase_V1):
             return
         # On CUDA the forward may still be running: saves wait for this event.
         ready = self._copier.record_ready() if self._copier is not None else None
+        tainted, self._tainted = self._tainted, set()
         for job in meta.stores:
+            if job.req_id in tainted:  # computed over pages a failed load left: never stored
+                with self._lock:
+                    self._saving_reqs.add(job.req_id)  # still reported in finished_sending
+                    self.counters["tainted_blocks"] += len(job.keys)
+                log.warning("UCMConnector: %d blocks of %s not saved: this step computed them over pages "
+                            "that did not load", len(job.keys), job.req_id)
+                continue
             guard = _PageGuard()
             with self._lock:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1

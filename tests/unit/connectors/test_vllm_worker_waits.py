@@ -203,3 +203,27 @@ def test_a_preempted_requests_load_reports_no_errors_for_pages_it_no_longer_owns
     assert conn.get_block_ids_with_load_errors() == set()
     for n in NAMES:
         assert torch.equal(kv[n][5:9], before[n][5:9])  # not written after the preemption
+
+
+def test_a_step_whose_sync_load_failed_saves_nothing_of_that_request():
+    """A synchronous load that misses a block leaves its pages as they were,
+    and this step's forward computes the request's later blocks over them:
+    those blocks must never be stored (a later hit would get that KV). The
+    request is still reported in finished_sending, so vLLM frees its pages."""
+    conn, kv = _worker()
+    missing, later, other = b"M" * 16, b"L" * 16, b"O" * 16
+    conn.bind_connector_metadata(uv.UCMConnectorMetadata(
+        loads=[uv.LoadJob("r1", [missing], [[1, 2]], False)],
+        stores=[uv.StoreJob("r1", [later], [[3, 4]], missing), uv.StoreJob("r2", [other], [[5, 6]], None)]))
+    conn.start_load_kv(SimpleNamespace())
+    assert conn.get_block_ids_with_load_errors() == {1, 2}
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    # The next step is clean again: r1's recomputed block is saved then.
+    conn.bind_connector_metadata(uv.UCMConnectorMetadata(stores=[uv.StoreJob("r1", [missing], [[1, 2]], None)]))
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    conn.shutdown()
+    assert later not in conn._cache.slots and other in conn._cache.slots and missing in conn._cache.slots
+    assert conn.counters["tainted_blocks"] == 1
+    assert conn.get_finished({"r1", "r2"})[0] == {"r1", "r2"}
