@@ -58,6 +58,7 @@ from typing import Any, Optional
 import torch
 
 from ucm.connectors.vllm import UCMConnector, UCMConnectorMetadata
+from vllm_support import close_engine, driver_env  # noqa: E402
 
 BLOCK_TOKENS = 256
 MAX_TOKENS = 8
@@ -141,15 +142,6 @@ class RecordingConnector(UCMConnector):
 
 
 # ---- the driver -----------------------------------------------------------------
-def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
-
-
 def _stream(seed: int, n_docs: int, vocab: int = 40000):
     """`n_docs` documents of 700-1500 random token ids asked again and again
     in shuffled rounds, each time followed by another short question (random
@@ -327,17 +319,6 @@ def _engine(model: str, cfg_path: Optional[Path]):
                enable_prefix_caching=cfg_path is None, seed=0, **kw)
 
 
-def _close(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
 def _generate(llm, prompt: list[int], max_tokens: int = MAX_TOKENS):
     from vllm import SamplingParams
 
@@ -432,7 +413,7 @@ def chaos(variant: str, work: Path, kills: int, min_requests: int, seed: int, n_
             service.start()
         time.sleep(1.0)
         result["final_stats"] = _summary(service.client.stats())
-        _close(llm)
+        close_engine(llm)
     finally:
         if killer is not None:
             killer.stop_event.set()
@@ -597,7 +578,7 @@ def reference(model: str, requests: list[dict], analysis: dict, seed: int) -> No
             r["ref_tokens"], r["ref_cached"], r["ref_steps_ok"] = done[key]
             r["match"] = r["ref_tokens"] == r["tokens"]
     finally:
-        _close(llm)
+        close_engine(llm)
 
 
 def _totals(requests: list[dict], result: dict) -> dict:
@@ -631,7 +612,7 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=4, help="documents asked again and again")
     ap.add_argument("--seed", type=int, default=14)
     a = ap.parse_args()
-    os.environ.update(_env())
+    os.environ.update(driver_env())
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ucm-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     os.chdir(work)  # away from a source checkout (stale ucm.egg-info)

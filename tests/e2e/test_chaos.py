@@ -16,21 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_support import driver_env  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 DRIVER = Path(__file__).resolve().with_name("chaos_vllm.py")
 KILLS = 4
 REQUESTS = 30
-
-
-def _driver_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
 
 
 def _run(tmp_path: Path, variant: str) -> dict:
@@ -43,7 +35,7 @@ def _run(tmp_path: Path, variant: str) -> dict:
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(DRIVER), "--variant", variant, "--kills", str(KILLS),
                            "--requests", str(REQUESTS), "--out", str(out), "--work", str(tmp_path / "work")],
-                          env=_driver_env(), capture_output=True, text=True, timeout=1100)
+                          env=driver_env(), capture_output=True, text=True, timeout=1100)
     if proc.returncode != 0:
         pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     r = json.loads(out.read_text())

