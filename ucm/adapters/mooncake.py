@@ -29,9 +29,20 @@ no room (NO_AVAILABLE_HANDLE, a tenant quota) is NO_SPACE too. The master
 evicts objects on its own (leases and soft pins expire, memory runs low): an
 object this adapter stored that is found gone is a miss, leaves the budget and
 is reported by `drain_dropped()`. A read whose lease ran out before its
-transfer ended, or of an object another node is still writing, is a miss too. `iter_keys()` returns the keys this instance
-stored or found present when storing, never a scan of the pool; `contains`,
-`get` and `size_of` ask the master, so blocks of other nodes are found.
+transfer ended, or of an object another node is still writing, is a miss too.
+A node that dies leaves its objects listed by the master until its
+`client_ttl` runs out (seconds, or for good with a long one): a read of one
+fails its transfer. When every replica of an object whose transfer failed
+lives at an endpoint that refuses connections (its holder is gone; a restarted
+node listens elsewhere), the reader removes the object from the pool and
+answers a miss (reported by `drain_dropped()`, whoever stored it), so that
+lookups stop counting it and a later put writes it again. Any other failed
+transfer (a holder that accepts connections or times out) is FAILED and
+leaves the object alone. A put never answers "already present" for an
+object this instance found unreadable and could not remove. `iter_keys()`
+returns the keys this instance stored or found present when storing, never a
+scan of the pool; `contains`, `get` and `size_of` ask the master, so blocks
+of other nodes are found.
 A `delete` removes the object even while another reader holds a lease on it
 (`force_delete`): that reader then gets a CORRUPT or missing block, not wrong
 data, because every read is verified.
@@ -176,13 +187,15 @@ class MooncakeAdapter(StorageAdapter):
         self._index: dict[Key, int] = {}  # key -> payload bytes, for objects this instance relies on
         self._used = 0
         self._dropped: list[Key] = []
+        self._unreadable: set[Key] = set()  # found unreadable, not removed: a put must write them anew
         self._regions: list[tuple[int, int, memoryview]] = []  # registered by the owner: start, end, view
         self._store: Any = None  # the client, once set up
         self._healthy = False
         self._down_until = 0.0
         self._closed = False
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
-                       "failed": 0, "outages": 0, "gone": 0, "staged_bytes": 0, "setups": 0}
+                       "failed": 0, "outages": 0, "gone": 0, "unreadable_removed": 0, "staged_bytes": 0,
+                       "setups": 0}
         self._probe_addr = _host_port(config.master)
         # Scratch: per area, header slots then staging; registered with each client.
         per_area = (config.staging_size // config.concurrency) & ~63
@@ -388,11 +401,15 @@ class MooncakeAdapter(StorageAdapter):
             with self._lock:
                 self._stats["failed"] += len(keys)
             return [Status.FAILED] * len(keys)
+        if self._unreadable:
+            self._clear_unreadable(store, keys, names, out)
         todo: list[int] = []
         with self._lock:
             for i, (key, v) in enumerate(zip(keys, views)):
                 need = framing.HEADER_BYTES + len(v)
-                if key in self._index:
+                if out[i] is not None:
+                    pass
+                elif key in self._index:
                     out[i] = Status.OK
                 elif self._used + need > self._capacity:
                     out[i] = Status.NO_SPACE
@@ -413,6 +430,24 @@ class MooncakeAdapter(StorageAdapter):
                         self._used -= framing.HEADER_BYTES + len(views[i])
                         self._stats["no_space" if out[i] is Status.NO_SPACE else "failed"] += 1
         return [s if s is not None else Status.FAILED for s in out]
+
+    def _clear_unreadable(self, store: Any, keys: Sequence[Key], names: list[str],
+                          out: list[Optional[Status]]) -> None:
+        """Removes the objects of keys found unreadable before (whose removal
+        failed then) ahead of a put of them; those still not removed are
+        FAILED in `out` (never "already present")."""
+        with self._lock:
+            idx = [i for i, k in enumerate(keys) if k in self._unreadable]
+        if not idx:
+            return
+        codes = store.batch_remove([names[i] for i in idx], True)
+        with self._lock:
+            for i, code in zip(idx, codes):
+                if code in (0, _OBJECT_NOT_FOUND):
+                    self._unreadable.discard(keys[i])
+                else:
+                    out[i] = Status.FAILED
+                    self._stats["failed"] += 1
 
     def _put_items(self, store: Any, keys: Sequence[Key], names: list[str], views: list[memoryview],
                    todo: list[int], out: list[Optional[Status]]) -> None:
@@ -436,13 +471,13 @@ class MooncakeAdapter(StorageAdapter):
                     ptrs.append([h, addr] if len(v) else [h])
                     sizes.append([framing.HEADER_BYTES, len(v)] if len(v) else [framing.HEADER_BYTES])
                 if pending is not None:
-                    self._finish_put(*pending, out)
+                    self._finish_put(*pending, keys, out)
                     pending = None
                 fut = self._movers.submit(store.batch_put_from_multi_buffers, [names[c[0]] for c in chunk],
                                           ptrs, sizes, self._replicate)
                 pending = (chunk, fut)
             if pending is not None:
-                self._finish_put(*pending, out)
+                self._finish_put(*pending, keys, out)
                 pending = None
         finally:
             if pending is not None:  # never hand back scratch memory a transfer may still use
@@ -452,10 +487,15 @@ class MooncakeAdapter(StorageAdapter):
                 with self._lock:
                     self._stats["staged_bytes"] += staged
 
-    def _finish_put(self, chunk: list[tuple], fut: Future, out: list[Optional[Status]]) -> None:
+    def _finish_put(self, chunk: list[tuple], fut: Future, keys: Sequence[Key],
+                    out: list[Optional[Status]]) -> None:
         codes = fut.result()
         for (i, *_), code in zip(chunk, codes):
             out[i] = self._put_status(code)
+            if code == _OBJECT_ALREADY_EXISTS:
+                with self._lock:  # found unreadable by a concurrent get since: not a copy to rely on
+                    if keys[i] in self._unreadable:
+                        out[i] = Status.FAILED
 
     def _put_status(self, code: int) -> Status:
         if code == 0 or code == _OBJECT_ALREADY_EXISTS:
@@ -476,17 +516,29 @@ class MooncakeAdapter(StorageAdapter):
         self._check_stageable(views)
         out: list[Status] = [Status.FAILED] * len(keys)
         gone: set[int] = set()  # misses because the object is no longer in the pool
+        unreadable: list[int] = []  # transfer failed while the object is listed
+        removed: set[int] = set()  # of those, taken out of the pool here
         store = self._client()
         if store is not None and keys:
-            self._get_items(store, keys, names, views, out, gone)
+            self._get_items(store, keys, names, views, out, gone, unreadable)
+            if unreadable:
+                for i, ok in zip(unreadable, self._remove_unreadable(store, [names[i] for i in unreadable])):
+                    if ok:
+                        out[i] = Status.NOT_FOUND
+                        removed.add(i)
         with self._lock:
             for i, (key, v, s) in enumerate(zip(keys, views, out)):
                 if s is Status.OK:
                     self._stats["hits"] += 1
                     self._stats["bytes_out"] += len(v)
+                    self._unreadable.discard(key)
                 elif s is Status.NOT_FOUND:
                     self._stats["misses"] += 1
-                    if i in gone:
+                    if i in removed:
+                        self._stats["unreadable_removed"] += 1
+                        self._unreadable.discard(key)
+                        self._gone(key, removed=True)
+                    elif i in gone:
                         self._gone(key)
                 elif s is Status.CORRUPT:
                     self._stats["corrupt"] += 1
@@ -495,7 +547,7 @@ class MooncakeAdapter(StorageAdapter):
         return out
 
     def _get_items(self, store: Any, keys: Sequence[Key], names: list[str], views: list[memoryview],
-                   out: list[Status], gone: set[int]) -> None:
+                   out: list[Status], gone: set[int], unreadable: list[int]) -> None:
         """Verifies (and unstages) chunk k while chunk k+1 is transferred."""
         area = self._take_area()
         if area is None:
@@ -514,10 +566,10 @@ class MooncakeAdapter(StorageAdapter):
                 fut = self._movers.submit(store.batch_get_into_multi_buffers, [names[c[0]] for c in chunk],
                                           ptrs, sizes)
                 if pending is not None:
-                    staged += self._finish_get(store, area, *pending, names, keys, views, out, gone)
+                    staged += self._finish_get(store, area, *pending, names, keys, views, out, gone, unreadable)
                 pending = (chunk, fut)
             if pending is not None:
-                staged += self._finish_get(store, area, *pending, names, keys, views, out, gone)
+                staged += self._finish_get(store, area, *pending, names, keys, views, out, gone, unreadable)
                 pending = None
         finally:
             if pending is not None:
@@ -528,7 +580,8 @@ class MooncakeAdapter(StorageAdapter):
                     self._stats["staged_bytes"] += staged
 
     def _finish_get(self, store: Any, area: _Area, chunk: list[tuple], fut: Future, names: list[str],
-                    keys: Sequence[Key], views: list[memoryview], out: list[Status], gone: set[int]) -> int:
+                    keys: Sequence[Key], views: list[memoryview], out: list[Status], gone: set[int],
+                    unreadable: list[int]) -> int:
         codes = fut.result()
         staged = 0
         for (i, slot, addr, off), code in zip(chunk, codes):
@@ -544,6 +597,8 @@ class MooncakeAdapter(StorageAdapter):
                 out[i] = self._get_status(store, code, names[i], framing.HEADER_BYTES + len(v))
                 if code == _OBJECT_NOT_FOUND or (out[i] is Status.NOT_FOUND and code in _SIZE_CODES):
                     gone.add(i)
+                elif code == _TRANSFER_FAIL and out[i] is Status.FAILED:  # listed, right size, not read
+                    unreadable.append(i)
         return staged
 
     def _get_status(self, store: Any, code: int, name: str, expected: int) -> Status:
@@ -563,13 +618,70 @@ class MooncakeAdapter(StorageAdapter):
             self._saw_unreachable(code)
         return Status.FAILED
 
-    def _gone(self, key: Key) -> None:
-        """An object this instance relied on is gone from the pool. Lock held."""
+    def _remove_unreadable(self, store: Any, names: list[str]) -> list[bool]:
+        """Of objects whose transfer failed while the master listed them at
+        the right size: removes from the pool those whose every replica is in
+        memory at an endpoint that refuses connections (the holder died; its
+        segment stays listed until the master's client_ttl runs out). Per
+        name: True if the object is no longer in the pool. A holder that
+        accepts connections or does not answer, a replica on disk, or an
+        endpoint that is not host:port is a transient fault: left alone.
+        Caller holds no lock."""
+        try:
+            descs = store.batch_get_replica_desc(names)
+        except Exception:  # a fault is left for the next read
+            log.debug("mooncake: replica descriptors unavailable", exc_info=True)
+            return [False] * len(names)
+        refused: dict[str, bool] = {}  # endpoint -> refuses connections, probed once per call
+        dead: list[str] = []
+        for name in names:
+            replicas = descs.get(name) or []
+            endpoints = [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                         for r in replicas if r.is_memory_replica()]
+            if replicas and len(endpoints) == len(replicas) and all(self._refuses(ep, refused) for ep in endpoints):
+                dead.append(name)
+        if not dead:
+            return [False] * len(names)
+        codes = store.batch_remove(dead, True)
+        done = {n for n, c in zip(dead, codes) if c in (0, _OBJECT_NOT_FOUND)}
+        log.warning("mooncake: removed %d of %d objects held at dead endpoints %s", len(done), len(dead),
+                    sorted(ep for ep, r in refused.items() if r))
+        if len(done) < len(dead):
+            with self._lock:
+                for name in dead:
+                    if name not in done:
+                        key = bytes.fromhex(name[len(self._prefix):])
+                        self._unreadable.add(key)
+                        self._gone(key)  # not usable: this instance no longer relies on it
+        return [n in done for n in names]
+
+    def _refuses(self, endpoint: str, seen: dict[str, bool]) -> bool:
+        """Whether a segment's transfer endpoint actively refuses a TCP
+        connection (nothing listens there: its process is gone)."""
+        if endpoint not in seen:
+            addr = _host_port(endpoint)
+            refused = False
+            if addr is not None:
+                try:
+                    with socket.create_connection(addr, timeout=self.config.probe_timeout_s):
+                        pass
+                except ConnectionRefusedError:
+                    refused = True
+                except OSError:
+                    pass  # a timeout or an unreachable network says nothing about the holder
+            seen[endpoint] = refused
+        return seen[endpoint]
+
+    def _gone(self, key: Key, removed: bool = False) -> None:
+        """An object this instance relied on is gone from the pool (`removed`:
+        this instance removed it, whoever stored it; reported either way).
+        Lock held."""
         size = self._index.pop(key, None)
         if size is not None:
             self._used -= framing.HEADER_BYTES + size
-            self._dropped.append(key)
             self._stats["gone"] += 1
+        if size is not None or removed:
+            self._dropped.append(key)
 
     # ---- the rest of the contract ------------------------------------------
     def contains(self, keys: Sequence[Key]) -> list[bool]:
