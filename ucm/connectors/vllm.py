@@ -28,8 +28,11 @@ Which process runs what, and whether it may block:
   build_connector_meta, update_connector_output, request_finished: short
   control calls to the cache service only, never payload copies. Requests
   still waiting for vLLM's pages pin at most `ucm_max_waiting_pin_bytes`
-  in all (default a quarter of the landing tier); hits beyond are misses
-  until there is room.
+  in all (default a quarter of the landing tier; the only waiting request
+  pins its whole hit); hits beyond are misses until there is room. A pin
+  keeps a block cached, not in DRAM: a hit longer than DRAM stages chunk by
+  chunk. A step whose synchronous load missed blocks saves nothing of that
+  request (its forward ran over pages that did not load).
 - worker: start_load_kv blocks for synchronous loads (blocks already in
   DRAM) before the forward, and never waits there for a save in flight;
   asynchronous loads (blocks below DRAM, or still being saved) and all
