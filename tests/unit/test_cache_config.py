@@ -41,11 +41,26 @@ def test_bad_options_in_a_config_built_in_code_leave_nothing_behind(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_construction_that_fails_after_a_tier_opened_closes_it(tmp_path):
+    """The second tier fails to open (through the tier_factory seam): the
+    first one, already open, is closed and its arena file removed."""
+    def factory(index, cls, capacity, options):
+        if index == 1:
+            raise OSError("injected: the medium is not there")
+        return cls(capacity_bytes=capacity, config=options)
+
+    conf = dram_only(tmp_path)
+    conf["tiers"].append({"adapter": "nvme", "capacity": "8MiB", "options": {"path": str(tmp_path / "nvme")}})
+    with pytest.raises(OSError, match="injected"):
+        UnifiedCache(conf, tier_factory=factory)
+    assert [p for p in os.listdir(tmp_path) if p != "nvme"] == []  # the arena file went with it
+
+
 def test_a_construction_that_fails_after_the_tiers_opened_closes_them(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("placement failed")
 
-    monkeypatch.setattr(ucm.cache, "Placement", broken)
+    monkeypatch.setattr(ucm.cache, "Placement", broken)  # past the tiers: nothing else fails there
     with pytest.raises(RuntimeError, match="placement failed"):
         UnifiedCache(dram_only(tmp_path))
     assert os.listdir(tmp_path) == []  # the arena file went with the failed cache
