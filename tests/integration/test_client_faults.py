@@ -268,3 +268,30 @@ def test_a_client_that_stops_reading_cannot_grow_the_service(tmp_path):
         assert proc.poll() is None
     finally:
         stop(proc)
+
+
+def test_the_first_call_after_a_service_restart_reaches_the_new_service(tmp_path):
+    """The service is killed and a new one takes its socket: a client that
+    has not used its connection since sees the hang-up and connects at once,
+    so its first lookup (and a store or load) after the restart is answered
+    by the new service, not turned into a miss by the reconnect back-off."""
+    nvme = {"path": str(tmp_path / "nvme"), "region_size": "512KiB", "io_chunk": "128KiB"}
+    cfg_path, sock = write_config(tmp_path, [{"adapter": "dram", "capacity": "4MiB"},
+                                             {"adapter": "nvme", "capacity": "32MiB", "options": nvme}])
+    proc = start_service(cfg_path, sock)
+    for use_index in (True, False):
+        client = CacheClient(sock, retry_s=60.0, use_index=use_index)  # a miss would last a minute
+        try:
+            keys, data = chain(80, 50 + use_index)  # 5 MiB: the prefix is demoted to NVMe
+            assert client.store(keys, data).wait(30) == [Outcome.DONE] * 80
+            n = client.locate(keys).index("dram")
+            assert n > 0 and client.flush()
+            stop(proc)
+            proc = start_service(cfg_path, sock)
+            assert client.lookup(keys) == n  # restored from the NVMe log by the new service
+            out = [bytearray(SIZE) for _ in keys[:n]]
+            assert client.load(keys[:n], out).wait(30) == [Outcome.DONE] * n
+            assert [bytes(o) for o in out] == data[:n]
+        finally:
+            client.close()
+    stop(proc)

@@ -252,16 +252,20 @@ class CacheClient:
             except BufferError:
                 pass  # a view of it is still alive; it is unmapped with the object
 
-    def _retire_locked(self, link: _Link) -> None:
+    def _retire_locked(self, link: _Link, backoff: bool = True) -> None:
         """No new request goes over `link`; its socket closes once no copy
-        into or out of its slots runs any more."""
+        into or out of its slots runs any more. `backoff`: wait `retry_s`
+        before connecting again (a request failed); without it (the service
+        hung up: it exited, or a new one replaced it) the next call tries at
+        once, so the first lookup after a restart is not a miss."""
         if link.dead:
             return
         link.dead = True
         with self._index_lock:
             if self._link is link:
                 self._link = None
-        self._next_try = time.monotonic() + self._retry_s
+        if backoff:
+            self._next_try = time.monotonic() + self._retry_s
         if link.inflight == 0:
             self._close_link_locked(link)
 
@@ -287,6 +291,8 @@ class CacheClient:
     def _live_locked(self) -> _Link:
         if self._closed:
             raise ClosedError("CacheClient used after close()")
+        if self._link is not None and _hung_up(self._link):
+            self._retire_locked(self._link, backoff=False)
         if self._link is None:
             if time.monotonic() < self._next_try:
                 raise ServiceUnavailable(f"ucm service at {self.path} is down")
@@ -358,11 +364,11 @@ class CacheClient:
             if link is None or link.index is None:
                 return None
             # A dead service hangs up its end: its index is stale from then on.
-            dead = any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in link.poll.poll(0))
+            dead = _hung_up(link)
             n = -1 if dead else _native.index_prefix(link.index.m, b"".join(keys))
         if dead:
             with self._lock:
-                self._retire_locked(link)
+                self._retire_locked(link, backoff=False)
             return None
         if n < 0 or (n < len(keys) and link.info.get("shared_tiers")):
             return None
@@ -608,6 +614,11 @@ class CacheClient:
 Key = bytes
 # fill(first, slots, arena): slots[i] = (offset, length) in arena, or None.
 SlotFn = Callable[[int, list, Any], None]
+
+
+def _hung_up(link: _Link) -> bool:
+    """Whether the service closed its end of `link` (it exited or was killed)."""
+    return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in link.poll.poll(0))
 
 
 def _keys(keys: Sequence[Key]) -> list[bytes]:
