@@ -66,7 +66,7 @@ class HeatConfig(_Strict):
 
 class ServiceConfig(_Strict):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # names the socket
-    socket: Optional[str] = None  # Unix socket path; default <runtime dir>/ucm-<uid>/<name>.sock
+    socket: Optional[str] = None  # Unix socket path; default <runtime dir>/<name>.sock
     metrics_host: str = "127.0.0.1"
     metrics_port: Optional[int] = Field(default=None, ge=0, le=65535)  # None: no metrics endpoint; 0: any free port
     max_frame_bytes: int = Field(default=4 << 20, ge=4096, le=64 << 20)
