@@ -21,14 +21,16 @@ def chain(n, seed, size=SIZE):
     return keys, data
 
 
-def start_service(cfg_path, sock, timeout_s=30.0):
-    """`ucm serve --config cfg_path` as a subprocess, once its socket answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_service(cfg_path, sock, timeout_s=30.0, log=None):
+    """`ucm serve --config cfg_path` as a subprocess, once its socket answers;
+    its output goes to the open file `log`, else to a pipe."""
+    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", str(cfg_path)],
+                            stdout=log if log is not None else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"service exited: {proc.stdout.read()}")
+            out = proc.stdout.read() if log is None else open(log.name).read()
+            raise AssertionError(f"service exited: {out}")
         try:
             s = socket.socket(socket.AF_UNIX)
             s.connect(sock)
@@ -44,7 +46,7 @@ def stop_service(proc, sig=signal.SIGTERM):
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
-            proc.wait(10)
+            proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
     proc.wait()

@@ -5,10 +5,7 @@ back what a fuzzing connection held once it closes, and a well-behaved
 CacheClient gets the right bytes throughout."""
 import hashlib
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +13,7 @@ import yaml
 
 from fuzzing import SEED, chunks, examples, mutate, rng, value
 from ucm.cache import Outcome
+from support import start_service, stop_service
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
 
@@ -31,9 +29,8 @@ def service(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz-service")
     sock = str(tmp / "ucm.sock")
     cfg = {"tiers": [{"adapter": "dram", "capacity": ARENA, "options": {"path": str(tmp)}},
-                     # Regions larger than the arena: any block the fuzzer reserves can be demoted. (A block
-                     # larger than a region is a known bug: its demotion raises in the cache's plan and
-                     # leaves its DRAM slot behind for good.)
+                     # Regions larger than the arena: any block the fuzzer reserves can be demoted (a block
+                     # larger than a region is refused by nvme and dropped from DRAM).
                      {"adapter": "nvme", "capacity": "64MiB",
                       "options": {"path": str(tmp / "nvme"), "region_size": "8MiB", "io_chunk": "1MiB"}}],
            "policy": {"name": "lru"},
@@ -41,25 +38,9 @@ def service(tmp_path_factory):
                        "request_timeout_s": 20}}
     (tmp / "ucm.yaml").write_text(yaml.safe_dump(cfg))
     log = open(tmp / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", str(tmp / "ucm.yaml")],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, (tmp / "serve.log").read_text()
-        probe = CacheClient(sock)
-        ready = probe.connected
-        probe.close()
-        if ready:
-            break
-        assert time.monotonic() < deadline, "service did not start"
-        time.sleep(0.05)
+    proc = start_service(tmp / "ucm.yaml", sock, timeout_s=60, log=log)
     yield sock, proc, tmp / "serve.log"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_service(proc)
     log.close()
 
 

@@ -13,12 +13,9 @@ import ast
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ import yaml
 from ucm.adapters.base import Status
 from ucm.adapters.fs import FsAdapter, FsConfig
 from ucm.errors import ArgumentError, ConfigError
+from support import start_service, stop_service
 from ucm.service import CacheClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,27 +120,11 @@ def service(open_dir):
     cfg = {"tiers": [{"adapter": "dram", "capacity": "4MiB", "options": {"path": str(open_dir)}}],
            "policy": {"name": "lru"}, "service": {"socket": sock, "index_slots": 1024}}
     (open_dir / "ucm.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", str(open_dir / "ucm.yaml")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    client = None
-    while client is None:
-        assert proc.poll() is None, proc.stdout.read()
-        c = CacheClient(sock)
-        if c.connected:
-            client = c
-        else:
-            c.close()
-            assert time.monotonic() < deadline, "service did not start"
-            time.sleep(0.05)
+    proc = start_service(open_dir / "ucm.yaml", sock, timeout_s=60)
+    client = CacheClient(sock)
     yield sock, proc, client
     client.close()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_service(proc)
 
 
 @needs_root
