@@ -772,6 +772,7 @@ class UCMConnector(KVConnectorBase_V1):
                 self._done_recving.add(job.req_id)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._tainted = set()  # a step's mark, never the next step's
         meta = self._connector_metadata
         if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or not self._layouts:
             return

@@ -219,8 +219,14 @@ def test_a_step_whose_sync_load_failed_saves_nothing_of_that_request():
     assert conn.get_block_ids_with_load_errors() == {1, 2}
     conn.wait_for_save()
     conn.clear_connector_metadata()
-    # The next step is clean again: r1's recomputed block is saved then.
+    # A step whose sync load fails but that saves nothing of the request...
+    conn.bind_connector_metadata(uv.UCMConnectorMetadata(loads=[uv.LoadJob("r1", [missing], [[1, 2]], False)]))
+    conn.start_load_kv(SimpleNamespace())
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    # ...and the next step is clean again: r1's recomputed block is saved then.
     conn.bind_connector_metadata(uv.UCMConnectorMetadata(stores=[uv.StoreJob("r1", [missing], [[1, 2]], None)]))
+    conn.start_load_kv(SimpleNamespace())
     conn.wait_for_save()
     conn.clear_connector_metadata()
     conn.shutdown()
