@@ -34,6 +34,12 @@ class ClosedError(UcmError):
     """The object was used after close()."""
 
 
+class CopyAborted(UcmError):
+    """Raised by a slot-copy callback that gives up on purpose (its pages were
+    taken back): the chunk is aborted like any failed copy, without a
+    traceback in the log."""
+
+
 class TraceError(UcmError, ValueError):
     """A trace file has a malformed line; the message names the line number."""
 

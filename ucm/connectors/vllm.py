@@ -96,7 +96,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.config import UcmConfig, load_config
 from ucm.connectors.kv_pages import PageLayout, find_page_dim, page_layout
-from ucm.errors import ConfigError
+from ucm.errors import ConfigError, CopyAborted
 from ucm.keys import Namespace, block_keys
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
 
 # ---- worker-side: a background job's hold on its request's pages -----------
-class _PagesRevoked(Exception):
+class _PagesRevoked(CopyAborted):
     """Raised inside a copy callback when the job's pages were taken back:
     the client then aborts the chunk (a save commits nothing, a load's
     blocks are not DONE)."""

@@ -50,7 +50,7 @@ from ucm import _native
 from ucm.buffers import byte_view
 from ucm.cache import Handle, Outcome, check_keys, check_output_tokens
 from ucm.config import UcmConfig, load_config
-from ucm.errors import ArgumentError, ClosedError, UcmError
+from ucm.errors import ArgumentError, ClosedError, CopyAborted, UcmError
 from ucm.service import protocol as proto
 from ucm.service.index import map_index
 from ucm.service.server import runtime_dir, socket_path
@@ -502,8 +502,8 @@ class CacheClient:
             with self._lock:
                 self._retire_locked(link)  # closing the link gives its leases back
             out = [Outcome.MISSING] * len(keys)
-        except Exception:
-            log.exception("ucm client: copying out of leased slots failed")
+        except Exception as exc:
+            _log_copy_failure("out of leased slots", exc)
             out = [Outcome.FAILED if o is Outcome.DONE else o for o in out]
         finally:
             self._end_fill(link, "release" if held else None, {"leases": held})
@@ -534,8 +534,8 @@ class CacheClient:
             return out
         try:
             fill(first, slots, link.arena.m)
-        except Exception:
-            log.exception("ucm client: copying into reserved slots failed")
+        except Exception as exc:
+            _log_copy_failure("into reserved slots", exc)
             self._end_fill(link, "abort", {"keys": filled})
             return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
         # Over the link that reserved them: reservations belong to a connection.
@@ -614,6 +614,13 @@ class CacheClient:
 Key = bytes
 # fill(first, slots, arena): slots[i] = (offset, length) in arena, or None.
 SlotFn = Callable[[int, list, Any], None]
+
+
+def _log_copy_failure(where: str, exc: Exception) -> None:
+    if isinstance(exc, CopyAborted):
+        log.debug("ucm client: copying %s aborted: %s", where, exc)
+    else:
+        log.exception("ucm client: copying %s failed", where)
 
 
 def _hung_up(link: _Link) -> bool:
