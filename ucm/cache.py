@@ -13,7 +13,7 @@ prefetches run on a pool of `io_workers` threads. Two locks:
 `_mutate` serialises plan execution, so steps reach the adapters in the
 order they were planned (lock order: `_mutate`, then `_meta`, then an
 adapter's own lock: `_make_slot` asks the dram arena for victims under
-`_meta`). Loads copy without `_mutate` under pins, so a block being read is
+`_meta`). Loads copy without `_mutate` under holds (`Placement.hold`), so a block being read is
 never evicted.
 
 Faults. Nothing on the data path raises for a cache fault: a missing file, a

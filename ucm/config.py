@@ -167,7 +167,7 @@ def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str,
         path = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
         try:
             value = yaml.safe_load(environ[var]) if environ[var] != "" else ""
-        except (yaml.YAMLError, RecursionError) as exc:
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:  # ValueError: an impossible date
             raise ConfigError(f"{var}: the value is not valid YAML: {exc}") from None
         node: Any = data
         model: Any = UcmConfig
@@ -224,10 +224,12 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
     else:
         path = Path(source)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text()
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, or text that is not UTF-8
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from exc
-        except (yaml.YAMLError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
+        try:
+            raw = yaml.safe_load(text) or {}
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:  # nesting past the parser; an impossible date
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")

@@ -116,3 +116,12 @@ def test_file_errors(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(bad, environ={})
+
+
+def test_an_impossible_date_in_yaml_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="UCM_POLICY__NAME: the value is not valid YAML"):
+        load_config({}, environ={"UCM_POLICY__NAME": "2001-13-45"})
+    path = tmp_path / "ucm.yaml"
+    path.write_text("policy:\n  name: 2001-13-45\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(path, environ={})

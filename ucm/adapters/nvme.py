@@ -543,7 +543,11 @@ class NvmeAdapter(StorageAdapter):
                     self._cond.wait()
                 entries = list(buf.entries)
                 invalidate = self._regions[buf.region].has_footer
-            err = self._write_region(buf, entries, invalidate)
+            try:
+                err = self._write_region(buf, entries, invalidate)
+            except Exception:  # the sealer must live on: the region is a failed write
+                log.exception("nvme: sealing region %d failed", buf.region)
+                err = -errno.EIO
             with self._lock:
                 while buf.readers:  # copies out of the buffer finish before it is reused
                     self._cond.wait()

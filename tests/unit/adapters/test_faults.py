@@ -75,3 +75,31 @@ def test_faulty_adapter_answers_what_it_is_told_and_passes_the_rest(tmp_path):
             a.raise_on("write", OSError())
     finally:
         a.close()
+
+
+def test_a_sealer_that_raises_is_a_failed_write_and_the_adapter_goes_on(tmp_path):
+    """Anything raised while a region is written (here by the device) is
+    that region's failed write: the sealer thread lives on, later puts seal."""
+    dev = FaultyDevice(_native.IoEngine(1))
+    a = NvmeAdapter(8 * RS, NvmeConfig(path=str(tmp_path), region_size=RS, io_chunk=RS, write_buffers=1,
+                                       retry_after_s=0.0), device=dev)
+    try:
+        raised = []
+
+        def before(op):
+            if op == "write" and not raised:
+                raised.append(op)
+                raise RuntimeError("injected: a bug in the write path")
+
+        dev.before = before
+        k1 = os.urandom(16)
+        assert a.put([k1], [os.urandom(50_000)]) == [Status.OK]
+        a.flush(timeout_s=10)
+        assert raised and a.stats()["write_errors"] == 1
+        k2, b2 = os.urandom(16), os.urandom(50_000)
+        assert a.put([k2], [b2]) == [Status.OK]
+        assert a.flush(timeout_s=10)
+        out = bytearray(len(b2))
+        assert a.get([k2], [out]) == [Status.OK] and out == b2
+    finally:
+        a.close()
