@@ -440,7 +440,7 @@ class MooncakeAdapter(StorageAdapter):
             idx = [i for i, k in enumerate(keys) if k in self._unreadable]
         if not idx:
             return
-        codes = store.batch_remove([names[i] for i in idx], True)
+        codes = self._remove(store, [names[i] for i in idx])
         with self._lock:
             for i, code in zip(idx, codes):
                 if code in (0, _OBJECT_NOT_FOUND):
@@ -642,7 +642,7 @@ class MooncakeAdapter(StorageAdapter):
                 dead.append(name)
         if not dead:
             return [False] * len(names)
-        codes = store.batch_remove(dead, True)
+        codes = self._remove(store, dead)
         done = {n for n, c in zip(dead, codes) if c in (0, _OBJECT_NOT_FOUND)}
         log.warning("mooncake: removed %d of %d objects held at dead endpoints %s", len(done), len(dead),
                     sorted(ep for ep, r in refused.items() if r))
@@ -654,6 +654,16 @@ class MooncakeAdapter(StorageAdapter):
                         self._unreadable.add(key)
                         self._gone(key)  # not usable: this instance no longer relies on it
         return [n in done for n in names]
+
+    @staticmethod
+    def _remove(store: Any, names: list[str]) -> list[int]:
+        """Force-removes objects; a client that raises removed none (-1 each:
+        a failure, never an exception out of get or put)."""
+        try:
+            return list(store.batch_remove(names, True))
+        except Exception:
+            log.warning("mooncake: removing %d objects failed", len(names), exc_info=True)
+            return [-1] * len(names)
 
     def _refuses(self, endpoint: str, seen: dict[str, bool]) -> bool:
         """Whether a segment's transfer endpoint actively refuses a TCP
