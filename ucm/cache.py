@@ -127,9 +127,12 @@ class UnifiedCache:
         each tier (default `cls(capacity_bytes=..., config=options)`): the
         seam through which tests wrap a tier or its device to inject faults
         (ucm.adapters.faults)."""
-        self.config = config if isinstance(config, UcmConfig) else load_config(config, replay=replay)
+        if isinstance(config, UcmConfig):  # built in code: load_config never checked its policy
+            check_policy(config.policy.name, config.policy.options, replay=replay)
+            self.config = config
+        else:
+            self.config = load_config(config, replay=replay)
         cfg = self.config
-        check_policy(cfg.policy.name, cfg.policy.options, replay=replay)  # a UcmConfig built in code too
         self._tier_factory = tier_factory or _default_tier
         self.tier_names = [t.adapter for t in cfg.tiers]
         self.adapters: list[StorageAdapter] = []

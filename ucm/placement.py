@@ -195,9 +195,6 @@ class Placement:
     def unhold(self, keys: Iterable[Key]) -> None:
         _release(self._holds, keys)
 
-    def pinned(self, key: Key) -> bool:
-        return key in self._pins or key in self._holds
-
     def _stuck(self, key: Key, tier: "_Tier") -> bool:
         """Whether `key` may not leave `tier` now: held, or pinned with no
         copy in another tier."""

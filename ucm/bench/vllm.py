@@ -183,11 +183,10 @@ def _run_config(spec: dict) -> dict:
         out["disk"] = _rounds(llm, pass2, rounds, before=lambda: _drop_page_cache(Path(spec["example_dir"])))
     elif name == "ucm":
         import ucm
-        from ucm.connectors.vllm import build_namespace  # noqa: F401  (same module the engine loaded)
         from ucm.keys import block_keys
 
         client = ucm.connect(spec["ucm_config"], start=False)
-        ns = _namespace(spec["model"])
+        ns = _namespace(llm)
         keys = [k for p in pass2 for k in block_keys(ns, p, BLOCK_TOKENS)]
         out["tiers_before_evict"] = _count(client.locate(keys))
         out["tiers_nvme_phase"] = []
@@ -218,15 +217,13 @@ def _drop_page_cache(root: Path) -> None:
             drop_page_cache(str(path))
 
 
-def _namespace(model: str):
-    from vllm.config import ModelConfig
-
+def _namespace(llm):
     from ucm.connectors.vllm import model_identity
     from ucm.keys import Namespace
 
     # As UCMConnector names the blocks of SmolLM2 on vLLM for CPU (bf16, 128-token
-    # pages): the model part is the fingerprint of its weights.
-    model_id = model_identity(ModelConfig(model=model, skip_tokenizer_init=True))
+    # pages): the model part is the fingerprint of the engine's own model config.
+    model_id = model_identity(llm.llm_engine.model_config)
     return Namespace(model=model_id, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
                      block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
 
