@@ -1,0 +1,209 @@
+"""The one cache API: its value types, its argument checks and `CacheAPI`.
+
+`UnifiedCache` (in-process) and `CacheClient` (the same cache across the
+process boundary, in `ucm serve`) both implement `CacheAPI`, and connectors
+accept any `CacheAPI`. One conformance suite (tests/integration/
+test_api_conformance.py) runs over both.
+
+Faults are values: a miss, a refusal, a bad checksum or a dead service is an
+`Outcome` per block, or 0 from `lookup`. Only misuse raises, with the typed
+errors of `ucm.errors` (`ArgumentError`; `ClosedError` after `close`).
+
+Requests. The placement policy's clock ticks once per request. A caller
+that knows the request (an engine's scheduler) calls `begin_request` once
+with the prompt's keys and passes the same `request_id` to the data-plane
+calls of that request (chunked saves, a separate load), which then count
+no new access; a call without a `request_id`, or with one never begun, is
+one request of its own.
+
+This module imports nothing of the cache, the service or an engine: a
+worker process that only talks to the service loads it and the client.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from concurrent.futures import Executor
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+
+from ucm.errors import ArgumentError
+
+Key = bytes
+
+# fill(first, slots, arena): slots[i] is the (offset, length) in `arena` (a
+# writable buffer) of keys[first + i], or None where there is nothing to copy.
+SlotFn = Callable[[int, list, Any], None]
+
+
+class Outcome(enum.Enum):
+    DONE = "done"
+    MISSING = "missing"  # not cached (or refused: no room, not admitted)
+    CORRUPT = "corrupt"  # bytes came back bad; the block was dropped
+    FAILED = "failed"  # I/O error or a dead medium or service
+
+
+class Handle:
+    """Completion of one batched operation: one Outcome per block. Made by
+    an implementation of CacheAPI, completed once with `resolve`."""
+
+    def __init__(self, n: int) -> None:
+        self._results: list[Optional[Outcome]] = [None] * n
+        self._event = threading.Event()
+        if n == 0:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[list[Outcome]]:
+        """The outcomes once done; None if `timeout_s` passed first."""
+        if not self._event.wait(timeout_s):
+            return None
+        return list(self._results)  # type: ignore[arg-type]
+
+    @property
+    def results(self) -> list[Optional[Outcome]]:
+        """Outcomes so far (None for blocks still pending)."""
+        return list(self._results)
+
+    @property
+    def ok(self) -> bool:
+        return self.done() and all(r is Outcome.DONE for r in self._results)
+
+    def resolve(self, results: Sequence[Outcome]) -> None:
+        """Completes the handle (the implementation's side; called once)."""
+        if len(results) != len(self._results):
+            raise ArgumentError(f"a handle for {len(self._results)} blocks resolved with {len(results)} outcomes")
+        self._results = list(results)
+        self._event.set()
+
+
+def submit(pool: Executor, n: int, fn: Callable[..., Sequence[Outcome]], *args: Any,
+           on_error: Callable[[BaseException], None] = lambda exc: None) -> Handle:
+    """Runs `fn(*args)` (returning n Outcomes) on `pool` and returns the
+    Handle it completes. A bug that raises must not hang the caller: the
+    handle then reports FAILED for every block, after `on_error(exc)`."""
+    handle = Handle(n)
+
+    def run() -> None:
+        try:
+            results = list(fn(*args))
+            if len(results) != n:
+                raise ArgumentError(f"{getattr(fn, '__name__', fn)} returned {len(results)} outcomes for {n} blocks")
+        except Exception as exc:
+            on_error(exc)
+            results = [Outcome.FAILED] * n
+        handle.resolve(results)
+
+    if n:
+        pool.submit(run)
+    return handle
+
+
+# ---- argument checks (shared by every implementation) -----------------------
+def check_keys(keys: Any) -> list[Key]:
+    """`keys` as a list of 16-byte block keys, else ArgumentError (a single
+    key passed where a sequence belongs is the usual slip)."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise ArgumentError(f"keys must be a sequence of 16-byte bytes objects, got one "
+                            f"{type(keys).__name__} object; wrap a single key in a list")
+    keys = list(keys)
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) != 16:
+            raise ArgumentError(f"keys must be 16-byte bytes objects, got {k!r:.40}")
+    return keys
+
+
+def check_parent(parent: Any) -> Optional[Key]:
+    """The parent of a run's first block: None or one 16-byte key."""
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != 16):
+        raise ArgumentError(f"parent must be None or a 16-byte bytes object, got {parent!r:.40}")
+    return parent
+
+
+def check_sizes(keys: Sequence[Key], sizes: Any) -> list[int]:
+    """One block size (an int > 0) per key."""
+    sizes = list(sizes)
+    if len(sizes) != len(keys):
+        raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+    for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
+            raise ArgumentError(f"sizes must be integers > 0, got {s!r}")
+    return sizes
+
+
+def check_output_tokens(value: Any) -> int:
+    """`finish`'s output_tokens: an int >= 0, else ArgumentError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ArgumentError(f"finish: output_tokens must be an integer >= 0, got {value!r}")
+    return value
+
+
+def check_request_id(value: Any) -> Optional[str]:
+    """A request id: None, or a non-empty string of at most 256 characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise ArgumentError(f"request_id must be None or a string of 1 to 256 characters, got {value!r:.60}")
+    return value
+
+
+@runtime_checkable
+class CacheAPI(Protocol):
+    """Blocks by key, whichever process holds them. Every method is
+    thread-safe. Keys of one call are consecutive blocks of one prompt
+    (keys[i-1] is the parent of keys[i]) where a method says so."""
+
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """Length of the longest cached prefix of `keys` (0 on any fault)."""
+
+    def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
+        """The name of the fastest tier holding each key, or None."""
+
+    def begin_request(self, request_id: str, keys: Sequence[Key], parent: Optional[Key] = None) -> None:
+        """One request over the prompt `keys`: the access the policy counts,
+        once. Later calls that carry `request_id` count nothing more. A
+        second begin with the same id is ignored (a preempted request)."""
+
+    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
+              request_id: Optional[str] = None) -> Handle:
+        """Stores consecutive blocks (`parent` precedes keys[0]); a block is
+        DONE when it is cached (already, or now). Sources must stay
+        unchanged until the handle is done."""
+
+    def load(self, keys: Sequence[Key], dsts: Sequence[Any], request_id: Optional[str] = None) -> Handle:
+        """Copies each block into its destination (sizes must match)."""
+
+    def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
+        """Stages blocks held below the landing tier into it."""
+
+    def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
+                    parent: Optional[Key] = None, request_id: Optional[str] = None) -> list[Outcome]:
+        """The zero-copy store: calls `fill(first, slots, arena)` with, per
+        block, the (offset, length) in `arena` to fill (None where the block
+        is already cached or was refused), then makes the filled blocks
+        cached. A `fill` that raises stores none of its slots (FAILED).
+        Synchronous. Blocks after a refused one are MISSING."""
+
+    def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
+                   request_id: Optional[str] = None) -> list[Outcome]:
+        """The zero-copy load: calls `fill(first, slots, arena)` with, per
+        block, the (offset, length) in `arena` of its bytes (None on a miss,
+        or where the stored size is not sizes[i]: CORRUPT) while they are
+        held. A `fill` that raises makes its DONE blocks FAILED. Synchronous."""
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        """Keeps the blocks cached until `unpin` (counted)."""
+
+    def unpin(self, keys: Sequence[Key]) -> None: ...
+
+    def finish(self, keys: Sequence[Key], output_tokens: int, request_id: Optional[str] = None) -> None:
+        """Hint: the request over `keys` finished after `output_tokens`
+        generated tokens (and its `request_id` is done with)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Waits until buffered writes are on their medium."""
+
+    def close(self) -> None: ...
