@@ -1,4 +1,4 @@
-"""The storage-adapter interface, its value types and its registry.
+"""The storage-adapter interface, its optional abilities, value types and registry.
 
 An adapter stores opaque blobs by 16-byte key in one medium. Every data-path
 call is batched and returns one `Status` per item: a miss, a full medium or a
@@ -9,6 +9,22 @@ thread. Placement (what to keep, what to evict) is decided by the cache; an
 adapter that must drop blocks on its own (a log-structured store reclaiming a
 region) reports them through `drain_dropped()`.
 
+The base contract (`StorageAdapter`) is what every adapter has: batched
+put/get/contains/delete, size_of, iter_keys/iter_entries, capacity and used
+bytes, `footprint_bytes(size)` (what one blob costs in `used_bytes`), `flush`
+(a no-op but for buffered media), stats and close.
+
+Optional abilities are abstract subclasses an adapter declares by inheriting
+them; ask with `isinstance(adapter, SharedSlots)`, never by probing for
+methods:
+
+- `SharedSlots`: two-phase, zero-copy slots in a shared-memory segment that
+  other processes map (reserve/commit/abort, lease/release, slot_offset,
+  segment_path, victims_for). `dram`.
+- `RangeReads`: reads of a byte range of a stored blob (`get_range`)
+  without copying the whole blob. `dram`, `hbm`. Callers that want a range
+  from any adapter use `read_range`, which falls back to a whole-blob get.
+
 Each adapter class has a `Config` (a frozen pydantic model, unknown keys
 forbidden) and is built as `cls(capacity_bytes=..., config=cls.Config(...))`.
 """
@@ -16,11 +32,13 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, ClassVar, Iterator, NamedTuple, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from ucm.errors import AdapterError, AdapterNotFoundError
+from ucm.buffers import byte_view
+from ucm.errors import AdapterError, AdapterNotFoundError, ArgumentError
 
 ADAPTER_NAMESPACE = "ucm.adapters"
 Key = bytes
@@ -106,6 +124,19 @@ class StorageAdapter(abc.ABC):
     @abc.abstractmethod
     def used_bytes(self) -> int: ...
 
+    def footprint_bytes(self, size: int) -> int:
+        """Bytes a blob of `size` bytes occupies in this medium: what one put
+        of it adds to `used_bytes` (a slot rounded up to its class, a header,
+        alignment), so that an owner counting blocks by it runs out when the
+        medium does. By default `size`."""
+        return size
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Waits up to `timeout_s` until every put that returned OK is on the
+        medium itself (not in a write buffer); True when it is, False on
+        timeout. By default True: only buffered media override it."""
+        return True
+
     def drain_dropped(self) -> list[Key]:
         """Keys the adapter dropped on its own since the last call."""
         return []
@@ -122,6 +153,159 @@ class StorageAdapter(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- optional abilities ----------------------------------------------------
+@dataclass(frozen=True, slots=True, eq=False)
+class Lease:
+    """A committed blob held for reading (`SharedSlots.lease`): `view` is its
+    bytes, at [`offset`, `offset` + `length`) of the segment file, and they
+    neither change nor move until `release(lease)`. A handle: compared by
+    identity; `_slot` is the issuing adapter's own record, for its use only."""
+
+    key: Key
+    offset: int
+    length: int
+    view: memoryview  # read-only use: the committed blob
+    _slot: Any = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotVictims:
+    """Blocks to evict so that a slot can be reserved (`victims_for`).
+    `any_one`: evicting any one of `keys` frees a slot of the size's own
+    class (the owner's policy picks which); otherwise every key must go:
+    together they empty the arena units the size needs."""
+
+    keys: tuple[Key, ...]
+    any_one: bool
+
+
+class SharedSlots(StorageAdapter):
+    """Ability: blobs in slots of one shared-memory segment (the file at
+    `segment_path`) that other processes of the same user map, so that they
+    copy in and out of slots themselves (the service hands slots to engine
+    workers). Writing is two-phase: `reserve` a slot, fill its view, then
+    `commit` (or `abort`) it. Reading is leased: `lease` pins a committed
+    slot, `release` gives it back.
+
+    Guarantees, which the cache and the service rely on:
+    - A reserved, not yet committed key is invisible to `get`, `contains`,
+      `size_of`, `iter_keys` and `lease`; a second `reserve` of it, or a
+      `put` of it (which answers OK without writing), leaves the writer's
+      slot alone.
+    - A leased slot is never reused: its bytes stay as committed until the
+      last lease on it is released, even when the key is deleted meanwhile
+      (the slot is then freed on that last release, and a new blob under
+      the same key takes another slot).
+    - Every method is thread-safe; copies through views run outside the
+      adapter's lock, so a caller may fill or read a view from any thread.
+    - After `close()`, `reserve`, `lease` and `victims_for` raise
+      `ucm.errors.ClosedError`.
+    """
+
+    @abc.abstractmethod
+    def reserve(self, key: Key, size: int) -> Optional[memoryview]:
+        """A writable view of a fresh slot of `size` bytes for `key`, to fill
+        and then `commit` or `abort`; None when the key is already committed
+        or reserved, or when no slot of that size is free (see
+        `victims_for`). The view must be released before commit/abort."""
+
+    @abc.abstractmethod
+    def commit(self, key: Key) -> bool:
+        """Makes the reserved slot of `key` visible as its blob; False when
+        `key` has no reservation (never reserved, aborted or committed)."""
+
+    @abc.abstractmethod
+    def abort(self, key: Key) -> None:
+        """Gives back the reserved slot of `key`; nothing when it has none
+        (a committed blob is left as it is)."""
+
+    @abc.abstractmethod
+    def lease(self, key: Key) -> Optional[Lease]:
+        """The committed blob of `key` held for reading (None on a miss or
+        while it is only reserved). Every lease must be given back with
+        `release`, once."""
+
+    @abc.abstractmethod
+    def release(self, lease: Lease) -> None:
+        """Gives back a lease (its view is released); the slot of a key
+        deleted meanwhile is freed with its last lease."""
+
+    @abc.abstractmethod
+    def slot_offset(self, key: Key) -> Optional[tuple[int, int]]:
+        """(offset, length) in the segment file of the committed or reserved
+        slot of `key`, or None: where another process that maps
+        `segment_path` finds the bytes."""
+
+    @property
+    @abc.abstractmethod
+    def segment_path(self) -> str:
+        """The shared-memory file other processes map (read-write, shared)."""
+
+    def victims_for(self, size: int,
+                    acceptable: Optional[Callable[[tuple[Key, ...]], bool]] = None) -> SlotVictims:
+        """What to evict when `reserve(key, size)` found no slot although the
+        owner's byte count has room (the free bytes sit in slots of another
+        size class): committed, unleased blocks that `acceptable` (asked with
+        candidate keys, under the adapter's lock; it must not call the
+        adapter) accepts. Empty when nothing can be freed. By default empty:
+        a medium without size classes frees a slot by any eviction."""
+        return SlotVictims((), any_one=False)
+
+
+class RangeReads(StorageAdapter):
+    """Ability: reads of a byte range of a stored blob, served by the medium
+    without copying the whole blob. Declared only by adapters that do it
+    natively; callers use `read_range`, which works with any adapter."""
+
+    @abc.abstractmethod
+    def get_range(self, keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> list[Status]:
+        """For each key, copies bytes [offsets[i], offsets[i] + len(dsts[i]))
+        of its stored blob into the writable buffer dsts[i]: OK, NOT_FOUND
+        on a miss, CORRUPT when the range does not lie inside the blob.
+        Raises ArgumentError for misuse: lists of different lengths, a
+        negative offset, a destination that is not writable (see
+        `check_range_args`)."""
+
+
+def check_range_args(keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+    """The misuse `get_range` raises for: ArgumentError naming the value."""
+    if not len(keys) == len(offsets) == len(dsts):
+        raise ArgumentError(f"get_range: {len(keys)} keys, {len(offsets)} offsets, {len(dsts)} destinations")
+    for off in offsets:
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+            raise ArgumentError(f"get_range: offsets must be ints >= 0, got {off!r}")
+
+
+def read_range(adapter: StorageAdapter, keys: Sequence[Key], offsets: Sequence[int],
+               dsts: Sequence[Any]) -> list[Status]:
+    """`get_range` on any adapter: the adapter's own when it declares
+    RangeReads, otherwise a whole-blob `get` of each key into a scratch
+    buffer and a copy of the slice (same statuses, same misuse errors)."""
+    if isinstance(adapter, RangeReads):
+        return adapter.get_range(keys, offsets, dsts)
+    check_range_args(keys, offsets, dsts)
+    views = [byte_view(d, writable=True, what="destination") for d in dsts]
+    out: list[Status] = [Status.NOT_FOUND] * len(keys)
+    todo: list[int] = []
+    scratch: list[bytearray] = []
+    for i, (key, off, view) in enumerate(zip(keys, offsets, views)):
+        size = adapter.size_of(key)
+        if size is None:
+            continue
+        if off + len(view) > size:
+            out[i] = Status.CORRUPT
+            continue
+        todo.append(i)
+        scratch.append(bytearray(size))
+    if not todo:
+        return out
+    for i, buf, st in zip(todo, scratch, adapter.get([keys[i] for i in todo], scratch)):
+        out[i] = st
+        if st is Status.OK:
+            views[i][:] = memoryview(buf)[offsets[i]:offsets[i] + len(views[i])]
+    return out
 
 
 def adapter_names() -> list[str]:

@@ -208,6 +208,12 @@ class FaultyAdapter(StorageAdapter):
     def used_bytes(self) -> int:
         return self.inner.used_bytes
 
+    def footprint_bytes(self, size: int) -> int:
+        return self.inner.footprint_bytes(size)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        return self.inner.flush(timeout_s=timeout_s)
+
     def drain_dropped(self) -> list[Key]:
         return self.inner.drain_dropped()
 

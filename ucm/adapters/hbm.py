@@ -2,37 +2,32 @@
 
 One uint8 tensor of `capacity_bytes` on the accelerator (CUDA when present,
 else the CPU, so the same code runs in tests), carved into fixed-size slots
-in extents that size classes take and give back (ucm.adapters.slab).
+in extents that size classes take and give back (ucm.adapters.slab), with
+the key -> slot table of ucm.adapters.slots. Byte ranges of a blob are read
+straight from the pool (`RangeReads`). A device pool has no file other
+processes map: not `SharedSlots`.
 Sources and destinations may be buffer-protocol objects or torch tensors on
 any device; device-to-device copies stay on the device.
 In vLLM the engine owns HBM; this tier serves standalone and transformers use.
 
-Thread-safe: one lock guards the index; copies run outside it (a slot being
-read is leased and never reused until released).
+Thread-safe: the slot table's lock guards the index; copies run outside it
+(a slot being written is reserved and invisible until committed, a slot
+being read is leased and never reused until released).
 """
 from __future__ import annotations
 
-import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.adapters.base import AdapterConfig, Key, RangeReads, Status, check_range_args
 from ucm.adapters.slab import SlabArena
+from ucm.adapters.slots import SlotTable
 from ucm.buffers import byte_view
-from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.errors import AdapterError, ArgumentError
 
 
 class HbmConfig(AdapterConfig):
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N"
-
-
-@dataclass(slots=True)
-class _Slot:
-    offset: int
-    length: int
-    leases: int = 0
-    doomed: bool = False
 
 
 def _torch():
@@ -43,7 +38,7 @@ def _torch():
     return torch
 
 
-class HbmAdapter(StorageAdapter):
+class HbmAdapter(RangeReads):
     name = "hbm"
     Config = HbmConfig
 
@@ -60,10 +55,7 @@ class HbmAdapter(StorageAdapter):
             self._pool = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)
         except (RuntimeError, AssertionError) as exc:
             raise AdapterError(f"hbm: cannot allocate {capacity_bytes} bytes on device {dev!r}: {exc}") from exc
-        self._arena = SlabArena(capacity_bytes, align=256)
-        self._lock = threading.Lock()
-        self._index: dict[Key, _Slot] = {}
-        self._closed = False
+        self._slots = SlotTable(SlabArena(capacity_bytes, align=256), "hbm")
 
     def _as_tensor(self, obj: Any, writable: bool, what: str):
         torch = _torch()
@@ -85,105 +77,84 @@ class HbmAdapter(StorageAdapter):
         for key, blob in zip(keys, blobs):
             src = self._as_tensor(blob, False, "blob")
             n = src.numel()
-            with self._lock:
-                self._check_open()
-                if key in self._index:
-                    out.append(Status.OK)
-                    continue
-                off = self._arena.alloc(n) if n else None
-                if off is None:
-                    out.append(Status.NO_SPACE)
-                    continue
-                slot = _Slot(off, n, leases=1)  # writer's lease until the copy is done
-            self._pool[off:off + n].copy_(src)
-            with self._lock:
-                slot.leases -= 1
-                self._index[key] = slot
+            self._slots.check_open()
+            if self._slots.present(key):
+                out.append(Status.OK)
+                continue
+            slot = self._slots.reserve(key, n) if n else None
+            if slot is None:  # full, or another writer has the key
+                out.append(Status.OK if self._slots.present(key, reserved=True) else Status.NO_SPACE)
+                continue
+            try:
+                self._pool[slot.offset:slot.offset + n].copy_(src)
+            except BaseException:
+                self._slots.abort(key)
+                raise
+            self._slots.commit(key)
             out.append(Status.OK)
         return out
 
     def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
         if len(keys) != len(dsts):
             raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
-        out: list[Status] = []
-        for key, dst in zip(keys, dsts):
-            d = self._as_tensor(dst, True, "destination")
-            with self._lock:
-                self._check_open()
-                slot = self._index.get(key)
-                if slot is None:
-                    out.append(Status.NOT_FOUND)
-                    continue
-                if slot.length != d.numel():
-                    out.append(Status.CORRUPT)
-                    continue
-                slot.leases += 1
-            try:
-                d.copy_(self._pool[slot.offset:slot.offset + slot.length])
-                if self.device.type == "cuda":
-                    _torch().cuda.current_stream(self.device).synchronize()
-            finally:
-                self._release(slot)
-            out.append(Status.OK)
-        return out
+        ds = [self._as_tensor(d, True, "destination") for d in dsts]
+        return [self._copy_out(key, d, None) for key, d in zip(keys, ds)]
 
-    def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.leases -= 1
-            if slot.doomed and slot.leases == 0:
-                self._arena.free(slot.offset, slot.length)
+    def get_range(self, keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> list[Status]:
+        check_range_args(keys, offsets, dsts)
+        ds = [self._as_tensor(d, True, "destination") for d in dsts]
+        return [self._copy_out(key, d, off) for key, off, d in zip(keys, offsets, ds)]
+
+    def _copy_out(self, key: Key, d: Any, offset: Optional[int]) -> Status:
+        """Copies the blob of `key` (offset None: all of it, whose size must
+        be the destination's) or the range at `offset` into `d`, under a lease."""
+        slot = self._slots.lease(key)
+        if slot is None:
+            return Status.NOT_FOUND
+        try:
+            n = d.numel()
+            if offset is None:
+                if slot.length != n:
+                    return Status.CORRUPT
+                offset = 0
+            elif offset + n > slot.length:
+                return Status.CORRUPT
+            start = slot.offset + offset
+            d.copy_(self._pool[start:start + n])
+            if self.device.type == "cuda":
+                _torch().cuda.current_stream(self.device).synchronize()
+            return Status.OK
+        finally:
+            self._slots.release(slot)
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
-        with self._lock:
-            return [k in self._index for k in keys]
+        return self._slots.contains(keys)
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
-        out = []
-        with self._lock:
-            for key in keys:
-                slot = self._index.pop(key, None)
-                if slot is None:
-                    out.append(False)
-                elif slot.leases:
-                    slot.doomed = True
-                    out.append(True)
-                else:
-                    self._arena.free(slot.offset, slot.length)
-                    out.append(True)
-        return out
+        return self._slots.delete(keys)
 
     def size_of(self, key: Key) -> Optional[int]:
-        with self._lock:
-            slot = self._index.get(key)
-            return None if slot is None else slot.length
+        return self._slots.size_of(key)
 
     def iter_keys(self) -> Iterator[Key]:
-        with self._lock:
-            return iter(list(self._index))
+        return iter(self._slots.keys())
 
     @property
     def capacity_bytes(self) -> int:
-        return self._arena.capacity_bytes
+        return self._slots.arena.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return self._arena.used_bytes
+        return self._slots.used_bytes
 
-    def slot_bytes(self, size: int) -> int:
+    def footprint_bytes(self, size: int) -> int:
         """Pool bytes a blob of `size` bytes costs: its slot's share of its
         extent (what `used_bytes` counts; ucm.adapters.slab)."""
-        return self._arena.footprint_bytes(size)
+        return self._slots.footprint_bytes(size)
 
     def stats(self) -> dict[str, Any]:
-        return {"device": str(self.device), "blocks": len(self._index)}
+        return {"device": str(self.device), "blocks": len(self._slots)}
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._index.clear()
+        if self._slots.close():
             self._pool = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("hbm adapter used after close()")

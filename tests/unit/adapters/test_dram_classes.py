@@ -41,7 +41,7 @@ def test_a_second_size_gets_an_extent_once_one_is_empty(dram):
     assert dram.slot_offset(kb) == (3 * 128 * KiB, B)
     out = bytearray(B)
     assert dram.get([kb], [out]) == [Status.OK] and out == blob(B, 99)
-    assert dram.slot_bytes(B) == 128 * KiB and dram.slot_bytes(A) == A  # a slot's share of its extent
+    assert dram.footprint_bytes(B) == 128 * KiB and dram.footprint_bytes(A) == A  # a slot's share of its extent
     dram.delete([kb])
     assert dram.stats()["extents_free"] == 1 and dram.used_bytes == 14 * A
 
