@@ -540,9 +540,7 @@ class UnifiedCache:
                         a.delete([e.key])
 
     def _footprint(self, size: int) -> int:
-        a = self.adapters[self.placement.landing]
-        f = getattr(a, "slot_bytes", None)
-        return f(size) if f is not None else size
+        return self.adapters[self.placement.landing].footprint_bytes(size)
 
     def _store(self, keys: list[Key], views: list[memoryview], parent: Optional[Key]) -> list[Outcome]:
         out: list[Outcome] = []
