@@ -545,7 +545,7 @@ class CacheService:
             lid = conn.next_lease
             conn.next_lease += 1
             conn.leases[lid] = lease
-            out.append([lid, lease.slot.offset, lease.slot.length])
+            out.append([lid, lease.offset, lease.length])
         return {"epoch": self.epoch, "slots": out}
 
     def _release(self, conn: _Conn, args: dict) -> None:
