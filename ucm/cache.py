@@ -1,20 +1,26 @@
-"""UnifiedCache: the one API over every tier.
+"""UnifiedCache: the one API (ucm.api.CacheAPI) over a stack of tiers.
 
 `lookup`, `locate`, batched asynchronous `load` / `store` / `prefetch`
-returning Handles with one Outcome per block, `pin` / `unpin`, `stats`,
-and the placement hint `finish` (a request's output length).
-Placement decisions (admission, eviction, demotion, promotion) are made by
-`ucm.placement.Placement` with the configured policy and HeatTracker; this
-class executes the resulting plans against the adapters.
+returning Handles with one Outcome per block, the zero-copy `write_slots` /
+`read_slots`, `pin` / `unpin`, `stats`, the request events (`begin_request`,
+`request_id`) and the placement hint `finish`. The slot API the service
+serves to other processes (`reserve` / `commit` / `abort`, `acquire` /
+`release`) sits on the landing tier's shared slots.
+
+Layers. `ucm.placement.Placement` decides (admission, eviction, demotion,
+promotion) with the configured policy and returns Plans; `ucm.tiers.
+TierStack` executes them against the adapters; `ucm.reclaim` keeps headroom.
+This class holds the one metadata lock and the request bookkeeping.
 
 Threads. Any method may be called from any thread. Loads, stores and
-prefetches run on a pool of `io_workers` threads. Two locks:
-`_meta` guards the placement metadata (held briefly, never across I/O);
-`_mutate` serialises plan execution, so steps reach the adapters in the
-order they were planned (lock order: `_mutate`, then `_meta`, then an
-adapter's own lock: `_make_slot` asks the dram arena for victims under
-`_meta`). Loads copy without `_mutate` under holds (`Placement.hold`), so a block being read is
-never evicted.
+prefetches run on a pool of `io_workers` threads. One lock, `_meta`, guards
+the placement metadata and the request ids; it is held only to plan and to
+reconcile, never across an adapter's I/O (the TierStack keeps each key's
+steps in planning order instead; see ucm/tiers.py). Blocks being read,
+staged or reserved are held (`Placement.hold`), so they are never victims
+meanwhile. Lock order: `_meta`, then the TierStack's order lock, then an
+adapter's own lock (`_slot_evictions` asks a slab arena for victims under
+`_meta`); `_counts_lock` is a leaf.
 
 Faults. Nothing on the data path raises for a cache fault: a missing file, a
 bad checksum, a failed write or a full medium is an Outcome (MISSING,
@@ -22,87 +28,34 @@ CORRUPT, FAILED) and the block is forgotten where it was bad.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
+from ucm.adapters.base import SharedSlots, Status, StorageAdapter, load_adapter_class
+from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
+                     check_request_id, check_sizes, submit)
 from ucm.buffers import byte_view
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
-from ucm.heat import HeatTracker, Key
+from ucm.heat import HeatTracker
 from ucm.placement import Op, Placement, Plan, TierSpec
 from ucm.policy.base import check_policy, load_policy
+from ucm.reclaim import HeadroomReclaimer
+from ucm.tiers import Failure, Ticket, TierStack
 
 log = logging.getLogger(__name__)
 
-
-def check_keys(keys: Any) -> Sequence[Key]:
-    """`keys` as a list or tuple of 16-byte block keys, else ArgumentError
-    (a single key passed where a sequence belongs is the usual slip)."""
-    if isinstance(keys, (bytes, bytearray, memoryview, str)):
-        raise ArgumentError(f"keys must be a sequence of 16-byte bytes objects, got one "
-                            f"{type(keys).__name__} object; wrap a single key in a list")
-    if not isinstance(keys, (list, tuple)):
-        keys = list(keys)
-    for k in keys:
-        if not isinstance(k, bytes) or len(k) != 16:
-            raise ArgumentError(f"keys must be 16-byte bytes objects, got {k!r:.40}")
-    return keys
-
-
-def check_output_tokens(value: Any) -> int:
-    """`finish`'s output_tokens: an int >= 0, else ArgumentError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ArgumentError(f"finish: output_tokens must be an integer >= 0, got {value!r}")
-    return value
-
-
-class Outcome(enum.Enum):
-    DONE = "done"
-    MISSING = "missing"  # not cached (or refused: no room, not admitted)
-    CORRUPT = "corrupt"  # bytes came back bad; the block was dropped
-    FAILED = "failed"  # I/O error or a dead medium
-
+__all__ = ["UnifiedCache", "Outcome", "Handle", "TierFactory"]
 
 _FROM_STATUS = {Status.OK: Outcome.DONE, Status.NOT_FOUND: Outcome.MISSING, Status.NO_SPACE: Outcome.MISSING,
                 Status.CORRUPT: Outcome.CORRUPT, Status.FAILED: Outcome.FAILED}
 
-
-class Handle:
-    """Completion of one batched operation: one Outcome per block."""
-
-    def __init__(self, n: int) -> None:
-        self._results: list[Optional[Outcome]] = [None] * n
-        self._event = threading.Event()
-        if n == 0:
-            self._event.set()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout_s: Optional[float] = None) -> Optional[list[Outcome]]:
-        """The outcomes once done; None if `timeout_s` passed first."""
-        if not self._event.wait(timeout_s):
-            return None
-        return list(self._results)  # type: ignore[arg-type]
-
-    @property
-    def results(self) -> list[Optional[Outcome]]:
-        """Outcomes so far (None for blocks still pending)."""
-        return list(self._results)
-
-    @property
-    def ok(self) -> bool:
-        return self.done() and all(r is Outcome.DONE for r in self._results)
-
-    def _finish(self, results: Sequence[Outcome]) -> None:
-        self._results = list(results)
-        self._event.set()
-
+# Request ids remembered (begun, not finished yet): a bound, so that ids
+# never finished (a crashed engine) cannot grow the cache's memory.
+MAX_OPEN_REQUESTS = 65536
 
 # tier_factory(index, adapter class, capacity_bytes, validated options) -> adapter
 TierFactory = Callable[[int, type, int, Any], StorageAdapter]
@@ -138,8 +91,7 @@ class UnifiedCache:
         self.adapters: list[StorageAdapter] = []
         self._closed = False
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._reclaimer: Optional[threading.Thread] = None
-        self._reclaim_wake = threading.Event()
+        self._reclaimer: Optional[HeadroomReclaimer] = None
         try:
             self._open(cfg)
         except BaseException:
@@ -150,24 +102,25 @@ class UnifiedCache:
         for i, tier in enumerate(cfg.tiers):
             cls = load_adapter_class(tier.adapter)
             self.adapters.append(self._tier_factory(i, cls, tier.capacity, adapter_options(tier, i)))
+        self.tiers = TierStack(self.adapters, self.tier_names)
+        self.tiers.reconcile = self._reconcile
+        self.tiers.make_slot = self._make_slot
         self.heat = HeatTracker(half_life=cfg.heat.half_life_requests)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
         self.placement = Placement(specs, policy, self.heat, landing=self.tier_names.index(cfg.landing_tier))
         self._meta = threading.Lock()
-        self._mutate = threading.RLock()
+        self._requests: OrderedDict[str, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
-        self._shared = [t for t, a in enumerate(self.adapters) if a.shared]
-        # Tiers that keep headroom: (tier, bytes kept free), made by a
-        # background thread woken after every operation that adds blocks.
+        self._shared = self.tiers.shared
+        # Tiers that keep headroom: (tier, bytes kept free).
         self._headroom = [(t, int(tier.headroom * a.capacity_bytes))
                           for t, (tier, a) in enumerate(zip(cfg.tiers, self.adapters)) if tier.headroom > 0]
         self._restore()
         if self._headroom:
-            self._reclaimer = threading.Thread(target=self._reclaim_loop, name="ucm-reclaim", daemon=True)
-            self._reclaimer.start()
+            self._reclaimer = HeadroomReclaimer(self._reclaim_step)
 
     # ---- queries -----------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -198,25 +151,57 @@ class UnifiedCache:
         for t in self._shared:
             if not missing:
                 break
-            found = self.adapters[t].contains([keys[i] for i in missing])
+            try:
+                found = self.adapters[t].contains([keys[i] for i in missing])
+            except Exception:
+                log.debug("shared tier %s failed in locate", self.tier_names[t], exc_info=True)
+                continue
             for i, f in zip(list(missing), found):
                 if f:
                     out[i] = self.tier_names[t]
                     missing.remove(i)
         return out
 
+    # ---- requests ------------------------------------------------------------
+    def begin_request(self, request_id: str, keys: Sequence[Key], parent: Optional[Key] = None) -> None:
+        """One request over the prompt `keys`: one tick of the heat clock and
+        one access per block (deepest first). Data-plane calls carrying
+        `request_id` afterwards count no access; a second begin is ignored."""
+        request_id = check_request_id(request_id)
+        if request_id is None:
+            raise ArgumentError("begin_request: request_id must be a string, got None")
+        keys = check_keys(keys)
+        parent = check_parent(parent)
+        with self._meta:
+            self._record_locked(keys, parent, request_id)
+
+    def _record_locked(self, keys: Sequence[Key], parent: Optional[Key], request_id: Optional[str]) -> None:
+        """Counts the request's access unless `request_id` was begun already."""
+        if request_id is not None:
+            if request_id in self._requests:
+                self._requests.move_to_end(request_id)
+                return
+            self._requests[request_id] = None
+            if len(self._requests) > MAX_OPEN_REQUESTS:
+                self._requests.popitem(last=False)
+        self.placement.record_request(keys, parent=parent)
+
     # ---- operations --------------------------------------------------------
-    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None) -> Handle:
+    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
+              request_id: Optional[str] = None) -> Handle:
         """Stores consecutive blocks of one prompt (keys[i-1] is the parent of
         keys[i]; `parent` is the parent of keys[0]). Sources must stay
         unchanged until the handle is done."""
+        keys = check_keys(keys)
         views = self._views(keys, srcs, writable=False)
-        return self._submit(len(keys), self._store, list(keys), views, parent)
+        parent, request_id = check_parent(parent), check_request_id(request_id)
+        return self._submit(len(keys), self._store, keys, views, parent, request_id)
 
-    def load(self, keys: Sequence[Key], dsts: Sequence[Any]) -> Handle:
+    def load(self, keys: Sequence[Key], dsts: Sequence[Any], request_id: Optional[str] = None) -> Handle:
         """Copies each block into its destination (sizes must match)."""
+        keys = check_keys(keys)
         views = self._views(keys, dsts, writable=True)
-        return self._submit(len(keys), self._load, list(keys), views)
+        return self._submit(len(keys), self._load, keys, views, check_request_id(request_id))
 
     def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
         """Stages blocks held below `tier` (default the landing tier) into it."""
@@ -225,7 +210,108 @@ class UnifiedCache:
         if target != self.placement.landing:
             raise ArgumentError(f"prefetch: blocks are staged into the landing tier "
                                 f"{self.tier_names[self.placement.landing]!r}, got tier={tier!r}")
-        return self._submit(len(keys), self._prefetch, list(keys))
+        self._check_open()
+        return self._submit(len(keys), self._prefetch, keys)
+
+    def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
+                    parent: Optional[Key] = None, request_id: Optional[str] = None) -> list[Outcome]:
+        """The zero-copy store (ucm.api.CacheAPI): slots in the landing
+        tier's shared slots when it has them (`fill` then writes straight
+        into the tier), else in a scratch buffer stored afterwards."""
+        keys = check_keys(keys)
+        sizes = check_sizes(keys, sizes)
+        parent, request_id = check_parent(parent), check_request_id(request_id)
+        self._check_open()
+        if not keys:
+            return []
+        arena = self.shared_arena()
+        if arena is None:
+            return self._write_via_scratch(keys, sizes, fill, parent, request_id)
+        got = self.reserve(keys, sizes, parent, request_id=request_id)
+        filled = [k for k, g in zip(keys, got) if isinstance(g, memoryview)]
+        slots, out = [], []
+        for k, g in zip(keys, got):
+            if isinstance(g, memoryview):
+                slots.append(arena.slot_offset(k))
+                out.append(Outcome.DONE)
+            else:
+                slots.append(None)
+                out.append(Outcome.DONE if g is True else Outcome.MISSING)
+        for g in got:
+            if isinstance(g, memoryview):
+                g.release()
+        if not filled:
+            return out
+        try:
+            fill(0, slots, arena.segment_view())
+        except Exception:
+            log.debug("ucm: a fill into reserved slots raised; the chunk is aborted", exc_info=True)
+            self.abort(filled)
+            return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
+        ok = dict(zip(filled, self.commit(filled)))
+        return [Outcome.FAILED if not ok.get(k, True) else o for k, o in zip(keys, out)]
+
+    def _write_via_scratch(self, keys: list[Key], sizes: list[int], fill: SlotFn, parent: Optional[Key],
+                           request_id: Optional[str]) -> list[Outcome]:
+        offsets = [0]
+        for s in sizes:
+            offsets.append(offsets[-1] + s)
+        scratch = bytearray(offsets[-1])
+        try:
+            fill(0, [(offsets[i], sizes[i]) for i in range(len(keys))], scratch)
+        except Exception:
+            log.debug("ucm: a fill into scratch slots raised; nothing is stored", exc_info=True)
+            return [Outcome.FAILED] * len(keys)
+        view = memoryview(scratch)
+        return self._store(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], parent, request_id)
+
+    def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
+                   request_id: Optional[str] = None) -> list[Outcome]:
+        """The zero-copy load (ucm.api.CacheAPI): leases in the landing
+        tier's shared slots when it has them, else a scratch buffer loaded
+        first."""
+        keys = check_keys(keys)
+        sizes = check_sizes(keys, sizes)
+        request_id = check_request_id(request_id)
+        self._check_open()
+        if not keys:
+            return []
+        arena = self.shared_arena()
+        if arena is None:
+            offsets = [0]
+            for s in sizes:
+                offsets.append(offsets[-1] + s)
+            scratch = bytearray(offsets[-1])
+            view = memoryview(scratch)
+            out = self._load(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], request_id)
+            slots = [(offsets[i], sizes[i]) if o is Outcome.DONE else None for i, o in enumerate(out)]
+            return self._fill_out(slots, out, scratch, fill)
+        leases = self.acquire(keys, request_id=request_id)
+        try:
+            slots, out = [], []
+            for lease, size in zip(leases, sizes):
+                if lease is None:
+                    slots.append(None)
+                    out.append(Outcome.MISSING)
+                elif lease.length != size:
+                    slots.append(None)
+                    out.append(Outcome.CORRUPT)
+                else:
+                    slots.append((lease.offset, lease.length))
+                    out.append(Outcome.DONE)
+            return self._fill_out(slots, out, arena.segment_view(), fill)
+        finally:
+            self.release(leases)
+
+    @staticmethod
+    def _fill_out(slots: list, out: list[Outcome], arena: Any, fill: SlotFn) -> list[Outcome]:
+        if any(s is not None for s in slots):
+            try:
+                fill(0, slots, arena)
+            except Exception:
+                log.debug("ucm: a fill out of leased slots raised", exc_info=True)
+                return [Outcome.FAILED if o is Outcome.DONE else o for o in out]
+        return out
 
     def pin(self, keys: Sequence[Key]) -> None:
         """Keeps the blocks cached until `unpin` (counted): a hit promised to
@@ -241,26 +327,26 @@ class UnifiedCache:
         with self._meta:
             self.placement.unpin(keys)
 
-    def finish(self, keys: Sequence[Key], output_tokens: int) -> None:
+    def finish(self, keys: Sequence[Key], output_tokens: int, request_id: Optional[str] = None) -> None:
         """Hint: the request whose prompt has the blocks `keys` finished after
         generating `output_tokens` tokens. Placement learns from it which
-        kind of job's prompts come back (ucm/reuse.py); moves nothing."""
+        kind of job's prompts come back (ucm/policy/reuse.py); moves nothing.
+        Forgets `request_id`."""
         keys = check_keys(keys)
         check_output_tokens(output_tokens)
+        request_id = check_request_id(request_id)
         with self._meta:
             self.placement.finish_request(keys, output_tokens)
+            if request_id is not None:
+                self._requests.pop(request_id, None)
         self._count("finished_requests")
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Makes the tiers' headroom, then waits until buffered writes of
         every tier are on their medium."""
-        self._reclaim()
-        ok = True
-        for a in self.adapters:
-            f = getattr(a, "flush", None)
-            if f is not None:
-                ok = f(timeout_s=timeout_s) and ok
-        return ok
+        if self._reclaimer is not None:
+            self._reclaimer.run_now()
+        return self.tiers.flush(timeout_s)
 
     def stats(self) -> dict[str, Any]:
         with self._meta:
@@ -274,15 +360,17 @@ class UnifiedCache:
                     "demotions_in": c.demotions_in, "promotions_in": c.promotions_in,
                     "bytes_written": c.bytes_written,
                 }
-            with self._counts_lock:
-                counts = dict(self._counts)
+            open_requests = len(self._requests)
+        with self._counts_lock:
+            counts = dict(self._counts)
+        counts["corrupt"] = counts.get("corrupt", 0) + self.tiers.corrupt
         for name, a in zip(self.tier_names, self.adapters):
             tiers[name]["adapter"] = a.stats()
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
                   "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
                   "finished_requests", "slot_evictions"):
             counts.setdefault(k, 0)
-        return {"tiers": tiers, **counts}
+        return {"tiers": tiers, **counts, "open_requests": open_requests}
 
     def watch_keys(self, on_add: Callable[[Key], None], on_remove: Callable[[Key], None]) -> None:
         """Mirrors the set of cached keys that `lookup` sees (blocks in shared
@@ -299,8 +387,7 @@ class UnifiedCache:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._reclaimer is not None:
-            self._reclaim_wake.set()
-            self._reclaimer.join()
+            self._reclaimer.close()
         for a in self.adapters:
             try:
                 a.close()
@@ -314,56 +401,68 @@ class UnifiedCache:
         self.close()
 
     # ---- two-phase access to the shared-memory landing tier ----------------
-    # Used by the service: engine processes copy into and out of the dram
-    # arena themselves, the cache only hands out slots.
-    def shared_arena(self):
-        """The landing tier's shared-memory adapter (has reserve/commit/
-        abort/lease/release and `segment_path`), or None."""
+    # Served by the service: engine processes copy into and out of the
+    # landing tier's shared segment themselves, the cache hands out slots.
+    def shared_arena(self) -> Optional[SharedSlots]:
+        """The landing tier when it declares shared slots (ucm.adapters.base.
+        SharedSlots), else None."""
         a = self.adapters[self.placement.landing]
-        return a if hasattr(a, "reserve") and hasattr(a, "segment_path") else None
+        return a if isinstance(a, SharedSlots) else None
 
-    def reserve(self, keys: Sequence[Key], sizes: Sequence[int],
-                parent: Optional[Key] = None) -> list[Union[None, bool, memoryview]]:
+    def reserve(self, keys: Sequence[Key], sizes: Sequence[int], parent: Optional[Key] = None,
+                request_id: Optional[str] = None) -> list[Union[None, bool, memoryview]]:
         """Places consecutive blocks like `store` but hands back, per block, a
         writable slot view to fill and then `commit` (or `abort`); True when
         the block is already cached; None when refused (and every block
-        after it, which would lack its parent)."""
+        after it, which would lack its parent). The whole run is planned
+        under one hold of the metadata lock; a reserved block is held (not
+        a victim) until it is committed or aborted."""
         arena = self.shared_arena()
         if arena is None:
             raise ArgumentError(f"reserve needs a shared-memory landing tier; landing is "
                                 f"{self.tier_names[self.placement.landing]!r}")
         keys = check_keys(keys)
-        if len(keys) != len(sizes):
-            raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        sizes = check_sizes(keys, sizes)
+        parent, request_id = check_parent(parent), check_request_id(request_id)
         landing = self.placement.landing
-        out: list[Union[None, bool, memoryview]] = []
+        p = self.placement
+        placed: list[Union[None, bool]] = []  # per key: True placed, False present, None refused
+        plan: Plan = []
         with self._meta:
-            self.placement.record_request(keys, parent=parent)
-        for i, key in enumerate(keys):
-            if out and out[-1] is None:
-                out.append(None)
-                continue
-            par = keys[i - 1] if i else parent
-            with self._mutate:
-                with self._meta:
-                    d = self.placement.insert(key, par, self._footprint(sizes[i]))
-                    present = not d.placed and self.placement.contains(key)
-                steps = [s for s in d.plan if s.op is not Op.WRITE]
-                self._run_plan(steps, {})
-                view = None
+            self._record_locked(keys, parent, request_id)
+            for i, key in enumerate(keys):
+                d = p.insert(key, keys[i - 1] if i else parent, self._footprint(sizes[i]))
+                plan.extend(s for s in d.plan if s.op is not Op.WRITE)
                 if d.placed:
-                    view = self._reserve_slot(landing, key, sizes[i])
-                    if view is None:
-                        with self._meta:
-                            undo = self.placement.remove(key, landing)
-                        self._run_plan(undo, {})
-                        self._count("store_refused", 1)
-                with self._meta:
-                    if view is not None:
-                        self.placement.hold([key])  # not a victim until committed or aborted
-                    if view is not None or present:
-                        self.placement.touch([key])
-            out.append(True if present else view)
+                    p.hold([key])  # not a victim until committed or aborted
+                    placed.append(True)
+                elif p.contains(key):
+                    placed.append(False)
+                else:
+                    break
+            ticket = self.tiers.admit(plan, p.parent_of)
+        self.tiers.run_through(ticket, {})
+        out: list[Union[None, bool, memoryview]] = []
+        first_bad: Optional[int] = None
+        for i, (key, size, state) in enumerate(zip(keys, sizes, placed)):
+            if state is False:
+                out.append(True)
+                continue
+            view = self.tiers.reserve_slot(landing, key, size)
+            if view is None:
+                first_bad = i
+                break
+            out.append(view)
+        if first_bad is not None or len(placed) < len(keys):
+            self._count("store_refused", 1)
+        if first_bad is not None:  # it and the blocks after it (its descendants) are taken back
+            with self._meta:
+                p.unhold([k for k, state in zip(keys[first_bad:], placed[first_bad:]) if state])
+                ticket = self.tiers.admit(p.remove(keys[first_bad], landing), p.parent_of)
+            self.tiers.run_through(ticket, {})
+        out.extend([None] * (len(keys) - len(out)))
+        with self._meta:
+            p.touch([k for k, o in zip(keys, out) if o is not None])
         return out
 
     def commit(self, keys: Sequence[Key]) -> list[bool]:
@@ -372,15 +471,20 @@ class UnifiedCache:
         keys = check_keys(keys)
         arena = self.shared_arena()
         out = []
+        committed = []
+        stored = 0
         for key in keys:
-            size = arena.slot_offset(key)
+            slot = arena.slot_offset(key)
             ok = arena.commit(key)
             if ok:
-                with self._meta:
-                    self.placement.unhold([key])
-                self._count("stored_blocks", 1)
-                self._count("bytes_stored", size[1])
+                committed.append(key)
+                stored += slot[1]
             out.append(ok)
+        if committed:
+            with self._meta:
+                self.placement.unhold(committed)
+            self._count("stored_blocks", len(committed))
+            self._count("bytes_stored", stored)
         self._wake_reclaim()
         return out
 
@@ -389,17 +493,24 @@ class UnifiedCache:
         keys = check_keys(keys)
         arena = self.shared_arena()
         landing = self.placement.landing
+        taken = []
         for key in keys:
             if arena.slot_offset(key) is None:
                 continue  # not reserved (committed or never placed)
             arena.abort(key)
-            with self._mutate:
-                with self._meta:
-                    self.placement.unhold([key])
-                    undo = self.placement.remove(key, landing) if not arena.contains([key])[0] else []
-                self._run_plan(undo, {})
+            taken.append(key)
+        if not taken:
+            return
+        undo: Plan = []
+        with self._meta:
+            for key in taken:
+                self.placement.unhold([key])
+                if not arena.contains([key])[0]:
+                    undo.extend(self.placement.remove(key, landing))
+            ticket = self.tiers.admit(undo, self.placement.parent_of)
+        self.tiers.run_through(ticket, {})
 
-    def acquire(self, keys: Sequence[Key]) -> list[Any]:
+    def acquire(self, keys: Sequence[Key], request_id: Optional[str] = None) -> list[Any]:
         """Leases each block's slot in the shared-memory landing tier for
         reading, staging blocks held only below it first (synchronously).
         Per key: a Lease (its `view` is the blob) or None on a miss. Give
@@ -408,33 +519,30 @@ class UnifiedCache:
         if arena is None:
             raise ArgumentError("acquire needs a shared-memory landing tier")
         keys = check_keys(keys)
-        out: list[Any] = []
+        request_id = check_request_id(request_id)
         with self._meta:
-            self.placement.record_request(keys)
+            self._record_locked(keys, None, request_id)
         leases = [arena.lease(key) for key in keys]
         staging = any(le is None for le in leases)
         if staging:
-            for i, key in enumerate(keys):
-                if leases[i] is None and self._shared and not self.placement.contains(key):
-                    self._adopt_remote(key, keys[i - 1] if i else None)
+            self._adopt_remote_all(keys, [i for i, le in enumerate(leases) if le is None])
             need = [i for i, le in enumerate(leases) if le is None]
-            with self._mutate:  # staged blocks are leased before anything can evict them
-                self._stage([keys[i] for i in need], force=True)
+
+            def lease_staged() -> None:  # before the staged blocks may be evicted again
                 for i in need:
                     leases[i] = arena.lease(keys[i])
-        for lease in leases:
-            out.append(lease)
-            if lease is None:
-                self._count("missing_blocks", 1)
-            else:
-                self._count("loaded_blocks", 1)
-                self._count("bytes_loaded", len(lease.view))
+
+            self._stage([keys[i] for i in need], force=True, then=lease_staged)
+        n_ok = sum(le is not None for le in leases)
+        self._count("missing_blocks", len(keys) - n_ok)
+        self._count("loaded_blocks", n_ok)
+        self._count("bytes_loaded", sum(len(le.view) for le in leases if le is not None))
         with self._meta:
-            self.placement.touch([k for k, le in zip(keys, out) if le is not None])
+            self.placement.touch([k for k, le in zip(keys, leases) if le is not None])
         self._drain_dropped()
         if staging:
             self._wake_reclaim()
-        return out
+        return leases
 
     def release(self, leases: Sequence[Any]) -> None:
         arena = self.shared_arena()
@@ -442,24 +550,103 @@ class UnifiedCache:
             if lease is not None:
                 arena.release(lease)
 
+    # ---- plans -------------------------------------------------------------
+    def run_plan(self, plan: Plan, sources: Mapping[Key, Any]) -> bool:
+        """Executes a plan made by this cache's Placement outside this class
+        (the payload replay, `ucm bench trace --payload`, which plans and
+        runs from one thread): admitted, run, failures reconciled. Returns
+        whether every step succeeded."""
+        with self._meta:
+            ticket = self.tiers.admit(plan, self.placement.parent_of)
+        return self.tiers.run_through(ticket, sources)
+
+    def _reconcile(self, failures: list[Failure], retried: set) -> Optional[Ticket]:
+        """The TierStack's failed steps, under `_meta`: a failure that is
+        still its key's latest step is taken back out of the placement (with
+        the descendants that lose their prefix), or, for NO_SPACE in a tier
+        with size classes, retried once after evictions that free a slot of
+        that size. Every failure is dequeued; returns the plan to run next."""
+        p = self.placement
+        plan: Plan = []
+        with self._meta:
+            for f in failures:
+                step = f.step
+                if not self.tiers.is_latest(f):
+                    continue  # a later step of this key settles it
+                if (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and step.key not in retried
+                        and step.dst in p.tiers_of(step.key)):
+                    size = p.size_of(step.key)
+                    evictions = self._slot_evictions(step.dst, step.key, size) if size is not None else []
+                    if evictions:
+                        retried.add(step.key)
+                        plan.extend(evictions)
+                        plan.append(step)
+                        continue
+                plan.extend(p.remove(step.key, step.dst))
+            ticket = self.tiers.admit(plan, p.parent_of) if plan else None
+        for f in failures:
+            self.tiers.done(f)
+        return ticket
+
+    def _make_slot(self, t: int, key: Key, size: int) -> Optional[Ticket]:
+        """The TierStack's hook when a reservation finds no slot: evictions
+        that free one (planned and admitted here), or None."""
+        with self._meta:
+            plan = self._slot_evictions(t, key, size)
+            return self.tiers.admit(plan, self.placement.parent_of) if plan else None
+
+    def _slot_evictions(self, t: int, key: Key, size: int) -> Plan:
+        """Tier t found no slot for `key` although Placement made room by
+        bytes (the freed bytes lie in extents of another size class of a
+        slab arena, ucm.adapters.slab). Asks the adapter which blocks to give
+        up (`victims_for`), first those Placement may evict in prefix order,
+        else with parents demoted ahead of their children, and evicts them
+        through Placement (`evict_keys`: demoted like any victim). Caller
+        holds `_meta` (the adapter's lock is a leaf under it)."""
+        a = self.adapters[t]
+        if not isinstance(a, SharedSlots):
+            return []
+        p = self.placement
+        protect = p.parent_of(key)
+        for relaxed in (False, True):
+            def acceptable(keys: tuple[Key, ...], relaxed: bool = relaxed) -> bool:
+                return p.may_evict(t, keys, protect=protect, relaxed=relaxed)
+
+            v = a.victims_for(size, acceptable)
+            if v.keys:
+                plan = p.evict_keys(t, v.keys, any_one=v.any_one, protect=protect, relaxed=relaxed)
+                if plan:
+                    self._count("slot_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
+                    return plan
+        return []
+
     # ---- internals ---------------------------------------------------------
+    def _adopt_remote_all(self, keys: Sequence[Key], idx: Sequence[int]) -> None:
+        if self._shared:
+            for i in idx:
+                if not self.placement.contains(keys[i]):
+                    self._adopt_remote(keys[i], keys[i - 1] if i else None)
+
     def _adopt_remote(self, key: Key, parent: Optional[Key]) -> Optional[int]:
         """Records a block found only in a shared tier (put there by another
         node) so that the usual paths can load and promote it. Returns the
         tier, or None. Caller holds no lock."""
         for t in self._shared:
-            a = self.adapters[t]
-            size = a.size_of(key)
+            try:
+                size = self.adapters[t].size_of(key)
+            except Exception:
+                log.debug("shared tier %s failed in size_of", self.tier_names[t], exc_info=True)
+                continue
             if size is None:
                 continue
-            with self._mutate:
-                with self._meta:
-                    if self.placement.contains(key):
-                        return self.placement.where(key)
-                    if parent is not None and not self.placement.contains(parent):
-                        parent = None
-                    d = self.placement.insert(key, parent, self._footprint(size), tier=t, restored=True)
-                self._run_plan(d.plan, {})
+            with self._meta:
+                if self.placement.contains(key):
+                    return self.placement.where(key)
+                if parent is not None and not self.placement.contains(parent):
+                    parent = None
+                d = self.placement.insert(key, parent, self._footprint(size), tier=t, restored=True)
+                ticket = self.tiers.admit(d.plan, self.placement.parent_of)
+            self.tiers.run_through(ticket, {})
             if d.placed:
                 return t
         return None
@@ -473,10 +660,12 @@ class UnifiedCache:
             raise ArgumentError(f"unknown tier {name!r}; configured: {self.tier_names}")
         return self.tier_names.index(name)
 
-    def _views(self, keys: Sequence[Key], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
+    def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("UnifiedCache used after close()")
-        keys = check_keys(keys)
+
+    def _views(self, keys: Sequence[Key], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
+        self._check_open()
         if len(keys) != len(bufs):
             raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
         views = [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
@@ -486,19 +675,9 @@ class UnifiedCache:
         return views
 
     def _submit(self, n: int, fn: Any, *args: Any) -> Handle:
-        handle = Handle(n)
-
-        def run() -> None:
-            try:
-                results = fn(*args)
-            except Exception:  # a bug must not hang the caller: report FAILED
-                log.exception("ucm: %s failed", getattr(fn, "__name__", fn))
-                results = [Outcome.FAILED] * n
-            handle._finish(results)
-
-        if n:
-            self._pool.submit(run)
-        return handle
+        return submit(self._pool, n, fn, *args,
+                      on_error=lambda exc: log.error("ucm: %s failed", getattr(fn, "__name__", fn),
+                                                     exc_info=exc))
 
     def _restore(self) -> None:
         """Records the blocks tiers hold at start (a restarted NVMe log),
@@ -529,88 +708,97 @@ class UnifiedCache:
             if a.shared:
                 continue  # other nodes' blocks: asked for on demand
             entries = {e.key: e for e in a.iter_entries()}
-            with self._mutate:
-                for e in parents_first(entries):
-                    with self._meta:
-                        par = e.parent if e.parent is not None and self.placement.contains(e.parent) else None
-                        d = self.placement.insert(e.key, par, self._footprint(e.size_bytes), tier=t, restored=True)
-                        kept = d.placed or self.placement.contains(e.key)
-                    self._run_plan_locked(d.plan, {})  # takes _meta itself if a step fails
-                    if not kept:
-                        a.delete([e.key])
+            for e in parents_first(entries):
+                with self._meta:
+                    par = e.parent if e.parent is not None and self.placement.contains(e.parent) else None
+                    d = self.placement.insert(e.key, par, self._footprint(e.size_bytes), tier=t, restored=True)
+                    kept = d.placed or self.placement.contains(e.key)
+                    ticket = self.tiers.admit(d.plan, self.placement.parent_of)
+                self.tiers.run_through(ticket, {})
+                if not kept:
+                    a.delete([e.key])
 
     def _footprint(self, size: int) -> int:
         return self.adapters[self.placement.landing].footprint_bytes(size)
 
-    def _store(self, keys: list[Key], views: list[memoryview], parent: Optional[Key]) -> list[Outcome]:
-        out: list[Outcome] = []
-        stopped = False
+    def _store(self, keys: list[Key], views: list[memoryview], parent: Optional[Key],
+               request_id: Optional[str] = None) -> list[Outcome]:
+        """The whole run planned under one hold of `_meta` (an insert per
+        block, stopping at the first refusal), then executed without it."""
+        p = self.placement
+        placed: list[bool] = []  # per key planned: True placed now, False cached already
+        plan: Plan = []
         with self._meta:
-            self.placement.record_request(keys, parent=parent)
-        for i, key in enumerate(keys):
-            if stopped:  # a child is useless without its parent
-                out.append(Outcome.MISSING)
-                continue
-            par = keys[i - 1] if i else parent
-            with self._mutate:
-                with self._meta:
-                    d = self.placement.insert(key, par, self._footprint(len(views[i])))
-                ok = self._run_plan(d.plan, {key: views[i]}) if d.plan else True
-                with self._meta:
-                    placed = d.placed and ok and self.placement.contains(key)
-                    present = self.placement.contains(key)
-                    if placed or present:
-                        self.placement.touch([key])
-            if placed:
-                out.append(Outcome.DONE)
-                self._count("stored_blocks", 1)
-                self._count("bytes_stored", len(views[i]))
-            elif present:
-                out.append(Outcome.DONE)  # already cached: blobs under a key never change
-            else:
-                out.append(Outcome.MISSING)
-                self._count("store_refused", 1)
-                stopped = True
+            self._record_locked(keys, parent, request_id)
+            for i, key in enumerate(keys):
+                d = p.insert(key, keys[i - 1] if i else parent, self._footprint(len(views[i])))
+                plan.extend(d.plan)
+                if d.placed or p.contains(key):
+                    placed.append(d.placed)
+                else:
+                    break
+            ticket = self.tiers.admit(plan, p.parent_of)
+        self.tiers.run_through(ticket, dict(zip(keys, views)))
+        out: list[Outcome] = []
+        with self._meta:
+            for i, key in enumerate(keys):
+                if i < len(placed) and (not out or out[-1] is Outcome.DONE) and p.contains(key):
+                    out.append(Outcome.DONE)
+                else:
+                    out.append(Outcome.MISSING)
+            p.touch([k for k, o in zip(keys, out) if o is Outcome.DONE])
+        new = [i for i, o in enumerate(out) if o is Outcome.DONE and placed[i]]
+        self._count("stored_blocks", len(new))
+        self._count("bytes_stored", sum(len(views[i]) for i in new))
+        if any(o is Outcome.MISSING for o in out):
+            self._count("store_refused", 1)
         self._drain_dropped()
         self._wake_reclaim()
         return out
 
-    def _load(self, keys: list[Key], views: list[memoryview]) -> list[Outcome]:
+    def _load(self, keys: list[Key], views: list[memoryview], request_id: Optional[str] = None) -> list[Outcome]:
         out: list[Optional[Outcome]] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
-        if self._shared:
-            for i, k in enumerate(keys):
-                if not self.placement.contains(k):
-                    self._adopt_remote(k, keys[i - 1] if i else None)
+        self._adopt_remote_all(keys, range(len(keys)))
         with self._meta:
-            self.placement.record_request(keys)
+            self._record_locked(keys, None, request_id)
             for i, k in enumerate(keys):
                 t = self.placement.where(k)
                 if t is None:
                     out[i] = Outcome.MISSING
                 else:
                     by_tier.setdefault(t, []).append(i)
-            self.placement.hold([keys[i] for idx in by_tier.values() for i in idx])
+            held = [keys[i] for idx in by_tier.values() for i in idx]
+            self.placement.hold(held)
         promote: list[int] = []
+        bad: list[tuple[Key, int]] = []
         try:
             for t, idx in sorted(by_tier.items()):
-                statuses = self.adapters[t].get([keys[i] for i in idx], [views[i] for i in idx])
+                try:
+                    statuses = self.adapters[t].get([keys[i] for i in idx], [views[i] for i in idx])
+                except Exception:
+                    log.exception("ucm: reading %d blocks from tier %s failed", len(idx), self.tier_names[t])
+                    statuses = [Status.FAILED] * len(idx)
                 for i, st in zip(idx, statuses):
                     if st is Status.NOT_FOUND:  # moved by a concurrent demotion: look everywhere
-                        st = self._get_anywhere(keys[i], views[i], skip=t)
+                        st = self.tiers.get_anywhere(keys[i], views[i], skip=t)
                     out[i] = _FROM_STATUS[st]
                     if st is Status.OK and t > self.placement.landing:
                         promote.append(i)
                     elif st in (Status.CORRUPT, Status.FAILED):
-                        self._forget(keys[i], t)
+                        bad.append((keys[i], t))
         finally:
             with self._meta:
-                self.placement.unhold([keys[i] for idx in by_tier.values() for i in idx])
-        for i in promote:
-            with self._mutate:
-                with self._meta:
-                    d = self.placement.promote(keys[i])
-                self._run_plan(d.plan, {keys[i]: views[i]})
+                self.placement.unhold(held)
+        for key, t in bad:
+            self._forget(key, t)
+        if promote:
+            plan: Plan = []
+            with self._meta:
+                for i in promote:
+                    plan.extend(self.placement.promote(keys[i]).plan)
+                ticket = self.tiers.admit(plan, self.placement.parent_of)
+            self.tiers.run_through(ticket, {keys[i]: views[i] for i in promote})
         with self._meta:
             self.placement.touch([k for k, o in zip(keys, out) if o is Outcome.DONE])
         done = [o if o is not None else Outcome.FAILED for o in out]
@@ -623,270 +811,86 @@ class UnifiedCache:
         self._drain_dropped()
         return done
 
-    def _get_anywhere(self, key: Key, view: memoryview, skip: int) -> Status:
-        for t, a in enumerate(self.adapters):
-            if t != skip:
-                st = a.get([key], [view])[0]
-                if st is not Status.NOT_FOUND:
-                    return st
-        return Status.NOT_FOUND
-
     def _prefetch(self, keys: list[Key]) -> list[Outcome]:
-        if self._shared:
-            for i, key in enumerate(keys):
-                if not self.placement.contains(key):
-                    self._adopt_remote(key, keys[i - 1] if i else None)
-        with self._mutate:
-            self._stage(keys, force=False)
-            with self._meta:
-                landing = self.placement.landing
-                out = [Outcome.DONE if self.placement.where(k) == landing else Outcome.MISSING for k in keys]
+        self._adopt_remote_all(keys, range(len(keys)))
+        self._stage(keys, force=False)
+        with self._meta:
+            landing = self.placement.landing
+            out = [Outcome.DONE if self.placement.where(k) == landing else Outcome.MISSING for k in keys]
         self._drain_dropped()
         self._wake_reclaim()
         return out
 
-    def _stage(self, keys: Sequence[Key], force: bool) -> None:
+    def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None) -> None:
         """Copies the blocks of `keys` held only below the landing tier up
         into it (`force`: without asking the policy, for a reader). Every
-        promotion is planned first, so that the evictions they need run
-        before, and the reads as one batch per source tier (in parallel on
-        the adapter's I/O threads) instead of one block at a time."""
+        promotion is planned first under one hold of `_meta`, so that the
+        evictions they need run before, and the reads as one batch per
+        source tier (in parallel on the adapter's I/O threads) instead of
+        one block at a time. The staged blocks are held until `then()` ran
+        (a reader leases them there), so nothing evicts them before."""
         landing = self.placement.landing
         plan: Plan = []
         staged: list[Key] = []
-        with self._mutate:
+        with self._meta:
+            for key in keys:
+                src = self.placement.where(key)
+                if src is None or src <= landing:
+                    continue
+                d = self.placement.promote(key, force=force)
+                plan.extend(d.plan)
+                if d.placed:  # later promotions must not pick it as a victim before its copy
+                    self.placement.hold([key])
+                    staged.append(key)
+            # The evictions first, then the copies as one run (one batched read
+            # per source tier); the staged blocks are held, so no eviction names one.
+            plan = [s for s in plan if s.op is not Op.COPY] + [s for s in plan if s.op is Op.COPY]
+            ticket = self.tiers.admit(plan, self.placement.parent_of)
+        try:
+            self.tiers.run_through(ticket, {})
+            if then is not None:
+                then()
+        finally:
             with self._meta:
-                for key in keys:
-                    src = self.placement.where(key)
-                    if src is None or src <= landing:
-                        continue
-                    d = self.placement.promote(key, force=force)
-                    plan.extend(d.plan)
-                    if d.placed:  # later promotions must not pick it as a victim before its copy
-                        self.placement.hold([key])
-                        staged.append(key)
-            try:
-                copies = [s for s in plan if s.op is Op.COPY]
-                self._run_plan_locked([s for s in plan if s.op is not Op.COPY], {})
-                self._copy_batch(copies)
-            finally:
-                with self._meta:
-                    self.placement.unhold(staged)
-
-    def _copy_batch(self, steps: Plan) -> None:
-        """COPY steps, one adapter read per source tier when the destination
-        hands out slots to read into (the dram arena); others one by one."""
-        groups: dict[tuple[int, int], Plan] = {}
-        for step in steps:
-            groups.setdefault((step.src, step.dst), []).append(step)
-        for (src, dst), group in groups.items():
-            a, b = self.adapters[src], self.adapters[dst]
-            if getattr(b, "reserve", None) is None or getattr(a, "lease", None) is not None:
-                self._run_plan_locked(group, {})
-                continue
-            keys, views, failed = [], [], []
-            for step in group:
-                size = a.size_of(step.key)
-                view = self._reserve_slot(dst, step.key, size) if size is not None else None
-                if view is None:
-                    failed.append((step.key, Status.NOT_FOUND if size is None else Status.NO_SPACE))
-                else:
-                    keys.append(step.key)
-                    views.append(view)
-            try:
-                statuses = a.get(keys, views) if keys else []
-            except Exception:  # a fault is a miss; the reserved slots are given back below
-                log.exception("ucm: reading %d blocks from tier %s failed", len(keys), self.tier_names[src])
-                statuses = [Status.FAILED] * len(keys)
-            for key, view, st in zip(keys, views, statuses):
-                view.release()
-                if st is Status.OK:
-                    b.commit(key)
-                else:
-                    b.abort(key)
-                    failed.append((key, st))
-            for key, st in failed:
-                if st is Status.CORRUPT:
-                    self._count("corrupt", 1)
-                with self._meta:
-                    undo = self.placement.remove(key, dst)
-                b.delete([key])
-                self._run_plan_locked(undo, {})
-
-    def _reserve_slot(self, t: int, key: Key, size: int) -> Optional[memoryview]:
-        """Tier t's `reserve(key, size)`, made to succeed once more by
-        `_make_slot` when the arena has no slot of that size. Every
-        reservation of the cache goes through here. Caller holds `_mutate`,
-        not `_meta`."""
-        a = self.adapters[t]
-        view = a.reserve(key, size)
-        if view is None and self._make_slot(t, key, size):
-            view = a.reserve(key, size)
-        return view
-
-    def _put_block(self, t: int, key: Key, src: Any, parent: Optional[Key]) -> Status:
-        """Tier t's `put_with_parents` of one block, tried once more after
-        `_make_slot` when the tier said NO_SPACE. Caller holds `_mutate`,
-        not `_meta`."""
-        a = self.adapters[t]
-        st = a.put_with_parents([key], [src], [parent])[0]
-        if st is Status.NO_SPACE and self._make_slot(t, key, len(src)):
-            st = a.put_with_parents([key], [src], [parent])[0]
-        return st
-
-    def _make_slot(self, t: int, key: Key, size: int) -> bool:
-        """Tier t found no slot for `key` although Placement made room by
-        bytes (the freed bytes lie in extents of another size class of a
-        slab arena, ucm.adapters.slab). Asks the adapter which blocks to give
-        up (`victims_for`), first those Placement may evict in prefix order,
-        else with parents demoted ahead of their children; evicts them
-        through Placement (`evict_keys`: demoted like any victim) and runs
-        that plan. True when something was evicted, so one more try is
-        worth it. Caller holds `_mutate`, not `_meta`."""
-        a = self.adapters[t]
-        victims_for = getattr(a, "victims_for", None)
-        if victims_for is None or a.contains([key])[0]:
-            return False
-        plan: Plan = []
-        with self._meta:  # the adapter's lock is taken inside `_meta` here (a leaf lock)
-            p = self.placement
-            protect = p.parent_of(key)
-            for relaxed in (False, True):
-                def acceptable(keys: tuple[Key, ...], relaxed: bool = relaxed) -> bool:
-                    return p.may_evict(t, keys, protect=protect, relaxed=relaxed)
-
-                v = victims_for(size, acceptable)
-                if v.keys:
-                    plan = p.evict_keys(t, v.keys, any_one=v.any_one, protect=protect, relaxed=relaxed)
-                    if plan:
-                        break
-        if not plan:
-            return False
-        self._count("slot_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
-        self._run_plan_locked(plan, {})
-        return True
+                self.placement.unhold(staged)
 
     def _forget(self, key: Key, tier: int) -> None:
-        with self._mutate:
-            with self._meta:
-                plan = self.placement.remove(key, tier)
-            self.adapters[tier].delete([key])
-            self._run_plan(plan, {})
+        with self._meta:
+            plan = [*self.placement.remove(key, tier)]
+            ticket = self.tiers.admit(plan, self.placement.parent_of)
+        self.tiers.delete(tier, key)
+        self.tiers.run_through(ticket, {})
 
     def _wake_reclaim(self) -> None:
         if self._reclaimer is not None:
-            self._reclaim_wake.set()
+            self._reclaimer.wake()
 
-    def _reclaim_loop(self) -> None:
-        while True:
-            self._reclaim_wake.wait()
-            self._reclaim_wake.clear()
-            if self._closed:
-                return
-            try:
-                self._reclaim()
-            except Exception:  # a failed demotion is dropped by _run_plan; never kill the thread
-                log.exception("ucm: making headroom failed")
-
-    def _reclaim(self) -> None:
-        """Demotes victims until each tier with headroom has it free, a few
-        at a time so that foreground operations are not held up behind a
-        long run of writes."""
+    def _reclaim_step(self) -> bool:
+        """One round of headroom: up to 4 victims per tier short of its
+        headroom, planned under `_meta` and demoted without it. True when
+        something was evicted (the reclaimer calls again)."""
+        did = False
         for t, free in self._headroom:
-            while not self._closed:
-                with self._mutate:
-                    with self._meta:
-                        plan = self.placement.reclaim(t, free, max_victims=4)
-                    if not plan:
-                        break
-                    self._count("headroom_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
-                    self._run_plan_locked(plan, {})
+            if self._closed:
+                return False
+            with self._meta:
+                plan = self.placement.reclaim(t, free, max_victims=4)
+                ticket = self.tiers.admit(plan, self.placement.parent_of) if plan else None
+            if ticket is not None:
+                did = True
+                self._count("headroom_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
+                self.tiers.run_through(ticket, {})
         self._drain_dropped()
+        return did
 
     def _drain_dropped(self) -> None:
         for t, a in enumerate(self.adapters):
-            for key in a.drain_dropped():
-                with self._mutate:
-                    with self._meta:
-                        plan = self.placement.remove(key, t)
-                    self._run_plan(plan, {})
-
-    def _run_plan(self, plan: Plan, sources: dict[Key, memoryview]) -> bool:
-        """Executes plan steps in order under `_mutate` (re-entrant; the
-        caller must not hold `_meta`). A step that fails is taken back out
-        of the placement. Returns False if any step failed."""
-        with self._mutate:
-            return self._run_plan_locked(plan, sources)
-
-    def _run_plan_locked(self, plan: Plan, sources: dict[Key, memoryview]) -> bool:
-        ok = True
-        for step in plan:
-            if step.op is Op.DROP:
-                self._delete(step.src, step.key)
+            dropped = a.drain_dropped()
+            if not dropped:
                 continue
-            with self._meta:  # written with the bytes: a tier may keep the tree across a restart
-                parent = self.placement.parent_of(step.key)
-            try:
-                if step.op is Op.WRITE:
-                    st = self._put_block(step.dst, step.key, sources[step.key], parent)
-                else:
-                    st = self._transfer(step.key, step.src, step.dst, sources.get(step.key), parent)
-            except Exception:  # a tier that raises is a failed step, never a slot left behind
-                log.exception("ucm: %s of a block to tier %s failed", step.op.name.lower(),
-                              self.tier_names[step.dst])
-                st = Status.FAILED
-            if step.op is Op.MOVE:
-                self._delete(step.src, step.key)
-            if st is not Status.OK:
-                ok = False
-                if st is Status.CORRUPT:
-                    self._count("corrupt", 1)
-                with self._meta:
-                    undo = self.placement.remove(step.key, step.dst)
-                self._delete(step.dst, step.key)
-                self._run_plan_locked(undo, {})
-        return ok
-
-    def _delete(self, t: int, key: Key) -> None:
-        """Tier t's delete of one block; a tier that raises is logged (the
-        placement has already let the block go)."""
-        try:
-            self.adapters[t].delete([key])
-        except Exception:
-            log.exception("ucm: deleting a block from tier %s failed", self.tier_names[t])
-
-    def _transfer(self, key: Key, src: int, dst: int, have: Optional[memoryview],
-                  parent: Optional[Key] = None) -> Status:
-        """Copies one block between tiers (through the caller's buffer when
-        it already holds the bytes, else through a staging buffer); `parent`
-        goes with it to the destination."""
-        if have is not None:
-            return self._put_block(dst, key, have, parent)
-        a = self.adapters[src]
-        lease = getattr(a, "lease", None)
-        if lease is not None:  # zero-copy read out of a shared-memory slot
-            held = lease(key)
-            if held is None:
-                return Status.NOT_FOUND
-            try:
-                return self._put_block(dst, key, held.view, parent)
-            finally:
-                a.release(held)
-        size = a.size_of(key)
-        if size is None:
-            return Status.NOT_FOUND
-        reserve = getattr(self.adapters[dst], "reserve", None)
-        if reserve is not None:  # read straight into the destination slot
-            view = self._reserve_slot(dst, key, size)
-            if view is None:
-                return Status.NO_SPACE
-            st = a.get([key], [view])[0]
-            view.release()
-            if st is Status.OK:
-                self.adapters[dst].commit(key)
-            else:
-                self.adapters[dst].abort(key)
-            return st
-        staging = bytearray(size)
-        st = a.get([key], [staging])[0]
-        return self._put_block(dst, key, staging, parent) if st is Status.OK else st
+            with self._meta:
+                plan: Plan = []
+                for key in dropped:
+                    plan.extend(self.placement.remove(key, t))
+                ticket = self.tiers.admit(plan, self.placement.parent_of)
+            self.tiers.run_through(ticket, {})

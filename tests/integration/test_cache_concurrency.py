@@ -1,0 +1,73 @@
+"""No cache-wide lock across I/O: what one request waits for on a medium
+does not hold up other requests' stores and lookups (ucm/tiers.py)."""
+import threading
+
+from support import chain
+from ucm.adapters.faults import FaultyAdapter
+from ucm.api import Outcome
+from ucm.cache import UnifiedCache
+
+SIZE = 64 * 1024
+
+
+def cfg(nvme_dir):
+    return {"tiers": [{"adapter": "dram", "capacity": "1MiB"},
+                      {"adapter": "nvme", "capacity": "16MiB",
+                       "options": {"path": nvme_dir, "region_size": "512KiB", "io_chunk": "128KiB"}}],
+            "landing_tier": "dram", "policy": {"name": "lru"}, "io_workers": 4}
+
+
+class GatedReads(FaultyAdapter):
+    """An nvme tier whose reads, once armed, wait for a gate: a slow disk
+    made deterministic."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.armed = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def get(self, keys, dsts):
+        if self.armed:
+            self.entered.set()
+            self.gate.wait(60)
+        return super().get(keys, dsts)
+
+
+def gated_nvme(index, cls, capacity_bytes, options):
+    tier = cls(capacity_bytes=capacity_bytes, config=options)
+    return GatedReads(tier) if cls.name == "nvme" else tier
+
+
+def test_two_engines_store_while_a_third_request_stages_from_nvme(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir), tier_factory=gated_nvme) as c:
+        keys, data = chain(40, 71, size=SIZE)  # 40 x 64 KiB > 1 MiB of DRAM: the prefix goes to NVMe
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 40
+        c.flush()
+        low = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"][:6]
+        assert len(low) == 6
+        nvme = c.adapters[1]
+        nvme.armed = True
+        staged: list = []
+        stager = threading.Thread(target=lambda: staged.append(c.acquire(low)))
+        stager.start()
+        try:
+            assert nvme.entered.wait(10), "the third request never reached the disk"
+            # Two other engines store their prompts while the read is stuck on the disk.
+            (ka, da), (kb, db) = chain(6, 72, size=SIZE), chain(6, 73, size=SIZE)
+            ha, hb = c.store(ka, da), c.store(kb, db)
+            ra, rb = ha.wait(20), hb.wait(20)
+            n = c.lookup(ka)
+        finally:
+            nvme.gate.set()
+            stager.join(30)
+        assert ra == [Outcome.DONE] * 6 and rb == [Outcome.DONE] * 6, (ra, rb)
+        assert n == 6
+        leases = staged[0]
+        try:
+            assert [bytes(le.view) for le in leases] == [data[keys.index(k)] for k in low]
+        finally:
+            c.release(leases)
+        nvme.armed = False
+        out = [bytearray(SIZE) for _ in ka]
+        assert c.load(ka, out).wait(30) == [Outcome.DONE] * 6 and [bytes(o) for o in out] == da

@@ -1,0 +1,364 @@
+"""TierStack: the ordered adapters of one cache, and the executor of plans.
+
+Placement (ucm.placement) decides, under the cache's metadata lock, which
+blocks go where and returns a Plan; the TierStack moves the bytes. It holds
+no lock across I/O. Steps that name the same key reach the adapters in the
+order they were planned, whichever threads run them; steps of different keys
+run in parallel. This is the two-phase protocol of vLLM's offload manager
+(`prepare_store` / `complete_store`), per block:
+
+- prepare: `admit(plan, parent_of)`, called under the owner's metadata lock
+  right after the plan was made, gives every step the next sequence number
+  of its key (its generation) and records the parent each block is written
+  with. Cheap: no adapter is called.
+- run: `run(ticket, sources)` executes the steps in order, each once the
+  earlier steps of its key are done, with no lock held. A step that fails
+  stays in its key's queue and is returned.
+- complete: the owner reconciles each failure under its metadata lock
+  (taking the block back out of the placement) only while the step is still
+  its key's latest (`is_latest`: no step planned after it, so nothing newer
+  depends on the metadata the failure changes), admits the undo, and calls
+  `done(failure)`, then runs the undo.
+
+Blobs under a key never change, so reordering across keys can cost a miss,
+never wrong bytes; the per-key order keeps the adapters' contents what the
+placement records (no block written after its eviction ran, no delete of a
+newer copy).
+
+Lock order: the owner's metadata lock, then `_order` (a leaf; never held
+while an adapter is called), and apart from that an adapter's own lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from ucm.adapters.base import Key, SharedSlots, Status, StorageAdapter
+from ucm.placement import Op, Plan, Step
+
+log = logging.getLogger(__name__)
+
+# make_slot(tier, key, size) -> a plan of evictions that frees a slot of that
+# size in the tier (admitted already), or None: the owner's hook for an
+# adapter with size classes (ucm.adapters.slab), planned under its lock.
+MakeSlot = Callable[[int, Key, int], Optional["Ticket"]]
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted plan: its steps with their per-key sequence numbers and
+    the parent each written block carries to its tier."""
+
+    steps: list[tuple[Step, int]]
+    parents: dict[Key, Optional[Key]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Failure:
+    """A step that failed; still queued under its key until `done`."""
+
+    step: Step
+    seq: int
+    status: Status
+
+
+class _KeyOrder:
+    """Per-key FIFO of admitted steps: a step runs once it heads its queue."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._queues: dict[Key, deque[int]] = {}
+        self._next = 0
+
+    def admit(self, keys: Sequence[Key]) -> list[int]:
+        with self._cond:
+            seqs = []
+            for k in keys:
+                self._next += 1
+                self._queues.setdefault(k, deque()).append(self._next)
+                seqs.append(self._next)
+            return seqs
+
+    def wait_turn(self, key: Key, seq: int) -> None:
+        with self._cond:
+            while self._queues[key][0] != seq:
+                self._cond.wait()
+
+    def is_latest(self, key: Key, seq: int) -> bool:
+        with self._cond:
+            q = self._queues.get(key)
+            return bool(q) and q[-1] == seq
+
+    def done(self, key: Key, seq: int) -> None:
+        with self._cond:
+            q = self._queues[key]
+            q.remove(seq)
+            if not q:
+                del self._queues[key]
+            self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
+
+
+def has_slots(a: StorageAdapter) -> bool:
+    """Whether `a` hands out slots to fill or read in place (reserve/commit/
+    lease: the shared-memory landing tier)."""
+    return isinstance(a, SharedSlots)
+
+
+class TierStack:
+    """The adapters of one cache, fastest first, and the plan executor."""
+
+    def __init__(self, adapters: Sequence[StorageAdapter], names: Sequence[str]) -> None:
+        self.adapters = list(adapters)
+        self.names = list(names)
+        self.shared = [t for t, a in enumerate(self.adapters) if a.shared]
+        self._order = _KeyOrder()
+        self.make_slot: Optional[MakeSlot] = None
+        self.corrupt = 0  # CORRUPT statuses met while moving blocks (the owner counts them)
+
+    # ---- prepare -----------------------------------------------------------
+    def admit(self, plan: Plan, parent_of: Callable[[Key], Optional[Key]]) -> Ticket:
+        """Queues the plan's steps under their keys; call under the owner's
+        metadata lock, right after the plan was made."""
+        seqs = self._order.admit([s.key for s in plan])
+        parents = {s.key: parent_of(s.key) for s in plan if s.op is not Op.DROP}
+        return Ticket(list(zip(plan, seqs)), parents)
+
+    def is_latest(self, failure: Failure) -> bool:
+        """Whether no step was planned for the failure's key after it."""
+        return self._order.is_latest(failure.step.key, failure.seq)
+
+    def done(self, failure: Failure) -> None:
+        self._order.done(failure.step.key, failure.seq)
+
+    def pending_steps(self) -> int:
+        return self._order.pending()
+
+    # ---- run ---------------------------------------------------------------
+    def run(self, ticket: Ticket, sources: Mapping[Key, Any]) -> list[Failure]:
+        """Executes the admitted steps in order, no lock held. COPY steps in a
+        row from one tier to a slot tier are read as one batch (in parallel on
+        the adapter's I/O threads). Returns the failed steps, still queued;
+        a failed step that is not its key's last in the ticket is dequeued at
+        once instead (the later step, which will fail too, reports the key).
+        Steps never plan anything themselves: a slot tier without a slot of
+        the size asked is a NO_SPACE failure the owner answers (`reconcile`
+        makes the slot and retries the step)."""
+        failures: list[Failure] = []
+        steps = ticket.steps
+        last = {s.key: i for i, (s, _) in enumerate(steps)}
+
+        def failed(i: int, step: Step, seq: int, st: Status) -> None:
+            if st is Status.CORRUPT:
+                self.corrupt += 1
+            if last[step.key] > i:
+                log.debug("ucm: %s of a block failed (%s); a later step of the plan follows",
+                          step.op.name.lower(), st.name)
+                self._order.done(step.key, seq)
+            else:
+                failures.append(Failure(step, seq, st))
+
+        i = 0
+        while i < len(steps):
+            step, seq = steps[i]
+            if step.op is Op.COPY and sources.get(step.key) is None and self._batchable(step):
+                j = i
+                while j < len(steps) and steps[j][0].op is Op.COPY and (steps[j][0].src, steps[j][0].dst) == (
+                        step.src, step.dst) and sources.get(steps[j][0].key) is None:
+                    j += 1
+                for k, st in self._copy_batch(steps[i:j]):
+                    failed(k + i, *steps[k + i], st)
+                i = j
+                continue
+            self._order.wait_turn(step.key, seq)
+            st = self._execute(step, sources.get(step.key), ticket.parents.get(step.key))
+            if st is Status.OK:
+                self._order.done(step.key, seq)
+            else:
+                failed(i, step, seq, st)
+            i += 1
+        return failures
+
+    def _execute(self, step: Step, have: Any, parent: Optional[Key]) -> Status:
+        if step.op is Op.DROP:
+            self.delete(step.src, step.key)
+            return Status.OK
+        try:
+            if step.op is Op.WRITE:
+                st = self.put_block(step.dst, step.key, have, parent)
+            else:
+                st = self._transfer(step.key, step.src, step.dst, have, parent)
+        except Exception:  # a tier that raises is a failed step, never a slot left behind
+            log.exception("ucm: %s of a block to tier %s failed", step.op.name.lower(), self.names[step.dst])
+            st = Status.FAILED
+        if step.op is Op.MOVE:
+            self.delete(step.src, step.key)
+        if st is not Status.OK:
+            self.delete(step.dst, step.key)
+        return st
+
+    def _batchable(self, step: Step) -> bool:
+        return has_slots(self.adapters[step.dst]) and not has_slots(self.adapters[step.src])
+
+    def _copy_batch(self, group: Sequence[tuple[Step, int]]) -> list[tuple[int, Status]]:
+        """COPY steps from one tier into a slot tier: one adapter read into
+        the reserved slots. Returns (index in group, status) per failure;
+        the successful steps are dequeued."""
+        src, dst = group[0][0].src, group[0][0].dst
+        a, b = self.adapters[src], self.adapters[dst]
+        failures: list[tuple[int, Status]] = []
+        keys, views, taken = [], [], []
+        for n, (step, seq) in enumerate(group):
+            self._order.wait_turn(step.key, seq)
+            try:
+                size = a.size_of(step.key)
+                view = b.reserve(step.key, size) if size is not None else None
+            except Exception:
+                log.exception("ucm: reserving a slot in tier %s failed", self.names[dst])
+                size, view = 0, None
+            if view is None:
+                failures.append((n, Status.NOT_FOUND if size is None else Status.NO_SPACE))
+            else:
+                keys.append(step.key)
+                views.append(view)
+                taken.append(n)
+        try:
+            statuses = a.get(keys, views) if keys else []
+        except Exception:  # a fault is a miss; the reserved slots are given back below
+            log.exception("ucm: reading %d blocks from tier %s failed", len(keys), self.names[src])
+            statuses = [Status.FAILED] * len(keys)
+        for n, view, st in zip(taken, views, statuses):
+            step, seq = group[n]
+            view.release()
+            if st is Status.OK and b.commit(step.key):
+                self._order.done(step.key, seq)
+                continue
+            b.abort(step.key)
+            failures.append((n, st if st is not Status.OK else Status.FAILED))
+        return sorted(failures)
+
+    # ---- single-block operations ---------------------------------------------
+    def reserve_slot(self, t: int, key: Key, size: int) -> Optional[memoryview]:
+        """Tier t's `reserve(key, size)`, tried once more after the owner's
+        `make_slot` when the tier has no slot of that size."""
+        a = self.adapters[t]
+        view = a.reserve(key, size)
+        if view is None and self._make_slot(t, key, size):
+            view = a.reserve(key, size)
+        return view
+
+    def put_block(self, t: int, key: Key, src: Any, parent: Optional[Key]) -> Status:
+        """Tier t's `put_with_parents` of one block."""
+        return self.adapters[t].put_with_parents([key], [src], [parent])[0]
+
+    def _make_slot(self, t: int, key: Key, size: int) -> bool:
+        if self.make_slot is None or not has_slots(self.adapters[t]):
+            return False
+        ticket = self.make_slot(t, key, size)
+        if ticket is None:
+            return False
+        self.run_through(ticket, {})
+        return True
+
+    # The owner's answer to failed steps (UnifiedCache sets it): under its
+    # lock, each failure that is still its key's latest step is taken back
+    # out of the placement or, for NO_SPACE in a slot tier, retried after
+    # evictions that free a slot; every failure is dequeued; the returned
+    # ticket (undo and retries) is run next.
+    reconcile: Optional[Callable[[list[Failure], set], Optional[Ticket]]] = None
+
+    def run_through(self, ticket: Ticket, sources: Mapping[Key, Any]) -> bool:
+        """`run`, then the owner's reconciliation of the failures and the
+        plan it makes, until nothing is left. Returns whether every step of
+        `ticket` succeeded (retried steps that then succeeded count)."""
+        failures = self.run(ticket, sources)
+        retried: set = set()
+        ok = True
+        while failures:
+            if self.reconcile is None:
+                for f in failures:
+                    self.done(f)
+                return False
+            before = len(retried)
+            undo = self.reconcile(failures, retried)
+            if len(retried) - before < len(failures):  # some were taken back, not retried
+                ok = False
+            failures = self.run(undo, sources) if undo is not None else []
+        return ok
+
+    def delete(self, t: int, key: Key) -> None:
+        """Tier t's delete of one block; a tier that raises is logged (the
+        placement has already let the block go)."""
+        try:
+            self.adapters[t].delete([key])
+        except Exception:
+            log.exception("ucm: deleting a block from tier %s failed", self.names[t])
+
+    def get_anywhere(self, key: Key, view: memoryview, skip: int) -> Status:
+        """A read of a block that was not where the placement said (moved by
+        a demotion running meanwhile): every other tier, fastest first."""
+        for t, a in enumerate(self.adapters):
+            if t != skip:
+                try:
+                    st = a.get([key], [view])[0]
+                except Exception:
+                    log.exception("ucm: reading a block from tier %s failed", self.names[t])
+                    continue
+                if st is not Status.NOT_FOUND:
+                    return st
+        return Status.NOT_FOUND
+
+    def _transfer(self, key: Key, src: int, dst: int, have: Any, parent: Optional[Key]) -> Status:
+        """Copies one block between tiers (through the caller's buffer when
+        it already holds the bytes, else through a staging buffer); `parent`
+        goes with it to the destination."""
+        if have is not None:
+            return self.put_block(dst, key, have, parent)
+        a = self.adapters[src]
+        if has_slots(a):  # zero-copy read out of a shared-memory slot
+            held = a.lease(key)
+            if held is None:
+                return Status.NOT_FOUND
+            try:
+                return self.put_block(dst, key, held.view, parent)
+            finally:
+                a.release(held)
+        size = a.size_of(key)
+        if size is None:
+            return Status.NOT_FOUND
+        b = self.adapters[dst]
+        if has_slots(b):  # read straight into the destination slot
+            view = b.reserve(key, size)
+            if view is None:
+                return Status.NO_SPACE
+            try:
+                st = a.get([key], [view])[0]
+            finally:
+                view.release()
+            if st is Status.OK and b.commit(key):
+                return st
+            b.abort(key)
+            return st if st is not Status.OK else Status.FAILED
+        staging = bytearray(size)
+        st = a.get([key], [staging])[0]
+        return self.put_block(dst, key, staging, parent) if st is Status.OK else st
+
+    # ---- whole stack -----------------------------------------------------------
+    def flush(self, timeout_s: float) -> bool:
+        ok = True
+        for a in self.adapters:
+            ok = a.flush(timeout_s=timeout_s) and ok
+        return ok
+
+    def close(self) -> None:
+        for a in self.adapters:
+            try:
+                a.close()
+            except Exception:  # closing the rest matters more
+                log.exception("closing tier %s failed", a.name)
