@@ -34,9 +34,13 @@ nodes whose caches each only know their own blocks), or answers NO_SPACE
 (`on_full: refuse`). Every removal and every indexed file found gone is
 reported by `drain_dropped()`. `iter_keys()` returns the index.
 
+The index is a `ClusterBudget` (ucm.adapters.cluster), as in the other
+cluster tiers.
+
 Faults. ENOSPC and EDQUOT are NO_SPACE; other I/O errors are FAILED;
-neither raises. Thread-safe: one lock guards the index (never held across
-I/O); concurrent writers of one key race harmlessly (same bytes, atomic
+neither raises. Thread-safe: the budget has its own lock and one lock guards
+the counters, neither held across I/O (lock order: `_lock`, then the
+budget's); concurrent writers of one key race harmlessly (same bytes, atomic
 renames).
 """
 from __future__ import annotations
@@ -49,14 +53,14 @@ import re
 import socket
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import Field, field_validator
 
 from ucm.adapters import framing
-from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.adapters.base import AdapterConfig, Key, Status
+from ucm.adapters.cluster import BudgetedAdapter, ClusterBudget
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
 
@@ -94,18 +98,16 @@ class FsConfig(AdapterConfig):
         return v
 
 
-class FsAdapter(StorageAdapter):
+class FsAdapter(BudgetedAdapter):
     """Blocks as files in a sharded tree on a (shared) file system."""
 
     name = "fs"
-    shared = True  # other nodes store into the same medium
     Config = FsConfig
 
     def __init__(self, capacity_bytes: int, config: FsConfig) -> None:
-        if capacity_bytes <= 0:
-            raise ArgumentError(f"fs: capacity_bytes must be > 0, got {capacity_bytes}")
         self.config = config
-        self._capacity = capacity_bytes
+        # key -> payload bytes, LRU first; a put of a key being written answers OK (same bytes)
+        self._budget = ClusterBudget("fs", capacity_bytes, pending_is_held=True)
         self.root = os.path.join(os.path.abspath(config.path), config.key_prefix)
         # directories are searchable by whoever may read the files
         self._dir_mode = 0o700 | (0o050 if config.file_mode & 0o040 else 0) | (0o005 if config.file_mode & 0o004 else 0)
@@ -115,18 +117,13 @@ class FsAdapter(StorageAdapter):
             raise AdapterError(f"fs: cannot create {self.root!r}: {exc}") from exc
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             raise AdapterError(f"fs: {self.root!r} is not readable and writable by this user")
-        self._lock = threading.Lock()
-        self._index: OrderedDict[Key, int] = OrderedDict()  # key -> payload bytes, LRU first
-        self._used = 0  # bytes (header included) of the index plus reservations
-        self._writing: set[Key] = set()
-        self._evicting: set[Key] = set()  # taken out of the index, file not unlinked yet
-        self._dropped: list[Key] = []
+        self._lock = threading.Lock()  # guards _stats
         self._dirs: set[str] = set()
         self._tmp_tag = f"{socket.gethostname()}.{os.getpid()}"
         self._tmp_seq = itertools.count()
         self._closed = False
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
-                       "failed": 0, "evicted": 0, "gone": 0, "scans": 0, "tmp_removed": 0}
+                       "failed": 0, "scans": 0, "tmp_removed": 0}
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-fs")
         if config.scan_on_start:
             self.rescan()
@@ -162,66 +159,29 @@ class FsAdapter(StorageAdapter):
             raise ArgumentError(f"put: {len(keys)} keys but {len(blobs)} blobs")
         views = [byte_view(b, what="blob") for b in blobs]
         paths = [self.path_of(k) for k in keys]
-        out: list[Optional[Status]] = [None] * len(keys)
-        todo: list[int] = []
-        victims: list[Key] = []
-        with self._lock:
-            self._check_open()
-            for i, (key, v) in enumerate(zip(keys, views)):
-                need = framing.HEADER_BYTES + len(v)
-                if key in self._index or key in self._writing:
-                    out[i] = Status.OK
-                    continue
-                if self._used + need > self._capacity:
-                    if self.config.on_full == "evict":
-                        victims += self._evict_locked(self._used + need - self._capacity)
-                    if self._used + need > self._capacity:
-                        out[i] = Status.NO_SPACE
-                        self._stats["no_space"] += 1
-                        continue
-                self._used += need
-                self._writing.add(key)
-                todo.append(i)
+        sizes = [len(v) for v in views]
+        self._check_open()
+        res = self._budget.reserve(keys, sizes, evict=self.config.on_full == "evict")
+        out, todo, victims = res.out, res.todo, res.victims
         if victims:
             self._map(lambda j: _unlink(self.path_of(victims[j])), len(victims))
-            with self._lock:
-                self._evicting.difference_update(victims)
+            self._budget.evicted(victims)
 
         def write(j: int) -> Status:
             i = todo[j]
             return self._write_one(keys[i], paths[i], views[i])
 
-        results = self._map(write, len(todo))
-        with self._lock:
-            for i, st in zip(todo, results):
-                key, n = keys[i], len(views[i])
-                self._writing.discard(key)
-                if st is Status.OK and key not in self._index:
-                    self._index[key] = n
-                    self._stats["bytes_in"] += n
-                else:
-                    self._used -= framing.HEADER_BYTES + n
-                    if st is not Status.OK:
-                        self._stats["no_space" if st is Status.NO_SPACE else "failed"] += 1
+        try:
+            for i, st in zip(todo, self._map(write, len(todo))):
                 out[i] = st
+        finally:
+            new = self._budget.settle((keys[i], sizes[i], out[i] is Status.OK) for i in todo)
+        with self._lock:
+            self._stats["bytes_in"] += sum(sizes[i] for i, n in zip(todo, new) if n)
+            for st in out:
+                if st is not Status.OK:
+                    self._stats["no_space" if st is Status.NO_SPACE else "failed"] += 1
         return [s if s is not None else Status.FAILED for s in out]
-
-    def _evict_locked(self, need: int) -> list[Key]:
-        """Takes least recently used blocks out of the index until `need`
-        bytes are free; the caller unlinks them. Lock held."""
-        victims: list[Key] = []
-        freed = 0
-        for key in list(self._index):
-            if freed >= need:
-                break
-            size = self._index.pop(key)
-            freed += framing.HEADER_BYTES + size
-            victims.append(key)
-        self._used -= freed
-        self._evicting.update(victims)
-        self._dropped.extend(victims)
-        self._stats["evicted"] += len(victims)
-        return victims
 
     def _write_one(self, key: Key, path: str, payload: memoryview) -> Status:
         if os.path.exists(path):  # stored meanwhile by another node: blobs under a key never change
@@ -263,18 +223,17 @@ class FsAdapter(StorageAdapter):
         paths = [self.path_of(k) for k in keys]
         self._check_open()
         out = self._map(lambda i: self._read_one(keys[i], paths[i], views[i]), len(keys))
+        for key, v, st in zip(keys, views, out):
+            if st is Status.OK:
+                self._budget.touch(key, len(v))
+        self._budget.gone(k for k, st in zip(keys, out) if st is Status.NOT_FOUND)
         with self._lock:
-            for key, v, st in zip(keys, views, out):
+            for v, st in zip(views, out):
                 if st is Status.OK:
                     self._stats["hits"] += 1
                     self._stats["bytes_out"] += len(v)
-                    if key in self._index:
-                        self._index.move_to_end(key)
-                    else:
-                        self._learn_locked(key, len(v))
                 elif st is Status.NOT_FOUND:
                     self._stats["misses"] += 1
-                    self._gone_locked(key)
                 else:
                     self._stats["corrupt" if st is Status.CORRUPT else "failed"] += 1
         return out
@@ -298,19 +257,6 @@ class FsAdapter(StorageAdapter):
         return framing.verify(key, header, dst)
 
     # ---- index upkeep ------------------------------------------------------
-    def _learn_locked(self, key: Key, size: int) -> None:
-        """A block present on the medium that the index lacked (another node's)."""
-        if key not in self._index and key not in self._writing and key not in self._evicting:
-            self._index[key] = size
-            self._used += framing.HEADER_BYTES + size
-
-    def _gone_locked(self, key: Key) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._used -= framing.HEADER_BYTES + size
-            self._dropped.append(key)
-            self._stats["gone"] += 1
-
     def rescan(self) -> None:
         """Rebuilds the index from the tree (one walk, no payload reads) and
         removes stale temporaries. Blocks found gone are reported dropped."""
@@ -336,13 +282,8 @@ class FsAdapter(StorageAdapter):
                     continue
                 if st.st_size >= framing.HEADER_BYTES:
                     found[bytes.fromhex(name)] = (st.st_mtime, st.st_size - framing.HEADER_BYTES)
+        self._budget.resync((k, size) for k, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]))
         with self._lock:
-            for key in list(self._index):
-                if key not in found and key not in self._writing:
-                    self._gone_locked(key)
-            for key, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]):
-                if key not in self._index:
-                    self._learn_locked(key, size)
             self._stats["scans"] += 1
             self._stats["tmp_removed"] += removed
         log.info("fs: indexed %d blocks under %s", len(found), self.root)
@@ -359,55 +300,28 @@ class FsAdapter(StorageAdapter):
         paths = [self.path_of(k) for k in keys]
         self._check_open()
         sizes = self._map(lambda i: _payload_size(paths[i]), len(keys))
-        with self._lock:
-            for key, size in zip(keys, sizes):
-                if size is None:
-                    self._gone_locked(key)
-                else:
-                    self._learn_locked(key, size)
+        for key, size in zip(keys, sizes):
+            if size is not None:
+                self._budget.learn(key, size)
+        self._budget.gone(k for k, size in zip(keys, sizes) if size is None)
         return [s is not None for s in sizes]
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
-        paths = [self.path_of(k) for k in keys]
+        first = list(dict.fromkeys(keys))  # a key named twice is removed once: True for its first
+        paths = [self.path_of(k) for k in first]
         self._check_open()
-        out = self._map(lambda i: _unlink(paths[i]), len(keys))
-        with self._lock:
-            for key in keys:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= framing.HEADER_BYTES + size
-        return out
+        removed = dict(zip(first, self._map(lambda i: _unlink(paths[i]), len(first))))
+        self._budget.forget(first)
+        return [removed.pop(k, False) for k in keys]
 
     def size_of(self, key: Key) -> Optional[int]:
-        with self._lock:
-            if key in self._index:
-                return self._index[key]
-        return _payload_size(self.path_of(key))
-
-    def iter_keys(self) -> Iterator[Key]:
-        with self._lock:
-            return iter(list(self._index))
-
-    def drain_dropped(self) -> list[Key]:
-        with self._lock:
-            out, self._dropped = self._dropped, []
-            return out
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
-
-    def slot_bytes(self, size: int) -> int:
-        return framing.HEADER_BYTES + size
+        size = self._budget.size_of(key)
+        return size if size is not None else _payload_size(self.path_of(key))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._stats, blocks=len(self._index), root=self.root)
+            out = dict(self._stats)
+        return dict(out, **self._budget.stats(), root=self.root)
 
     def close(self) -> None:
         with self._lock:

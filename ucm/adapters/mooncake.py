@@ -58,8 +58,12 @@ If the master is down when the adapter is built, the adapter still builds,
 answers misses, and completes its setup in the background once the master
 answers. Nothing on the data path raises for a fault.
 
-Thread-safe. Lock order: `_setup_lock`, then `_lock`; the store client is
-called outside both. At most `concurrency` calls move data at once (each holds
+The budget index (`ClusterBudget`) and the "answer at once" state
+(`CircuitBreaker`) are shared with the other cluster tiers
+(ucm.adapters.cluster).
+
+Thread-safe. Lock order: `_setup_lock`, then `_lock`, then the budget's or
+the breaker's own lock; the store client is called outside all of them. At most `concurrency` calls move data at once (each holds
 one scratch area); more wait up to `wait_s`, then answer FAILED.
 """
 from __future__ import annotations
@@ -70,7 +74,6 @@ import os
 import queue
 import socket
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -81,7 +84,8 @@ from pydantic import Field, field_validator
 
 from ucm import _native
 from ucm.adapters import framing
-from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.adapters.base import AdapterConfig, Key, Status
+from ucm.adapters.cluster import BudgetedAdapter, CircuitBreaker, ClusterBudget
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
 from ucm.sizes import parse_size
@@ -159,23 +163,21 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
-class MooncakeAdapter(StorageAdapter):
+class MooncakeAdapter(BudgetedAdapter):
     """Framed blocks in a Mooncake Store pool."""
 
     name = "mooncake"
-    shared = True  # other nodes store into the same medium
     Config = MooncakeConfig
 
     def __init__(self, capacity_bytes: int, config: MooncakeConfig) -> None:
-        if capacity_bytes <= 0:
-            raise ArgumentError(f"mooncake: capacity_bytes must be > 0, got {capacity_bytes}")
+        self._budget = ClusterBudget("mooncake", capacity_bytes)  # the objects this instance relies on
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
             raise AdapterError("mooncake: the mooncake-transfer-engine package is not installed "
                                "(pip install mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda)") from exc
         self.config = config
-        self._capacity = capacity_bytes
+        self._breaker = CircuitBreaker("mooncake", f"master {config.master}", config.retry_after_s)
         self._store_cls = MooncakeDistributedStore
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
@@ -184,17 +186,12 @@ class MooncakeAdapter(StorageAdapter):
         self._prefix = config.key_prefix
         self._lock = threading.Lock()
         self._setup_lock = threading.Lock()
-        self._index: dict[Key, int] = {}  # key -> payload bytes, for objects this instance relies on
-        self._used = 0
-        self._dropped: list[Key] = []
         self._unreadable: set[Key] = set()  # found unreadable, not removed: a put must write them anew
         self._regions: list[tuple[int, int, memoryview]] = []  # registered by the owner: start, end, view
         self._store: Any = None  # the client, once set up
-        self._healthy = False
-        self._down_until = 0.0
         self._closed = False
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
-                       "failed": 0, "outages": 0, "gone": 0, "unreadable_removed": 0, "staged_bytes": 0,
+                       "failed": 0, "unreadable_removed": 0, "staged_bytes": 0,
                        "setups": 0}
         self._probe_addr = _host_port(config.master)
         # Scratch: per area, header slots then staging; registered with each client.
@@ -266,7 +263,6 @@ class MooncakeAdapter(StorageAdapter):
                     return False
             with self._lock:
                 self._store = store
-                self._healthy = True
                 self._stats["setups"] += 1
             log.info("mooncake: joined master %s as %s (segment %d bytes, %s)", c.master, c.local_hostname,
                      c.segment_size, c.protocol)
@@ -282,34 +278,15 @@ class MooncakeAdapter(StorageAdapter):
             except Exception:  # a probe must never kill the thread
                 log.exception("mooncake: health probe failed")
                 ok = False
-            with self._lock:
-                was, self._healthy = self._healthy, ok
-                if was and not ok:
-                    self._stats["outages"] += 1
-            if was != ok:
-                if ok:
-                    log.info("mooncake: master %s is back", self.config.master)
-                else:
-                    log.warning("mooncake: master %s unreachable; answering misses", self.config.master)
+            self._breaker.probed(ok)
 
     def _client(self) -> Any:
         """The client if calls may go to the network now, else None."""
         with self._lock:
             if self._closed:
                 raise ClosedError("mooncake adapter used after close()")
-            if self._store is None or not self._healthy or time.monotonic() < self._down_until:
-                return None
-            return self._store
-
-    def _saw_unreachable(self, code: int) -> None:
-        with self._lock:
-            first = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self.config.retry_after_s
-            if first:
-                self._stats["outages"] += 1
-        if first:
-            log.warning("mooncake: master %s did not answer (%s); answering misses for %.1fs",
-                        self.config.master, code, self.config.retry_after_s)
+            store = self._store
+        return store if store is not None and self._breaker.allows() else None
 
     # ---- memory registration -----------------------------------------------
     def register_memory(self, buf: Any) -> None:
@@ -403,31 +380,23 @@ class MooncakeAdapter(StorageAdapter):
             return [Status.FAILED] * len(keys)
         if self._unreadable:
             self._clear_unreadable(store, keys, names, out)
-        todo: list[int] = []
+        sizes = [len(v) for v in views]
+        res = self._budget.reserve(keys, sizes, only=[i for i, s in enumerate(out) if s is None])
+        todo = res.todo
+        for i, s in enumerate(res.out):
+            if s is not None:
+                out[i] = s
         with self._lock:
-            for i, (key, v) in enumerate(zip(keys, views)):
-                need = framing.HEADER_BYTES + len(v)
-                if out[i] is not None:
-                    pass
-                elif key in self._index:
-                    out[i] = Status.OK
-                elif self._used + need > self._capacity:
-                    out[i] = Status.NO_SPACE
-                    self._stats["no_space"] += 1
-                else:
-                    self._used += need
-                    todo.append(i)
+            self._stats["no_space"] += res.out.count(Status.NO_SPACE)
         try:
             if todo:
                 self._put_items(store, keys, names, views, todo, out)
         finally:
+            new = self._budget.settle((keys[i], sizes[i], out[i] is Status.OK) for i in todo)
             with self._lock:
+                self._stats["bytes_in"] += sum(sizes[i] for i, n in zip(todo, new) if n)
                 for i in todo:
-                    if out[i] is Status.OK and keys[i] not in self._index:
-                        self._index[keys[i]] = len(views[i])
-                        self._stats["bytes_in"] += len(views[i])
-                    else:
-                        self._used -= framing.HEADER_BYTES + len(views[i])
+                    if out[i] is not Status.OK:
                         self._stats["no_space" if out[i] is Status.NO_SPACE else "failed"] += 1
         return [s if s is not None else Status.FAILED for s in out]
 
@@ -503,7 +472,7 @@ class MooncakeAdapter(StorageAdapter):
         if code in (_NO_AVAILABLE_HANDLE, _TENANT_QUOTA_EXCEEDED):
             return Status.NO_SPACE
         if code in _UNREACHABLE:
-            self._saw_unreachable(code)
+            self._breaker.trip(code)
         else:
             log.warning("mooncake: put failed (%s)", code)
         return Status.FAILED
@@ -537,9 +506,9 @@ class MooncakeAdapter(StorageAdapter):
                     if i in removed:
                         self._stats["unreadable_removed"] += 1
                         self._unreadable.discard(key)
-                        self._gone(key, removed=True)
+                        self._budget.gone([key], report=True)
                     elif i in gone:
-                        self._gone(key)
+                        self._budget.gone([key])
                 elif s is Status.CORRUPT:
                     self._stats["corrupt"] += 1
                 else:
@@ -615,7 +584,7 @@ class MooncakeAdapter(StorageAdapter):
                 return Status.CORRUPT  # the stored object's size is not header + destination
             return Status.FAILED
         if code in _UNREACHABLE:
-            self._saw_unreachable(code)
+            self._breaker.trip(code)
         return Status.FAILED
 
     def _remove_unreadable(self, store: Any, names: list[str]) -> list[bool]:
@@ -652,7 +621,7 @@ class MooncakeAdapter(StorageAdapter):
                     if name not in done:
                         key = bytes.fromhex(name[len(self._prefix):])
                         self._unreadable.add(key)
-                        self._gone(key)  # not usable: this instance no longer relies on it
+                        self._budget.gone([key])  # not usable: this instance no longer relies on it
         return [n in done for n in names]
 
     @staticmethod
@@ -682,17 +651,6 @@ class MooncakeAdapter(StorageAdapter):
             seen[endpoint] = refused
         return seen[endpoint]
 
-    def _gone(self, key: Key, removed: bool = False) -> None:
-        """An object this instance relied on is gone from the pool (`removed`:
-        this instance removed it, whoever stored it; reported either way).
-        Lock held."""
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._used -= framing.HEADER_BYTES + size
-            self._stats["gone"] += 1
-        if size is not None or removed:
-            self._dropped.append(key)
-
     # ---- the rest of the contract ------------------------------------------
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         names = [self.key_name(k) for k in keys]
@@ -700,12 +658,9 @@ class MooncakeAdapter(StorageAdapter):
         if store is None or not keys:
             return [False] * len(keys)
         codes = store.batch_is_exist(names)
-        with self._lock:
-            for key, code in zip(keys, codes):
-                if code == 0:
-                    self._gone(key)
+        self._budget.gone(k for k, code in zip(keys, codes) if code == 0)
         if any(c in _UNREACHABLE or c == -1 for c in codes):
-            self._saw_unreachable(min(codes))
+            self._breaker.trip(min(codes))
         return [c == 1 for c in codes]
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
@@ -714,11 +669,7 @@ class MooncakeAdapter(StorageAdapter):
         if store is None or not keys:
             return [False] * len(keys)
         codes = store.batch_remove(names, self.config.force_delete)
-        with self._lock:
-            for key in keys:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= framing.HEADER_BYTES + size
+        self._budget.forget(keys)
         return [c == 0 for c in codes]
 
     def size_of(self, key: Key) -> Optional[int]:
@@ -728,38 +679,15 @@ class MooncakeAdapter(StorageAdapter):
             return None
         n = store.get_size(name)
         if n == _OBJECT_NOT_FOUND:
-            with self._lock:
-                self._gone(key)
+            self._budget.gone([key])
         return n - framing.HEADER_BYTES if n >= framing.HEADER_BYTES else None
-
-    def iter_keys(self) -> Iterator[Key]:
-        """The keys this instance stored or found present when storing (not a
-        scan of the pool)."""
-        with self._lock:
-            return iter(list(self._index))
-
-    def drain_dropped(self) -> list[Key]:
-        with self._lock:
-            out, self._dropped = self._dropped, []
-            return out
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
-
-    def slot_bytes(self, size: int) -> int:
-        return framing.HEADER_BYTES + size
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._stats, blocks=len(self._index), master=self.config.master,
-                        ready=self._store is not None, healthy=self._healthy,
-                        zero_copy_unregistered=self._direct_any)
+            out = dict(self._stats)
+        ready = self._store is not None
+        return dict(out, **self._budget.stats(), outages=self._breaker.outages, master=self.config.master,
+                    ready=ready, healthy=ready and self._breaker.healthy, zero_copy_unregistered=self._direct_any)
 
     def close(self) -> None:
         """Leaves the pool: objects held in this node's segment go with it."""

@@ -756,7 +756,7 @@ class NvmeAdapter(StorageAdapter):
         with self._lock:
             return sum(r.live_bytes for r in self._regions)
 
-    def slot_bytes(self, size: int) -> int:
+    def footprint_bytes(self, size: int) -> int:
         return _align_up(size) + fmt.ENTRY.size
 
     def stats(self) -> dict[str, Any]:

@@ -35,20 +35,22 @@ restarting anything. redis-py's own retries are disabled so that a dead
 server costs one connection attempt, not a backoff ladder.
 
 Thread-safe: redis-py's blocking pool hands each call its own connection;
-one lock guards the index and counters (never held across network I/O).
+the budget index and the circuit breaker (ucm.adapters.cluster) have their
+own locks, and one lock guards the counters; none is held across network
+I/O. Lock order: `_lock`, then the budget's or the breaker's.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from pydantic import Field, field_validator
 
 from ucm import _native
 from ucm.adapters import framing
-from ucm.adapters.base import AdapterConfig, Key, Status, StorageAdapter
+from ucm.adapters.base import AdapterConfig, Key, Status
+from ucm.adapters.cluster import BudgetedAdapter, CircuitBreaker, ClusterBudget
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
 from ucm.sizes import parse_size
@@ -101,16 +103,14 @@ class _Down(Exception):
     """The server could not be reached; the batch answers its fault value."""
 
 
-class RedisAdapter(StorageAdapter):
+class RedisAdapter(BudgetedAdapter):
     """Framed blocks in a shared Redis/Valkey server."""
 
     name = "redis"
-    shared = True  # other nodes store into the same medium
     Config = RedisConfig
 
     def __init__(self, capacity_bytes: int, config: RedisConfig) -> None:
-        if capacity_bytes <= 0:
-            raise ArgumentError(f"redis: capacity_bytes must be > 0, got {capacity_bytes}")
+        self._budget = ClusterBudget("redis", capacity_bytes)  # the values this instance relies on
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -118,7 +118,6 @@ class RedisAdapter(StorageAdapter):
         except ImportError as exc:
             raise AdapterError("redis: the redis-py package is not installed (pip install redis)") from exc
         self.config = config
-        self._capacity = capacity_bytes
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._response_error = redis.exceptions.ResponseError
         try:
@@ -130,14 +129,11 @@ class RedisAdapter(StorageAdapter):
             raise AdapterError(f"redis: bad url {config.url!r}: {exc}") from exc
         self._prefix = config.key_prefix.encode()
         self._ttl = [b"PX", b"%d" % max(1, int(config.ttl_s * 1000))] if config.ttl_s else []
-        self._lock = threading.Lock()
-        self._index: dict[Key, int] = {}  # key -> payload bytes, for values this instance relies on
-        self._used = 0  # stored bytes (header included) of the index, plus reservations
-        self._dropped: list[Key] = []
-        self._down_until = 0.0
+        self._breaker = CircuitBreaker("redis", _redacted(config.url), config.retry_after_s)
+        self._lock = threading.Lock()  # guards _closed and _stats
         self._closed = False
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0,
-                       "no_space": 0, "failed": 0, "outages": 0, "gone": 0}
+                       "no_space": 0, "failed": 0}
         try:
             self._roundtrip([_command(b"PING")])
         except _Down:
@@ -152,7 +148,7 @@ class RedisAdapter(StorageAdapter):
         with self._lock:
             if self._closed:
                 raise ClosedError("redis adapter used after close()")
-            return time.monotonic() >= self._down_until
+        return self._breaker.allows()
 
     def _roundtrip(self, commands: Iterable[list[Any]], on_reply: Optional[Callable[[int, Any], None]] = None,
                    replies_expected: Optional[int] = None) -> list[Any]:
@@ -167,7 +163,7 @@ class RedisAdapter(StorageAdapter):
             conn = self._pool.get_connection()
         except self._errors as exc:
             if "No connection available" not in str(exc):  # a busy pool is not a dead server
-                self._mark_down(exc)
+                self._breaker.trip(exc)
             raise _Down() from exc
         replies: list[Any] = []
         try:
@@ -187,7 +183,7 @@ class RedisAdapter(StorageAdapter):
         except self._errors as exc:
             conn.disconnect()
             self._pool.release(conn)
-            self._mark_down(exc)
+            self._breaker.trip(exc)
             raise _Down() from exc
         except BaseException:
             conn.disconnect()  # the reply stream is out of step: never reuse it
@@ -195,16 +191,6 @@ class RedisAdapter(StorageAdapter):
             raise
         self._pool.release(conn)
         return replies
-
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._lock:
-            first = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self.config.retry_after_s
-            if first:
-                self._stats["outages"] += 1
-        if first:
-            log.warning("redis: %s unreachable (%s); answering misses for %.1fs",
-                        _redacted(self.config.url), exc, self.config.retry_after_s)
 
     def _groups(self, sizes: Sequence[int]) -> Iterator[range]:
         start, acc = 0, 0
@@ -215,14 +201,6 @@ class RedisAdapter(StorageAdapter):
             acc += n
         if start < len(sizes):
             yield range(start, len(sizes))
-
-    def _gone(self, key: Key) -> None:
-        """A value this instance relied on is no longer on the server. Lock held."""
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._used -= framing.HEADER_BYTES + size
-            self._dropped.append(key)
-            self._stats["gone"] += 1
 
     # ---- StorageAdapter ----------------------------------------------------
     def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
@@ -235,18 +213,9 @@ class RedisAdapter(StorageAdapter):
             with self._lock:
                 self._stats["failed"] += len(keys)
             return [Status.FAILED] * len(keys)
-        todo: list[int] = []
-        with self._lock:
-            for i, (key, v) in enumerate(zip(keys, views)):
-                need = framing.HEADER_BYTES + len(v)
-                if key in self._index:
-                    out[i] = Status.OK
-                elif self._used + need > self._capacity:
-                    out[i] = Status.NO_SPACE
-                    self._stats["no_space"] += 1
-                else:
-                    self._used += need  # reserved; released below unless it lands
-                    todo.append(i)
+        sizes = [len(v) for v in views]
+        res = self._budget.reserve(keys, sizes)  # reserved; released below unless it lands
+        out, todo = res.out, res.todo
         landed: dict[int, bool] = {}
         try:
             for group in self._groups([len(views[i]) for i in todo]):
@@ -268,20 +237,16 @@ class RedisAdapter(StorageAdapter):
                         out[i] = Status.OK
                         landed[i] = r is not None
         finally:
-            with self._lock:
-                for i in todo:
-                    need = framing.HEADER_BYTES + len(views[i])
-                    if out[i] is Status.OK and keys[i] not in self._index:
-                        self._index[keys[i]] = len(views[i])
-                        if landed.get(i):
-                            self._stats["bytes_in"] += len(views[i])
-                    else:
-                        self._used -= need
-                    if out[i] is Status.FAILED:
-                        self._stats["failed"] += 1
-                    elif out[i] is Status.NO_SPACE:
-                        self._stats["no_space"] += 1
+            new = self._budget.settle((keys[i], sizes[i], out[i] is Status.OK) for i in todo)
+            self._count_put(out, sizes, [i for i, n in zip(todo, new) if n and landed.get(i)])
         return [s if s is not None else Status.FAILED for s in out]
+
+    def _count_put(self, out: list[Optional[Status]], sizes: list[int], written: list[int]) -> None:
+        with self._lock:
+            self._stats["bytes_in"] += sum(sizes[i] for i in written)
+            for s in out:
+                if s is not Status.OK:
+                    self._stats["no_space" if s is Status.NO_SPACE else "failed"] += 1
 
     def _set_command(self, key: Key, rkey: bytes, payload: memoryview) -> list[Any]:
         header = framing.pack_header(key, payload)
@@ -321,14 +286,14 @@ class RedisAdapter(StorageAdapter):
             except _Down:
                 for i in idx:
                     out[i] = Status.FAILED
+        self._budget.gone(k for k, s in zip(keys, out) if s is Status.NOT_FOUND)
         with self._lock:
-            for key, v, s in zip(keys, views, out):
+            for v, s in zip(views, out):
                 if s is Status.OK:
                     self._stats["hits"] += 1
                     self._stats["bytes_out"] += len(v)
                 elif s is Status.NOT_FOUND:
                     self._stats["misses"] += 1
-                    self._gone(key)
                 elif s is Status.CORRUPT:
                     self._stats["corrupt"] += 1
                 else:
@@ -344,10 +309,7 @@ class RedisAdapter(StorageAdapter):
         except _Down:
             return [False] * len(keys)
         out = [r == 1 for r in replies]
-        with self._lock:
-            for key, present in zip(keys, out):
-                if not present:
-                    self._gone(key)
+        self._budget.gone(k for k, present in zip(keys, out) if not present)
         return out
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
@@ -358,11 +320,7 @@ class RedisAdapter(StorageAdapter):
             replies = self._roundtrip(_commands(b"UNLINK", rkeys), replies_expected=len(rkeys))
         except _Down:
             return [False] * len(keys)
-        with self._lock:
-            for key in keys:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= framing.HEADER_BYTES + size
+        self._budget.forget(keys)
         return [r == 1 for r in replies]
 
     def size_of(self, key: Key) -> Optional[int]:
@@ -375,38 +333,15 @@ class RedisAdapter(StorageAdapter):
             return None
         if isinstance(n, Exception) or not n or n < framing.HEADER_BYTES:
             if n == 0:
-                with self._lock:
-                    self._gone(key)
+                self._budget.gone([key])
             return None
         return n - framing.HEADER_BYTES
 
-    def iter_keys(self) -> Iterator[Key]:
-        """The keys this instance stored or found present when storing (not a
-        scan of the server)."""
-        with self._lock:
-            return iter(list(self._index))
-
-    def drain_dropped(self) -> list[Key]:
-        with self._lock:
-            out, self._dropped = self._dropped, []
-            return out
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
-
-    def slot_bytes(self, size: int) -> int:
-        return framing.HEADER_BYTES + size
-
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._stats, blocks=len(self._index), url=_redacted(self.config.url),
-                        down=time.monotonic() < self._down_until)
+            out = dict(self._stats)
+        return dict(out, **self._budget.stats(), outages=self._breaker.outages, url=_redacted(self.config.url),
+                    down=self._breaker.down)
 
     def close(self) -> None:
         with self._lock:
