@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fuzzing import SEED, chunks, examples, mutate, rng, value
-from ucm.cache import Outcome
+from ucm.api import Outcome
 from support import start_service, stop_service
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
@@ -20,8 +20,9 @@ from ucm.service import protocol as proto
 SIZE = 64 * 1024
 ARENA = 4 << 20
 MAX_FRAME = 1 << 16
-OPS = ("hello", "lookup", "locate", "reserve", "commit", "abort", "acquire", "release", "prefetch", "pin",
-       "unpin", "finish", "stats", "flush")
+OPS = ("hello", "begin", "lookup", "locate", "reserve", "commit", "abort", "acquire", "release", "prefetch",
+       "pin", "unpin", "finish", "stats", "flush")
+REQUEST_IDS = (None, None, "r1", "r2", "", "x" * 257, 5, b"r1", True)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,10 @@ def fuzz_request(rnd, rid, own, good_keys):
         args["output_tokens"] = rnd.choice((0, 200, 1 << 40, (1 << 40) + 1, -1, 1.5, True))
     elif op in ("stats", "flush"):
         args = {}
+    if op == "begin":
+        args.update(parent=rnd.choice((None, rnd.choice(pool), b"short")))
+    if op in ("begin", "reserve", "acquire", "finish"):
+        args["request_id"] = rnd.choice(REQUEST_IDS)
     r = rnd.random()
     if r < 0.15:  # one argument replaced by anything
         args[rnd.choice(list(args) + ["extra"])] = value(rnd, 2)

@@ -19,11 +19,15 @@ from typing import Any, Optional
 
 import msgpack
 
-from ucm.errors import UcmError
+from ucm.api import check_request_id
+from ucm.errors import ArgumentError, UcmError
 
 # 2: hello announces the instance's epoch and arena inode; reserve and
 # acquire answer {"epoch": int, "slots": [...]}.
-VERSION = 2
+# 3: the request events: op `begin` {request_id, keys, parent}, and
+# `request_id` (a string or nil) on reserve, acquire and finish (a version 2
+# service refuses both: unknown op, unknown argument).
+VERSION = 3
 _LEN = struct.Struct("<I")
 KEY_BYTES = 16
 
@@ -136,6 +140,14 @@ def opt_key_arg(args: dict, name: str) -> Optional[bytes]:
     if not isinstance(v, bytes) or len(v) != KEY_BYTES:
         raise ProtocolError(f"{name}: expected a {KEY_BYTES}-byte key or nil")
     return v
+
+
+def request_id_arg(args: dict, name: str = "request_id") -> Optional[str]:
+    """`args[name]`: nil (or absent), or a request id (`ucm.api.check_request_id`)."""
+    try:
+        return check_request_id(args.get(name))
+    except ArgumentError as exc:
+        raise ProtocolError(f"{name}: {exc}") from None
 
 
 def ints_arg(args: dict, name: str, n: int, lo: int, hi: int) -> list[int]:
