@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ucm import _native
-from ucm.cache import Outcome
+from ucm.api import Outcome
 from ucm.config import UcmConfig
 from ucm.service import CacheClient
 from ucm.service import protocol as proto

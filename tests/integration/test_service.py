@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import yaml
 
-from ucm.cache import Outcome
+from ucm.api import Outcome
 from ucm.errors import ArgumentError, UcmError
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
@@ -67,7 +67,7 @@ STORE = """
     import sys, hashlib
     from ucm.service import CacheClient
     from ucm.config import load_config
-    from ucm.service.server import socket_path
+    from ucm.service.paths import socket_path
     cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
     keys, data, prev = [], [], seed.to_bytes(16, "little")
     for i in range(n):
@@ -83,7 +83,7 @@ LOAD = """
     import sys, hashlib
     from ucm.service import CacheClient
     from ucm.config import load_config
-    from ucm.service.server import socket_path
+    from ucm.service.paths import socket_path
     cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
     keys, prev = [], seed.to_bytes(16, "little")
     for i in range(n):
@@ -120,7 +120,7 @@ HOLD = """
     import sys, time, hashlib
     from ucm.service import CacheClient
     from ucm.config import load_config
-    from ucm.service.server import socket_path
+    from ucm.service.paths import socket_path
     cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
     keys, prev = [], seed.to_bytes(16, "little")
     for i in range(n):
@@ -276,7 +276,7 @@ def test_connect_says_why_a_private_service_did_not_start(tmp_path, caplog, monk
     _, sock, cfg = write_config(tmp_path)
     cfg["tiers"][0]["options"] = {"path": str(tmp_path / "no-such-dir")}
     cfg["service"]["name"] = f"nostart-{os.getpid()}"
-    with caplog.at_level("WARNING", logger="ucm.service.client"):
+    with caplog.at_level("WARNING", logger="ucm.service.spawn"):
         c = connect(cfg, timeout_s=30)
     try:
         assert not c.connected
@@ -365,6 +365,34 @@ def test_lookups_from_the_shared_index_equal_the_service_answers(service):
             t.start()
             t.join(5)
             assert out == [1]
+
+
+def test_request_ids_cross_the_socket_and_are_checked_on_both_sides(service):
+    """begin_request and the request_id of store, load and finish reach the
+    service; a bad id is an ArgumentError here and a refusal there."""
+    cfg_path, sock, cfg, _ = service
+    keys, data = chain(5, 22)
+    with CacheClient(sock) as c:
+        c.begin_request("req-1", keys)
+        assert c.store(keys, data, request_id="req-1").wait(30) == [Outcome.DONE] * 5
+        out = [bytearray(SIZE) for _ in keys]
+        assert c.load(keys, out, request_id="req-1").wait(30) == [Outcome.DONE] * 5
+        assert [bytes(o) for o in out] == data
+        c.finish(keys, 7, request_id="req-1")
+        for bad in ("", "x" * 257, 5, b"req"):
+            with pytest.raises(ArgumentError, match="request_id"):
+                c.store(keys, data, request_id=bad)
+            with pytest.raises(ArgumentError, match="request_id"):
+                c.begin_request(bad, keys)
+        with pytest.raises(ArgumentError, match="request_id"):
+            c.begin_request(None, keys)
+        for op, args in (("begin", {"request_id": "", "keys": keys}),
+                         ("acquire", {"keys": keys, "request_id": 5}),
+                         ("reserve", {"keys": keys[:1], "sizes": [SIZE], "request_id": "x" * 257}),
+                         ("finish", {"keys": keys, "output_tokens": 1, "request_id": b"r"})):
+            with pytest.raises(UcmError, match="refused .*request_id"):
+                c._call(op, args)
+        assert c.stats()["service"]["leases"] == 0  # the service lives on
 
 
 def test_a_lease_id_must_be_an_integer_not_a_bool(service):

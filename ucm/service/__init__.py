@@ -1,5 +1,24 @@
-"""The cache service (`ucm serve`) and its client."""
-from ucm.service.client import CacheClient, ServiceUnavailable, connect
-from ucm.service.server import CacheService, serve, socket_path
+"""The cache service (`ucm serve`) and its client.
 
-__all__ = ["CacheClient", "CacheService", "ServiceUnavailable", "connect", "serve", "socket_path"]
+Names load lazily, so that importing the client (every engine worker
+does) loads neither the server nor the cache:
+
+- ucm.service.client: CacheClient, ServiceUnavailable (the engine side);
+- ucm.service.spawn: connect (a client, starting a private service);
+- ucm.service.server: CacheService, serve (the service process);
+- ucm.service.paths: socket_path, runtime_dir.
+"""
+from importlib import import_module
+from typing import Any
+
+_WHERE = {"CacheClient": "client", "ServiceUnavailable": "client", "connect": "spawn",
+          "CacheService": "server", "serve": "server", "socket_path": "paths", "runtime_dir": "paths"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ucm.service' has no attribute {name!r}")
+    return getattr(import_module(f"ucm.service.{module}"), name)

@@ -1,13 +1,21 @@
-"""CacheClient: the UnifiedCache API across the process boundary.
+"""CacheClient: `ucm.api.CacheAPI` across the process boundary.
 
-Connectors hold a CacheClient and do not care that the cache lives in
-`ucm serve`. Control requests go over the Unix socket; payloads are copied
+Connectors hold a CacheAPI and do not care that the cache lives in
+`ucm serve`. This module imports neither the server nor the cache: an
+engine worker loads the client, `ucm.api`, the protocol and the key index
+reader only (`connect`, which may start a private service, is in
+ucm.service.spawn). Control requests go over the Unix socket; payloads are copied
 by this process straight into and out of the service's shared-memory arena.
 
 Faults are values: when the service is down or dies mid-request, `lookup`
 answers 0, loads report MISSING, stores report FAILED, and the client
 reconnects on a later call (at most every `retry_s`) and re-maps the arena
-of the restarted service. Only misuse (bad keys or buffers) raises.
+of the restarted service. Only misuse (bad keys, buffers, sizes or request
+ids, checked here as `UnifiedCache` checks them) raises.
+
+Request events (see ucm.api): `begin_request` is the op `begin`; the
+`request_id` of store/load/write_slots/read_slots travels on every
+`reserve`/`acquire` of the call's chunks, and that of `finish` on `finish`.
 
 A connection (`_Link`) is built whole before it is published: its socket,
 the service's `hello` (pid, epoch, arena identity), the arena mapping, the
@@ -30,30 +38,25 @@ under `_index_lock`. Lock order: `_lock`, then `_index_lock`.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
 import select
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
-
-import yaml
+from typing import Any, Callable, Optional, Sequence
 
 from ucm import _native
+from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
+                     check_request_id, check_sizes, submit)
 from ucm.buffers import byte_view
-from ucm.cache import Handle, Outcome, check_keys, check_output_tokens
-from ucm.config import UcmConfig, load_config
+from ucm.config import UcmConfig
 from ucm.errors import ArgumentError, ClosedError, CopyAborted, UcmError
 from ucm.service import protocol as proto
 from ucm.service.index import map_index
-from ucm.service.server import runtime_dir, socket_path
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,19 @@ class CacheClient:
     @property
     def connected(self) -> bool:
         return self._link is not None
+
+    def try_connect(self) -> bool:
+        """Connects now unless connected (no `retry_s` back-off): whether a
+        connection is up. Never raises for an unavailable service."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("CacheClient used after close()")
+            if self._link is None:
+                try:
+                    self._connect_locked()
+                except ServiceUnavailable:
+                    return False
+            return True
 
     @property
     def reads_index(self) -> bool:
@@ -345,7 +361,7 @@ class CacheClient:
             log.exception("ucm client: %s failed", op)
             return default
 
-    # ---- the UnifiedCache API ------------------------------------------------
+    # ---- ucm.api.CacheAPI ----------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
         keys = _keys(keys)
         if not keys:
@@ -384,9 +400,16 @@ class CacheClient:
     def unpin(self, keys: Sequence[Key]) -> None:
         self._try("unpin", {"keys": _keys(keys)}, None)
 
-    def finish(self, keys: Sequence[Key], output_tokens: int) -> None:
+    def begin_request(self, request_id: str, keys: Sequence[Key], parent: Optional[Key] = None) -> None:
+        rid = check_request_id(request_id)
+        if rid is None:
+            raise ArgumentError("begin_request: request_id must be a string of 1 to 256 characters, got None")
+        self._try("begin", {"request_id": rid, "keys": _keys(keys), "parent": check_parent(parent)}, None)
+
+    def finish(self, keys: Sequence[Key], output_tokens: int, request_id: Optional[str] = None) -> None:
         n = check_output_tokens(output_tokens)
-        self._try("finish", {"keys": _keys(keys), "output_tokens": n}, None)
+        rid = check_request_id(request_id)
+        self._try("finish", {"keys": _keys(keys), "output_tokens": n, "request_id": rid}, None)
 
     def stats(self) -> dict[str, Any]:
         return self._try("stats", {}, {"available": False})
@@ -394,17 +417,19 @@ class CacheClient:
     def flush(self, timeout_s: float = 60.0) -> bool:
         return bool(self._try("flush", {}, False))
 
-    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None) -> Handle:
+    def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
+              request_id: Optional[str] = None) -> Handle:
         keys = _keys(keys)
         views = _views(keys, srcs, writable=False)
-        if parent is not None:
-            _keys([parent])
-        return self._submit(len(keys), self._store, keys, views, parent)
+        parent = check_parent(parent)
+        rid = check_request_id(request_id)
+        return self._submit(len(keys), self._store, keys, views, parent, rid)
 
-    def load(self, keys: Sequence[Key], dsts: Sequence[Any]) -> Handle:
+    def load(self, keys: Sequence[Key], dsts: Sequence[Any], request_id: Optional[str] = None) -> Handle:
         keys = _keys(keys)
         views = _views(keys, dsts, writable=True)
-        return self._submit(len(keys), self._load, keys, views)
+        rid = check_request_id(request_id)
+        return self._submit(len(keys), self._load, keys, views, rid)
 
     def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
         keys = _keys(keys)
@@ -416,7 +441,8 @@ class CacheClient:
         return self._submit(len(keys), run)
 
     # ---- slot-level access (zero-copy for connectors) ------------------------
-    def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn) -> list[Outcome]:
+    def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
+                   request_id: Optional[str] = None) -> list[Outcome]:
         """Leases `keys` (chunks of at most 1/8 of the arena) and calls
         `fill(first, slots, arena)` while they are held: `slots[i]` is the
         (offset, length) of keys[first + i] in the mapped arena, or None when
@@ -424,27 +450,26 @@ class CacheClient:
         straight out of the arena (e.g. with _native.copy_spans), so a block
         is copied once. Synchronous; faults are outcomes, never exceptions."""
         keys = _keys(keys)
-        if len(sizes) != len(keys):
-            raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        sizes = check_sizes(keys, sizes)
+        rid = check_request_id(request_id)
         out: list[Outcome] = []
         for i, j in self._chunks(sizes):
-            out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill))
+            out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill, rid))
         return out
 
     def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
-                    parent: Optional[Key] = None) -> list[Outcome]:
+                    parent: Optional[Key] = None, request_id: Optional[str] = None) -> list[Outcome]:
         """Reserves slots for `keys` and calls `fill(first, slots, arena)`:
         `slots[i]` is the (offset, length) to fill for keys[first + i], or None
         when the block is already cached or was refused; then commits. The
         store half of read_slots; a `fill` that raises aborts its chunk."""
         keys = _keys(keys)
-        if len(sizes) != len(keys):
-            raise ArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
-        if parent is not None:
-            _keys([parent])
+        sizes = check_sizes(keys, sizes)
+        parent = check_parent(parent)
+        rid = check_request_id(request_id)
         out: list[Outcome] = []
         for i, j in self._chunks(sizes):
-            part = self._write_chunk(i, keys[i:j], sizes[i:j], fill, keys[i - 1] if i else parent)
+            part = self._write_chunk(i, keys[i:j], sizes[i:j], fill, keys[i - 1] if i else parent, rid)
             out.extend(part)
             if part and part[-1] is not Outcome.DONE:  # the rest would lack its parent
                 out.extend([Outcome.MISSING] * (len(keys) - j))
@@ -470,9 +495,10 @@ class CacheClient:
                                              f"{size}-byte arena")
         return reply["slots"]
 
-    def _read_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn) -> list[Outcome]:
+    def _read_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
+                    request_id: Optional[str]) -> list[Outcome]:
         try:
-            link, reply = self._begin_fill("acquire", {"keys": keys})
+            link, reply = self._begin_fill("acquire", {"keys": keys, "request_id": request_id})
         except UcmError as exc:
             if isinstance(exc, ClosedError):
                 raise
@@ -510,9 +536,10 @@ class CacheClient:
         return out
 
     def _write_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
-                     parent: Optional[bytes]) -> list[Outcome]:
+                     parent: Optional[bytes], request_id: Optional[str]) -> list[Outcome]:
         try:
-            link, reply = self._begin_fill("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent})
+            link, reply = self._begin_fill("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent,
+                                                       "request_id": request_id})
         except UcmError as exc:
             if isinstance(exc, ClosedError):
                 raise
@@ -564,28 +591,21 @@ class CacheClient:
 
     # ---- data path ---------------------------------------------------------
     def _submit(self, n: int, fn: Any, *args: Any) -> Handle:
-        handle = Handle(n)
+        """`fn(*args)` on the copy pool; a bug that raises is FAILED per
+        block and logged, never an exception into the engine."""
+        name = getattr(fn, "__name__", repr(fn))
+        return submit(self._pool, n, fn, *args,
+                      on_error=lambda exc: log.error("ucm client: %s failed", name, exc_info=exc))
 
-        def run() -> None:
-            try:
-                res = fn(*args)
-            except Exception:  # never hang or raise into the engine for a cache fault
-                log.exception("ucm client: %s failed", getattr(fn, "__name__", fn))
-                res = [Outcome.FAILED] * n
-            handle._finish(res)
-
-        if n:
-            self._pool.submit(run)
-        return handle
-
-    def _store(self, keys: list[bytes], views: list[memoryview], parent: Optional[bytes]) -> list[Outcome]:
+    def _store(self, keys: list[bytes], views: list[memoryview], parent: Optional[bytes],
+               request_id: Optional[str]) -> list[Outcome]:
         def fill(first: int, slots: list, arena: Any) -> None:
             m = memoryview(arena)
             for i, slot in enumerate(slots):
                 if slot is not None:
                     _native.copy(m[slot[0]:slot[0] + slot[1]], views[first + i])
 
-        return self.write_slots(keys, [len(v) for v in views], fill, parent)
+        return self.write_slots(keys, [len(v) for v in views], fill, parent, request_id)
 
     def _chunks(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
         """Index ranges of at most 1/8 of the arena each (at least one block),
@@ -601,19 +621,14 @@ class CacheClient:
             i = j
         return out
 
-    def _load(self, keys: list[bytes], views: list[memoryview]) -> list[Outcome]:
+    def _load(self, keys: list[bytes], views: list[memoryview], request_id: Optional[str]) -> list[Outcome]:
         def fill(first: int, slots: list, arena: Any) -> None:
             m = memoryview(arena)
             for i, slot in enumerate(slots):
                 if slot is not None:
                     _native.copy(views[first + i], m[slot[0]:slot[0] + slot[1]])
 
-        return self.read_slots(keys, [len(v) for v in views], fill)
-
-
-Key = bytes
-# fill(first, slots, arena): slots[i] = (offset, length) in arena, or None.
-SlotFn = Callable[[int, list, Any], None]
+        return self.read_slots(keys, [len(v) for v in views], fill, request_id)
 
 
 def _log_copy_failure(where: str, exc: Exception) -> None:
@@ -636,69 +651,3 @@ def _views(keys: list[bytes], bufs: Sequence[Any], writable: bool) -> list[memor
     if len(keys) != len(bufs):
         raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
     return [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
-
-
-def connect(config: Union[None, str, Mapping[str, Any], UcmConfig] = None, start: bool = True,
-            timeout_s: float = 60.0, idle_exit_s: float = 5.0) -> CacheClient:
-    """A client of the service for `config`. When none is running and
-    `start` is true, starts a private one for this config (it exits once no
-    client has used it for `idle_exit_s`)."""
-    cfg = config if isinstance(config, UcmConfig) else load_config(config)
-    path = socket_path(cfg)
-    client = CacheClient(path, cfg)
-    if client.connected or not start:
-        return client
-    lock_path = path + ".lock"
-    with open(lock_path, "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one starter among racing processes
-        with client._lock:
-            try:
-                client._connect_locked()
-                return client
-            except ServiceUnavailable:
-                pass
-        fd, cfg_path = tempfile.mkstemp(prefix="ucm-private-", suffix=".yaml", dir=runtime_dir())
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(cfg.model_dump(mode="json"), f)
-        log_path = os.path.join(runtime_dir(), f"{cfg.service.name}.log")
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path, "--private",
-                 "--idle-exit-s", str(idle_exit_s)],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                cwd=runtime_dir(),  # not the caller's directory: a source tree there may shadow ucm
-                env={**os.environ, "UCM_CONFIG": ""})
-        client.spawned = proc
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            with client._lock:
-                try:
-                    client._connect_locked()
-                    break
-                except ServiceUnavailable:
-                    pass
-            time.sleep(0.05)
-        try:
-            os.unlink(cfg_path)
-        except OSError:
-            pass
-    if not client.connected:
-        proc = client.spawned
-        why = (f": it did not answer within {timeout_s:g} s" if proc is not None and proc.poll() is None
-               else _last_error(log_path))
-        log.warning("ucm: could not start a private service for %s%s (log: %s); running without a cache",
-                    path, why, log_path)
-    return client
-
-
-def _last_error(log_path: str) -> str:
-    """': <the service's last log line>' (why it did not start), or ''."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return f": {lines[-1]}" if lines else ""
