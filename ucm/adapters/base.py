@@ -281,30 +281,30 @@ def check_range_args(keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence
 def read_range(adapter: StorageAdapter, keys: Sequence[Key], offsets: Sequence[int],
                dsts: Sequence[Any]) -> list[Status]:
     """`get_range` on any adapter: the adapter's own when it declares
-    RangeReads, otherwise a whole-blob `get` of each key into a scratch
-    buffer and a copy of the slice (same statuses, same misuse errors)."""
+    RangeReads, otherwise one whole-blob `get` per distinct key into a
+    scratch buffer and a copy of each slice (same statuses, same misuse
+    errors)."""
     if isinstance(adapter, RangeReads):
         return adapter.get_range(keys, offsets, dsts)
     check_range_args(keys, offsets, dsts)
     views = [byte_view(d, writable=True, what="destination") for d in dsts]
-    out: list[Status] = [Status.NOT_FOUND] * len(keys)
-    todo: list[int] = []
-    scratch: list[bytearray] = []
-    for i, (key, off, view) in enumerate(zip(keys, offsets, views)):
-        size = adapter.size_of(key)
-        if size is None:
-            continue
-        if off + len(view) > size:
-            out[i] = Status.CORRUPT
-            continue
-        todo.append(i)
-        scratch.append(bytearray(size))
-    if not todo:
-        return out
-    for i, buf, st in zip(todo, scratch, adapter.get([keys[i] for i in todo], scratch)):
-        out[i] = st
+    sizes: dict[Key, Optional[int]] = {}
+    for key in keys:
+        if key not in sizes:
+            sizes[key] = adapter.size_of(key)
+    fetch = [k for k, n in sizes.items() if n is not None]
+    scratch = {k: bytearray(sizes[k] or 0) for k in fetch}
+    got = dict(zip(fetch, adapter.get(fetch, [scratch[k] for k in fetch]))) if fetch else {}
+    out: list[Status] = []
+    for key, off, view in zip(keys, offsets, views):
+        st = got.get(key, Status.NOT_FOUND)
         if st is Status.OK:
-            views[i][:] = memoryview(buf)[offsets[i]:offsets[i] + len(views[i])]
+            blob = scratch[key]
+            if off + len(view) > len(blob):
+                st = Status.CORRUPT
+            else:
+                view[:] = memoryview(blob)[off:off + len(view)]
+        out.append(st)
     return out
 
 
