@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from ucm import __version__
 from ucm.errors import UcmError
 
-BENCHES = ("io", "service", "soak", "trace", "tracegen", "vllm")
+BENCHES = ("io", "placement", "service", "soak", "trace", "tracegen", "vllm")
 
 
 def build_parser() -> argparse.ArgumentParser:

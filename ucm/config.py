@@ -62,6 +62,18 @@ class PolicyConfig(_Strict):
 
 class HeatConfig(_Strict):
     half_life_requests: float = Field(default=2000.0, gt=0)  # heat halves every N requests
+    # Memory for the HeatTracker's per-block history (records outlive
+    # residency so a block that comes back is known as reused): about
+    # ucm.heat.RECORD_BYTES per block; written like 256MiB; at least 1MiB.
+    history_bytes: int = 256 << 20
+
+    @field_validator("history_bytes", mode="before")
+    @classmethod
+    def _history(cls, v: Any) -> int:
+        n = parse_size(v)
+        if n < 1 << 20:
+            raise ValueError(f"history_bytes must be at least 1MiB (1048576), got {v!r}")
+        return n
 
 
 class ServiceConfig(_Strict):

@@ -24,14 +24,18 @@ Invariants it keeps:
   (the prefix stays cached);
 - `used_bytes(t) <= capacity_bytes(t)` after every operation.
 
+Batched calls: `record_request` and `touch` take a request's keys, and
+`insert_run` stores a run of consecutive blocks of one prompt with one plan,
+so the owner takes its lock once per request. They make exactly the
+decisions of the per-block calls made in the same order.
+
 Not thread-safe: the owner serialises calls.
 """
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import INF, HeatTracker, Key
@@ -45,8 +49,7 @@ class Op(enum.Enum):
     DROP = "drop"  # delete from `src`
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(NamedTuple):
     op: Op
     key: Key
     src: Optional[int] = None
@@ -63,6 +66,18 @@ class Decision:
 
     placed: bool
     plan: Plan
+
+
+@dataclass(slots=True)
+class RunDecision:
+    """Outcome of `insert_run`: per key, whether this call placed it; `stop`,
+    the index of the first key neither placed nor already cached (the keys
+    after it were not tried; `len(keys)` if none); one plan for the run
+    (evictions made before a refusal stay valid)."""
+
+    placed: list[bool]
+    plan: Plan
+    stop: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +102,11 @@ class _Tier:
     policy: PlacementPolicy
     used: int = 0
     blocks: dict[Key, int] = field(default_factory=dict)  # key -> size_bytes
-    kids: Counter = field(default_factory=Counter)  # key -> resident children in this tier
+    kids: dict[Key, int] = field(default_factory=dict)  # key -> resident children in this tier (> 0)
     counters: TierCounters = field(default_factory=TierCounters)
+    bit: int = 0  # 1 << index, its bit in Placement._res
+    evictable: Optional[Callable[[Key], bool]] = None  # victim predicates, built once
+    relaxed: Optional[Callable[[Key], bool]] = None
 
 
 class Placement:
@@ -112,14 +130,18 @@ class Placement:
             if spec.capacity_bytes < 0:
                 raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
             info = TierInfo(spec.name, i, spec.capacity_bytes, i == len(tiers) - 1)
-            self._tiers.append(_Tier(info, policy(info, self.heat)))
+            self._tiers.append(_Tier(info, policy(info, self.heat), bit=1 << i))
+        self._res: dict[Key, int] = {}  # resident key -> bit mask of the tiers holding it
+        self._protect: list[Optional[Key]] = [None] * len(tiers)  # per tier, while making room
         self._parent: dict[Key, Optional[Key]] = {}  # resident anywhere -> parent
         self._children: dict[Key, set[Key]] = {}  # resident parent -> resident children
         self._size: dict[Key, int] = {}
-        self._pins: Counter = Counter()  # promised to an engine: stays cached (some tier)
-        self._holds: Counter = Counter()  # in use where it is: stays in every tier it is in
+        self._pins: dict[Key, int] = {}  # promised to an engine: stays cached (some tier); counted
+        self._holds: dict[Key, int] = {}  # in use where it is: stays in every tier it is in; counted
         self._on_link: Optional[Callable[[Key], None]] = None
         self._on_unlink: Optional[Callable[[Key], None]] = None
+        for tier in self._tiers:
+            self._build_predicates(tier)
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -145,16 +167,15 @@ class Placement:
         return key in self._parent
 
     def tiers_of(self, key: Key) -> list[int]:
-        return [t.info.index for t in self._tiers if key in t.blocks]
+        m = self._res.get(key, 0)
+        return [t for t in range(len(self._tiers)) if m >> t & 1]
 
     def where(self, key: Key) -> Optional[int]:
         """Fastest tier holding `key`, or None."""
-        if key not in self._parent:
+        m = self._res.get(key)
+        if not m:
             return None
-        for t in self._tiers:
-            if key in t.blocks:
-                return t.info.index
-        return None
+        return (m & -m).bit_length() - 1
 
     def lookup(self, keys: Sequence[Key]) -> int:
         n = 0
@@ -165,7 +186,12 @@ class Placement:
         return n
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[int]]:
-        return [self.where(k) for k in keys]
+        res = self._res
+        out: list[Optional[int]] = []
+        for k in keys:
+            m = res.get(k)
+            out.append((m & -m).bit_length() - 1 if m else None)
+        return out
 
     def size_of(self, key: Key) -> Optional[int]:
         return self._size.get(key)
@@ -180,8 +206,9 @@ class Placement:
     # ---- pins and holds ------------------------------------------------------
     def pin(self, keys: Iterable[Key]) -> None:
         """Counted: the blocks stay cached (in some tier) until unpinned."""
+        pins = self._pins
         for k in keys:
-            self._pins[k] += 1
+            pins[k] = pins.get(k, 0) + 1
 
     def unpin(self, keys: Iterable[Key]) -> None:
         _release(self._pins, keys)
@@ -189,8 +216,9 @@ class Placement:
     def hold(self, keys: Iterable[Key]) -> None:
         """Counted: the blocks stay in every tier they are in until unheld
         (their bytes are being written, staged or read there)."""
+        holds = self._holds
         for k in keys:
-            self._holds[k] += 1
+            holds[k] = holds.get(k, 0) + 1
 
     def unhold(self, keys: Iterable[Key]) -> None:
         _release(self._holds, keys)
@@ -200,7 +228,7 @@ class Placement:
         copy in another tier."""
         if key in self._holds:
             return True
-        return key in self._pins and not any(key in o.blocks for o in self._tiers if o is not tier)
+        return key in self._pins and not self._res.get(key, 0) & ~tier.bit
 
     # ---- accesses ----------------------------------------------------------
     def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None,
@@ -211,27 +239,36 @@ class Placement:
         prefix), so the tracker knows what keys[0] follows."""
         heat = self.heat
         heat.tick()
-        parent_of = [parent, *keys[:-1]] if keys else []
-        for i in range(len(keys) - 1, -1, -1):
-            heat.touch(keys[i], parent_of[i], INF if next_uses is None else next_uses[i])
+        touch = heat.touch
+        if next_uses is None:
+            for i in range(len(keys) - 1, 0, -1):
+                touch(keys[i], keys[i - 1])
+        else:
+            for i in range(len(keys) - 1, 0, -1):
+                touch(keys[i], keys[i - 1], next_uses[i])
+        if keys:
+            touch(keys[0], parent, INF if next_uses is None else next_uses[0])
 
     def finish_request(self, keys: Sequence[Key], output_tokens: int) -> None:
         """The request that used `keys` finished after generating
         `output_tokens` tokens: tells the HeatTracker, then, for each block
         whose kind changed, the policy of every tier holding it
         (`on_reclass`)."""
+        res = self._res
         for k in self.heat.finish(keys, output_tokens):
+            m = res.get(k, 0)
             for tier in self._tiers:
-                if k in tier.blocks:
+                if m & tier.bit:
                     tier.policy.on_reclass(k)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Reports that the resident blocks among `keys` were used by a request:
         one `on_hit` to the tier serving each, deepest block first."""
+        res, tiers = self._res, self._tiers
         for k in reversed(keys):
-            t = self.where(k)
-            if t is not None:
-                tier = self._tiers[t]
+            m = res.get(k)
+            if m:
+                tier = tiers[(m & -m).bit_length() - 1]
                 tier.policy.on_hit(k)
                 tier.counters.hits += 1
 
@@ -245,24 +282,61 @@ class Placement:
         block found in the tier at start-up: no admission, no WRITE step."""
         if size_bytes <= 0:
             raise ArgumentError(f"size_bytes must be > 0, got {size_bytes}")
+        plan: Plan = []
+        placed = self._insert(key, parent, size_bytes, self.landing if tier is None else tier, restored, plan)
+        return Decision(placed, plan)
+
+    def insert_run(self, keys: Sequence[Key], parent: Optional[Key], sizes: Sequence[int],
+                   tier: Optional[int] = None) -> RunDecision:
+        """Stores consecutive blocks of one prompt: `keys[0]` behind `parent`,
+        each later key behind the one before it, with `sizes[i]` bytes each,
+        into `tier` (default the landing tier). The same decisions as
+        `insert(keys[i], keys[i - 1], sizes[i])` for each key in order,
+        skipping keys already cached, stopping at the first key that is
+        neither placed nor cached (its descendants would be useless); one
+        plan for the run, each placed block's WRITE step after the steps
+        that made its room."""
+        n = len(keys)
+        if len(sizes) != n:
+            raise ArgumentError(f"insert_run: {n} keys but {len(sizes)} sizes")
+        for size in sizes:
+            if size <= 0:
+                raise ArgumentError(f"size_bytes must be > 0, got {size}")
         t = self.landing if tier is None else tier
-        if key in self._parent:
-            return Decision(False, [])
-        if parent is not None and parent not in self._parent:
-            return Decision(False, [])
+        plan: Plan = []
+        placed = [False] * n
+        cached = self._parent
+        ins = self._insert
+        stop = n
+        for i in range(n):
+            key = keys[i]
+            if ins(key, parent, sizes[i], t, False, plan):
+                placed[i] = True
+            elif key not in cached:
+                stop = i
+                break
+            parent = key
+        return RunDecision(placed, plan, stop)
+
+    def _insert(self, key: Key, parent: Optional[Key], size_bytes: int, t: int, restored: bool,
+                plan: Plan) -> bool:
+        cached = self._parent
+        if key in cached:
+            return False
+        if parent is not None and parent not in cached:
+            return False
         dst = self._tiers[t]
         if size_bytes > dst.info.capacity_bytes or not (restored or dst.policy.admit(key, Admission.NEW)):
-            return Decision(False, [])
-        plan: Plan = []
-        if not self._make_room(t, size_bytes, plan, protect=parent):
-            return Decision(False, plan)
-        if parent is not None and parent not in self._parent:  # lost while making room
-            return Decision(False, plan)
+            return False
+        if dst.used + size_bytes > dst.info.capacity_bytes and not self._make_room(t, size_bytes, plan, parent):
+            return False
+        if parent is not None and parent not in cached:  # lost while making room
+            return False
         self._link(key, parent, size_bytes)
         self._enter(key, t, size_bytes)
         if not restored:  # a restored block's bytes are already in the tier
-            plan.append(Step(Op.WRITE, key, dst=t))
-        return Decision(True, plan)
+            plan.append(Step(Op.WRITE, key, None, t))
+        return True
 
     def promote(self, key: Key, force: bool = False) -> Decision:
         """After a hit served below the landing tier: copies the block up if
@@ -278,7 +352,7 @@ class Placement:
         if not (force or dst.policy.admit(key, Admission.PROMOTE)):
             return Decision(False, [])
         plan: Plan = []
-        self._holds[key] += 1  # the source must survive the evictions made for it
+        self._holds[key] = self._holds.get(key, 0) + 1  # the source must survive the evictions made for it
         try:
             room = self._make_room(t, size, plan, protect=self._parent.get(key))
         finally:
@@ -398,7 +472,11 @@ class Placement:
         self._parent[key] = parent
         self._size[key] = size
         if parent is not None:
-            self._children.setdefault(parent, set()).add(key)
+            kids = self._children.get(parent)
+            if kids is None:
+                self._children[parent] = {key}
+            else:
+                kids.add(key)
 
     def _unlink(self, key: Key) -> None:
         parent = self._parent.pop(key)
@@ -414,103 +492,152 @@ class Placement:
 
     def _enter(self, key: Key, t: int, size: int) -> None:
         tier = self._tiers[t]
-        tier.blocks[key] = size
+        blocks = tier.blocks
+        blocks[key] = size
         tier.used += size
-        tier.counters.inserts += 1
-        tier.counters.bytes_written += size
-        n = sum(1 for c in self._children.get(key, ()) if c in tier.blocks)
-        if n:
-            tier.kids[key] = n
+        c = tier.counters
+        c.inserts += 1
+        c.bytes_written += size
+        res = self._res
+        res[key] = res.get(key, 0) | tier.bit
+        kids = self._children.get(key)
+        if kids:
+            n = sum(1 for k in kids if k in blocks)
+            if n:
+                tier.kids[key] = n
         parent = self._parent.get(key)
-        if parent is not None and parent in tier.blocks:
-            tier.kids[parent] += 1
+        if parent is not None and parent in blocks:
+            tier.kids[parent] = tier.kids.get(parent, 0) + 1
         tier.policy.on_insert(key, size)
 
     def _leave(self, key: Key, t: int) -> None:
         tier = self._tiers[t]
-        tier.used -= tier.blocks.pop(key)
-        tier.kids.pop(key, None)
+        blocks = tier.blocks
+        tier.used -= blocks.pop(key)
+        res = self._res
+        m = res[key] & ~tier.bit
+        if m:
+            res[key] = m
+        else:
+            del res[key]
+        kids = tier.kids
+        kids.pop(key, None)
         parent = self._parent.get(key)
-        if parent is not None and parent in tier.blocks:
-            left = tier.kids[parent] - 1
+        if parent is not None and parent in blocks:
+            left = kids[parent] - 1
             if left > 0:
-                tier.kids[parent] = left
+                kids[parent] = left
             else:
-                del tier.kids[parent]
+                del kids[parent]
         tier.policy.on_remove(key)
 
-    def _evictable_in(self, t: int, protect: Optional[Key]) -> Callable[[Key], bool]:
-        tier = self._tiers[t]
-        holds, pins = self._holds, self._pins
+    def _build_predicates(self, tier: "_Tier") -> None:
+        """The tier's victim predicates, built once: `evictable` (what a
+        policy may offer) and `relaxed` (any block that may leave the tier,
+        when only parents are left). Both read the block to protect from
+        `_protect[t]`, set while room is made."""
+        t = tier.info.index
+        holds, pins, res, protect = self._holds, self._pins, self._res, self._protect
         kids = tier.kids
-        others = [o.blocks for o in self._tiers if o is not tier]
+        others = ~tier.bit
 
-        def stuck(key: Key) -> bool:  # _stuck, inlined: policies call this per candidate
-            return key in holds or (key in pins and not any(key in b for b in others))
+        def relaxed(key: Key) -> bool:
+            return key != protect[t] and key not in holds and (key not in pins or res.get(key, 0) & others != 0)
 
         if not tier.info.lowest:
             def evictable(key: Key) -> bool:
-                return key != protect and key not in kids and not stuck(key)
+                return (key != protect[t] and key not in kids and key not in holds
+                        and (key not in pins or res.get(key, 0) & others != 0))
+        else:
+            children = self._children
 
-            return evictable
-        children = self._children
+            def evictable(key: Key) -> bool:
+                # From the lowest tier a block leaves the cache unless another tier
+                # holds it; then its children anywhere would be orphaned.
+                if key == protect[t] or key in kids or key in holds:
+                    return False
+                elsewhere = res.get(key, 0) & others
+                if key in pins and not elsewhere:
+                    return False
+                return key not in children or elsewhere != 0
 
-        def evictable_lowest(key: Key) -> bool:
-            # From the lowest tier a block leaves the cache unless another tier
-            # holds it; then its children anywhere would be orphaned.
-            if key == protect or key in kids or stuck(key):
-                return False
-            return key not in children or any(key in b for b in others)
+        tier.evictable, tier.relaxed = evictable, relaxed
 
-        return evictable_lowest
+    def _evictable_in(self, t: int, protect: Optional[Key]) -> Callable[[Key], bool]:
+        """Tier t's `evictable` predicate with `protect` as the block to keep
+        (for a victim search outside `_make_room`)."""
+        tier = self._tiers[t]
+        evictable, prot = tier.evictable, self._protect
+
+        def check(key: Key) -> bool:
+            saved = prot[t]
+            prot[t] = protect
+            try:
+                return evictable(key)
+            finally:
+                prot[t] = saved
+
+        return check
 
     def _make_room(self, t: int, size: int, plan: Plan, protect: Optional[Key]) -> bool:
         tier = self._tiers[t]
         cap = tier.info.capacity_bytes
         if size > cap:
             return False
-        evictable = self._evictable_in(t, protect)
-        relaxed = None
-        while tier.used + size > cap:
-            victim = tier.policy.victim(evictable)
-            if victim is None and not tier.info.lowest:
-                # Only parents are left: demote one ahead of its children (it
-                # stays cached below, so the prefix survives).
-                if relaxed is None:
-                    def relaxed(key: Key) -> bool:
-                        return key != protect and not self._stuck(key, tier)
-                victim = tier.policy.victim(relaxed)
-            if victim is None:
-                return False
-            self._evict(victim, t, plan)
-        return True
+        if tier.used + size <= cap:
+            return True
+        prot = self._protect
+        saved = prot[t]
+        prot[t] = protect
+        try:
+            policy = tier.policy
+            evictable, relaxed = tier.evictable, tier.relaxed
+            lowest = tier.info.lowest
+            while tier.used + size > cap:
+                victim = policy.victim(evictable)
+                if victim is None and not lowest:
+                    # Only parents are left: demote one ahead of its children (it
+                    # stays cached below, so the prefix survives).
+                    victim = policy.victim(relaxed)
+                if victim is None:
+                    return False
+                self._evict(victim, t, plan)
+            return True
+        finally:
+            prot[t] = saved
 
     def _evict(self, key: Key, t: int, plan: Plan) -> None:
-        tier = self._tiers[t]
+        tiers = self._tiers
+        tier = tiers[t]
         tier.counters.evictions += 1
         size = tier.blocks[key]
-        elsewhere = any(key in o.blocks for o in self._tiers if o is not tier)
-        lower = t + 1 if t + 1 < len(self._tiers) else None
-        if lower is not None and not elsewhere:
-            below = self._tiers[lower]
+        elsewhere = self._res[key] & ~tier.bit
+        lower = t + 1
+        if lower < len(tiers) and not elsewhere:
+            below = tiers[lower]
             needed = key in self._children  # has resident children: keep the prefix
             if needed or below.policy.admit(key, Admission.DEMOTE):
                 self._leave(key, t)
-                self._holds[key] += 1
+                holds = self._holds
+                holds[key] = holds.get(key, 0) + 1
                 try:
-                    room = self._make_room(lower, size, plan, protect=self._parent.get(key))
+                    room = self._make_room(lower, size, plan, self._parent.get(key))
                 finally:
-                    self.unhold([key])
+                    n = holds[key]
+                    if n <= 1:
+                        del holds[key]
+                    else:
+                        holds[key] = n - 1
                 if room:
                     self._enter(key, lower, size)
                     below.counters.demotions_in += 1
-                    plan.append(Step(Op.MOVE, key, src=t, dst=lower))
+                    plan.append(Step(Op.MOVE, key, t, lower))
                     return
-                plan.append(Step(Op.DROP, key, src=t))
+                plan.append(Step(Op.DROP, key, t))
                 self._drop_descendants(key, plan)
                 return
         self._leave(key, t)
-        plan.append(Step(Op.DROP, key, src=t))
+        plan.append(Step(Op.DROP, key, t))
         if not elsewhere:
             self._drop_descendants(key, plan)
 
@@ -531,21 +658,34 @@ class Placement:
     def _drop_descendants(self, key: Key, plan: Plan) -> None:
         """`key` left its last tier: drop its resident descendants (useless
         without it) and forget the whole subtree."""
+        children, res = self._children, self._res
+        if key not in children:  # a leaf: the common case
+            m = res.get(key, 0)
+            x = 0
+            while m:
+                if m & 1:
+                    self._leave(key, x)
+                    plan.append(Step(Op.DROP, key, x))
+                m >>= 1
+                x += 1
+            self._unlink(key)
+            return
         stack = [key]
         order: list[Key] = []
         while stack:
             k = stack.pop()
             order.append(k)
-            for c in self._children.get(k, ()):
-                stack.append(c)
+            kids = children.get(k)
+            if kids:
+                stack.extend(kids)
         for k in reversed(order):  # deepest first
             for x in self.tiers_of(k):
                 self._leave(k, x)
-                plan.append(Step(Op.DROP, k, src=x))
+                plan.append(Step(Op.DROP, k, x))
             self._unlink(k)
 
 
-def _release(counts: Counter, keys: Iterable[Key]) -> None:
+def _release(counts: dict[Key, int], keys: Iterable[Key]) -> None:
     for k in keys:
         n = counts.get(k, 0)
         if n <= 1:

@@ -13,9 +13,9 @@ Per request, in order:
    for the rest of the request, as a reading engine would lease them;
 3. in a stack of tiers, each hit block served below the landing tier is
    offered for promotion;
-4. the missing blocks are inserted in order, each with the previous block as
-   parent, stopping at the first one not placed (refused or no room: its
-   descendants would be useless);
+4. the missing blocks are inserted in order (`insert_run`, one plan), each
+   with the previous block as parent, stopping at the first one not placed
+   (refused or no room: its descendants would be useless);
 5. `touch` reports the request's accesses to the policies;
 6. `finish_request` reports the request's output length (from the trace),
    as the engine does when a request ends.
@@ -224,15 +224,12 @@ class TraceReplay:
                     self.execute(d.plan)
                     self.result.promotions += d.placed
             parent = keys[n - 1] if n else None
-            size = self.cost.block_bytes
-            for k in keys[n:]:
-                if not p.contains(k):  # (resident after a miss only if ids are not chained)
-                    d = p.insert(k, parent, size)
-                    self.execute(d.plan)
-                    if not d.placed:
-                        self.result.refused += 1
-                        break
-                parent = k
+            todo = keys[n:]  # (a key resident after a miss, if ids are not chained, is skipped)
+            if todo:
+                run = p.insert_run(todo, parent, [self.cost.block_bytes] * len(todo))
+                self.execute(run.plan)
+                if run.stop < len(todo):
+                    self.result.refused += 1
             p.touch(keys)
         finally:
             p.unhold(hit)

@@ -21,7 +21,22 @@ Calls a policy receives, per tier:
   a demotion from the tier above, or a promotion from a tier below.
 
 Policies read shared statistics (frequency, recency, prefix links, and in
-trace replay the oracle's next use) from the HeatTracker they are given.
+trace replay the oracle's next use) from the HeatTracker they are given:
+by key (`heat.parent(key)`, `heat.next_use(key)`, `heat.get(key)` for a
+snapshot) or, on the hot path, by record slot (`s = heat.slot(key)`, then
+`heat.last[s]`, `heat.count[s]`, `heat.flags[s]`); they never write it. A
+policy that learns from every access, misses included, subscribes a
+listener to the tracker (`heat.subscribe`, see ucm/heat.py: access, tick,
+forget and reclass events), as the heat policy's ReuseModel does
+(ucm/policy/reuse.py).
+
+Cost. Every call runs under the cache's one metadata lock, several times
+per stored block (an insert into a full tier is a `victim` there, an
+`admit` and `on_insert` below, a `victim` below, two `on_remove`s); keep
+each O(1) or O(log n) amortised. The `evictable` predicate passed to
+`victim` is built once per tier and reads the cache's state when called:
+call it only for the keys you are about to offer, and do not keep what it
+answered across calls.
 
 Options. A policy declares the options it takes as its `Config` (a frozen
 pydantic model that forbids unknown keys; none by default), validated when

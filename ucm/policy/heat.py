@@ -11,7 +11,7 @@ trace:
   summaries). So blocks fall in sixteen classes: used once (behind an
   unseen or a seen prefix), twice, or three times or more; whether their
   last access ended a request; and whether their last finished request
-  generated a long answer (ucm/reuse.py);
+  generated a long answer (ucm/policy/reuse.py);
 - reuse comes in bursts across the turns of a conversation, and how soon
   depends on the workload. The ReuseModel learns each class's reuse hazard
   at each age (ticks since the last access) from every access the
@@ -49,7 +49,7 @@ from typing import Callable, Optional
 from ucm.heat import Key
 from ucm.policy.base import Admission, PlacementPolicy
 from ucm.policy.leafqueue import LeafQueues
-from ucm.reuse import NUM_CLASSES, age_bucket, class_of
+from ucm.policy.reuse import AGE_BUCKETS, NUM_CLASSES, ReuseModel, class_of
 
 
 def _always(key: Key) -> bool:
@@ -61,7 +61,7 @@ class HeatPolicy(PlacementPolicy):
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
-        self._model = heat.reuse_model()
+        self._model = ReuseModel.of(heat)
         # One queue per class; priority (clock of the last access as queued,
         # order of the report) so the head of a class is its oldest block.
         self._queues = LeafQueues(heat, NUM_CLASSES)
@@ -91,33 +91,36 @@ class HeatPolicy(PlacementPolicy):
         return max(1.0, len(self._sizes) * ticks / self._inserts)
 
     def _value(self, key: Key, table: list[list[float]]) -> float:
-        h = self.heat.get(key)
-        if h is None:
+        heat = self.heat
+        s = heat.slot(key)
+        if s is None:
             return 0.0
-        return table[class_of(h)][age_bucket(self.heat.now - h.last)]
+        age = heat.now - heat.last[s]
+        return table[class_of(heat, s)][min(age.bit_length() - 1, AGE_BUCKETS - 1) if age > 1 else 0]
 
     def _requeue(self, key: Key) -> None:
-        h = self.heat.get(key)
+        heat = self.heat
+        s = heat.slot(key)
         self._seq += 1
-        if h is None:
+        if s is None:
             self._queues.update(key, 0, (-1, self._seq))
         else:
-            self._queues.update(key, class_of(h), (h.last, self._seq))
+            self._queues.update(key, class_of(heat, s), (heat.last[s], self._seq))
 
     def _lowest(self, evictable: Callable[[Key], bool]) -> Optional[tuple[float, tuple, Key]]:
         """The evictable block of lowest value among the oldest of each class."""
         table = self._densities()
         best: Optional[tuple[float, tuple, Key]] = None
-        for q in range(NUM_CLASSES):
-            if not self._queues.queue_len(q):
-                continue
+        queues = self._queues
+        heat = self.heat
+        for q in queues.nonempty():
             while True:
-                head = self._queues.head(q, evictable)
+                head = queues.head(q, evictable)
                 if head is None:
                     break
                 prio, key = head
-                h = self.heat.get(key)
-                if h is not None and (h.last != prio[0] or class_of(h) != q):
+                s = heat.slot(key)
+                if s is not None and (heat.last[s] != prio[0] or class_of(heat, s) != q):
                     # Accessed since it was queued, served by another tier
                     # (or the class moved): put it where it belongs, look again.
                     self._requeue(key)
@@ -143,11 +146,12 @@ class HeatPolicy(PlacementPolicy):
         if key in self._queues:
             self.on_remove(key)
         self._seq += 1
-        h = self.heat.get(key)
-        if h is None:
+        heat = self.heat
+        s = heat.slot(key)
+        if s is None:
             self._queues.add(key, 0, (-1, self._seq))
         else:
-            self._queues.add(key, class_of(h), (h.last, self._seq))
+            self._queues.add(key, class_of(heat, s), (heat.last[s], self._seq))
         self._sizes[key] = size_bytes
         self._used += size_bytes
         self._block = size_bytes

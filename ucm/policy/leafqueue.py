@@ -48,6 +48,14 @@ class LeafQueues:
     def priority(self, key: Key) -> Any:
         return self._where[key][1]
 
+    def nonempty(self):
+        """The queues with entries (live or stale), lowest first, each
+        checked when the iteration reaches it."""
+        heaps = self._heaps
+        for q in range(len(heaps)):
+            if heaps[q]:
+                yield q
+
     def queue_len(self, q: int) -> int:
         """Live and stale entries of queue q (an upper bound of its blocks)."""
         return len(self._heaps[q])
@@ -104,24 +112,29 @@ class LeafQueues:
         has resident children here is parked until the last one leaves (or
         `wake`)."""
         heap = self._heaps[queue]
-        where = self._where
-        skipped: list[tuple[Any, Key]] = []
+        where, parked, kids = self._where, self._parked, self._kids
+        heappop = heapq.heappop
+        skipped: Optional[list[tuple[Any, Key]]] = None
         found: Optional[tuple[Any, Key]] = None
         while heap:
             prio, key = item = heap[0]
-            if where.get(key) != (queue, prio) or key in self._parked:
-                heapq.heappop(heap)  # stale
+            w = where.get(key)
+            if w is None or w[0] != queue or w[1] != prio or key in parked:
+                heappop(heap)  # stale
                 continue
             if evictable(key):
                 found = item
                 break
-            heapq.heappop(heap)
-            if self._kids.get(key):
-                self._parked[key] = None  # back when its last child leaves
+            heappop(heap)
+            if kids.get(key):
+                parked[key] = None  # back when its last child leaves
+            elif skipped is None:
+                skipped = [item]
             else:
                 skipped.append(item)
-        for item in skipped:
-            heapq.heappush(heap, item)
+        if skipped:
+            for item in skipped:
+                heapq.heappush(heap, item)
         return found
 
     def fallback(self, evictable: Callable[[Key], bool]) -> Optional[Key]:

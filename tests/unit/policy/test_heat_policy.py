@@ -8,7 +8,7 @@ from ucm.heat import HeatTracker
 from ucm.placement import Placement, TierSpec
 from ucm.policy.base import Admission, TierInfo, load_policy
 from ucm.policy.leafqueue import LeafQueues
-from ucm.reuse import NUM_CLASSES, ReuseModel, age_bucket, classify
+from ucm.policy.reuse import NUM_CLASSES, ReuseModel, age_bucket, classify
 from ucm.trace import TraceRequest
 
 
@@ -77,7 +77,7 @@ def test_heat_keeps_recency_when_everything_is_reused_soon():
 def test_a_full_tier_refuses_what_would_be_the_next_to_go():
     heat = HeatTracker()
     pol = load_policy("heat")(TierInfo("nvme", 1, 4, True), heat)
-    model = heat.reuse_model()
+    model = ReuseModel.of(heat)
     for t in range(1, 400):  # teach the model: reused blocks come back, once-used ones never do
         heat.tick()
         heat.touch(b"hot" + bytes([t % 4]) * 5)
@@ -93,7 +93,7 @@ def test_a_full_tier_refuses_what_would_be_the_next_to_go():
 
 def test_reuse_model_counts_exposure_and_reuses_per_age():
     heat = HeatTracker()
-    model = heat.reuse_model()
+    model = ReuseModel.of(heat)
     a = b"a" * 8
     heat.tick()  # t=1
     heat.touch(a)  # first (deepest) block of its request: a tail, used once
@@ -109,11 +109,11 @@ def test_reuse_model_counts_exposure_and_reuses_per_age():
 
 def test_reuse_model_forgets_with_the_tracker_history():
     heat = HeatTracker(history_blocks=2)
-    model = heat.reuse_model()
+    model = ReuseModel.of(heat)
     for t in range(5):
         heat.tick()
         heat.touch(bytes([t]) * 8)
-    assert model._alive.sum() == 2  # only what the tracker still remembers is waiting
+    assert model.alive.sum() == 2  # only what the tracker still remembers is waiting
 
 
 def test_classes_and_age_buckets():
@@ -143,7 +143,7 @@ def test_tracker_tells_new_text_behind_a_known_prefix():
 
 def test_reuse_model_learns_each_once_used_kind_apart():
     heat = HeatTracker()
-    model = heat.reuse_model()
+    model = ReuseModel.of(heat)
     root = b"root" * 2
     for t in range(1, 300):  # new documents come back; questions behind a known prefix never do
         heat.tick()
@@ -223,7 +223,7 @@ def test_leaf_queues_wake_puts_a_parked_block_back():
 
 def test_finish_reclasses_a_waiting_block_and_new_blocks_inherit_the_kind():
     heat = HeatTracker()
-    model = heat.reuse_model()
+    model = ReuseModel.of(heat)
     a, b = b"a" * 8, b"b" * 8
     heat.tick()
     heat.touch(a)
@@ -231,7 +231,7 @@ def test_finish_reclasses_a_waiting_block_and_new_blocks_inherit_the_kind():
     assert heat.finish([a], 900) == []  # already long: nothing changes, nothing to re-file
     assert heat.get(a).long_out and heat.get(b"unknown!") is None
     long_once, short_once = classify(1, True, False, True), classify(1, True, False, False)
-    assert model._alive[long_once, 0] == 1.0 and model._alive[short_once].sum() == 0.0
+    assert model.alive[long_once, 0] == 1.0 and model.alive[short_once].sum() == 0.0
     for _ in range(3):  # the waiting episode ages in its new class
         heat.tick()
     assert model.exposure[long_once].sum() == 3.0 and model.exposure[short_once].sum() == 0.0
@@ -239,14 +239,14 @@ def test_finish_reclasses_a_waiting_block_and_new_blocks_inherit_the_kind():
     assert heat.get(b).long_out
     heat.finish([a, b], 20)
     assert not heat.get(a).long_out and not heat.get(b).long_out
-    assert model._alive.sum() == 2.0 and model._alive[long_once].sum() == 0.0
+    assert model.alive.sum() == 2.0 and model.alive[long_once].sum() == 0.0
 
 
 def test_reuse_model_learns_which_output_kind_comes_back():
     """Documents that got short answers are sent again; those summarised at
     length never are. Nothing else tells the two apart."""
     heat = HeatTracker()
-    model = heat.reuse_model()
+    model = ReuseModel.of(heat)
     for t in range(1, 400):
         heat.tick()
         doc = b"d" + t.to_bytes(7, "little")

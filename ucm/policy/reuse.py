@@ -1,9 +1,11 @@
 """ReuseModel: how likely a block is to be used again, learned from the access stream.
 
-Fed by the HeatTracker on every access (hits and misses alike, so what it
+A listener of the HeatTracker (`ReuseModel.of(tracker)` subscribes one per
+tracker, shared by every policy of a cache): it learns from the tracker's
+access, tick, forget and reclass events (hits and misses alike, so what it
 learns does not depend on what a cache kept; the tracker's history plays the
-ghost list) and on every clock tick; read by placement policies. Runs under
-the owner's lock like the tracker; never blocks.
+ghost list), reads the tracker's records and never writes them; read by the
+heat policy. Runs under the owner's lock like the tracker; never blocks.
 
 Blocks are grouped into classes by four facts that predict reuse of KV blocks:
 - how often the block was used: once, twice, or three times or more. Most
@@ -54,18 +56,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ucm.heat import BlockHeat
+from ucm.heat import EXT, LONG_OUT, LONG_OUTPUT, TAIL, HeatTracker, Key
+
+__all__ = ["AGE_BUCKETS", "LONG_OUTPUT", "NUM_CLASSES", "USE_KINDS", "ReuseModel", "age_bucket",
+           "class_of", "classify"]
 
 # How often a block was used: once behind an unseen prefix, once behind a
 # prefix seen before, twice, three times or more.
 USE_KINDS = 4
 NUM_CLASSES = 4 * USE_KINDS  # x (last access ended its request or not) x (long output or not)
-LONG_OUTPUT = 128  # output tokens from which a request's answer counts as long
 AGE_BUCKETS = 20  # ages up to 2**20 ticks (requests); the last bucket is open
 
 
@@ -78,9 +81,13 @@ def classify(count: int, tail: bool, ext: bool = False, long_out: bool = False) 
     return kind + (USE_KINDS if tail else 0) + (2 * USE_KINDS if long_out else 0)
 
 
-def class_of(h: "BlockHeat") -> int:
-    """The class of the block `h` as the tracker knows it now."""
-    return classify(h.count, h.tail, h.ext, h.long_out)
+def class_of(heat: HeatTracker, slot: int) -> int:
+    """The class of the record in `slot` of `heat` as the tracker knows it now
+    (`classify` of its count and flags)."""
+    n = heat.count[slot]
+    f = heat.flags[slot]
+    kind = (1 if f & EXT else 0) if n <= 1 else (2 if n == 2 else 3)
+    return kind + (USE_KINDS if f & TAIL else 0) + (2 * USE_KINDS if f & LONG_OUT else 0)
 
 
 def age_bucket(age: int) -> int:
@@ -93,69 +100,126 @@ PRIOR_EVENTS = 1.0  # strength of each shrinkage prior, in reuse events
 _START = [0] + [1 << i for i in range(1, AGE_BUCKETS)]  # first age of each bucket
 _START_F = np.array(_START, dtype=float)
 _END_F = np.array(_START[1:] + [math.inf], dtype=float)  # the last bucket is open
+_CELLS = NUM_CLASSES * AGE_BUCKETS
 
 
 class ReuseModel:
-    """Reuse hazard per (class, age bucket), learned online."""
+    """Reuse hazard per (class, age bucket), learned online from a tracker's events.
 
-    def __init__(self) -> None:
-        self.events = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # reuses seen at that age
+    Counts are kept flat per (class x AGE_BUCKETS + bucket) in Python lists on
+    the per-access path and folded into the numpy tables (`events`,
+    `exposure`) once a tick; every count is a whole number, so the tables are
+    exact either way.
+    """
+
+    def __init__(self, heat: Optional[HeatTracker] = None) -> None:
+        self._heat = heat
+        self._events = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # reuses seen at that age
         self.exposure = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # block-ticks alive at that age
-        self._alive = np.zeros((NUM_CLASSES, AGE_BUCKETS))  # blocks waiting, by age now
-        # _waiting[i]: episodes (start, heat) that may cross into bucket i.
+        self._new_events = [0.0] * _CELLS  # reuses since the last fold into `events`
+        self._alive_flat = [0.0] * _CELLS  # blocks waiting, by age now
+        # _waiting[i]: episodes (start, slot) that may cross into bucket i.
         self._waiting: list[deque] = [deque() for _ in range(AGE_BUCKETS)]
+        self._dirty = False
         self.version = 0  # bumped every tick: tables derived from the model go stale
         self._hazard: Optional[np.ndarray] = None
         self._hazard_version = -1
 
-    # ---- fed by the HeatTracker --------------------------------------------
-    def access(self, h: "BlockHeat", now: int, tail: bool, ext: bool = False) -> None:
-        """`h` is accessed at `now`, as the deepest block of its request if
-        `tail`, behind a parent seen before if `ext`; called before the
-        tracker updates `h` (its output kind, `h.long_out`, stays until
-        `reclass`)."""
-        if h.last >= 0:  # ends the episode that began at the last access
-            c = class_of(h)
-            b = age_bucket(now - h.last)
-            self.events[c, b] += 1.0
-            self._alive[c, b] -= 1.0
-        self._alive[classify(h.count + 1, tail, ext, h.long_out), 0] += 1.0
-        self._waiting[1].append((now, h))
+    @classmethod
+    def of(cls, heat: HeatTracker) -> "ReuseModel":
+        """The model subscribed to `heat`, subscribing a new one at the first
+        call; every policy of a cache shares it."""
+        model = heat.listener(cls)
+        if model is None:
+            model = cls(heat)
+            heat.subscribe(model)
+        return model
 
-    def reclass(self, h: "BlockHeat", now: int, long_out: bool) -> None:
-        """The request that last used `h` reported its output kind: the
+    # ---- tables ----------------------------------------------------------------
+    def _fold(self) -> None:
+        if self._dirty:
+            self._events += np.array(self._new_events).reshape(NUM_CLASSES, AGE_BUCKETS)
+            self._new_events = [0.0] * _CELLS
+            self._dirty = False
+
+    @property
+    def events(self) -> np.ndarray:
+        """Reuses seen per (class, age bucket)."""
+        self._fold()
+        return self._events
+
+    @property
+    def alive(self) -> np.ndarray:
+        """Blocks waiting for their next use now, per (class, age bucket) (a copy)."""
+        return np.array(self._alive_flat).reshape(NUM_CLASSES, AGE_BUCKETS)
+
+    # ---- HeatTracker events ------------------------------------------------------
+    def on_access(self, key: Key, slot: int, now: int, first: bool, ext: bool) -> None:
+        """`key` is accessed at `now`, as the deepest block of its request if
+        `first`, behind a parent seen before if `ext`; its record still shows
+        the previous access (its output kind stays until a reclass)."""
+        heat = self._heat
+        last = heat.last[slot]
+        n = heat.count[slot]
+        f = heat.flags[slot]
+        alive = self._alive_flat
+        if last >= 0:  # ends the episode that began at the last access
+            c = class_of(heat, slot)
+            age = now - last
+            i = c * AGE_BUCKETS + (min(age.bit_length() - 1, AGE_BUCKETS - 1) if age > 1 else 0)
+            self._new_events[i] += 1.0
+            self._dirty = True
+            alive[i] -= 1.0
+        n += 1
+        kind = (1 if ext else 0) if n <= 1 else (2 if n == 2 else 3)
+        c = kind + (USE_KINDS if first else 0) + (2 * USE_KINDS if f & LONG_OUT else 0)
+        alive[c * AGE_BUCKETS] += 1.0
+        self._waiting[1].append((now, slot))
+
+    def on_reclass(self, key: Key, slot: int, now: int, long_out: bool) -> None:
+        """The request that last used `key` reported its output kind: the
         block's waiting episode moves to that class from now on (its
         exposure so far stays where it was counted)."""
-        if h.last >= 0 and h.long_out != long_out:
-            b = age_bucket(now - h.last)
-            self._alive[class_of(h), b] -= 1.0
-            self._alive[classify(h.count, h.tail, h.ext, long_out), b] += 1.0
-        h.long_out = long_out
+        heat = self._heat
+        last = heat.last[slot]
+        if last >= 0 and bool(heat.flags[slot] & LONG_OUT) != long_out:
+            b = age_bucket(now - last)
+            c = class_of(heat, slot)
+            self._alive_flat[c * AGE_BUCKETS + b] -= 1.0
+            self._alive_flat[(c ^ (2 * USE_KINDS)) * AGE_BUCKETS + b] += 1.0
 
-    def forget(self, h: "BlockHeat", now: int) -> None:
-        """The tracker dropped `h` from its history: its episode ends unseen."""
-        if h.last >= 0:
-            self._alive[class_of(h), age_bucket(now - h.last)] -= 1.0
-            h.last = -1
+    def on_forget(self, key: Key, slot: int, now: int) -> None:
+        """The tracker drops the record of `key`: its episode ends unseen."""
+        heat = self._heat
+        last = heat.last[slot]
+        if last >= 0:
+            self._alive_flat[class_of(heat, slot) * AGE_BUCKETS + age_bucket(now - last)] -= 1.0
+            if last == now:  # its episode began this tick: the slot may be reused at once
+                try:
+                    self._waiting[1].remove((now, slot))
+                except ValueError:
+                    pass
 
-    def advance(self, now: int) -> None:
+    def on_tick(self, now: int) -> None:
         """The clock reached `now` (before any access at `now`): moves waiting
         blocks across age buckets, then counts one tick of exposure."""
-        alive = self._alive
+        heat = self._heat
+        last_of = heat.last
+        alive = self._alive_flat
         for i in range(1, AGE_BUCKETS):
             q = self._waiting[i]
             edge = now - _START[i]
             nxt = self._waiting[i + 1] if i + 1 < AGE_BUCKETS else None
             while q and q[0][0] <= edge:
                 ep = q.popleft()
-                start, h = ep
-                if h.last == start:  # not used since: now older than _START[i]
-                    c = class_of(h)
-                    alive[c, i - 1] -= 1.0
-                    alive[c, i] += 1.0
+                start, slot = ep
+                if last_of[slot] == start:  # not used since: now older than _START[i]
+                    c = class_of(heat, slot) * AGE_BUCKETS + i
+                    alive[c - 1] -= 1.0
+                    alive[c] += 1.0
                     if nxt is not None:
                         nxt.append(ep)
-        self.exposure += alive
+        self.exposure += np.array(alive).reshape(NUM_CLASSES, AGE_BUCKETS)
         self.version += 1
 
     # ---- read by policies --------------------------------------------------
@@ -175,7 +239,6 @@ class ReuseModel:
         self._hazard = self._estimate()
         self._hazard_version = self.version
         return self._hazard
-
     def _estimate(self) -> np.ndarray:
         ev, ex = self.events, self.exposure
         total_ev, total_ex = ev.sum(), ex.sum()

@@ -1,0 +1,188 @@
+"""`ucm bench placement`: the cost of placement decisions per block.
+
+Drives `Placement` (the metadata half of UnifiedCache, no payload bytes)
+with the cache's call pattern over two tiers (DRAM over NVMe) kept full, so
+that every stored block evicts one from DRAM, demotes it to NVMe, and evicts
+one from NVMe in turn. Per request, in one lock hold of the cache:
+`record_request(keys)`, `lookup`, the missing blocks stored, `touch(keys)`.
+Two ways of storing the missing blocks, measured in the same run over the
+same requests:
+- `per_block`: one `insert(key, parent, size)` per block, the cache's
+  call pattern before the batched calls;
+- `batched`: one `insert_run(keys, parent, sizes)` for the whole run.
+Both must make the same decisions (`same_decisions` compares the tiers'
+counters and contents afterwards).
+
+Workload (seeded, the same for every policy): requests of
+`blocks_per_request` blocks; a third of them continue the first half of an
+earlier request (a hit prefix, then new blocks behind it), the rest are new.
+DRAM holds 2 requests' blocks, NVMe 8. The tiers are filled first
+(`warmup`), then `blocks` blocks' worth of requests are timed; the figure
+is CPU time of the process per recorded block (µs; CPU time, so that
+other load on the machine does not count), the median over `--repeat` runs.
+Runs in the calling process, single-threaded; figures on a busy machine
+are noisy (take the median of several repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Sequence
+
+from ucm.errors import ArgumentError
+from ucm.heat import HeatTracker, Key
+from ucm.placement import Placement, TierSpec
+from ucm.policy.base import load_policy, policy_names
+
+BLOCK_BYTES = 1 << 20  # nominal; only the ratio to the capacities matters
+DRAM_REQUESTS = 2  # DRAM capacity, in requests' blocks
+NVME_REQUESTS = 8
+REUSE_SHARE = 1 / 3
+PATHS = ("per_block", "batched")
+
+
+def workload(blocks_per_request: int, requests: int, seed: int = 0) -> list[list[Key]]:
+    """`requests` requests' keys: a third continue half of an earlier one."""
+    rnd = random.Random(seed)
+    out: list[list[Key]] = []
+    counter = 0
+    for _ in range(requests):
+        keys: list[Key] = []
+        if out and rnd.random() < REUSE_SHARE:
+            old = out[max(0, len(out) - rnd.randint(1, NVME_REQUESTS))]
+            keys = old[:blocks_per_request // 2]
+        while len(keys) < blocks_per_request:
+            counter += 1
+            keys.append(counter.to_bytes(16, "little"))
+        out.append(keys)
+    return out
+
+
+def make_placement(policy: str, blocks_per_request: int) -> Placement:
+    specs = [TierSpec("dram", DRAM_REQUESTS * blocks_per_request * BLOCK_BYTES),
+             TierSpec("nvme", NVME_REQUESTS * blocks_per_request * BLOCK_BYTES)]
+    return Placement(specs, load_policy(policy), heat=HeatTracker())
+
+
+def _request(p: Placement, keys: Sequence[Key], batched: bool) -> None:
+    p.record_request(keys)
+    n = p.lookup(keys)
+    parent = keys[n - 1] if n else None
+    todo = keys[n:]
+    if batched:
+        p.insert_run(todo, parent, [BLOCK_BYTES] * len(todo))
+    else:
+        for k in todo:
+            if not p.insert(k, parent, BLOCK_BYTES).placed:
+                break
+            parent = k
+    p.touch(keys)
+
+
+def _state(p: Placement) -> list:
+    return [(p.counters(t), sorted(p.resident_keys(t))) for t in range(p.tier_count)]
+
+
+def measure(policy: str, blocks_per_request: int, blocks: int, seed: int = 0) -> dict:
+    """One run of both paths: µs per block each, and whether they agree."""
+    warm = (DRAM_REQUESTS + NVME_REQUESTS) * 2 + 2  # requests until both tiers are full and churning
+    timed = max(1, blocks // blocks_per_request)
+    reqs = workload(blocks_per_request, warm + timed, seed)
+    out: dict = {}
+    states = []
+    for path in PATHS:
+        batched = path == "batched"
+        p = make_placement(policy, blocks_per_request)
+        for keys in reqs[:warm]:
+            _request(p, keys, batched)
+        t0 = time.process_time()
+        for keys in reqs[warm:]:
+            _request(p, keys, batched)
+        elapsed = time.process_time() - t0
+        out[path] = elapsed * 1e6 / (timed * blocks_per_request)
+        out[f"{path}_evictions"] = sum(p.counters(t).evictions for t in range(p.tier_count))
+        states.append(_state(p))
+    out["same_decisions"] = states[0] == states[1]
+    return out
+
+
+def run(policies: Sequence[str], sizes: Sequence[int], blocks: int, repeat: int,
+        seed: int = 0) -> dict:
+    """The bench's JSON document."""
+    rows = []
+    for policy in policies:
+        for bpr in sizes:
+            runs = [measure(policy, bpr, blocks, seed) for _ in range(repeat)]
+            row = {"policy": policy, "blocks_per_request": bpr,
+                   "timed_requests": max(1, blocks // bpr),
+                   "dram_blocks": DRAM_REQUESTS * bpr, "nvme_blocks": NVME_REQUESTS * bpr}
+            for path in PATHS:
+                row[f"{path}_us_per_block"] = round(statistics.median(r[path] for r in runs), 3)
+            row["speedup"] = round(row["per_block_us_per_block"] / max(row["batched_us_per_block"], 1e-9), 2)
+            row["evictions"] = runs[0]["batched_evictions"]
+            row["same_decisions"] = all(r["same_decisions"] for r in runs)
+            rows.append(row)
+    return {"bench": "placement", "unit": "us_per_block", "repeat": repeat,
+            "blocks_timed": blocks, "results": rows}
+
+
+def format_table(doc: dict) -> str:
+    lines = ["| policy | blocks/request | per-block calls (µs/block) | batched (µs/block) | speedup | same decisions |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in doc["results"]:
+        lines.append(f"| {r['policy']} | {r['blocks_per_request']} | {r['per_block_us_per_block']:.2f} "
+                     f"| {r['batched_us_per_block']:.2f} | {r['speedup']:.2f}x | {r['same_decisions']} |")
+    return "\n".join(lines)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v <= 0 for v in out):
+        raise ArgumentError(f"{flag} needs a comma list of integers > 0, got {text!r}")
+    return out
+
+
+def handle(args: argparse.Namespace) -> int:
+    installed = policy_names()
+    if args.policy == "all":
+        policies = installed
+    else:
+        policies = [n.strip() for n in args.policy.split(",") if n.strip()]
+        unknown = [n for n in policies if n not in installed]
+        if unknown or not policies:
+            raise ArgumentError(f"--policy: unknown {unknown or args.policy!r}; installed: {installed}")
+    sizes = _int_list(args.blocks_per_request, "--blocks-per-request")
+    if args.blocks <= 0 or args.repeat <= 0:
+        raise ArgumentError(f"--blocks and --repeat must be > 0, got {args.blocks} and {args.repeat}")
+    doc = run(policies, sizes, args.blocks, args.repeat, args.seed)
+    print(json.dumps(doc) if args.json else format_table(doc), flush=True)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "placement",
+        help="placement cost per block, batched calls against per-block calls",
+        description=__doc__.split("\n\n")[0],
+        epilog=("Output: a table, or with --json one object with `results`, one row per policy and "
+                "request size: per_block_us_per_block, batched_us_per_block, speedup, evictions, "
+                "same_decisions. Example: ucm bench placement --policy all "
+                "--blocks-per-request 16,512 --repeat 3 --json"),
+    )
+    p.add_argument("--policy", default="all", metavar="NAME[,NAME...]",
+                   help="policies to measure, or 'all' (default: every installed `ucm.policies` entry point)")
+    p.add_argument("--blocks-per-request", default="16,512", metavar="N[,N...]",
+                   help="request sizes in blocks (default 16,512)")
+    p.add_argument("--blocks", type=int, default=8192, metavar="N",
+                   help="blocks timed per policy, size and path after the warm-up (default 8192)")
+    p.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="runs per figure; the median is reported (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(handler=handle)
