@@ -63,105 +63,33 @@ The budget index (`ClusterBudget`) and the "answer at once" state
 (ucm.adapters.cluster).
 
 Thread-safe. Lock order: `_setup_lock`, then `_lock`, then the budget's or
-the breaker's own lock; the store client is called outside all of them. At most `concurrency` calls move data at once (each holds
-one scratch area); more wait up to `wait_s`, then answer FAILED.
+the breaker's own lock; the store client is called outside all of them. At
+most `concurrency` calls move data at once (each holds one scratch area,
+ucm.adapters.mooncake.scratch); more wait up to `wait_s`, then answer
+FAILED. Config and error codes: ucm.adapters.mooncake.codes.
 """
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import queue
 import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
-
-import numpy as np
-from pydantic import Field, field_validator
 
 from ucm import _native
 from ucm.adapters import framing
-from ucm.adapters.base import AdapterConfig, Key, Status
+from ucm.adapters.base import Key, Status
 from ucm.adapters.cluster import BudgetedAdapter, CircuitBreaker, ClusterBudget
+from ucm.adapters.mooncake.codes import (LEASE_EXPIRED, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND,
+                                         REPLICA_IS_NOT_READY, SIZE_CODES, TENANT_QUOTA_EXCEEDED, TRANSFER_FAIL,
+                                         UNREACHABLE, MooncakeConfig, host_port)
+from ucm.adapters.mooncake.scratch import SLOT, Area, ScratchAreas, address, chunks
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
-from ucm.sizes import parse_size
 
 log = logging.getLogger(__name__)
-
-# mooncake-store ErrorCode values (types.h) the adapter tells apart.
-_NO_AVAILABLE_HANDLE = -200
-_INVALID_PARAMS = -600  # also: the buffers add up to less than the object
-_REPLICA_IS_NOT_READY = -703
-_OBJECT_NOT_FOUND = -704
-_OBJECT_ALREADY_EXISTS = -705
-_LEASE_EXPIRED = -707  # the reader's lease ran out before the transfer completed
-_TRANSFER_FAIL = -800  # also: the buffers add up to more than the object
-_SIZE_CODES = frozenset({_INVALID_PARAMS, _TRANSFER_FAIL})
-_TENANT_QUOTA_EXCEEDED = -1700
-_UNREACHABLE = frozenset({-900, -901, -1010, -1011})  # RPC_FAIL, RPC_TIMEOUT, UNAVAILABLE_IN_CURRENT_*
-
-_SLOT = 64  # bytes per header slot in the scratch memory
-_SLOTS = 256  # header slots per scratch area: items per store call
-
-
-class MooncakeConfig(AdapterConfig):
-    master: str  # mooncake_master RPC address, host:port
-    metadata_server: str = "P2PHANDSHAKE"  # or http://host:port/metadata (mooncake_http_metadata_server)
-    local_hostname: str = "127.0.0.1"  # the address other nodes reach this node's segment at
-    protocol: str = Field(default="tcp", pattern=r"^[a-z0-9_]+$")  # tcp, rdma, ...
-    device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
-    segment_size: int = 256 << 20  # DRAM this node adds to the pool; 0: none
-    local_buffer_size: int = 64 << 20  # the client's own transfer buffer
-    key_prefix: str = Field(default="ucm/", min_length=1, max_length=256)
-    replica_num: int = Field(default=1, ge=1, le=16)
-    zero_copy_unregistered: Optional[bool] = None  # None: True on tcp, False otherwise (stage through scratch)
-    staging_size: int = 64 << 20  # registered staging for unregistered buffers, split among `concurrency`
-    chunk_bytes: int = 256 << 20  # bytes per store call; a larger batch is pipelined, two calls in flight
-    concurrency: int = Field(default=4, ge=1, le=64)
-    wait_s: float = Field(default=30.0, gt=0)  # wait for a free scratch area before answering FAILED
-    retry_after_s: float = Field(default=1.0, ge=0)
-    probe_interval_s: float = Field(default=0.5, gt=0)
-    probe_timeout_s: float = Field(default=0.25, gt=0)
-    force_delete: bool = True
-
-    @field_validator("segment_size", "local_buffer_size", "chunk_bytes", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
-
-    @field_validator("staging_size", mode="before")
-    @classmethod
-    def _staging(cls, v: Any) -> int:
-        n = parse_size(v)
-        if n < (1 << 20):
-            raise ValueError(f"must be at least 1MiB, got {n}")
-        return n
-
-    @field_validator("master")
-    @classmethod
-    def _master(cls, v: str) -> str:
-        if not v or any(c.isspace() for c in v):
-            raise ValueError(f"must be host:port of mooncake_master, got {v!r}")
-        return v
-
-
-@dataclass(slots=True)
-class _Area:
-    """One concurrent call's share of the registered scratch memory."""
-
-    headers: memoryview
-    headers_addr: int
-    staging: memoryview
-    staging_addr: int
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
-
 
 class MooncakeAdapter(BudgetedAdapter):
     """Framed blocks in a Mooncake Store pool."""
@@ -193,21 +121,9 @@ class MooncakeAdapter(BudgetedAdapter):
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
                        "failed": 0, "unreadable_removed": 0, "staged_bytes": 0,
                        "setups": 0}
-        self._probe_addr = _host_port(config.master)
+        self._probe_addr = host_port(config.master)
         # Scratch: per area, header slots then staging; registered with each client.
-        per_area = (config.staging_size // config.concurrency) & ~63
-        self._staging_share = per_area
-        area_bytes = _SLOTS * _SLOT + per_area
-        self._scratch = mmap.mmap(-1, area_bytes * config.concurrency)
-        _native.prefault(self._scratch)
-        self._scratch_view = memoryview(self._scratch)
-        base = _address(self._scratch_view)
-        self._areas: queue.Queue[_Area] = queue.Queue()
-        for a in range(config.concurrency):
-            off = a * area_bytes
-            self._areas.put(_Area(self._scratch_view[off:off + _SLOTS * _SLOT], base + off,
-                                  self._scratch_view[off + _SLOTS * _SLOT:off + area_bytes],
-                                  base + off + _SLOTS * _SLOT))
+        self._scratch = ScratchAreas(config.staging_size, config.concurrency)
         self._movers = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="ucm-mooncake")
         # A failing setup retries 20 times by default (~90 s); a few are enough.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
@@ -252,7 +168,7 @@ class MooncakeAdapter(BudgetedAdapter):
                 log.warning("mooncake: setup against master %s failed (%s)", c.master, rc)
                 store.close()
                 return False
-            regions = [(_address(self._scratch_view), len(self._scratch_view))]
+            regions = [(self._scratch.address, len(self._scratch.view))]
             with self._lock:
                 regions += [(s, e - s) for s, e, _ in self._regions]
             for addr, n in regions:
@@ -294,7 +210,7 @@ class MooncakeAdapter(BudgetedAdapter):
         move without staging on every protocol. The caller keeps `buf` alive
         until `unregister_memory(buf)` or close()."""
         view = byte_view(buf, what="buffer")
-        start = _address(view)
+        start = address(view)
         with self._setup_lock:
             with self._lock:
                 if any(s < start + len(view) and start < e for s, e, _ in self._regions):
@@ -307,7 +223,7 @@ class MooncakeAdapter(BudgetedAdapter):
                 self._regions.append((start, start + len(view), view))
 
     def unregister_memory(self, buf: Any) -> None:
-        start = _address(byte_view(buf, what="buffer"))
+        start = address(byte_view(buf, what="buffer"))
         with self._setup_lock:
             with self._lock:
                 kept = [r for r in self._regions if r[0] != start]
@@ -325,46 +241,21 @@ class MooncakeAdapter(BudgetedAdapter):
         """Raises before any I/O if a buffer would need staging but cannot fit."""
         if self._direct_any:
             return
-        room = self._staging_share // 2
+        room = self._scratch.staging_share // 2
         with self._lock:
             for v in views:
-                if len(v) > room and not self._registered(_address(v), len(v)):
+                if len(v) > room and not self._registered(address(v), len(v)):
                     raise ArgumentError(
                         f"mooncake: a {len(v)}-byte buffer outside registered memory exceeds the staging room "
                         f"of {room} bytes (staging_size / concurrency / 2); raise staging_size or register_memory()")
 
-    def _chunks(self, area: _Area, views: Sequence[memoryview], idx: Sequence[int]) -> Iterator[list[tuple]]:
-        """Splits items into store calls of at most `chunk_bytes` (and half
-        the area's header slots and staging, so that two calls can be in
-        flight: chunk k uses half k % 2). Per item: (item, header slot,
-        payload address, or None if staged, staging offset)."""
-        room = len(area.staging) // 2 & ~63
-        slots = _SLOTS // 2
-        limit = self.config.chunk_bytes
-        chunk: list[tuple] = []
-        k = nbytes = staged = 0
-        for i in idx:
-            v = views[i]
-            addr = _address(v)
-            direct = self._direct_any or not len(v) or self._registered(addr, len(v))
-            if chunk and (len(chunk) == slots or nbytes + len(v) > limit or (not direct and staged + len(v) > room)):
-                yield chunk
-                chunk, k, nbytes, staged = [], k + 1, 0, 0
-            slot = (k % 2) * slots + len(chunk)
-            if direct:
-                chunk.append((i, slot, addr, 0))
-            else:
-                chunk.append((i, slot, None, (k % 2) * room + staged))
-                staged += (len(v) + 63) & ~63
-            nbytes += len(v)
-        if chunk:
-            yield chunk
+    def _chunks(self, area: Area, views: Sequence[memoryview], idx: Sequence[int]) -> Iterator[list[tuple]]:
+        """Store calls of the items `idx` (see `scratch.chunks`)."""
+        return chunks(area, views, idx, self.config.chunk_bytes,
+                      lambda v, addr: self._direct_any or self._registered(addr, len(v)))
 
-    def _take_area(self) -> Optional[_Area]:
-        try:
-            return self._areas.get(timeout=self.config.wait_s)
-        except queue.Empty:
-            return None
+    def _take_area(self) -> Optional[Area]:
+        return self._scratch.take(self.config.wait_s)
 
     def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
         if len(keys) != len(blobs):
@@ -412,7 +303,7 @@ class MooncakeAdapter(BudgetedAdapter):
         codes = self._remove(store, [names[i] for i in idx])
         with self._lock:
             for i, code in zip(idx, codes):
-                if code in (0, _OBJECT_NOT_FOUND):
+                if code in (0, OBJECT_NOT_FOUND):
                     self._unreadable.discard(keys[i])
                 else:
                     out[i] = Status.FAILED
@@ -431,12 +322,12 @@ class MooncakeAdapter(BudgetedAdapter):
                 ptrs, sizes = [], []
                 for i, slot, addr, off in chunk:
                     v = views[i]
-                    framing.pack_header_into(area.headers, slot * _SLOT, keys[i], len(v), _native.checksum(v))
+                    framing.pack_header_into(area.headers, slot * SLOT, keys[i], len(v), _native.checksum(v))
                     if addr is None:
                         _native.copy(area.staging[off:off + len(v)], v)
                         addr = area.staging_addr + off
                         staged += len(v)
-                    h = area.headers_addr + slot * _SLOT
+                    h = area.headers_addr + slot * SLOT
                     ptrs.append([h, addr] if len(v) else [h])
                     sizes.append([framing.HEADER_BYTES, len(v)] if len(v) else [framing.HEADER_BYTES])
                 if pending is not None:
@@ -451,7 +342,7 @@ class MooncakeAdapter(BudgetedAdapter):
         finally:
             if pending is not None:  # never hand back scratch memory a transfer may still use
                 futures_wait([pending[1]])
-            self._areas.put(area)
+            self._scratch.give(area)
             if staged:
                 with self._lock:
                     self._stats["staged_bytes"] += staged
@@ -461,17 +352,17 @@ class MooncakeAdapter(BudgetedAdapter):
         codes = fut.result()
         for (i, *_), code in zip(chunk, codes):
             out[i] = self._put_status(code)
-            if code == _OBJECT_ALREADY_EXISTS:
+            if code == OBJECT_ALREADY_EXISTS:
                 with self._lock:  # found unreadable by a concurrent get since: not a copy to rely on
                     if keys[i] in self._unreadable:
                         out[i] = Status.FAILED
 
     def _put_status(self, code: int) -> Status:
-        if code == 0 or code == _OBJECT_ALREADY_EXISTS:
+        if code == 0 or code == OBJECT_ALREADY_EXISTS:
             return Status.OK
-        if code in (_NO_AVAILABLE_HANDLE, _TENANT_QUOTA_EXCEEDED):
+        if code in (NO_AVAILABLE_HANDLE, TENANT_QUOTA_EXCEEDED):
             return Status.NO_SPACE
-        if code in _UNREACHABLE:
+        if code in UNREACHABLE:
             self._breaker.trip(code)
         else:
             log.warning("mooncake: put failed (%s)", code)
@@ -528,7 +419,7 @@ class MooncakeAdapter(BudgetedAdapter):
                 ptrs, sizes = [], []
                 for i, slot, addr, off in chunk:
                     n = len(views[i])
-                    h = area.headers_addr + slot * _SLOT
+                    h = area.headers_addr + slot * SLOT
                     target = area.staging_addr + off if addr is None else addr
                     ptrs.append([h, target] if n else [h])
                     sizes.append([framing.HEADER_BYTES, n] if n else [framing.HEADER_BYTES])
@@ -543,12 +434,12 @@ class MooncakeAdapter(BudgetedAdapter):
         finally:
             if pending is not None:
                 futures_wait([pending[1]])
-            self._areas.put(area)
+            self._scratch.give(area)
             if staged:
                 with self._lock:
                     self._stats["staged_bytes"] += staged
 
-    def _finish_get(self, store: Any, area: _Area, chunk: list[tuple], fut: Future, names: list[str],
+    def _finish_get(self, store: Any, area: Area, chunk: list[tuple], fut: Future, names: list[str],
                     keys: Sequence[Key], views: list[memoryview], out: list[Status], gone: set[int],
                     unreadable: list[int]) -> int:
         codes = fut.result()
@@ -557,33 +448,33 @@ class MooncakeAdapter(BudgetedAdapter):
             v = views[i]
             if code == framing.HEADER_BYTES + len(v):
                 payload = v if addr is not None else area.staging[off:off + len(v)]
-                header = area.headers[slot * _SLOT:slot * _SLOT + framing.HEADER_BYTES]
+                header = area.headers[slot * SLOT:slot * SLOT + framing.HEADER_BYTES]
                 out[i] = framing.verify(keys[i], header, payload)
                 if out[i] is Status.OK and addr is None:
                     _native.copy(v, payload)
                     staged += len(v)
             else:
                 out[i] = self._get_status(store, code, names[i], framing.HEADER_BYTES + len(v))
-                if code == _OBJECT_NOT_FOUND or (out[i] is Status.NOT_FOUND and code in _SIZE_CODES):
+                if code == OBJECT_NOT_FOUND or (out[i] is Status.NOT_FOUND and code in SIZE_CODES):
                     gone.add(i)
-                elif code == _TRANSFER_FAIL and out[i] is Status.FAILED:  # listed, right size, not read
+                elif code == TRANSFER_FAIL and out[i] is Status.FAILED:  # listed, right size, not read
                     unreadable.append(i)
         return staged
 
     def _get_status(self, store: Any, code: int, name: str, expected: int) -> Status:
         """The outcome of a get that did not return the object."""
-        if code in (_OBJECT_NOT_FOUND, _REPLICA_IS_NOT_READY, _LEASE_EXPIRED):
+        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, LEASE_EXPIRED):
             return Status.NOT_FOUND  # gone, still being written, or possibly overwritten under the reader
         if code >= 0:
             return Status.CORRUPT  # a short or long object
-        if code in _SIZE_CODES:  # the sizes disagree, or the transfer failed: ask which
+        if code in SIZE_CODES:  # the sizes disagree, or the transfer failed: ask which
             size = store.get_size(name)
-            if size == _OBJECT_NOT_FOUND:
+            if size == OBJECT_NOT_FOUND:
                 return Status.NOT_FOUND
             if size >= 0 and size != expected:
                 return Status.CORRUPT  # the stored object's size is not header + destination
             return Status.FAILED
-        if code in _UNREACHABLE:
+        if code in UNREACHABLE:
             self._breaker.trip(code)
         return Status.FAILED
 
@@ -612,7 +503,7 @@ class MooncakeAdapter(BudgetedAdapter):
         if not dead:
             return [False] * len(names)
         codes = self._remove(store, dead)
-        done = {n for n, c in zip(dead, codes) if c in (0, _OBJECT_NOT_FOUND)}
+        done = {n for n, c in zip(dead, codes) if c in (0, OBJECT_NOT_FOUND)}
         log.warning("mooncake: removed %d of %d objects held at dead endpoints %s", len(done), len(dead),
                     sorted(ep for ep, r in refused.items() if r))
         if len(done) < len(dead):
@@ -638,7 +529,7 @@ class MooncakeAdapter(BudgetedAdapter):
         """Whether a segment's transfer endpoint actively refuses a TCP
         connection (nothing listens there: its process is gone)."""
         if endpoint not in seen:
-            addr = _host_port(endpoint)
+            addr = host_port(endpoint)
             refused = False
             if addr is not None:
                 try:
@@ -659,7 +550,7 @@ class MooncakeAdapter(BudgetedAdapter):
             return [False] * len(keys)
         codes = store.batch_is_exist(names)
         self._budget.gone(k for k, code in zip(keys, codes) if code == 0)
-        if any(c in _UNREACHABLE or c == -1 for c in codes):
+        if any(c in UNREACHABLE or c == -1 for c in codes):
             self._breaker.trip(min(codes))
         return [c == 1 for c in codes]
 
@@ -678,7 +569,7 @@ class MooncakeAdapter(BudgetedAdapter):
         if store is None:
             return None
         n = store.get_size(name)
-        if n == _OBJECT_NOT_FOUND:
+        if n == OBJECT_NOT_FOUND:
             self._budget.gone([key])
         return n - framing.HEADER_BYTES if n >= framing.HEADER_BYTES else None
 
@@ -697,32 +588,13 @@ class MooncakeAdapter(BudgetedAdapter):
             self._closed = True
         self._stop.set()
         self._prober.join(timeout=self.config.probe_timeout_s + 5.0)
-        held = []
-        for _ in range(self.config.concurrency):  # wait for calls still moving data
-            try:
-                held.append(self._areas.get(timeout=self.config.wait_s))
-            except queue.Empty:
-                log.warning("mooncake: a call still holds scratch memory at close")
-                return  # keep the scratch mapped: a transfer may still use it
+        if not self._scratch.take_all(self.config.wait_s):  # wait for calls still moving data
+            log.warning("mooncake: a call still holds scratch memory at close")
+            return  # keep the scratch mapped: a transfer may still use it
         self._movers.shutdown(wait=True)
         with self._setup_lock:
             store, self._store = self._store, None
             if store is not None:
                 store.close()
         self._regions.clear()
-        for area in held:
-            area.headers.release()
-            area.staging.release()
-        try:
-            self._scratch_view.release()
-            self._scratch.close()
-        except BufferError:
-            pass  # a view is still referenced somewhere; the mapping goes with the process
-
-
-def _host_port(addr: str) -> Optional[tuple[str, int]]:
-    """(host, port) of a plain host:port address; None for other forms."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or "/" in addr:
-        return None
-    return host.strip("[]"), int(port)
+        self._scratch.unmap()

@@ -1,0 +1,11 @@
+"""`mooncake`: blocks in a Mooncake Store, the memory pool shared by a cluster.
+
+The adapter is `adapter.MooncakeAdapter` (its docstring describes the pool,
+values, space and faults); `codes` holds its config and the store's error
+codes, `scratch` its registered scratch memory and the chunking of batches
+into store calls. The entry point is `ucm.adapters.mooncake:MooncakeAdapter`.
+"""
+from ucm.adapters.mooncake.adapter import MooncakeAdapter
+from ucm.adapters.mooncake.codes import MooncakeConfig
+
+__all__ = ["MooncakeAdapter", "MooncakeConfig"]
