@@ -44,12 +44,15 @@ NO_SPACE at once instead of queueing work that will fail.
 Threads. Any method may be called from any thread. `put` copies into the
 open buffer on the caller's thread; a full buffer is written by the sealer
 thread (`ucm-nvme-sealer`); `get` reads on the caller's thread, through the
-native I/O threads. Lock order: `_lock`, then nothing: no I/O and no bulk
-copy runs under it. A writer that reclaims a region reads it back and copies
-its live blocks into the new buffer without the lock; meanwhile the
-region's blocks stay readable from the medium, other writers wait for the
-new buffer, and the result is reconciled under the lock (a block deleted or
-dropped meanwhile is left out).
+native I/O threads. Lock order: `_lock` (with `_cond`, its condition),
+then nothing: no I/O and no bulk copy runs under it. A writer that reclaims
+a region marks it `reclaiming` under the lock, then reads it back and copies
+its live blocks into the new buffer with no lock held; meanwhile readers of
+its blocks still read them from the medium (nothing rewrites the region
+before the new buffer is sealed) and verify them, readers of other regions
+and deletes go on, other writers wait for the new buffer, and the result is
+reconciled under the lock again (a block deleted or dropped meanwhile is
+left out; a reader that finds a block moved reads it where it is now).
 """
 from __future__ import annotations
 
@@ -127,10 +130,15 @@ class _Region:
     live_bytes: int = 0
     live: set = field(default_factory=set)  # keys whose current copy is here
     has_footer: bool = False  # a valid trailer may be on the medium
+    reclaiming: bool = False  # its live blocks are being read back (no lock held); not a victim again
 
 
 class NvmeAdapter(StorageAdapter):
-    """Blocks in a log of fixed-size regions, written with O_DIRECT."""
+    """Blocks in a log of fixed-size regions, written with O_DIRECT.
+
+    Lock order: `_lock` (and `_cond` on it), then nothing. Never held across
+    device I/O or bulk copies: puts copy, gets read, the sealer writes and a
+    reclaiming writer reads its victim region with it released."""
 
     name = "nvme"
     Config = NvmeConfig
@@ -412,6 +420,7 @@ class NvmeAdapter(StorageAdapter):
                     self._spare.append(buf)  # the region keeps its blocks on the medium
                     raise
                 finally:
+                    self._regions[region].reclaiming = False
                     self._opening = False
                     self._cond.notify_all()
             self._mem[region] = buf
@@ -422,10 +431,11 @@ class NvmeAdapter(StorageAdapter):
         blocks are still in it). Called with the lock held."""
         if self._free_regions:
             return self._free_regions.pop(), False
-        candidates = [r for r in range(self.n_regions) if r not in self._mem]
+        candidates = [r for r in range(self.n_regions) if r not in self._mem and not self._regions[r].reclaiming]
         if not candidates:
             return None
         victim = min(candidates, key=lambda r: (self._regions[r].live_bytes, self._regions[r].seq))
+        self._regions[victim].reclaiming = True  # cleared by _reclaim_into, back under the lock
         self._stats["regions_reclaimed"] += 1
         return victim, True
 
@@ -440,7 +450,7 @@ class NvmeAdapter(StorageAdapter):
         Back under the lock, a block deleted or dropped meanwhile is left
         out (its copy is a hole in the buffer)."""
         victim = buf.region
-        reg = self._regions[victim]
+        reg = self._regions[victim]  # marked reclaiming by _take_region
         live = sorted(((k, self._index[k]) for k in reg.live), key=lambda kl: kl[1].offset)
         if not live:
             reg.live_bytes = 0
@@ -449,7 +459,7 @@ class NvmeAdapter(StorageAdapter):
         end = max(loc.offset + _align_up(loc.length) for _, loc in live)
         placed: list[tuple[Key, _Loc, int]] = []  # (key, its location when read, offset in buf)
         refused: list[tuple[Key, _Loc, str]] = []  # (key, location, why: "room", "corrupt", "read_errors")
-        self._lock.release()
+        self._lock.release()  # the victim's read and copies run with no lock held
         try:
             scratch = mmap.mmap(-1, end)
             try:
