@@ -393,6 +393,9 @@ def test_request_ids_cross_the_socket_and_are_checked_on_both_sides(service):
             with pytest.raises(UcmError, match="refused .*request_id"):
                 c._call(op, args)
         assert c.stats()["service"]["leases"] == 0  # the service lives on
+        assert c.prefetch(keys, tier="dram").wait(30) == [Outcome.DONE] * 5
+        with pytest.raises(ArgumentError, match="landing tier 'dram', got tier='nvme'"):
+            c.prefetch(keys, tier="nvme")  # as UnifiedCache answers
 
 
 def test_a_lease_id_must_be_an_integer_not_a_bool(service):

@@ -433,6 +433,9 @@ class CacheClient:
 
     def prefetch(self, keys: Sequence[Key], tier: Optional[str] = None) -> Handle:
         keys = _keys(keys)
+        landing = self.service_info.get("landing_tier")  # as announced by the last service reached
+        if tier is not None and landing is not None and tier != landing:
+            raise ArgumentError(f"prefetch: blocks are staged into the landing tier {landing!r}, got tier={tier!r}")
 
         def run() -> list[Outcome]:
             res = self._try("prefetch", {"keys": keys}, None)

@@ -68,16 +68,17 @@ class ServiceHandlers:
     """The ops of `ucm serve` over one UnifiedCache (a `loop.Handler`).
 
     `cache` is the built cache; `arena` its shared landing adapter (a
-    SharedSlots); `epoch` and `arena_inode` the instance's identity, stamped
+    SharedSlots), the tier named `landing_tier`; `epoch` and `arena_inode` the instance's identity, stamped
     on every slot handed out; `index` the shared key index or None;
     `metrics` the Prometheus endpoint or None; `socket` the socket path
     (for stats)."""
 
-    def __init__(self, cache: Any, arena: Any, *, epoch: int, arena_inode: int, block_tokens: int,
-                 max_keys: int, prefetch_timeout_s: float, socket: str, index: Any = None,
+    def __init__(self, cache: Any, arena: Any, *, landing_tier: str, epoch: int, arena_inode: int,
+                 block_tokens: int, max_keys: int, prefetch_timeout_s: float, socket: str, index: Any = None,
                  metrics: Any = None) -> None:
         self.cache = cache
         self.arena = arena
+        self.landing_tier = landing_tier
         self.epoch = epoch
         self.arena_inode = arena_inode
         self.block_tokens = block_tokens
@@ -153,6 +154,7 @@ class ServiceHandlers:
                 "arena_path": self.arena.segment_path, "arena_bytes": self.arena.capacity_bytes,
                 "arena_inode": self.arena_inode,
                 "block_tokens": self.block_tokens, "tiers": self.cache.tier_names,
+                "landing_tier": self.landing_tier,
                 "index_path": self.index.path if self.index else None,
                 "index_bytes": self.index.nbytes if self.index else 0,
                 "shared_tiers": self.shared_tiers}

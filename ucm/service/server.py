@@ -106,7 +106,7 @@ class CacheService:
                 self.metrics = Metrics(self.cache, self.config.service.metrics_host,
                                        self.config.service.metrics_port)
             self.handlers = ServiceHandlers(
-                self.cache, arena, epoch=self.epoch, arena_inode=os.stat(arena.segment_path).st_ino,
+                self.cache, arena, landing_tier=self.config.landing_tier, epoch=self.epoch, arena_inode=os.stat(arena.segment_path).st_ino,
                 block_tokens=self.config.block_tokens, max_keys=self.config.service.max_keys,
                 prefetch_timeout_s=self.config.service.request_timeout_s, socket=self.path,
                 index=self.index, metrics=self.metrics)

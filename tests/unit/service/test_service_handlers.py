@@ -77,7 +77,7 @@ class StandInCache:
 
 
 def handlers(cache):
-    return ServiceHandlers(cache, FakeArena(), epoch=7, arena_inode=1, block_tokens=16, max_keys=64,
+    return ServiceHandlers(cache, FakeArena(), landing_tier="dram", epoch=7, arena_inode=1, block_tokens=16, max_keys=64,
                            prefetch_timeout_s=5, socket="/x.sock")
 
 
