@@ -79,6 +79,9 @@ class ServiceHandlers:
         self.cache = cache
         self.arena = arena
         self.landing_tier = landing_tier
+        # Read once: `hello` (on the loop thread) touches no adapter.
+        self.arena_path: str = arena.segment_path
+        self.arena_bytes: int = arena.capacity_bytes
         self.epoch = epoch
         self.arena_inode = arena_inode
         self.block_tokens = block_tokens
@@ -151,7 +154,7 @@ class ServiceHandlers:
             raise proto.ProtocolError(f"protocol version {args.get('version')!r} not supported; "
                                       f"this service speaks {proto.VERSION}")
         return {"version": proto.VERSION, "ucm": __version__, "pid": os.getpid(), "epoch": self.epoch,
-                "arena_path": self.arena.segment_path, "arena_bytes": self.arena.capacity_bytes,
+                "arena_path": self.arena_path, "arena_bytes": self.arena_bytes,
                 "arena_inode": self.arena_inode,
                 "block_tokens": self.block_tokens, "tiers": self.cache.tier_names,
                 "landing_tier": self.landing_tier,
@@ -178,7 +181,7 @@ class ServiceHandlers:
     @op("reserve", blocking=True)  # evictions and demotions: NVMe and cluster writes
     def _reserve(self, conn: ConnState, args: Any) -> dict:
         keys = self._keys(args, {"keys", "sizes", "parent", "request_id"})
-        sizes = proto.ints_arg(args, "sizes", len(keys), 1, self.arena.capacity_bytes)
+        sizes = proto.ints_arg(args, "sizes", len(keys), 1, self.arena_bytes)
         parent = proto.opt_key_arg(args, "parent")
         rid = proto.request_id_arg(args)
         out: list[Any] = []
