@@ -10,7 +10,7 @@ import tempfile
 
 from fuzzing import SEED, examples, mutate as mutate_bytes, rng
 from ucm import _native
-from ucm.adapters import nvme_format as fmt
+from ucm.adapters.nvme import format as fmt
 from ucm.adapters.base import Status
 from ucm.adapters.nvme import FILE_NAME, NvmeAdapter, NvmeConfig
 from ucm.cache import Outcome, UnifiedCache

@@ -7,7 +7,7 @@ start, and a footer at its end: one entry per block (key, parent key,
 offset, length, XXH3-64 checksum) followed by a trailer in the last bytes
 (magic and format version, region sequence number, entry count, footer
 size, checksum of the entries, region index and size, checksum of the
-trailer). The format and its decoding are in `ucm.adapters.nvme_format`.
+trailer). The format and its decoding are in `ucm.adapters.nvme.format`.
 There is no file per block and no directory scan.
 
 Writes. `put` appends blocks into an in-memory region buffer (readable at
@@ -63,15 +63,17 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from pydantic import Field, field_validator
 
 from ucm import _native
-from ucm.adapters import nvme_format as fmt
 from ucm.adapters.base import AdapterConfig, BlockEntry, Key, Status, StorageAdapter
-from ucm.adapters.nvme_format import ALIGN, FooterEntry, Refused, align_up as _align_up, footer_bytes as _footer_bytes
+from ucm.adapters.nvme import format as fmt
+from ucm.adapters.nvme.format import ALIGN, FooterEntry, Refused, align_up as _align_up, footer_bytes as _footer_bytes
+from ucm.adapters.nvme.reclaim import read_back
+from ucm.adapters.nvme.regions import Loc, Region, choose_victim
+from ucm.adapters.nvme.writer import WriteBuffer, write_region
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
 from ucm.sizes import parse_size
@@ -103,36 +105,6 @@ class NvmeConfig(AdapterConfig):
         return n
 
 
-@dataclass(slots=True)
-class _Loc:
-    region: int
-    offset: int
-    length: int
-    checksum: int
-    parent: Optional[Key] = None
-
-
-@dataclass(slots=True)
-class _Buffer:
-    mem: mmap.mmap
-    view: memoryview
-    region: int = -1
-    seq: int = 0
-    end: int = 0  # bytes of data appended
-    entries: list[FooterEntry] = field(default_factory=list)
-    readers: int = 0
-    sealing: bool = False
-
-
-@dataclass(slots=True)
-class _Region:
-    seq: int = 0
-    live_bytes: int = 0
-    live: set = field(default_factory=set)  # keys whose current copy is here
-    has_footer: bool = False  # a valid trailer may be on the medium
-    reclaiming: bool = False  # its live blocks are being read back (no lock held); not a victim again
-
-
 class NvmeAdapter(StorageAdapter):
     """Blocks in a log of fixed-size regions, written with O_DIRECT.
 
@@ -161,16 +133,16 @@ class NvmeAdapter(StorageAdapter):
         self.n_regions = n_regions
         self._capacity = int(n_regions * rs * config.usable_fraction)
         self._io = device if device is not None else _native.IoEngine(config.io_threads)
-        self._regions = [_Region() for _ in range(n_regions)]
-        self._index: dict[Key, _Loc] = {}
-        self._mem: dict[int, _Buffer] = {}  # region -> buffer holding it in memory
+        self._regions = [Region() for _ in range(n_regions)]
+        self._index: dict[Key, Loc] = {}
+        self._mem: dict[int, WriteBuffer] = {}  # region -> buffer holding it in memory
         self._free_regions: list[int] = []
-        self._spare: list[_Buffer] = []
+        self._spare: list[WriteBuffer] = []
         for _ in range(min(config.write_buffers, n_regions)):
             mem = mmap.mmap(-1, rs)
             _native.prefault(mem)  # appends then copy at memory speed, without page faults
-            self._spare.append(_Buffer(mem, memoryview(mem)))
-        self._open_buf: Optional[_Buffer] = None
+            self._spare.append(WriteBuffer(mem, memoryview(mem)))
+        self._open_buf: Optional[WriteBuffer] = None
         self._seq = 0
         self._dropped: list[Key] = []
         self._opening = False  # a writer is reading back a reclaimed region for a new buffer
@@ -179,7 +151,7 @@ class NvmeAdapter(StorageAdapter):
                        "reinserted": 0, "dropped": 0, "corrupt": 0, "write_errors": 0, "read_errors": 0,
                        "recovered_blocks": 0, "too_large": 0}
         self._recover()
-        self._seal_queue: list[_Buffer] = []
+        self._seal_queue: list[WriteBuffer] = []
         self._sealer = threading.Thread(target=self._seal_loop, name="ucm-nvme-sealer", daemon=True)
         self._sealer.start()
 
@@ -313,7 +285,7 @@ class NvmeAdapter(StorageAdapter):
                 if prev is None or prev[0] <= t.seq:
                     best[e.key] = (t.seq, r, e)
         for key, (_, r, e) in best.items():
-            self._index[key] = _Loc(r, e.offset, e.length, e.checksum, e.parent)
+            self._index[key] = Loc(r, e.offset, e.length, e.checksum, e.parent)
             reg = self._regions[r]
             reg.live.add(key)
             reg.live_bytes += _align_up(e.length)
@@ -373,8 +345,12 @@ class NvmeAdapter(StorageAdapter):
                 raise
             with self._lock:
                 buf.readers -= 1
+                if key in self._index:  # a concurrent put of the key landed first: this copy is a hole
+                    self._cond.notify_all()
+                    out.append(Status.OK)
+                    continue
                 buf.entries.append(FooterEntry(key, parent, off, n, csum))
-                self._index[key] = _Loc(buf.region, off, n, csum, parent)
+                self._index[key] = Loc(buf.region, off, n, csum, parent)
                 reg = self._regions[buf.region]
                 reg.live.add(key)
                 reg.live_bytes += _align_up(n)
@@ -382,10 +358,10 @@ class NvmeAdapter(StorageAdapter):
             out.append(Status.OK)
         return out
 
-    def _fits(self, buf: _Buffer, n: int) -> bool:
+    def _fits(self, buf: WriteBuffer, n: int) -> bool:
         return buf.end + _align_up(n) + _footer_bytes(len(buf.entries) + 1) <= self.config.region_size
 
-    def _writable_buffer(self, n: int) -> Optional[_Buffer]:
+    def _writable_buffer(self, n: int) -> Optional[WriteBuffer]:
         """The open buffer with room for `n` bytes, sealing and opening
         buffers as needed. Called with the lock held; may wait, and lets the
         lock go while it reads back a reclaimed region (one writer opens a
@@ -431,15 +407,14 @@ class NvmeAdapter(StorageAdapter):
         blocks are still in it). Called with the lock held."""
         if self._free_regions:
             return self._free_regions.pop(), False
-        candidates = [r for r in range(self.n_regions) if r not in self._mem and not self._regions[r].reclaiming]
-        if not candidates:
+        victim = choose_victim(self._regions, self._mem)
+        if victim is None:
             return None
-        victim = min(candidates, key=lambda r: (self._regions[r].live_bytes, self._regions[r].seq))
         self._regions[victim].reclaiming = True  # cleared by _reclaim_into, back under the lock
         self._stats["regions_reclaimed"] += 1
         return victim, True
 
-    def _reclaim_into(self, buf: _Buffer, reserve: int) -> None:
+    def _reclaim_into(self, buf: WriteBuffer, reserve: int) -> None:
         """Re-inserts the live blocks of `buf`'s (reclaimed) region at the
         head of the buffer, leaving room for a blob of `reserve` bytes so
         that the writer always progresses; those that do not fit, or come
@@ -455,30 +430,10 @@ class NvmeAdapter(StorageAdapter):
         if not live:
             reg.live_bytes = 0
             return
-        rs = self.config.region_size
-        end = max(loc.offset + _align_up(loc.length) for _, loc in live)
-        placed: list[tuple[Key, _Loc, int]] = []  # (key, its location when read, offset in buf)
-        refused: list[tuple[Key, _Loc, str]] = []  # (key, location, why: "room", "corrupt", "read_errors")
         self._lock.release()  # the victim's read and copies run with no lock held
         try:
-            scratch = mmap.mmap(-1, end)
-            try:
-                ok_read = self._read_ranges([(scratch, 0, end)], victim)[0] == end
-                at, n_entries = 0, 0
-                for key, loc in live:
-                    src = memoryview(scratch)[loc.offset:loc.offset + loc.length]
-                    good = ok_read and _native.checksum(src) == loc.checksum
-                    room = at + _align_up(loc.length) + _align_up(reserve) + _footer_bytes(n_entries + 2)
-                    if good and room <= rs:
-                        _native.copy(buf.view[at:at + loc.length], src)
-                        placed.append((key, loc, at))
-                        at += _align_up(loc.length)
-                        n_entries += 1
-                    else:
-                        refused.append((key, loc, "room" if good else "corrupt" if ok_read else "read_errors"))
-                    src.release()
-            finally:
-                scratch.close()
+            at, placed, refused = read_back(self._io, self._fd, buf, live, reserve, self.config.region_size,
+                                            self.config.io_chunk)
         finally:
             self._lock.acquire()
         reg.live, reg.live_bytes = set(), 0
@@ -487,7 +442,7 @@ class NvmeAdapter(StorageAdapter):
             if self._index.get(key) is not loc:  # deleted, or dropped by a reader, meanwhile
                 continue
             buf.entries.append(FooterEntry(key, loc.parent, off, loc.length, loc.checksum))
-            self._index[key] = _Loc(victim, off, loc.length, loc.checksum, loc.parent)
+            self._index[key] = Loc(victim, off, loc.length, loc.checksum, loc.parent)
             reg.live.add(key)
             reg.live_bytes += _align_up(loc.length)
             self._stats["reinserted"] += 1
@@ -500,28 +455,7 @@ class NvmeAdapter(StorageAdapter):
             if why != "room":
                 self._stats[why] += 1
 
-    def _read_ranges(self, bufs: list[tuple[Any, int, int]], region: int) -> list[int]:
-        """Reads (buffer, offset-in-region, length) ranges of one region."""
-        rs = self.config.region_size
-        chunk = self.config.io_chunk
-        views, offsets, owners = [], [], []
-        for i, (b, off, length) in enumerate(bufs):
-            mv = memoryview(b)
-            for c in range(0, length, chunk):
-                views.append(mv[c:min(length, c + chunk)])
-                offsets.append(region * rs + off + c)
-                owners.append(i)
-        results = self._io.read_batch(self._fd, views, offsets)
-        total = [0] * len(bufs)
-        for i, r, v in zip(owners, results, views):
-            if total[i] < 0:
-                continue
-            total[i] = r if r < 0 else total[i] + r
-        for v in views:
-            v.release()
-        return total
-
-    def _queue_seal(self, buf: _Buffer) -> None:
+    def _queue_seal(self, buf: WriteBuffer) -> None:
         buf.sealing = True
         self._seal_queue.append(buf)
         self._cond.notify_all()
@@ -554,7 +488,8 @@ class NvmeAdapter(StorageAdapter):
                 entries = list(buf.entries)
                 invalidate = self._regions[buf.region].has_footer
             try:
-                err = self._write_region(buf, entries, invalidate)
+                err = write_region(self._io, self._fd, buf, entries, invalidate, self.config.region_size,
+                                   self.config.io_chunk)
             except Exception:  # the sealer must live on: the region is a failed write
                 log.exception("nvme: sealing region %d failed", buf.region)
                 err = -errno.EIO
@@ -586,50 +521,14 @@ class NvmeAdapter(StorageAdapter):
                 self._spare.append(buf)
                 self._cond.notify_all()
 
-    def _write_region(self, buf: _Buffer, entries: list, invalidate: bool) -> int:
-        """Writes one region: invalidate the old trailer, data, then footer.
-        Returns 0 or -errno. Runs on the sealer thread without the lock."""
-        rs = self.config.region_size
-        base = buf.region * rs
-        fbytes = _footer_bytes(len(entries))
-        if invalidate:
-            zero = mmap.mmap(-1, ALIGN)
-            r = self._io.write_batch(self._fd, [zero], [base + rs - ALIGN])[0]
-            zero.close()
-            if r != ALIGN:
-                return r if r < 0 else -errno.EIO
-        if not stat.S_ISBLK(os.fstat(self._fd).st_mode):
-            try:
-                os.posix_fallocate(self._fd, base, rs)
-            except OSError as exc:
-                return -(exc.errno or errno.EIO)
-        chunk = self.config.io_chunk
-        views = [buf.view[c:min(buf.end, c + chunk)] for c in range(0, buf.end, chunk)]
-        results = self._io.write_batch(self._fd, views, [base + c for c in range(0, buf.end, chunk)])
-        for v, r in zip(views, results):
-            if r != len(v):
-                for w in views:
-                    w.release()
-                return r if r < 0 else -errno.ENOSPC
-        for v in views:
-            v.release()
-        # Footer: entries, then the trailer in the region's last bytes.
-        foot = buf.view[rs - fbytes:rs]
-        fmt.encode_footer_into(foot, entries, buf.seq, buf.region, rs)
-        r = self._io.write_batch(self._fd, [foot], [base + rs - fbytes])[0]
-        foot.release()
-        if r != fbytes:
-            return r if r < 0 else -errno.ENOSPC
-        return 0
-
     # ---- read path ---------------------------------------------------------
     def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
         if len(keys) != len(dsts):
             raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
         out: list[Optional[Status]] = [None] * len(keys)
         views = [byte_view(d, writable=True, what="destination") for d in dsts]
-        disk: list[tuple[int, _Loc]] = []
-        mem_reads: list[tuple[int, _Loc, _Buffer]] = []
+        disk: list[tuple[int, Loc]] = []
+        mem_reads: list[tuple[int, Loc, WriteBuffer]] = []
         with self._lock:
             self._check_open()
             for i, key in enumerate(keys):
@@ -656,7 +555,7 @@ class NvmeAdapter(StorageAdapter):
             self._read_disk(keys, views, disk, out)
         return [s if s is not None else Status.FAILED for s in out]
 
-    def _read_disk(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, _Loc]],
+    def _read_disk(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, Loc]],
                    out: list[Optional[Status]]) -> None:
         rs = self.config.region_size
         targets, offsets, scratch = [], [], {}
