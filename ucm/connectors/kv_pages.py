@@ -8,13 +8,19 @@ dimension. Its bytes may be one contiguous run (vLLM's CPU backend,
 (2, num_blocks, page_tokens, heads, head_size): K, then V, far apart). A
 page's payload is its chunks in memory order, copied verbatim: K and V are
 never re-interpreted.
+
+`PageCopier` is what moves those pages between the layer tensors and a
+cache's arena slots: `torch_pages.TorchPageCopier` (device tensors) and
+`vllm.cpu_pages.NativePageCopier` (CPU tensors, native memcpys) implement it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from ucm.errors import ConfigError
+
+SKIP = -1  # a page id in a block's page list that is not copied (the engine already holds that page)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +114,26 @@ def page_layout(name: str, shape: Sequence[int], strides: Sequence[int], itemsiz
         num_pages=shape[page_dim],
         chunks=tuple((o * itemsize, run * itemsize) for o in offsets),
     )
+
+
+class PageCopier(Protocol):
+    """Whole-page copies between an engine's layer tensors and arena slots.
+
+    A block's payload in its slot is, for each layer in order, its pages in
+    order, each page its chunks (`PageLayout.chunks`) back to back. May be
+    called from several threads at once."""
+
+    def copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], arena: Any,
+             ready: Optional[Any] = None, threads: int = 1) -> None:
+        """Copies `blocks` — (payload offset in `arena`, the block's page ids,
+        SKIP for pages left alone) — out of (`to_arena`) or into the layer
+        tensors, after `ready` (from `record_ready`) where the device orders
+        work. `threads`: CPU threads a host copy may use. Returns once the
+        bytes are in place (the slot may be committed or released then)."""
+
+    def record_ready(self) -> Optional[Any]:
+        """A mark after the work queued so far on the engine's stream, for a
+        later `copy` to wait on; None where copies need no ordering."""
+
+    def close(self) -> None:
+        """Lets go of every arena (call once no copy runs)."""

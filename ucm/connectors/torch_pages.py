@@ -32,11 +32,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ucm.connectors.kv_pages import PageLayout
+from ucm.connectors.kv_pages import SKIP, PageLayout
 
 log = logging.getLogger(__name__)
 
-SKIP = -1  # a page of a block that is not copied (vLLM already holds it)
 STAGING_BYTES = 64 << 20  # staging per batch of slots (at least one block)
 
 
@@ -65,8 +64,8 @@ class _PinnedArena:
 
 
 class TorchPageCopier:
-    """Copies whole pages between layer tensors on one device and arena slots;
-    see the module docstring."""
+    """Copies whole pages between layer tensors on one device and arena slots
+    (a `kv_pages.PageCopier`); see the module docstring."""
 
     def __init__(self, storages: Sequence[torch.Tensor], layouts: Sequence[PageLayout], pages_per_block: int,
                  staging_bytes: int = STAGING_BYTES) -> None:
@@ -136,10 +135,11 @@ class TorchPageCopier:
 
     # ---- copies --------------------------------------------------------------------
     def copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], arena: Any,
-             ready: Optional[Any] = None) -> None:
+             ready: Optional[Any] = None, threads: int = 1) -> None:
         """Copies `blocks` — (payload offset in the arena, the block's page ids,
         SKIP for pages left alone) — out of (`to_arena`) or into the layer
-        tensors. Returns once the bytes are in place."""
+        tensors. Returns once the bytes are in place. `threads` is unused
+        (torch copies run on the device or in torch's own threads)."""
         if not blocks:
             return
         host = self._acquire(arena)
