@@ -57,7 +57,8 @@ from typing import Any, Optional
 
 import torch
 
-from ucm.connectors.vllm import UCMConnector, UCMConnectorMetadata
+from ucm.connectors.vllm import UCMConnector
+from ucm.connectors.vllm.metadata import UCMConnectorMetadata
 from vllm_support import close_engine, driver_env  # noqa: E402
 
 BLOCK_TOKENS = 256
@@ -369,7 +370,7 @@ def chaos(variant: str, work: Path, kills: int, min_requests: int, seed: int, n_
     docs, stream = _stream(seed, n_docs)
     from vllm.config import ModelConfig
 
-    from ucm.connectors.vllm import model_identity
+    from ucm.connectors.vllm.namespace import model_identity
 
     # The keys UCMConnector gives these prompts' blocks (checked against the record).
     ns = Namespace(model=model_identity(ModelConfig(model=model, skip_tokenizer_init=True)), kv_dtype="bfloat16",

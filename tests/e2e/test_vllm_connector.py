@@ -75,7 +75,7 @@ def _model_id(model: str) -> str:
     (a fingerprint of its weights, not its path)."""
     from vllm.config import ModelConfig
 
-    from ucm.connectors.vllm import model_identity
+    from ucm.connectors.vllm.namespace import model_identity
 
     return model_identity(ModelConfig(model=model, skip_tokenizer_init=True))
 

@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("vllm")
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig  # noqa: E402
 
-import ucm.connectors.vllm as uv  # noqa: E402
+from ucm.connectors.vllm.namespace import build_namespace  # noqa: E402
+from ucm.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from ucm.keys import block_keys  # noqa: E402
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -39,7 +40,7 @@ def test_same_alias_other_weights_share_no_block_keys(tmp_path):
     b = _model_dir(tmp_path / "b" / "smol", payload=b"\x02" * 64)  # same size, other bytes
     mtime = (a / "model.safetensors").stat().st_mtime_ns
     os.utime(b / "model.safetensors", ns=(mtime, mtime))
-    na, nb = (uv.build_namespace(_vllm_config(d), 128) for d in (a, b))
+    na, nb = (build_namespace(_vllm_config(d), 128) for d in (a, b))
     assert na.model != nb.model
     tokens = list(range(256))
     assert not set(block_keys(na, tokens)) & set(block_keys(nb, tokens))
@@ -48,28 +49,28 @@ def test_same_alias_other_weights_share_no_block_keys(tmp_path):
 
 def test_other_config_under_the_same_path_differs_and_the_same_dir_is_stable(tmp_path):
     a = _model_dir(tmp_path / "m")
-    first = uv.build_namespace(_vllm_config(a), 128)
-    assert uv.build_namespace(_vllm_config(a, served="another-alias"), 128) == first
+    first = build_namespace(_vllm_config(a), 128)
+    assert build_namespace(_vllm_config(a, served="another-alias"), 128) == first
     (a / "config.json").write_text(json.dumps(dict(CONFIG, rope_theta=500000.0)))
-    assert uv.build_namespace(_vllm_config(a), 128).model != first.model
+    assert build_namespace(_vllm_config(a), 128).model != first.model
 
 
 def test_a_touched_weight_file_changes_the_namespace(tmp_path):
     a = _model_dir(tmp_path / "m")
-    first = uv.build_namespace(_vllm_config(a), 128)
+    first = build_namespace(_vllm_config(a), 128)
     w = a / "model.safetensors"
     st = w.stat()
     os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert uv.build_namespace(_vllm_config(a), 128).model != first.model
+    assert build_namespace(_vllm_config(a), 128).model != first.model
 
 
 def test_model_dtype_counts(tmp_path):
     a = _model_dir(tmp_path / "m")
-    bf16 = uv.build_namespace(_vllm_config(a), 128)
+    bf16 = build_namespace(_vllm_config(a), 128)
     cfg = _vllm_config(a)
     cfg.model_config = ModelConfig(model=str(a), served_model_name="smol", dtype="float16", skip_tokenizer_init=True)
     cfg.cache_config = CacheConfig(block_size=128, cache_dtype="bfloat16")  # same KV dtype, other compute
-    fp16 = uv.build_namespace(cfg, 128)
+    fp16 = build_namespace(cfg, 128)
     assert (fp16.kv_dtype, bf16.kv_dtype) == ("bfloat16", "bfloat16")
     assert fp16.model != bf16.model
 
@@ -77,15 +78,15 @@ def test_model_dtype_counts(tmp_path):
 def test_explicit_model_id_wins(tmp_path):
     a = _model_dir(tmp_path / "a")
     b = _model_dir(tmp_path / "b", payload=b"\x03" * 64)
-    na = uv.build_namespace(_vllm_config(a), 128, model_id="team/llama-ft-7")
-    nb = uv.build_namespace(_vllm_config(b), 128, model_id="team/llama-ft-7")
+    na = build_namespace(_vllm_config(a), 128, model_id="team/llama-ft-7")
+    nb = build_namespace(_vllm_config(b), 128, model_id="team/llama-ft-7")
     assert na == nb and na.model == "team/llama-ft-7"
-    s = uv.ConnectorSettings.from_extra({"ucm_model_id": "team/llama-ft-7"})
+    s = ConnectorSettings.from_extra({"ucm_model_id": "team/llama-ft-7"})
     assert s.model_id == "team/llama-ft-7"
 
 
 def test_namespace_shape_comes_from_vllms_model_config(tmp_path):
-    ns = uv.build_namespace(_vllm_config(_model_dir(tmp_path / "m")), 256)
+    ns = build_namespace(_vllm_config(_model_dir(tmp_path / "m")), 256)
     assert (ns.num_layers, ns.num_kv_heads, ns.head_size, ns.block_tokens, ns.kv_dtype) == (2, 2, 16, 256,
                                                                                            "bfloat16")
     assert ns.model.startswith("weights:")

@@ -1,112 +1,50 @@
-"""The scheduler half of UCMConnector, built by its own constructor over
-vLLM's real config, request, block and scheduler-output types, with a
-scripted cache in place of the service (`_open_cache`, the seam the
-connector opens its cache through): token -> block -> page arithmetic,
-one-token-short hits, sync/async choice, planned saves, preemption,
-invalid blocks, and the bound on what waiting requests pin.
+"""The scheduler half of UCMConnector (UCMSchedulerSide), built directly over
+a FakeCache and driven with vLLM's real Request, KVCacheBlocks,
+SchedulerOutput and KVConnectorOutput objects: token -> block -> page
+arithmetic, one-token-short hits, sync/async choice, planned saves, request
+events, pins, the bound on what waiting requests pin, preemption, invalid
+blocks, and cache faults answered as misses.
 
-Geometry: vLLM pages of 16 tokens, ucm blocks of 32 tokens (2 pages), two
-layers of 2 KV heads x head size 16 in bf16: 2 KiB per layer and page, so
-a block is 2 x 2 x 2 KiB = 8 KiB."""
-import json
+Geometry: vLLM's CPU pages of 128 tokens, ucm blocks of 256 tokens (2
+pages) unless a test says otherwise."""
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
-import torch  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-import ucm.connectors.vllm as uv  # noqa: E402
+from connector_fakes import FakeCache  # noqa: E402
+from ucm.api import CacheAPI  # noqa: E402
+from ucm.connectors.kv_pages import SKIP  # noqa: E402
+from ucm.connectors.vllm.scheduler import UCMSchedulerSide  # noqa: E402
+from ucm.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from ucm.errors import ConfigError  # noqa: E402
+from ucm.keys import Namespace, block_keys  # noqa: E402
 
-PAGE, BLOCK = 16, 32
-BLOCK_BYTES = 2 * 2 * 2048
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
-          "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5}
+PAGE, BLOCK = 128, 256
 
 
-class ScriptedCache:
-    """What the scheduler asks the cache, over a dict key -> tier; pins are
-    counted per key and may never go below zero."""
-
-    def __init__(self):
-        self.tiers, self.pins, self.finished = {}, Counter(), []
-
-    def lookup(self, keys):
-        n = 0
-        while n < len(keys) and keys[n] in self.tiers:
-            n += 1
-        return n
-
-    def locate(self, keys):
-        return [self.tiers.get(k) for k in keys]
-
-    def pin(self, keys):
-        self.pins.update(k for k in keys if k in self.tiers)
-
-    def unpin(self, keys):
-        for k in keys:
-            assert self.pins[k] > 0, "unpinned a block that was not pinned"
-            self.pins[k] -= 1
-        self.pins += Counter()
-
-    def finish(self, keys, output_tokens):
-        self.finished.append((len(keys), output_tokens))
-
-    def pinned(self):
-        return sum(self.pins.values())
+def _namespace(block_tokens=BLOCK):
+    return Namespace(model="test-model", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=16,
+                     block_tokens=block_tokens, layout=f"vllm-cpu-page{PAGE}")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return d
+def _side(cap_blocks=16, block_tokens=BLOCK, **settings):
+    cache = FakeCache()
+    side = UCMSchedulerSide(cache, _namespace(block_tokens), page_tokens=PAGE, landing_tier="dram",
+                            max_waiting_pin_blocks=cap_blocks, settings=ConnectorSettings(**settings))
+    return side, cache
 
 
-@pytest.fixture(scope="module")
-def model_config(model_dir):
-    return ModelConfig(model=str(model_dir), skip_tokenizer_init=True)
-
-
-@pytest.fixture
-def make(model_config, monkeypatch):
-    caches = []
-
-    def build(**extra):
-        cache = ScriptedCache()
-        caches.append(cache)
-        monkeypatch.setattr(uv, "_open_cache", lambda config: cache)
-        ucm_config = {"block_tokens": BLOCK, "tiers": [{"adapter": "dram", "capacity": 64 * BLOCK_BYTES}]}
-        ktc = KVTransferConfig(kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm",
-                               kv_role="kv_both", kv_load_failure_policy="recompute",
-                               kv_connector_extra_config={"ucm_config": ucm_config, **extra})
-        vllm_config = SimpleNamespace(model_config=model_config, parallel_config=ParallelConfig(),
-                                      cache_config=CacheConfig(block_size=PAGE), kv_transfer_config=ktc)
-        spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
-        kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn",
-                                                               "model.layers.1.self_attn.attn"], spec)])
-        conn = uv.UCMConnector(vllm_config, KVConnectorRole.SCHEDULER, kcc)
-        return conn, cache
-
-    return build
-
-
-def _request(req_id, tokens):
-    return Request(req_id, list(tokens), SamplingParams(max_tokens=8), None)
+def _request(req_id, tokens, **kw):
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=8), None, **kw)
 
 
 def _blocks(page_ids):
@@ -134,197 +72,448 @@ def _output(new=(), cached=(), preempted=None):
         finished_req_ids=set(), free_encoder_mm_hashes=[], preempted_req_ids=preempted)
 
 
-def _cache_prompt(conn, cache, tokens, tiers):
-    keys = conn._state(_request("probe", tokens)).keys
-    conn._reqs.pop("probe")
+def _cache(cache, tokens, tiers, block_tokens=BLOCK):
+    """Puts the leading full blocks of `tokens` into `cache`, one per tier
+    given; returns every full block's key."""
+    keys = block_keys(_namespace(block_tokens), tokens)
     for k, t in zip(keys, tiers):
         cache.tiers[k] = t
     return keys
 
 
-def test_hit_is_whole_blocks_beyond_the_local_hit_and_one_token_short_of_the_prompt(make):
-    conn, cache = make()
-    tokens = list(range(100))  # 3 full blocks (96 tokens) and a tail
-    keys = _cache_prompt(conn, cache, tokens, ["dram"] * 3)
-    req = _request("r1", tokens)
-    assert conn.get_num_new_matched_tokens(req, 0) == (96, False)
-    assert conn.get_num_new_matched_tokens(req, 32) == (64, False)  # memoised, same answer for vLLM's hit
-    assert conn.get_num_new_matched_tokens(req, 96) == (0, False)
-    assert cache.pins == Counter(keys)  # pinned once, not per call
-    full = _request("r2", tokens[:96])
-    assert conn.get_num_new_matched_tokens(full, 0) == (95, False)  # vLLM must compute the last token
+def test_the_fake_is_a_cache_api():
+    assert isinstance(FakeCache(), CacheAPI)
 
 
-def test_load_job_maps_tokens_to_blocks_and_pages_skipping_what_vllm_has(make):
-    conn, cache = make()
-    tokens = list(range(100))
-    keys = _cache_prompt(conn, cache, tokens, ["dram"] * 3)
+def test_keys_are_the_prompts_full_blocks_under_the_namespace():
+    side, _ = _side()
+    tokens = list(range(700))  # 2 full blocks of 256 and a partial one of 188 tokens
+    assert side.request_keys(_request("r", tokens)) == block_keys(_namespace(), tokens[:512])
+    assert len(side.request_keys(_request("r", tokens))) == 2
+    salted = side.request_keys(_request("r", tokens, cache_salt="tenant-a"))
+    assert len(salted) == 2 and not set(salted) & set(block_keys(_namespace(), tokens))
+
+
+@pytest.mark.parametrize("block_tokens", [128, 256, 512])
+def test_hit_is_whole_blocks_beyond_vllms_own_hit(block_tokens):
+    side, cache = _side(block_tokens=block_tokens)
+    tokens = list(range(1100))  # 1024 tokens in full blocks of every size, and a tail
+    nblocks = 1024 // block_tokens
+    _cache(cache, tokens, ["dram"] * nblocks, block_tokens)
     req = _request("r1", tokens)
-    assert conn.get_num_new_matched_tokens(req, 16) == (80, False)  # vLLM holds the first page itself
+    assert side.get_num_new_matched_tokens(req, 0) == (1024, False)
+    assert side.get_num_new_matched_tokens(req, 128) == (1024 - 128, False)  # vLLM holds one page itself
+    assert side.get_num_new_matched_tokens(req, 1024) == (0, False)  # nothing beyond vLLM's hit
+
+
+def test_the_partial_last_block_is_never_a_hit():
+    side, cache = _side()
+    tokens = list(range(600))  # blocks [0, 256), [256, 512); 88 tokens left over
+    _cache(cache, tokens, ["dram", "dram"])
+    assert side.get_num_new_matched_tokens(_request("r1", tokens), 0) == (512, False)
+
+
+def test_a_full_hit_is_reported_one_token_short_of_the_prompt():
+    side, cache = _side()
+    tokens = list(range(512))  # exactly two blocks, both cached
+    _cache(cache, tokens, ["dram", "dram"])
+    assert side.get_num_new_matched_tokens(_request("r1", tokens), 0) == (511, False)
+    # ...which still loads both blocks: the last page holds the token vLLM recomputes.
+    side.update_state_after_alloc(_request("r1", tokens), _blocks([3, 4, 5, 6]), 511)
+    [job] = side.build_connector_meta(_output()).loads
+    assert job.page_ids == [[3, 4], [5, 6]]
+
+
+def test_a_hit_stops_at_the_first_missing_block():
+    side, cache = _side()
+    tokens = list(range(1024))
+    keys = _cache(cache, tokens, ["dram"] * 4)
+    del cache.tiers[keys[2]]
+    assert side.get_num_new_matched_tokens(_request("r1", tokens), 0) == (512, False)
+    assert cache.pins == Counter(keys[:2])
+
+
+def test_the_answer_is_memoised_and_pinned_once():
+    side, cache = _side()
+    tokens = list(range(800))
+    keys = _cache(cache, tokens, ["dram"] * 3)
+    req = _request("r1", tokens)
+    for _ in range(3):
+        assert side.get_num_new_matched_tokens(req, 0) == (768, False)
+    cache.tiers.clear()  # vLLM asks again: the memoised, pinned answer stands
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
+    assert cache.pins == Counter(keys)
+
+
+def test_load_job_maps_tokens_to_blocks_and_pages_skipping_what_vllm_has():
+    side, cache = _side()
+    tokens = list(range(800))
+    keys = _cache(cache, tokens, ["dram"] * 3)
+    req = _request("r1", tokens)
+    assert side.get_num_new_matched_tokens(req, 128) == (640, False)  # vLLM holds the first page itself
     pages = [11, 12, 13, 14, 15, 16, 17]
-    conn.update_state_after_alloc(req, _blocks(pages), 80)
-    meta = conn.build_connector_meta(_output(new=[("r1", pages, 96, 4)]))
+    side.update_state_after_alloc(req, _blocks(pages), 640)
+    meta = side.build_connector_meta(_output(new=[("r1", pages, 768, 32)]))
     [job] = meta.loads
     assert (job.req_id, job.keys, job.is_async) == ("r1", keys, False)
-    assert job.page_ids == [[uv.SKIP, 12], [13, 14], [15, 16]]
+    assert job.page_ids == [[SKIP, 12], [13, 14], [15, 16]]
     assert meta.stores == []  # the loaded blocks are cached already: nothing to save
-    assert conn.build_connector_meta(_output()).loads == []  # shipped once
+    assert side.build_connector_meta(_output()).loads == []  # shipped once
 
 
-def test_a_block_below_dram_makes_the_load_async(make):
-    conn, cache = make()
-    tokens = list(range(70))
-    _cache_prompt(conn, cache, tokens, ["dram", "nvme"])
+def test_a_page_aligned_local_hit_inside_a_block_loads_only_the_rest_of_it():
+    side, cache = _side()
+    tokens = list(range(1100))
+    keys = _cache(cache, tokens, ["dram"] * 4)
     req = _request("r1", tokens)
-    assert conn.get_num_new_matched_tokens(req, 0) == (64, True)
-    conn.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 64)
-    [job] = conn.build_connector_meta(_output()).loads
+    assert side.get_num_new_matched_tokens(req, 384) == (640, False)  # vLLM has 3 pages: 1.5 blocks
+    side.update_state_after_alloc(req, _blocks(list(range(20, 29))), 640)
+    [job] = side.build_connector_meta(_output()).loads
+    assert job.keys == keys[1:4]
+    assert job.page_ids == [[SKIP, 23], [24, 25], [26, 27]]
+
+
+def test_no_external_tokens_plans_no_load():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram", "dram"])
+    req = _request("r1", tokens)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 0)  # vLLM chose not to load
+    assert side.build_connector_meta(_output()).loads == []
+
+
+def test_a_block_below_dram_makes_the_load_async_and_reports_a_disk_hit():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram", "nvme"])
+    req = _request("r1", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, True)
+    assert side.get_external_cache_hit_sources(req, 512) == {CacheHitSource.DISK: 512}
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 512)
+    [job] = side.build_connector_meta(_output()).loads
     assert job.is_async and job.page_ids == [[1, 2], [3, 4]]
 
 
-def test_saves_are_planned_as_blocks_fill_with_their_pages_and_parent(make):
-    conn, cache = make()
-    tokens = list(range(110))
+def test_a_dram_hit_is_synchronous_and_a_host_hit():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram", "dram"])
     req = _request("r1", tokens)
-    keys = conn._state(req).keys
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert side.get_external_cache_hit_sources(req, 512) == {CacheHitSource.HOST: 512}
+    assert side.get_external_cache_hit_sources(req, 0) == {}
+
+
+@pytest.mark.parametrize("mode,want", [("sync", (512, False)), ("async", (512, True))])
+def test_a_forced_load_mode_wins_over_the_tier(mode, want):
+    side, cache = _side(load_mode=mode)
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram", "nvme"])
+    assert side.get_num_new_matched_tokens(_request("r1", tokens), 0) == want
+
+
+def test_saves_are_planned_as_blocks_fill_with_their_pages_and_parent():
+    side, cache = _side()
+    tokens = list(range(880))  # 3 full blocks and 112 tokens that are never saved
+    req = _request("r1", tokens)
+    keys = side.request_keys(req)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     pages = [21, 22, 23, 24, 25]
-    conn.update_state_after_alloc(req, _blocks(pages), 0)
-    meta = conn.build_connector_meta(_output(new=[("r1", pages, 0, 70)]))  # chunked prefill: 70 tokens
+    side.update_state_after_alloc(req, _blocks(pages), 0)
+    meta = side.build_connector_meta(_output(new=[("r1", pages, 0, 560)]))  # chunked prefill: 560 tokens
     [s1] = meta.stores
     assert (s1.keys, s1.page_ids, s1.parent) == (keys[:2], [[21, 22], [23, 24]], None)
-    meta = conn.build_connector_meta(_output(cached=[("r1", [26, 27], 70, 40, False)]))
+    meta = side.build_connector_meta(_output(cached=[("r1", [26, 27], 560, 320, False)]))
     [s2] = meta.stores
     assert (s2.keys, s2.page_ids, s2.parent) == (keys[2:3], [[25, 26]], keys[1])
-    assert conn.build_connector_meta(_output(cached=[("r1", None, 110, 1, False)])).stores == []
-    assert conn.request_finished(req, pages + [26, 27]) == (True, None)  # pages held for the saves
-    assert cache.finished == [(3, 0)]
+    # Decode: the tail block fills with output tokens; prompt blocks only are saved.
+    assert side.build_connector_meta(_output(cached=[("r1", [28], 880, 200, False)])).stores == []
+    assert side.request_finished(req, pages + [26, 27, 28]) == (True, None)  # pages held for the saves
 
 
-def test_a_block_being_saved_is_a_hit_async_in_auto_mode_and_no_hit_in_sync_mode(make):
-    for mode, want in (("auto", (64, True)), ("sync", (0, False))):
-        conn, cache = make(ucm_load_mode=mode)
-        tokens = list(range(70))
-        first = _request("r1", tokens)
-        conn.get_num_new_matched_tokens(first, 0)
-        conn.update_state_after_alloc(first, _blocks([1, 2, 3, 4, 5]), 0)
-        assert len(conn.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5], 0, 70)])).stores) == 1
-        # The next turn arrives while that save is in flight.
-        assert conn.get_num_new_matched_tokens(_request("r2", tokens), 0) == want, mode
-
-
-def test_sync_mode_stops_the_hit_at_the_first_block_still_being_saved(make):
-    conn, cache = make(ucm_load_mode="sync")
-    tokens = list(range(100))
-    keys = _cache_prompt(conn, cache, tokens, ["dram"])  # block 0 cached; 1 and 2 are being saved
-    conn._saving.update(keys[1:])
-    assert conn.get_num_new_matched_tokens(_request("r1", tokens), 0) == (32, False)
-
-
-def test_preemption_unpins_and_the_resumed_request_looks_up_again_with_its_new_pages(make):
-    conn, cache = make()
-    tokens = list(range(100))
-    keys = _cache_prompt(conn, cache, tokens, ["dram"] * 3)
+def test_a_request_with_no_save_gives_its_pages_back_at_once():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram", "dram"])
     req = _request("r1", tokens)
-    conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 96)
-    conn.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5, 6, 7], 96, 4)]))
-    meta = conn.build_connector_meta(_output(preempted={"r1"}))
-    assert meta.preempted == {"r1"} and cache.pinned() == 0
-    assert conn.get_num_new_matched_tokens(req, 0) == (96, False)  # a fresh lookup, pinned again
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 512)
+    assert side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5], 512, 88)])).stores == []
+    assert side.request_finished(req, [1, 2, 3, 4, 5]) == (False, None)
+
+
+def test_a_request_is_begun_once_and_finished_with_its_id_and_output_length():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram", "dram"])
+    req = _request("r1", tokens)
+    for computed in (0, 0, 256):
+        side.get_num_new_matched_tokens(req, computed)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 512)
+    side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5], 512, 88)]))
+    side.build_connector_meta(_output(preempted={"r1"}))
+    side.get_num_new_matched_tokens(req, 0)  # resumed: looked up again, not begun again
+    req.append_output_token_ids([7, 8, 9])
+    side.request_finished(req, [])
+    assert cache.events == [("begin", "r1", 2), ("finish", "r1", 2, 3)]
+
+
+def test_a_prompt_shorter_than_a_block_touches_nothing():
+    side, cache = _side()
+    req = _request("r1", range(200))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, _blocks([1, 2]), 0)
+    assert side.build_connector_meta(_output(new=[("r1", [1, 2], 0, 200)])).stores == []
+    assert side.request_finished(req, [1, 2]) == (False, None)
+    assert cache.events == [] and cache.pinned() == 0
+
+
+def test_prompt_embeddings_are_neither_looked_up_nor_saved():
+    import torch
+
+    side, cache = _side()
+    req = Request("r1", None, SamplingParams(max_tokens=8), None, prompt_embeds=torch.zeros(600, 8))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 0)
+    assert side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5], 0, 600)])).stores == []
+    assert cache.events == []
+
+
+def test_pins_are_released_when_the_request_finishes():
+    side, cache = _side()
+    tokens = list(range(800))
+    keys = _cache(cache, tokens, ["dram"] * 3)
+    req = _request("r1", tokens)
+    side.get_num_new_matched_tokens(req, 0)
     assert cache.pins == Counter(keys)
-    conn.update_state_after_alloc(req, _blocks([8, 9, 10, 11, 12, 13, 14]), 96)
-    [job] = conn.build_connector_meta(_output(cached=[("r1", [8, 9, 10, 11, 12, 13, 14], 96, 4, True)])).loads
-    assert job.page_ids == [[8, 9], [10, 11], [12, 13]]
-    conn.request_finished(req, [])
+    side.update_state_after_alloc(req, _blocks(list(range(7))), 768)
+    side.request_finished(req, list(range(7)))
     assert cache.pinned() == 0
 
 
-def test_invalid_blocks_reset_the_request_and_two_lost_loads_stop_ucm_for_it(make):
-    conn, cache = make()
-    tokens = list(range(100))
-    _cache_prompt(conn, cache, tokens, ["dram"] * 3)
+def test_a_block_that_vanishes_while_pinning_is_not_promised():
+    side, cache = _side()
+    tokens = list(range(800))
+    keys = _cache(cache, tokens, ["dram"] * 3)
+    pin = cache.pin
+
+    def pin_and_lose_the_last(ks):  # evicted between the lookup and the pin
+        cache.tiers.pop(keys[2], None)
+        pin(ks)
+
+    cache.pin = pin_and_lose_the_last
+    assert side.get_num_new_matched_tokens(_request("r1", tokens), 0) == (512, False)
+    assert cache.pins == Counter(keys[:2])
+
+
+def test_a_block_being_saved_is_a_hit_async_in_auto_mode_and_no_hit_in_sync_mode():
+    for mode, want in (("auto", (512, True)), ("sync", (0, False))):
+        side, cache = _side(load_mode=mode)
+        tokens = list(range(600))
+        first = _request("r1", tokens)
+        side.get_num_new_matched_tokens(first, 0)
+        side.update_state_after_alloc(first, _blocks([1, 2, 3, 4, 5]), 0)
+        assert len(side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5], 0, 600)])).stores) == 1
+        # The next turn arrives while that save is in flight.
+        assert side.get_num_new_matched_tokens(_request("r2", tokens), 0) == want, mode
+        # Once the worker reports the save, a newcomer asks the cache itself.
+        side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+        assert side.get_num_new_matched_tokens(_request("r3", tokens), 0) == (0, False), mode
+
+
+def test_sync_mode_stops_the_hit_at_the_first_block_still_being_saved():
+    side, cache = _side(load_mode="sync")
+    tokens = list(range(800))
+    _cache(cache, tokens, ["dram"])  # block 0 was saved (and reported) before
+    first = _request("r1", tokens)
+    assert side.get_num_new_matched_tokens(first, 0) == (256, False)
+    side.update_state_after_alloc(first, _blocks(list(range(7))), 256)
+    [s] = side.build_connector_meta(_output(new=[("r1", list(range(7)), 256, 544)])).stores
+    assert s.keys == side.request_keys(first)[1:]  # blocks 1 and 2: in flight now
+    assert side.get_num_new_matched_tokens(_request("r2", tokens), 0) == (256, False)
+
+
+def test_preemption_unpins_and_the_resumed_request_looks_up_again_with_its_new_pages():
+    side, cache = _side()
+    tokens = list(range(800))
+    keys = _cache(cache, tokens, ["dram"] * 3)
+    req = _request("r1", tokens)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
+    side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5, 6, 7], 768, 32)]))
+    meta = side.build_connector_meta(_output(preempted={"r1"}))
+    assert meta.preempted == {"r1"} and cache.pinned() == 0
+    del cache.tiers[keys[2]]  # the fresh lookup sees the cache as it is now
+    assert side.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert cache.pins == Counter(keys[:2])
+    side.update_state_after_alloc(req, _blocks([8, 9, 10, 11, 12, 13, 14]), 512)
+    [job] = side.build_connector_meta(_output(cached=[("r1", [8, 9, 10, 11, 12, 13, 14], 512, 288, True)])).loads
+    assert job.page_ids == [[8, 9], [10, 11]]
+    side.request_finished(req, [])
+    assert cache.pinned() == 0
+
+
+def test_blocks_whose_save_a_preemption_dropped_are_planned_again_on_resume():
+    side, cache = _side()
+    tokens = list(range(800))
+    req = _request("r1", tokens)
+    keys = side.request_keys(req)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 0)
+    [s] = side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5, 6, 7], 0, 800)])).stores
+    assert s.keys == keys
+    cache.tiers[keys[0]] = "dram"  # the worker saved block 0; the preemption dropped blocks 1 and 2
+    side.build_connector_meta(_output(preempted={"r1"}))
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    assert side.get_num_new_matched_tokens(req, 0) == (256, False)
+    side.update_state_after_alloc(req, _blocks([8, 9, 10, 11, 12, 13, 14]), 256)
+    meta = side.build_connector_meta(_output(cached=[("r1", [8, 9, 10, 11, 12, 13, 14], 256, 544, True)]))
+    [s] = meta.stores
+    assert (s.keys, s.page_ids, s.parent) == (keys[1:], [[10, 11], [12, 13]], keys[0])
+
+
+def test_invalid_blocks_reset_the_request_and_two_lost_loads_stop_ucm_for_it():
+    side, cache = _side()
+    tokens = list(range(800))
+    _cache(cache, tokens, ["dram"] * 3)
     req = _request("r1", tokens)
     pages = [1, 2, 3, 4, 5, 6, 7]
     for _ in range(2):
-        assert conn.get_num_new_matched_tokens(req, 0) == (96, False)
-        conn.update_state_after_alloc(req, _blocks(pages), 96)
-        conn.build_connector_meta(_output(new=[("r1", pages, 96, 4)]))
-        conn.update_connector_output(KVConnectorOutput(invalid_block_ids={4}))  # block 1's second page
-        st = conn._reqs["r1"]
-        assert (st.next_store, st.looked_up) == (1, False) and cache.pinned() == 0
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # computed without ucm's help
-    meta = conn.build_connector_meta(_output(cached=[("r1", None, 0, 100, False)]))
-    assert [s.page_ids for s in meta.stores] == [[[3, 4], [5, 6]]]  # the recomputed blocks are saved again
+        assert side.get_num_new_matched_tokens(req, 0) == (768, False)
+        assert cache.pinned() == 3
+        side.update_state_after_alloc(req, _blocks(pages), 768)
+        side.build_connector_meta(_output(new=[("r1", pages, 768, 32)]))
+        side.update_connector_output(KVConnectorOutput(invalid_block_ids={4}))  # block 1's second page
+        assert cache.pinned() == 0
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # computed without ucm's help
+    meta = side.build_connector_meta(_output(cached=[("r1", None, 0, 800, False)]))
+    assert [s.page_ids for s in meta.stores] == [[[3, 4], [5, 6]]]  # blocks 1 and 2, recomputed, saved again
 
 
-def test_waiting_requests_pin_at_most_the_cap_and_beyond_it_count_as_misses(make):
-    conn, cache = make(ucm_max_waiting_pin_bytes=3 * BLOCK_BYTES)
-    a_tokens, b_tokens = list(range(70)), list(range(500, 600))
-    _cache_prompt(conn, cache, a_tokens, ["dram"] * 2)
-    _cache_prompt(conn, cache, b_tokens, ["dram"] * 3)
+def test_an_invalid_block_of_another_request_leaves_this_one_alone():
+    side, cache = _side()
+    tokens = list(range(800))
+    keys = _cache(cache, tokens, ["dram"] * 3)
+    req = _request("r1", tokens)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
+    side.update_connector_output(KVConnectorOutput(invalid_block_ids={40}))
+    assert cache.pins == Counter(keys)
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
+
+
+def test_waiting_requests_pin_at_most_the_cap_and_beyond_it_count_as_misses():
+    side, cache = _side(cap_blocks=3)
+    a_tokens, b_tokens = list(range(600)), list(range(5000, 5800))
+    _cache(cache, a_tokens, ["dram"] * 2)
+    _cache(cache, b_tokens, ["dram"] * 3)
     a, b = _request("a", a_tokens), _request("b", b_tokens)
-    assert conn.get_num_new_matched_tokens(a, 0) == (64, False)  # vLLM has no pages for a: it waits
-    assert conn.get_num_new_matched_tokens(b, 0) == (32, False)  # one block of room left
+    assert side.get_num_new_matched_tokens(a, 0) == (512, False)  # vLLM has no pages for a: it waits
+    assert side.get_num_new_matched_tokens(b, 0) == (256, False)  # one block of room left
     assert cache.pinned() == 3
-    assert conn.get_num_new_matched_tokens(b, 0) == (32, False)  # still no room: no churn
+    assert side.get_num_new_matched_tokens(b, 0) == (256, False)  # still no room: no churn
     assert cache.pinned() == 3
-    conn.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5]), 64)  # a runs: its pins leave the budget
-    assert conn.get_num_new_matched_tokens(b, 0) == (96, False)  # b looks up again, now with room
+    side.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5]), 512)  # a runs: its pins leave the budget
+    assert side.get_num_new_matched_tokens(b, 0) == (768, False)  # b looks up again, now with room
     assert cache.pinned() == 5
-    conn.request_finished(a, [])
-    conn.request_finished(b, [])
-    assert cache.pinned() == 0 and conn._waiting_pinned == 0
+    side.request_finished(a, [])
+    side.request_finished(b, [])
+    assert cache.pinned() == 0 and side.waiting_pinned_blocks == 0
 
 
-def test_the_only_waiting_request_pins_its_whole_hit_past_the_cap(make):
+def test_the_only_waiting_request_pins_its_whole_hit_past_the_cap():
     """The cap bounds a queue of waiting requests, not one long prompt: with
     no other pins waiting, a hit larger than the cap is served whole."""
-    conn, cache = make(ucm_max_waiting_pin_bytes=1 * BLOCK_BYTES)
-    a_tokens, b_tokens = list(range(100)), list(range(500, 600))
-    _cache_prompt(conn, cache, a_tokens, ["dram"] * 3)
-    _cache_prompt(conn, cache, b_tokens, ["dram"] * 3)
-    assert conn.get_num_new_matched_tokens(_request("a", a_tokens), 0) == (96, False)
+    side, cache = _side(cap_blocks=1)
+    a_tokens, b_tokens = list(range(800)), list(range(5000, 5800))
+    _cache(cache, a_tokens, ["dram"] * 3)
+    _cache(cache, b_tokens, ["dram"] * 3)
+    assert side.get_num_new_matched_tokens(_request("a", a_tokens), 0) == (768, False)
     assert cache.pinned() == 3
-    assert conn.get_num_new_matched_tokens(_request("b", b_tokens), 0) == (0, False)  # a waits with 3
+    assert side.get_num_new_matched_tokens(_request("b", b_tokens), 0) == (0, False)  # a waits with 3
     assert cache.pinned() == 3
 
 
-def test_a_finished_waiting_request_gives_its_pin_budget_back(make):
-    conn, cache = make(ucm_max_waiting_pin_bytes=2 * BLOCK_BYTES)
-    tokens = list(range(70))
-    _cache_prompt(conn, cache, tokens, ["dram"] * 2)
-    assert conn.get_num_new_matched_tokens(_request("a", tokens), 0) == (64, False)
-    assert conn.get_num_new_matched_tokens(_request("b", tokens), 0) == (0, False)  # no room
-    assert conn.request_finished(_request("a", tokens), []) == (False, None)  # aborted while waiting
-    assert conn.get_num_new_matched_tokens(_request("b", tokens), 0) == (64, False)
+def test_a_finished_waiting_request_gives_its_pin_budget_back():
+    side, cache = _side(cap_blocks=2)
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram"] * 2)
+    assert side.get_num_new_matched_tokens(_request("a", tokens), 0) == (512, False)
+    assert side.get_num_new_matched_tokens(_request("b", tokens), 0) == (0, False)  # no room
+    assert side.request_finished(_request("a", tokens), []) == (False, None)  # aborted while waiting
+    assert side.get_num_new_matched_tokens(_request("b", tokens), 0) == (512, False)
 
 
-def test_default_pin_cap_is_a_quarter_of_the_landing_tier(make):
-    conn, _ = make()
-    assert conn._max_waiting_pinned == 64 // 4
+def test_a_preempted_request_returns_to_the_waiting_budget():
+    side, cache = _side(cap_blocks=2)
+    a_tokens, b_tokens = list(range(600)), list(range(5000, 5600))
+    _cache(cache, a_tokens, ["dram"] * 2)
+    _cache(cache, b_tokens, ["dram"] * 2)
+    a, b = _request("a", a_tokens), _request("b", b_tokens)
+    side.get_num_new_matched_tokens(a, 0)
+    side.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5]), 512)
+    assert side.waiting_pinned_blocks == 0
+    side.build_connector_meta(_output(preempted={"a"}))
+    assert side.get_num_new_matched_tokens(a, 0) == (512, False)  # a waits again, pinning 2
+    assert side.waiting_pinned_blocks == 2
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False)  # the budget is a's
+
+
+@pytest.mark.parametrize("broken", ["lookup", "pin", "locate"])
+def test_a_cache_fault_while_looking_up_is_a_miss_never_an_exception(broken):
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram"] * 2)
+    cache.broken.add(broken)
+    got = side.get_num_new_matched_tokens(_request("r1", tokens), 0)
+    if broken == "locate":  # the hit stands; where it lies is unknown, so it loads in the background
+        assert got == (512, True)
+    else:
+        assert got == (0, False) and cache.pinned() == 0
+
+
+def test_faulty_request_events_do_not_stop_the_request():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram"] * 2)
+    cache.broken |= {"begin_request", "finish", "unpin"}
+    req = _request("r1", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, False)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 512)
+    assert side.request_finished(req, [1, 2, 3, 4, 5]) == (False, None)
+    assert side.waiting_pinned_blocks == 0
+
+
+def test_shutdown_releases_the_pins_of_requests_still_in_flight():
+    side, cache = _side()
+    tokens = list(range(600))
+    _cache(cache, tokens, ["dram"] * 2)
+    side.get_num_new_matched_tokens(_request("r1", tokens), 0)
+    assert cache.pinned() == 2
+    side.shutdown()
+    assert cache.pinned() == 0
+
+
+def test_a_block_that_is_not_whole_pages_is_refused():
+    with pytest.raises(ConfigError, match=r"block_tokens: 200 is not a multiple of .* 128"):
+        UCMSchedulerSide(FakeCache(), _namespace(200), page_tokens=PAGE, landing_tier="dram",
+                         max_waiting_pin_blocks=4)
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "1GiB"])
 def test_bad_pin_cap_is_refused_naming_the_key(value):
     with pytest.raises(ConfigError, match=r"ucm_max_waiting_pin_bytes.*" + str(value).replace(".", r"\.")):
-        uv.ConnectorSettings.from_extra({"ucm_max_waiting_pin_bytes": value})
+        ConnectorSettings.from_extra({"ucm_max_waiting_pin_bytes": value})
 
 
-def test_blocks_whose_save_a_preemption_dropped_are_planned_again_on_resume(make):
-    conn, cache = make()
-    tokens = list(range(100))
-    req = _request("r1", tokens)
-    keys = conn._state(req).keys
-    conn.get_num_new_matched_tokens(req, 0)
-    conn.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 0)
-    [s] = conn.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5, 6, 7], 0, 100)])).stores
-    assert s.keys == keys
-    cache.tiers[keys[0]] = "dram"  # the worker saved block 0; the preemption dropped blocks 1 and 2
-    conn.build_connector_meta(_output(preempted={"r1"}))
-    conn.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
-    assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
-    conn.update_state_after_alloc(req, _blocks([8, 9, 10, 11, 12, 13, 14]), 32)
-    meta = conn.build_connector_meta(_output(cached=[("r1", [8, 9, 10, 11, 12, 13, 14], 32, 68, True)]))
-    [s] = meta.stores
-    assert (s.keys, s.page_ids, s.parent) == (keys[1:], [[10, 11], [12, 13]], keys[0])
+@pytest.mark.parametrize("extra,match", [({"ucm_load_mode": "eager"}, r"ucm_load_mode: 'eager' not one of"),
+                                         ({"ucm_load_timeout_s": 0}, r"ucm_load_timeout_s must be > 0"),
+                                         ({"ucm_bogus": 1}, r"unknown key 'ucm_bogus'")])
+def test_bad_settings_are_refused_naming_the_key(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        ConnectorSettings.from_extra(extra)
+
+
+def test_keys_of_other_connectors_are_ignored():
+    assert ConnectorSettings.from_extra({"lmcache_chunk": 5, "ucm_load_mode": "sync"}).load_mode == "sync"

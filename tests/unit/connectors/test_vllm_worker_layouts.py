@@ -7,46 +7,22 @@ into other pages reproduces them exactly; SKIP pages are left alone.
 Both copy paths run here: the native one (CPU tensors) and TorchPageCopier
 (the path for CUDA tensors) forced onto CPU tensors. The CUDA specifics of
 the latter (pinned arena, streams, events) have not been run on a GPU."""
-import threading
-from types import SimpleNamespace
+import time
 
 import pytest
 
 pytest.importorskip("vllm")
 import torch  # noqa: E402
 
-import ucm.connectors.vllm as uv  # noqa: E402
-from ucm.cache import Outcome  # noqa: E402
+from connector_fakes import JOIN_S, FakeCache  # noqa: E402
+from ucm.connectors.kv_pages import SKIP  # noqa: E402
 from ucm.connectors.torch_pages import TorchPageCopier  # noqa: E402
+from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata  # noqa: E402
+from ucm.connectors.vllm.worker import UCMWorkerSide, default_copier  # noqa: E402
+from ucm.errors import ConfigError  # noqa: E402
 
 B, L, PPB = 10, 3, 2  # KV blocks, layers, pages per ucm block
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-
-
-class MemoryCache:
-    """The slot API of CacheClient over a bytearray arena."""
-
-    def __init__(self):
-        self.arena = bytearray(1 << 22)
-        self.slots, self.lost, self.next = {}, set(), 4096
-
-    def write_slots(self, keys, sizes, fill, parent=None):
-        slots = []
-        for k, n in zip(keys, sizes):
-            slots.append((self.next, n))
-            self.slots[k] = (self.next, n)
-            self.next += n + 4096
-        fill(0, slots, self.arena)
-        return [Outcome.DONE] * len(keys)
-
-    def read_slots(self, keys, sizes, fill):
-        slots = [self.slots.get(k) if k not in self.lost else None for k in keys]
-        fill(0, slots, self.arena)
-        return [Outcome.DONE if s else Outcome.MISSING for s in slots]
-
-    def blob(self, k):
-        off, n = self.slots[k]
-        return bytes(self.arena[off:off + n])
 
 
 def _bytes(t):
@@ -73,57 +49,70 @@ def _kv(layout):
     raise AssertionError(layout)
 
 
-def _connector(kv, path):
-    conn = object.__new__(uv.UCMConnector)  # worker state only; no vLLM engine
-    conn.settings = uv.ConnectorSettings()
-    conn.pages_per_block = PPB
-    conn._kv_cache_config = SimpleNamespace(num_blocks=B, kv_cache_tensors=[])
-    conn._cache = MemoryCache()
-    conn._init_worker()
-    conn.register_kv_caches({n: kv[n][0] for n in reversed(NAMES)})  # registration order is not layer order
-    if path == "torch":
-        storages = [torch.empty(0, dtype=torch.uint8).set_(kv[n][0].untyped_storage()) for n in NAMES]
-        # A small staging buffer: blocks go through it one at a time.
-        conn._copier = TorchPageCopier(storages, conn._layouts, PPB, staging_bytes=1)
-    return conn
+def _small_staging(storages, layouts, ppb):
+    return TorchPageCopier(storages, layouts, ppb, staging_bytes=1)  # blocks go through staging one at a time
+
+
+COPIERS = {"native": default_copier, "torch": _small_staging}
+
+
+def _worker(kv, path):
+    cache = FakeCache()
+    w = UCMWorkerSide(cache, pages_per_block=PPB, num_kv_blocks=B, copier_factory=COPIERS[path])
+    w.register_kv_caches({n: kv[n][0] for n in reversed(NAMES)})  # registration order is not layer order
+    return w, cache
+
+
+def _save(w, req_id, keys, pages, parent=None):
+    """Submits one save as vLLM's wait_for_save would and waits until
+    get_finished reports the request."""
+    w.wait_for_save(UCMConnectorMetadata(stores=[StoreJob(req_id, keys, pages, parent)]))
+    deadline = time.monotonic() + JOIN_S
+    done = w.get_finished({req_id})[0] or set()
+    while req_id not in done:
+        assert time.monotonic() < deadline, "the save was never reported"
+        time.sleep(0.005)
+        done = w.get_finished(set())[0] or set()
+
+
+def _load(w, req_id, keys, pages):
+    """One synchronous load, as start_load_kv runs it before the forward."""
+    w.start_load_kv(UCMConnectorMetadata(loads=[LoadJob(req_id, keys, pages, False)]))
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("layout", ["cpu", "flash_attn", "flashinfer", "block_outermost", "heads_outermost"])
 def test_save_then_load_into_other_pages_reproduces_them(layout, path):
     kv = _kv(layout)
-    conn = _connector(kv, path)
+    w, cache = _worker(kv, path)
     before = {n: kv[n][0].clone() for n in NAMES}
     a, b, c = b"A" * 16, b"B" * 16, b"C" * 16
-    conn._pending_saves["r1"] = 1
-    conn._saving_reqs.add("r1")
-    conn._save(uv.StoreJob("r1", [a, b, c], [[1, 2], [3, 4], [5, 6]], None))
-    assert conn.get_finished({"r1"}) == ({"r1"}, None)
+    _save(w, "r1", [a, b, c], [[1, 2], [3, 4], [5, 6]])
     for key, pages in ((a, (1, 2)), (b, (3, 4))):
         t_page = [(kv[n][0], kv[n][2]) for n in NAMES]
-        assert conn._cache.blob(key) == b"".join(page(t, p) for t, page in t_page for p in pages)
+        assert cache.blob(key) == b"".join(page(t, p) for t, page in t_page for p in pages)
 
-    conn._cache.lost.add(c)
-    conn._load(uv.LoadJob("r2", [a, b, c], [[uv.SKIP, 7], [8, 9], [0, 1]], False))
+    cache.lost.add(c)
+    _load(w, "r2", [a, b, c], [[SKIP, 7], [8, 9], [0, 1]])
     for n in NAMES:
         t, dim, _ = kv[n]
         for dst, src in ((7, 2), (8, 3), (9, 4)):
             assert torch.equal(t.select(dim, dst), before[n].select(dim, src)), (n, dst)
         for q in (0, 1, 2, 3, 4, 5, 6):  # SKIP, lost block, untouched pages
             assert torch.equal(t.select(dim, q), before[n].select(dim, q)), (n, q)
-    assert conn.get_block_ids_with_load_errors() == {0, 1}
-    conn.shutdown()
+    assert w.get_block_ids_with_load_errors() == {0, 1}
+    assert w.get_block_ids_with_load_errors() == set()  # reported once
+    w.shutdown()
 
 
 def test_both_copy_paths_write_the_same_payload():
     kv = _kv("flash_attn")
     blobs = []
     for path in ("native", "torch"):
-        conn = _connector(kv, path)
-        conn._pending_saves["r"] = 1
-        conn._save(uv.StoreJob("r", [b"A" * 16, b"B" * 16], [[4, 1], [9, 3]], None))
-        blobs.append([conn._cache.blob(k) for k in (b"A" * 16, b"B" * 16)])
-        conn.shutdown()
+        w, cache = _worker(kv, path)
+        _save(w, "r", [b"A" * 16, b"B" * 16], [[4, 1], [9, 3]])
+        blobs.append([cache.blob(k) for k in (b"A" * 16, b"B" * 16)])
+        w.shutdown()
     assert blobs[0] == blobs[1]
 
 
@@ -131,8 +120,11 @@ def test_torch_copier_lets_go_of_an_arena_replaced_by_a_new_one():
     """After a service restart the client maps a new arena: the copier takes
     it and releases the old one (on CUDA: unregisters it) once unused."""
     kv = _kv("cpu")
-    conn = _connector(kv, "torch")
-    copier = conn._copier
+    made = []
+    w = UCMWorkerSide(FakeCache(), pages_per_block=PPB, num_kv_blocks=B,
+                      copier_factory=lambda *a: made.append(TorchPageCopier(*a)) or made[-1])
+    w.register_kv_caches({n: kv[n][0] for n in NAMES})
+    [copier] = made
     old, new = bytearray(1 << 20), bytearray(1 << 20)
     blocks = [(0, [1, 2])]
     copier.copy(True, blocks, old)
@@ -140,72 +132,66 @@ def test_torch_copier_lets_go_of_an_arena_replaced_by_a_new_one():
         old.extend(b"x")  # still exported: the copier holds it as the current arena
     copier.copy(True, blocks, new)
     old.extend(b"x")  # released
-    assert bytes(new[:conn._block_bytes]) == bytes(old[:conn._block_bytes])
-    conn.shutdown()
+    assert bytes(new[:w.block_bytes]) == bytes(old[:w.block_bytes])
+    w.shutdown()
     new.extend(b"x")  # shutdown releases the current one too
 
 
 def test_refuses_a_layout_without_contiguous_page_chunks():
     kv = {n: torch.zeros(B, 2, 16, 128)[..., ::2] for n in NAMES}
-    conn = object.__new__(uv.UCMConnector)
-    conn.settings = uv.ConnectorSettings()
-    conn.pages_per_block = PPB
-    conn._kv_cache_config = SimpleNamespace(num_blocks=B, kv_cache_tensors=[])
-    conn._cache = MemoryCache()
-    conn._init_worker()
-    with pytest.raises(uv.ConfigError,
+    w = UCMWorkerSide(FakeCache(), pages_per_block=PPB, num_kv_blocks=B)
+    with pytest.raises(ConfigError,
                        match=r"model.layers.0.self_attn.attn.*\(10, 2, 16, 64\).*\(4096, 2048, 128, 2\)"):
-        conn.register_kv_caches(kv)
-    conn.shutdown()
+        w.register_kv_caches(kv)
+    w.shutdown()
 
 
-def test_worker_copies_whole_pages_layer_major_and_loads_wait_for_saves():
-    """The worker side alone, on fake KV tensors and an in-memory cache: a
-    block's payload is each layer's pages in order, byte for byte; a load
-    leaves SKIP pages alone and reports the pages of blocks that did not
-    arrive."""
-    conn = object.__new__(uv.UCMConnector)  # worker state only; no vLLM engine
-    conn.settings = uv.ConnectorSettings()
-    conn.pages_per_block = 2
-    conn._cache = MemoryCache()
-    conn._init_worker()
-    names = [f"model.layers.{i}.self_attn.attn" for i in (2, 0, 1)]  # registration order is not layer order
+def test_a_block_payload_is_each_layers_pages_in_order_on_the_cpu_backends_layout():
+    """vLLM's CPU backend: [num_blocks, heads, 128-token page, K|V] bf16
+    per layer, registered out of layer order; without a KVCacheConfig the
+    first dimension indexes pages."""
+    cache = FakeCache()
+    w = UCMWorkerSide(cache, pages_per_block=2)
+    names = [f"model.layers.{i}.self_attn.attn" for i in (2, 0, 1)]
     kv = {n: torch.randn(10, 3, 128, 128).to(torch.bfloat16) for n in names}
     before = {n: t.clone() for n, t in kv.items()}
-    conn.register_kv_caches(kv)
+    w.register_kv_caches(kv)
+    assert w.block_bytes == 3 * 2 * (3 * 128 * 128 * 2)
     a, b = b"A" * 16, b"B" * 16
-    conn._pending_saves["r1"] = 1
-    conn._saving_reqs.add("r1")
-    conn._save(uv.StoreJob("r1", [a, b], [[1, 2], [3, 4]], None))
+    _save(w, "r1", [a, b], [[1, 2], [3, 4]])
     layer = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     expect = b"".join(before[n][p].contiguous().view(torch.uint8).numpy().tobytes() for n in layer for p in (1, 2))
-    assert conn._cache.blob(a) == expect
-    assert conn.get_finished({"r1"}) == ({"r1"}, None)
+    assert cache.blob(a) == expect
 
-    conn._cache.lost.add(b)
-    conn._load(uv.LoadJob("r2", [a, b], [[uv.SKIP, 6], [7, 8]], False))
+    cache.lost.add(b)
+    _load(w, "r2", [a, b], [[SKIP, 6], [7, 8]])
     for n in names:
         assert torch.equal(kv[n][6], before[n][2])  # second page of block A
         assert torch.equal(kv[n][5], before[n][5])  # SKIP: untouched
-    assert conn.get_block_ids_with_load_errors() == {7, 8}
-    assert conn.get_block_ids_with_load_errors() == set()
+    assert w.get_block_ids_with_load_errors() == {7, 8}
+    w.shutdown()
 
-    # A load planned while the same blocks are still being saved (the next
-    # turn of a chat right after the last) waits for that save.
-    gate = threading.Event()
-    write_slots = conn._cache.write_slots
 
-    def slow_write(keys, sizes, fill, parent=None):
-        gate.wait(10)
-        return write_slots(keys, sizes, fill, parent)
+def test_loads_and_saves_carry_their_request_id():
+    kv = _kv("cpu")
+    w, cache = _worker(kv, "native")
+    _save(w, "req-7", [b"A" * 16], [[1, 2]])
+    _load(w, "req-8", [b"A" * 16], [[3, 4]])
+    w.shutdown()
+    assert cache.slot_calls == [("write", "req-7"), ("read", "req-8")]
 
-    conn._cache.write_slots = slow_write
-    c = b"C" * 16
-    conn._connector_metadata = uv.UCMConnectorMetadata(stores=[uv.StoreJob("r3", [c], [[3, 4]], None)])
-    conn.wait_for_save()
-    threading.Timer(0.3, gate.set).start()
-    conn._load(uv.LoadJob("r4", [c], [[8, 9]], True))
-    for n in names:  # the block was there: the load waited for its save
-        assert torch.equal(kv[n][8], before[n][3]) and torch.equal(kv[n][9], before[n][4])
-    assert conn.get_block_ids_with_load_errors() == set()
-    conn.shutdown()
+
+@pytest.mark.parametrize("broken", ["read_slots", "write_slots"])
+def test_a_cache_that_raises_loses_blocks_and_never_raises_into_vllm(broken):
+    kv = _kv("cpu")
+    w, cache = _worker(kv, "native")
+    before = {n: kv[n][0].clone() for n in NAMES}
+    cache.broken.add(broken)
+    _save(w, "r1", [b"A" * 16], [[1, 2]])  # still reported in finished_sending
+    _load(w, "r2", [b"A" * 16], [[3, 4]])
+    w.shutdown()
+    assert w.get_block_ids_with_load_errors() == {3, 4}
+    assert w.counters["stored_blocks"] == (1 if broken == "read_slots" else 0)
+    assert w.counters["loaded_blocks"] == 0
+    for n in NAMES:
+        assert torch.equal(kv[n][0], before[n])

@@ -1,0 +1,46 @@
+"""The per-step plan the scheduler side builds and vLLM ships to every
+worker (pickled across the process boundary): which blocks to load into
+which pages, which pages to save as which blocks, and which requests were
+preempted. Plain values; nothing here runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ucm.api import Key
+from ucm.connectors.kv_pages import SKIP
+
+__all__ = ["SKIP", "LoadJob", "StoreJob", "UCMConnectorMetadata"]
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Copy `keys` into the request's pages. `page_ids[i]` lists the vLLM
+    pages of block i in order; SKIP marks pages vLLM already computed.
+    `is_async`: run in the background and report the request through
+    get_finished (what get_num_new_matched_tokens told vLLM)."""
+
+    req_id: str
+    keys: list[Key]
+    page_ids: list[list[int]]
+    is_async: bool
+
+
+@dataclass(slots=True)
+class StoreJob:
+    """Save the pages of consecutive full blocks `keys` (parent of keys[0]
+    is `parent`)."""
+
+    req_id: str
+    keys: list[Key]
+    page_ids: list[list[int]]
+    parent: Optional[Key]
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)

@@ -1,0 +1,397 @@
+"""UCMSchedulerSide: the scheduler half of UCMConnector, in vLLM's
+engine-core process, on the scheduler's thread.
+
+Per request it keys the prompt's full blocks (`ucm.keys.block_keys` under
+the engine's namespace, salted by `cache_salt` and the LoRA adapter), asks
+the cache how long a prefix it holds, pins that prefix so the hit it
+reports stays deliverable, and plans per step which blocks the workers load
+and save (`metadata.UCMConnectorMetadata`). It makes short control calls to
+the cache only (lookup, locate, pin, unpin, begin_request, finish), never
+payload copies; any exception from the cache is logged and answered as a
+miss, never raised into vLLM.
+
+The state machine of one request (`_ReqState`):
+- first `get_num_new_matched_tokens`: keys, `cache.begin_request` (the
+  access the placement policy counts, once), lookup and pins; the answer is
+  memoised (vLLM asks repeatedly and expects no side effects). A request
+  still waiting for vLLM's pages pins at most what is left of the
+  waiting-pin cap (the only waiting request pins its whole hit); a capped
+  request looks up again when there is room.
+- `update_state_after_alloc`: it runs; its pins leave the waiting budget;
+  the load of the blocks beyond vLLM's own hit is planned.
+- `build_connector_meta`: saves of the blocks its computed tokens filled;
+  a preemption releases its pins and resets it (a fresh lookup on resume,
+  the blocks whose saves were dropped are planned again).
+- `update_connector_output`: pages that failed to load reset the request
+  (recomputed blocks are saved again; after two lost loads ucm stays out of
+  it); finished saves stop counting as pending hits.
+- `request_finished`: pins released, `cache.finish` with the output length
+  and the request id; the pages are kept while its saves run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ucm.api import CacheAPI, Key
+from ucm.connectors.kv_pages import SKIP
+from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
+from ucm.connectors.vllm.namespace import build_namespace
+from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
+from ucm.errors import ConfigError
+from ucm.keys import Namespace, block_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from ucm.config import UcmConfig
+
+log = logging.getLogger(__name__)
+
+PENDING = "pending"  # hit tier of a block whose save is still in flight
+MAX_LOAD_FAILURES = 2  # lost loads after which a request is computed without ucm
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _ReqState:
+    keys: list[Key]  # keys of the prompt's full blocks
+    hit_blocks: int = 0  # leading blocks the cache held at lookup (and blocks being saved after them)
+    hit_tiers: list[Optional[str]] = field(default_factory=list)
+    looked_up: bool = False
+    pinned: list[Key] = field(default_factory=list)
+    allocated: bool = False  # vLLM gave it pages (update_state_after_alloc); else it waits
+    capped: bool = False  # its hit was cut at the waiting-pin cap: look up again when there is room
+    local_tokens: int = 0  # vLLM's own (page-aligned) hit at the last lookup
+    load_async: bool = False  # what the last lookup answered vLLM: both sides must agree
+    page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
+    next_store: int = 0  # first block neither cached nor planned for saving
+    stores_issued: bool = False
+    load_failures: int = 0  # loads of this request that lost blocks
+
+
+class UCMSchedulerSide:
+    """The scheduler's request state machine; see the module docstring.
+    Not thread-safe: vLLM calls it from its scheduler thread only."""
+
+    def __init__(self, cache: CacheAPI, namespace: Namespace, *, page_tokens: int, landing_tier: str,
+                 max_waiting_pin_blocks: int, settings: ConnectorSettings = ConnectorSettings(),
+                 can_load: bool = True, can_save: bool = True) -> None:
+        """`namespace.block_tokens` tokens per ucm block, a multiple of
+        vLLM's `page_tokens`; `landing_tier`: the tier whose hits load
+        synchronously in "auto" mode; `max_waiting_pin_blocks`: the blocks
+        that requests waiting for vLLM's pages may keep pinned in all."""
+        if not isinstance(max_waiting_pin_blocks, int) or max_waiting_pin_blocks < 0:
+            raise ConfigError(f"max_waiting_pin_blocks must be an int >= 0, got {max_waiting_pin_blocks!r}")
+        self._cache = cache
+        self.namespace = namespace
+        self.settings = settings
+        self.block_tokens = namespace.block_tokens
+        self.page_tokens = page_tokens
+        self.pages_per_block = pages_per_block(self.block_tokens, page_tokens)
+        self.can_load, self.can_save = can_load, can_save
+        self._seed = namespace.digest()
+        self._landing = landing_tier
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[LoadJob] = []
+        # Blocks whose save is planned but not yet reported done (per request
+        # and counted per key): a request arriving meanwhile (the next turn of
+        # a chat) still hits them; its load waits in the worker for the save.
+        self._saving_keys: dict[str, list[Key]] = {}
+        self._saving: Counter = Counter()
+        # Pins held by requests that wait for vLLM's pages (nothing bounds
+        # how many wait), capped; a running request's pins are bounded by
+        # the pages vLLM gave it.
+        self.max_waiting_pin_blocks = max_waiting_pin_blocks
+        self.waiting_pinned_blocks = 0
+
+    @classmethod
+    def from_vllm(cls, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: "UcmConfig",
+                  settings: ConnectorSettings, cache: CacheAPI) -> "UCMSchedulerSide":
+        """The scheduler side for this engine: its namespace, page size and
+        the waiting-pin cap in blocks (`settings.max_waiting_pin_bytes`, by
+        default a quarter of the landing tier)."""
+        ktc = vllm_config.kv_transfer_config
+        kv_layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+                     or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+        namespace = build_namespace(vllm_config, config.block_tokens, settings.model_id, kv_layout)
+        page_tokens = vllm_config.cache_config.block_size
+        group = kv_cache_config.kv_cache_groups[0]
+        block_bytes = (group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+                       * pages_per_block(config.block_tokens, page_tokens))
+        cap = settings.max_waiting_pin_bytes
+        if cap is None:
+            cap = next(t.capacity for t in config.tiers if t.adapter == config.landing_tier) // 4
+        side = cls(cache, namespace, page_tokens=page_tokens, landing_tier=config.landing_tier,
+                   max_waiting_pin_blocks=cap // block_bytes, settings=settings,
+                   can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer)
+        if ktc.kv_load_failure_policy != "recompute":
+            log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
+                        "lost between lookup and load is recomputed instead of failing the request",
+                        ktc.kv_load_failure_policy)
+        mc = vllm_config.model_config
+        log.info("UCMConnector scheduler: model %s (%s) identified as %s; namespace %s, block_tokens %d "
+                 "(%d pages); waiting requests pin at most %d blocks", mc.served_model_name or mc.model,
+                 mc.model, "set by ucm_model_id" if settings.model_id else "its weights", namespace,
+                 side.block_tokens, side.pages_per_block, side.max_waiting_pin_blocks)
+        return side
+
+    # ---- the cache, where a fault is a miss ------------------------------------
+    def _ask(self, what: str, default: T, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the cache; an exception is logged and
+        answered `default`: vLLM gets a miss, never the exception."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            log.warning("UCMConnector: cache %s failed; answered as a miss", what, exc_info=True)
+            return default
+
+    # ---- requests ----------------------------------------------------------------
+    def request_keys(self, request: "Request") -> Optional[list[Key]]:
+        """The keys of the prompt's full blocks (a partial last block has
+        none), or None for a request whose tokens do not name its KV
+        (prompt embeddings, multimodal inputs)."""
+        if request.prompt_token_ids is None or request.mm_features:
+            return None
+        salt = []
+        if request.cache_salt:
+            salt.append(f"salt={request.cache_salt}")
+        if request.lora_request is not None:
+            salt.append(f"lora={request.lora_request.lora_name}")
+        seed = dataclasses.replace(self.namespace, salt=";".join(salt)).digest() if salt else self._seed
+        return block_keys(seed, request.prompt_token_ids, self.block_tokens)
+
+    def _begin(self, request: "Request") -> Optional[_ReqState]:
+        """The request's state; made (and the request begun in the cache)
+        the first time vLLM asks about it."""
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        keys = self.request_keys(request)
+        if keys is None:
+            return None
+        st = self._reqs[request.request_id] = _ReqState(keys=keys)
+        if keys:
+            self._ask("begin_request", None, self._cache.begin_request, request.request_id, keys)
+        return st
+
+    def _unpin(self, st: _ReqState) -> None:
+        if st.pinned:
+            self._ask("unpin", None, self._cache.unpin, st.pinned)
+            if not st.allocated:
+                self.waiting_pinned_blocks -= len(st.pinned)
+            st.pinned = []
+
+    def _pin(self, keys: list[Key]) -> int:
+        """Pins `keys` and returns how many leading ones are still cached now
+        that they are pinned (the others are unpinned again)."""
+        try:
+            self._cache.pin(keys)
+        except Exception:
+            log.warning("UCMConnector: cache pin failed; answered as a miss", exc_info=True)
+            return 0
+        m = min(max(0, self._ask("lookup", 0, self._cache.lookup, keys)), len(keys))
+        if m < len(keys):
+            self._ask("unpin", None, self._cache.unpin, keys[m:])
+        return m
+
+    def _lookup(self, st: _ReqState) -> None:
+        """Longest cached prefix, pinned so it stays until the request ends.
+        A request that is not allocated yet pins at most what is left of
+        the waiting-pin cap (all of its hit when no other waiting request
+        holds pins, so one long prompt still hits whole); the blocks beyond
+        are misses for now."""
+        self._unpin(st)
+        st.looked_up = True
+        n = 0
+        if st.keys and self.can_load and st.load_failures < MAX_LOAD_FAILURES:
+            n = min(max(0, self._ask("lookup", 0, self._cache.lookup, st.keys)), len(st.keys))
+        if st.allocated or self.waiting_pinned_blocks == 0:
+            room = n
+        else:
+            room = max(0, self.max_waiting_pin_blocks - self.waiting_pinned_blocks)
+        st.capped = n > room
+        n = min(n, room)
+        if n:
+            n = self._pin(st.keys[:n])
+        st.pinned = st.keys[:n]
+        if not st.allocated:
+            self.waiting_pinned_blocks += n
+        st.hit_tiers = self._ask("locate", [None] * n, self._cache.locate, st.keys[:n]) if n else []
+        if self._saving and st.load_failures < MAX_LOAD_FAILURES and not st.capped:
+            while n < len(st.keys) and st.keys[n] in self._saving:
+                n += 1
+            st.hit_tiers = [PENDING if k in self._saving else t
+                            for k, t in zip(st.keys, st.hit_tiers + [PENDING] * (n - len(st.hit_tiers)))]
+        st.hit_blocks = n
+        st.next_store = max(st.next_store, n)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """Tokens ucm can load beyond vLLM's own `num_computed_tokens`, and
+        whether the load is asynchronous. Whole blocks only, and never the
+        whole prompt: vLLM computes at least its last token."""
+        st = self._begin(request)
+        if st is None:
+            return 0, False
+        if not st.looked_up or (st.capped and not st.allocated
+                                and self.waiting_pinned_blocks < self.max_waiting_pin_blocks):
+            self._lookup(st)
+        st.local_tokens = num_computed_tokens
+        mode = self.settings.load_mode
+        blocks = st.hit_blocks
+        if mode == "sync":  # a synchronous load never waits for a save: stop at the first one in flight
+            blocks = next((i for i, t in enumerate(st.hit_tiers[:blocks]) if t == PENDING), blocks)
+        hit = min(blocks * self.block_tokens, request.num_tokens - 1)
+        if hit <= num_computed_tokens:
+            return 0, False
+        first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
+        if mode == "auto":
+            is_async = any(t != self._landing for t in st.hit_tiers[first:last])
+        else:
+            is_async = mode == "async"
+        st.load_async = is_async
+        return hit - num_computed_tokens, is_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """vLLM gave the request pages: plan the load of the
+        `num_external_tokens` after its own hit, page by page (pages vLLM
+        already holds are SKIP)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if not st.allocated:  # running now: its pins leave the waiting budget
+            st.allocated = True
+            self.waiting_pinned_blocks -= len(st.pinned)
+        st.page_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        start, end = st.local_tokens, st.local_tokens + num_external_tokens
+        first_page, end_page = start // self.page_tokens, -(-end // self.page_tokens)
+        b0, b1 = start // self.block_tokens, -(-end // self.block_tokens)
+        ppb = self.pages_per_block
+        pages = []
+        for b in range(b0, b1):
+            row = []
+            for j in range(ppb):
+                p = b * ppb + j
+                row.append(st.page_ids[p] if first_page <= p < min(end_page, len(st.page_ids)) else SKIP)
+            pages.append(row)
+        # An async load is reported through get_finished; it must be async
+        # exactly when get_num_new_matched_tokens said so.
+        self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> UCMConnectorMetadata:
+        """This step's plan: the loads planned since the last step, the saves
+        of blocks the scheduled tokens fill, and the preempted requests."""
+        meta = UCMConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        sched = scheduler_output.num_scheduled_tokens
+        for r in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(r.req_id)
+            if st is None:
+                continue
+            st.page_ids = list(r.block_ids[0])
+            self._plan_store(r.req_id, st, r.num_computed_tokens + sched.get(r.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.page_ids = list(new[0]) if new else []
+            elif new:
+                st.page_ids.extend(new[0])
+            self._plan_store(req_id, st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            meta.preempted.add(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None:  # its pages are gone; look up again when it resumes
+                st.page_ids = []
+                st.looked_up = False
+                # Its saves not yet copied were dropped (handle_preemptions):
+                # save again what the next lookup does not find.
+                st.next_store = 0
+                self._unpin(st)
+                st.allocated = False
+        return meta
+
+    def _plan_store(self, req_id: str, st: _ReqState, computed_tokens: int, meta: UCMConnectorMetadata) -> None:
+        if not self.can_save:
+            return
+        full = min(computed_tokens // self.block_tokens, len(st.keys), len(st.page_ids) // self.pages_per_block)
+        if full <= st.next_store:
+            return
+        ppb = self.pages_per_block
+        b0 = st.next_store
+        meta.stores.append(StoreJob(
+            req_id=req_id,
+            keys=st.keys[b0:full],
+            page_ids=[st.page_ids[b * ppb:(b + 1) * ppb] for b in range(b0, full)],
+            parent=st.keys[b0 - 1] if b0 else None,
+        ))
+        st.next_store = full
+        st.stores_issued = True
+        self._saving_keys.setdefault(req_id, []).extend(st.keys[b0:full])
+        self._saving.update(st.keys[b0:full])
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._saving.subtract(self._saving_keys.pop(req_id, ()))
+            self._saving += Counter()  # drop zero counts
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():
+            for p, page in enumerate(st.page_ids):
+                if page in bad:
+                    # Recomputed blocks are saved again; and the memoised hit
+                    # is stale: vLLM asks again (for the recomputed request)
+                    # and must get a fresh answer, or a dead service would
+                    # be asked to load the same blocks forever.
+                    st.next_store = min(st.next_store, p // self.pages_per_block)
+                    st.looked_up = False
+                    st.load_failures += 1
+                    self._unpin(st)
+                    break
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """Releases the request's pins and tells the cache it finished;
+        True while saves in flight still read its pages (vLLM keeps them
+        until the worker reports the request in finished_sending)."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        self._unpin(st)
+        if st.keys:
+            # A placement hint: how long an answer this prompt got (ucm/reuse.py).
+            self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,
+                      request_id=request.request_id)
+        return st.stores_issued, None
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        if num_external_tokens == 0:
+            return {}
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.hit_tiers:
+            return {CacheHitSource.HOST: num_external_tokens}
+        below = any(t not in (self._landing, PENDING) for t in st.hit_tiers)
+        return {CacheHitSource.DISK if below else CacheHitSource.HOST: num_external_tokens}
+
+    def shutdown(self) -> None:
+        """Releases the pins of every request still known (an engine that
+        stops with requests in flight)."""
+        for st in self._reqs.values():
+            self._unpin(st)
+        self._reqs.clear()

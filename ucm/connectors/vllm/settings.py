@@ -1,0 +1,81 @@
+"""What UCMConnector reads from vLLM's `kv_connector_extra_config` (the
+`ucm_*` keys), and the checks of vLLM's setup that both sides rely on.
+Runs once per connector instance, at construction; raises ConfigError
+naming the bad value and the allowed ones."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+
+from ucm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+LOAD_MODES = ("auto", "sync", "async")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What the connector reads from kv_connector_extra_config."""
+
+    ucm_config: Union[None, str, Mapping[str, Any]] = None  # YAML path or mapping; None: $UCM_CONFIG/defaults
+    model_id: Optional[str] = None  # names the model in block keys (default: a fingerprint of the weights)
+    load_mode: str = "auto"  # auto: sync from DRAM, async below; or force "sync" / "async"
+    load_timeout_s: float = 30.0  # an asynchronous load waits at most this long for saves in flight
+    # Bytes that requests still waiting for vLLM's pages may keep pinned;
+    # hits beyond it are misses. None: a quarter of the landing tier.
+    max_waiting_pin_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(f"kv_connector_extra_config.ucm_load_mode: {self.load_mode!r} not one of "
+                              f"{list(LOAD_MODES)}")
+        t = self.load_timeout_s
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0):
+            raise ConfigError(f"kv_connector_extra_config.ucm_load_timeout_s must be > 0, got {t!r}")
+        cap = self.max_waiting_pin_bytes
+        if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap > 0):
+            raise ConfigError(f"kv_connector_extra_config.ucm_max_waiting_pin_bytes must be a positive int "
+                              f"(bytes) or absent, got {cap!r}")
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
+        """The settings in `extra`; keys without the `ucm_` prefix belong to
+        others and are ignored, unknown `ucm_` keys are refused."""
+        prefix = "ucm_"
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for k, v in (extra or {}).items():
+            if not k.startswith(prefix):
+                continue
+            name = k[len(prefix):] if k != "ucm_config" else "ucm_config"
+            if name not in known:
+                raise ConfigError(f"kv_connector_extra_config: unknown key {k!r}; allowed: "
+                                  f"{sorted(prefix + n if n != 'ucm_config' else n for n in known)}")
+            kwargs[name] = v
+        return cls(**kwargs)
+
+
+def check_engine(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", block_tokens: int) -> int:
+    """Refuses a vLLM setup this connector does not support (tensor or
+    pipeline parallelism, several KV cache groups, a ucm block that is not
+    whole vLLM pages); returns the vLLM pages per ucm block."""
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise ConfigError(f"UCMConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 for now, "
+                          f"got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError(f"UCMConnector supports one KV cache group, got {len(kv_cache_config.kv_cache_groups)}")
+    return pages_per_block(block_tokens, vllm_config.cache_config.block_size)
+
+
+def pages_per_block(block_tokens: int, page_tokens: int) -> int:
+    """vLLM pages (of `page_tokens`, its --block-size) in one ucm block."""
+    if block_tokens % page_tokens:
+        raise ConfigError(
+            f"block_tokens: {block_tokens} is not a multiple of vLLM's page size (--block-size) "
+            f"{page_tokens}; use a multiple of {page_tokens}, e.g. {page_tokens} or {2 * page_tokens}")
+    return block_tokens // page_tokens
