@@ -55,13 +55,8 @@ every_adapter = each(ALL)
 # strict xfail (it must still fail), to be removed with the fix.
 KNOWN = {
     "footprint": {
-        "nvme": "used_bytes counts _align_up(size) per block, while slot_bytes (footprint_bytes once renamed) "
-                "says _align_up(size) + ENTRY.size; until the rename, the base default (size)",
-    },
-    "one key, several writers": {
-        "nvme": "put checks `key in self._index` before its copy and records the key after it, so concurrent "
-                "puts of one key each append a copy to the region and add its bytes to live_bytes: used_bytes "
-                "counts the block once per writer, and delete takes back only one",
+        "nvme": "used_bytes counts _align_up(size) per block (live_bytes), while footprint_bytes says "
+                "_align_up(size) + ENTRY.size (the footer entry is not in used_bytes)",
     },
     "a key twice in a get": {
         "mooncake": "a get batch that names one key twice answers CORRUPT for the first: "
@@ -231,7 +226,7 @@ def test_delete_gives_the_bytes_back(name, make):
     assert a.delete(k[2:]) == [True, True] and a.used_bytes == before
 
 
-@each(ALL, known=KNOWN["one key, several writers"])
+@every_adapter
 def test_concurrent_puts_of_one_key_keep_one_copy(name, make):
     a = make(name)
     first = keys(1)  # what one block of SIZE adds to used_bytes, measured on a key of its own
