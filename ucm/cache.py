@@ -105,12 +105,13 @@ class UnifiedCache:
         self.tiers = TierStack(self.adapters, self.tier_names)
         self.tiers.reconcile = self._reconcile
         self.tiers.make_slot = self._make_slot
-        self.heat = HeatTracker(half_life=cfg.heat.half_life_requests)
+        self.heat = HeatTracker(half_life=cfg.heat.half_life_requests, history_bytes=cfg.heat.history_bytes)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
         self.placement = Placement(specs, policy, self.heat, landing=self.tier_names.index(cfg.landing_tier))
         self._meta = threading.Lock()
         self._requests: OrderedDict[str, None] = OrderedDict()
+        self._requests_counted = 0  # request events the policy saw (ticks of the heat clock)
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
@@ -167,16 +168,21 @@ class UnifiedCache:
         """One request over the prompt `keys`: one tick of the heat clock and
         one access per block (deepest first). Data-plane calls carrying
         `request_id` afterwards count no access; a second begin is ignored."""
-        request_id = check_request_id(request_id)
         if request_id is None:
             raise ArgumentError("begin_request: request_id must be a string, got None")
+        request_id = check_request_id(request_id)
         keys = check_keys(keys)
         parent = check_parent(parent)
         with self._meta:
             self._record_locked(keys, parent, request_id)
 
-    def _record_locked(self, keys: Sequence[Key], parent: Optional[Key], request_id: Optional[str]) -> None:
-        """Counts the request's access unless `request_id` was begun already."""
+    def _record_locked(self, keys: Sequence[Key], parent: Optional[Key], request_id: Optional[str],
+                       counted: bool = True) -> None:
+        """Counts the request's access unless `request_id` was begun already
+        (or, without an id, unless the call continues one already counted:
+        `counted` False, a later chunk of one client call)."""
+        if request_id is None and not counted:
+            return
         if request_id is not None:
             if request_id in self._requests:
                 self._requests.move_to_end(request_id)
@@ -185,6 +191,7 @@ class UnifiedCache:
             if len(self._requests) > MAX_OPEN_REQUESTS:
                 self._requests.popitem(last=False)
         self.placement.record_request(keys, parent=parent)
+        self._requests_counted += 1
 
     # ---- operations --------------------------------------------------------
     def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
@@ -242,8 +249,9 @@ class UnifiedCache:
                 g.release()
         if not filled:
             return out
+        segment = arena.segment_view()
         try:
-            fill(0, slots, arena.segment_view())
+            fill(0, slots, segment)
         except Exception:
             log.debug("ucm: a fill into reserved slots raised; the chunk is aborted", exc_info=True)
             self.abort(filled)
@@ -257,8 +265,10 @@ class UnifiedCache:
         for s in sizes:
             offsets.append(offsets[-1] + s)
         scratch = bytearray(offsets[-1])
+        with self._meta:
+            cached = [self.placement.contains(k) for k in keys]
         try:
-            fill(0, [(offsets[i], sizes[i]) for i in range(len(keys))], scratch)
+            fill(0, [None if cached[i] else (offsets[i], sizes[i]) for i in range(len(keys))], scratch)
         except Exception:
             log.debug("ucm: a fill into scratch slots raised; nothing is stored", exc_info=True)
             return [Outcome.FAILED] * len(keys)
@@ -299,7 +309,8 @@ class UnifiedCache:
                 else:
                     slots.append((lease.offset, lease.length))
                     out.append(Outcome.DONE)
-            return self._fill_out(slots, out, arena.segment_view(), fill)
+            segment = arena.segment_view()
+            return self._fill_out(slots, out, segment, fill)
         finally:
             self.release(leases)
 
@@ -360,7 +371,7 @@ class UnifiedCache:
                     "demotions_in": c.demotions_in, "promotions_in": c.promotions_in,
                     "bytes_written": c.bytes_written,
                 }
-            open_requests = len(self._requests)
+            open_requests, requests = len(self._requests), self._requests_counted
         with self._counts_lock:
             counts = dict(self._counts)
         counts["corrupt"] = counts.get("corrupt", 0) + self.tiers.corrupt
@@ -370,7 +381,7 @@ class UnifiedCache:
                   "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
                   "finished_requests", "slot_evictions"):
             counts.setdefault(k, 0)
-        return {"tiers": tiers, **counts, "open_requests": open_requests}
+        return {"tiers": tiers, **counts, "requests": requests, "open_requests": open_requests}
 
     def watch_keys(self, on_add: Callable[[Key], None], on_remove: Callable[[Key], None]) -> None:
         """Mirrors the set of cached keys that `lookup` sees (blocks in shared
@@ -410,13 +421,14 @@ class UnifiedCache:
         return a if isinstance(a, SharedSlots) else None
 
     def reserve(self, keys: Sequence[Key], sizes: Sequence[int], parent: Optional[Key] = None,
-                request_id: Optional[str] = None) -> list[Union[None, bool, memoryview]]:
+                request_id: Optional[str] = None, counted: bool = True) -> list[Union[None, bool, memoryview]]:
         """Places consecutive blocks like `store` but hands back, per block, a
         writable slot view to fill and then `commit` (or `abort`); True when
         the block is already cached; None when refused (and every block
         after it, which would lack its parent). The whole run is planned
         under one hold of the metadata lock; a reserved block is held (not
-        a victim) until it is committed or aborted."""
+        a victim) until it is committed or aborted. `counted` False: a later
+        chunk of one call without a request id (its access counted once)."""
         arena = self.shared_arena()
         if arena is None:
             raise ArgumentError(f"reserve needs a shared-memory landing tier; landing is "
@@ -429,7 +441,7 @@ class UnifiedCache:
         placed: list[Union[None, bool]] = []  # per key: True placed, False present, None refused
         plan: Plan = []
         with self._meta:
-            self._record_locked(keys, parent, request_id)
+            self._record_locked(keys, parent, request_id, counted)
             for i, key in enumerate(keys):
                 d = p.insert(key, keys[i - 1] if i else parent, self._footprint(sizes[i]))
                 plan.extend(s for s in d.plan if s.op is not Op.WRITE)
@@ -510,7 +522,7 @@ class UnifiedCache:
             ticket = self.tiers.admit(undo, self.placement.parent_of)
         self.tiers.run_through(ticket, {})
 
-    def acquire(self, keys: Sequence[Key], request_id: Optional[str] = None) -> list[Any]:
+    def acquire(self, keys: Sequence[Key], request_id: Optional[str] = None, counted: bool = True) -> list[Any]:
         """Leases each block's slot in the shared-memory landing tier for
         reading, staging blocks held only below it first (synchronously).
         Per key: a Lease (its `view` is the blob) or None on a miss. Give
@@ -521,7 +533,7 @@ class UnifiedCache:
         keys = check_keys(keys)
         request_id = check_request_id(request_id)
         with self._meta:
-            self._record_locked(keys, None, request_id)
+            self._record_locked(keys, None, request_id, counted)
         leases = [arena.lease(key) for key in keys]
         staging = any(le is None for le in leases)
         if staging:
@@ -723,21 +735,14 @@ class UnifiedCache:
 
     def _store(self, keys: list[Key], views: list[memoryview], parent: Optional[Key],
                request_id: Optional[str] = None) -> list[Outcome]:
-        """The whole run planned under one hold of `_meta` (an insert per
-        block, stopping at the first refusal), then executed without it."""
+        """The whole run planned under one hold of `_meta` (`insert_run`:
+        stopping at the first refusal), then executed without it."""
         p = self.placement
-        placed: list[bool] = []  # per key planned: True placed now, False cached already
-        plan: Plan = []
         with self._meta:
             self._record_locked(keys, parent, request_id)
-            for i, key in enumerate(keys):
-                d = p.insert(key, keys[i - 1] if i else parent, self._footprint(len(views[i])))
-                plan.extend(d.plan)
-                if d.placed or p.contains(key):
-                    placed.append(d.placed)
-                else:
-                    break
-            ticket = self.tiers.admit(plan, p.parent_of)
+            run = p.insert_run(keys, parent, [self._footprint(len(v)) for v in views])
+            ticket = self.tiers.admit(run.plan, p.parent_of)
+        placed = run.placed[:run.stop]
         self.tiers.run_through(ticket, dict(zip(keys, views)))
         out: list[Outcome] = []
         with self._meta:

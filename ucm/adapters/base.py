@@ -243,6 +243,12 @@ class SharedSlots(StorageAdapter):
     def segment_path(self) -> str:
         """The shared-memory file other processes map (read-write, shared)."""
 
+    @abc.abstractmethod
+    def segment_view(self) -> memoryview:
+        """A writable view of the whole segment in this process: what
+        `slot_offset` and `Lease.offset` index (an in-process caller copies
+        through it, as another process does through its own mapping)."""
+
     def victims_for(self, size: int,
                     acceptable: Optional[Callable[[tuple[Key, ...]], bool]] = None) -> SlotVictims:
         """What to evict when `reserve(key, size)` found no slot although the

@@ -133,6 +133,10 @@ class DramAdapter(SharedSlots, RangeReads):
     def segment_path(self) -> str:
         return self._segment_path
 
+    def segment_view(self) -> memoryview:
+        self._slots.check_open()
+        return self._view
+
     def reserve(self, key: Key, size: int) -> Optional[memoryview]:
         """A writable view of a fresh slot for `key`, or None when the arena
         is full or the key is already present/reserved. Commit or abort it."""

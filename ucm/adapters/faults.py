@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ucm.adapters.base import BlockEntry, Key, Status, StorageAdapter
+from ucm.adapters.base import BlockEntry, Key, Lease, SharedSlots, SlotVictims, Status, StorageAdapter
 from ucm.errors import ArgumentError
 
 
@@ -130,9 +130,17 @@ class FaultyDevice:
 
 
 class FaultyAdapter(StorageAdapter):
-    """A StorageAdapter that answers chosen operations with a fault."""
+    """A StorageAdapter that answers chosen operations with a fault. Over a
+    tier that declares SharedSlots it declares them too (the slot calls go
+    to the wrapped adapter untouched), so the cache and the service see the
+    same abilities through the wrapper."""
 
     OPS = ("put", "get", "contains", "delete", "size_of")
+
+    def __new__(cls, inner: StorageAdapter) -> "FaultyAdapter":
+        if cls is FaultyAdapter and isinstance(inner, SharedSlots):
+            cls = FaultySharedSlots
+        return super().__new__(cls)
 
     def __init__(self, inner: StorageAdapter) -> None:
         self.inner = inner
@@ -222,3 +230,35 @@ class FaultyAdapter(StorageAdapter):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FaultySharedSlots(FaultyAdapter, SharedSlots):
+    """FaultyAdapter over a SharedSlots tier (built by FaultyAdapter(inner))."""
+
+    def reserve(self, key: Key, size: int) -> Optional[memoryview]:
+        return self.inner.reserve(key, size)
+
+    def commit(self, key: Key) -> bool:
+        return self.inner.commit(key)
+
+    def abort(self, key: Key) -> None:
+        self.inner.abort(key)
+
+    def lease(self, key: Key) -> Optional[Lease]:
+        return self.inner.lease(key)
+
+    def release(self, lease: Lease) -> None:
+        self.inner.release(lease)
+
+    def slot_offset(self, key: Key) -> Optional[tuple[int, int]]:
+        return self.inner.slot_offset(key)
+
+    @property
+    def segment_path(self) -> str:
+        return self.inner.segment_path
+
+    def segment_view(self) -> memoryview:
+        return self.inner.segment_view()
+
+    def victims_for(self, size: int, acceptable: Optional[Callable[[tuple[Key, ...]], bool]] = None) -> SlotVictims:
+        return self.inner.victims_for(size, acceptable)

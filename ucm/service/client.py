@@ -457,7 +457,7 @@ class CacheClient:
         rid = check_request_id(request_id)
         out: list[Outcome] = []
         for i, j in self._chunks(sizes):
-            out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill, rid))
+            out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill, rid, counted=i == 0))
         return out
 
     def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
@@ -472,7 +472,8 @@ class CacheClient:
         rid = check_request_id(request_id)
         out: list[Outcome] = []
         for i, j in self._chunks(sizes):
-            part = self._write_chunk(i, keys[i:j], sizes[i:j], fill, keys[i - 1] if i else parent, rid)
+            part = self._write_chunk(i, keys[i:j], sizes[i:j], fill, keys[i - 1] if i else parent, rid,
+                                     counted=i == 0)
             out.extend(part)
             if part and part[-1] is not Outcome.DONE:  # the rest would lack its parent
                 out.extend([Outcome.MISSING] * (len(keys) - j))
@@ -499,9 +500,12 @@ class CacheClient:
         return reply["slots"]
 
     def _read_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
-                    request_id: Optional[str]) -> list[Outcome]:
+                    request_id: Optional[str], counted: bool) -> list[Outcome]:
+        """One chunk of read_slots; `counted`: the chunk that counts the
+        call's access when it carries no request id (the first)."""
         try:
-            link, reply = self._begin_fill("acquire", {"keys": keys, "request_id": request_id})
+            link, reply = self._begin_fill("acquire", {"keys": keys, "request_id": request_id,
+                                                       "counted": counted})
         except UcmError as exc:
             if isinstance(exc, ClosedError):
                 raise
@@ -539,10 +543,10 @@ class CacheClient:
         return out
 
     def _write_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
-                     parent: Optional[bytes], request_id: Optional[str]) -> list[Outcome]:
+                     parent: Optional[bytes], request_id: Optional[str], counted: bool) -> list[Outcome]:
         try:
             link, reply = self._begin_fill("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent,
-                                                       "request_id": request_id})
+                                                       "request_id": request_id, "counted": counted})
         except UcmError as exc:
             if isinstance(exc, ClosedError):
                 raise
@@ -597,6 +601,8 @@ class CacheClient:
         """`fn(*args)` on the copy pool; a bug that raises is FAILED per
         block and logged, never an exception into the engine."""
         name = getattr(fn, "__name__", repr(fn))
+        if self._closed:
+            raise ClosedError("CacheClient used after close()")
         return submit(self._pool, n, fn, *args,
                       on_error=lambda exc: log.error("ucm client: %s failed", name, exc_info=exc))
 

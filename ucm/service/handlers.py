@@ -180,12 +180,13 @@ class ServiceHandlers:
 
     @op("reserve", blocking=True)  # evictions and demotions: NVMe and cluster writes
     def _reserve(self, conn: ConnState, args: Any) -> dict:
-        keys = self._keys(args, {"keys", "sizes", "parent", "request_id"})
+        keys = self._keys(args, {"keys", "sizes", "parent", "request_id", "counted"})
         sizes = proto.ints_arg(args, "sizes", len(keys), 1, self.arena_bytes)
         parent = proto.opt_key_arg(args, "parent")
         rid = proto.request_id_arg(args)
+        counted = proto.bool_arg(args, "counted", True)
         out: list[Any] = []
-        for key, r in zip(keys, self.cache.reserve(keys, sizes, parent, request_id=rid)):
+        for key, r in zip(keys, self.cache.reserve(keys, sizes, parent, request_id=rid, counted=counted)):
             if r is None or r is True:
                 out.append(r)
                 continue
@@ -209,10 +210,11 @@ class ServiceHandlers:
 
     @op("acquire", blocking=True)  # stages blocks from NVMe or a cluster tier first
     def _acquire(self, conn: ConnState, args: Any) -> dict:
-        keys = self._keys(args, {"keys", "request_id"})
+        keys = self._keys(args, {"keys", "request_id", "counted"})
         rid = proto.request_id_arg(args)
+        counted = proto.bool_arg(args, "counted", True)
         out: list[Any] = []
-        for lease in self.cache.acquire(keys, request_id=rid):
+        for lease in self.cache.acquire(keys, request_id=rid, counted=counted):
             if lease is None:
                 out.append(None)
                 continue

@@ -150,6 +150,14 @@ def request_id_arg(args: dict, name: str = "request_id") -> Optional[str]:
         raise ProtocolError(f"{name}: {exc}") from None
 
 
+def bool_arg(args: dict, name: str, default: bool) -> bool:
+    """`args[name]`: a bool, or `default` when absent."""
+    v = args.get(name, default)
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{name}: expected true or false, got {v!r:.40}")
+    return v
+
+
 def ints_arg(args: dict, name: str, n: int, lo: int, hi: int) -> list[int]:
     v = args.get(name)
     if not isinstance(v, list) or len(v) != n:

@@ -55,11 +55,11 @@ class StandInCache:
     def abort(self, keys):
         self._enter("abort", keys)
 
-    def reserve(self, keys, sizes, parent=None, request_id=None):
+    def reserve(self, keys, sizes, parent=None, request_id=None, counted=True):
         self._enter("reserve", keys, sizes, parent, request_id=request_id)
         return [memoryview(bytearray(s)) for s in sizes]
 
-    def acquire(self, keys, request_id=None):
+    def acquire(self, keys, request_id=None, counted=True):
         self._enter("acquire", keys, request_id=request_id)
         return [SimpleNamespace(offset=8192, length=100) for _ in keys]
 
