@@ -41,7 +41,7 @@ from ucm.buffers import byte_view
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker
-from ucm.placement import Op, Placement, Plan, TierSpec
+from ucm.placement import Op, Placement, Plan, Step, TierSpec
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer
 from ucm.tiers import Failure, Ticket, TierStack
@@ -573,28 +573,42 @@ class UnifiedCache:
         return self.tiers.run_through(ticket, sources)
 
     def _reconcile(self, failures: list[Failure], retried: set) -> Optional[Ticket]:
-        """The TierStack's failed steps, under `_meta`: a failure that is
-        still its key's latest step is taken back out of the placement (with
-        the descendants that lose their prefix), or, for NO_SPACE in a tier
-        with size classes, retried once after evictions that free a slot of
-        that size. Every failure is dequeued; returns the plan to run next."""
+        """The TierStack's failed steps, under `_meta`. A failed step means
+        its destination tier does not hold the block, and for a MOVE or COPY
+        that read nothing (NOT_FOUND, CORRUPT) that the source does not hold
+        a good copy either. Each such copy is taken back out of the
+        placement (with the descendants that lose their prefix) unless a
+        step planned after the failure writes that tier again (it settles
+        that copy itself: the generation check). NO_SPACE in a tier with
+        size classes is retried once instead, after evictions that free a
+        slot of that size. Every failure is dequeued; returns the plan to
+        run next (undo and retries)."""
         p = self.placement
         plan: Plan = []
         with self._meta:
             for f in failures:
-                step = f.step
-                if not self.tiers.is_latest(f):
-                    continue  # a later step of this key settles it
-                if (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and step.key not in retried
-                        and step.dst in p.tiers_of(step.key)):
-                    size = p.size_of(step.key)
-                    evictions = self._slot_evictions(step.dst, step.key, size) if size is not None else []
+                step, key = f.step, f.step.key
+                later = self.tiers.later_steps(f)
+                rewritten = {s.dst for s in later if s.op is not Op.DROP}
+                if step.dst in rewritten or step.op is Op.DROP:
+                    pass
+                elif (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and key not in retried
+                        and step.dst in p.tiers_of(key)):
+                    size = p.size_of(key)
+                    evictions = self._slot_evictions(step.dst, key, size) if size is not None else []
                     if evictions:
-                        retried.add(step.key)
+                        retried.add(key)
                         plan.extend(evictions)
                         plan.append(step)
                         continue
-                plan.extend(p.remove(step.key, step.dst))
+                    plan.extend(p.remove(key, step.dst))
+                elif step.dst in p.tiers_of(key):
+                    plan.extend(p.remove(key, step.dst))
+                if (step.op is Op.COPY and f.status in (Status.NOT_FOUND, Status.CORRUPT)
+                        and step.src not in rewritten and step.src in p.tiers_of(key)):
+                    if f.status is Status.CORRUPT:  # bad bytes: deleted, through the key's queue
+                        plan.append(Step(Op.DROP, key, src=step.src))
+                    plan.extend(p.remove(key, step.src))  # the source copy is gone or bad too
             ticket = self.tiers.admit(plan, p.parent_of) if plan else None
         for f in failures:
             self.tiers.done(f)

@@ -14,11 +14,12 @@ run in parallel. This is the two-phase protocol of vLLM's offload manager
 - run: `run(ticket, sources)` executes the steps in order, each once the
   earlier steps of its key are done, with no lock held. A step that fails
   stays in its key's queue and is returned.
-- complete: the owner reconciles each failure under its metadata lock
-  (taking the block back out of the placement) only while the step is still
-  its key's latest (`is_latest`: no step planned after it, so nothing newer
-  depends on the metadata the failure changes), admits the undo, and calls
-  `done(failure)`, then runs the undo.
+- complete: the owner reconciles each failure under its metadata lock: the
+  copy the step did not make (and, for a read that found nothing, the
+  source copy) is taken back out of the placement unless a step planned
+  after the failure writes that tier again (`later_steps`: the key's
+  generation moved on, and that step settles the copy); it admits the undo,
+  calls `done(failure)`, and the undo runs.
 
 Blobs under a key never change, so reordering across keys can cost a miss,
 never wrong bytes; the per-key order keeps the adapters' contents what the
@@ -63,6 +64,7 @@ class Failure:
     step: Step
     seq: int
     status: Status
+    queued: bool = True  # False: dequeued at once (a later step of its ticket names the key)
 
 
 class _KeyOrder:
@@ -70,32 +72,35 @@ class _KeyOrder:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._queues: dict[Key, deque[int]] = {}
+        self._queues: dict[Key, deque[tuple[int, Step]]] = {}
         self._next = 0
 
-    def admit(self, keys: Sequence[Key]) -> list[int]:
+    def admit(self, steps: Sequence[Step]) -> list[int]:
         with self._cond:
             seqs = []
-            for k in keys:
+            for s in steps:
                 self._next += 1
-                self._queues.setdefault(k, deque()).append(self._next)
+                self._queues.setdefault(s.key, deque()).append((self._next, s))
                 seqs.append(self._next)
             return seqs
 
     def wait_turn(self, key: Key, seq: int) -> None:
         with self._cond:
-            while self._queues[key][0] != seq:
+            while self._queues[key][0][0] != seq:
                 self._cond.wait()
 
-    def is_latest(self, key: Key, seq: int) -> bool:
+    def after(self, key: Key, seq: int) -> list[Step]:
+        """The steps of `key` admitted after `seq`, still queued."""
         with self._cond:
-            q = self._queues.get(key)
-            return bool(q) and q[-1] == seq
+            return [s for n, s in self._queues.get(key, ()) if n > seq]
 
     def done(self, key: Key, seq: int) -> None:
         with self._cond:
             q = self._queues[key]
-            q.remove(seq)
+            for i, (n, _) in enumerate(q):
+                if n == seq:
+                    del q[i]
+                    break
             if not q:
                 del self._queues[key]
             self._cond.notify_all()
@@ -126,16 +131,19 @@ class TierStack:
     def admit(self, plan: Plan, parent_of: Callable[[Key], Optional[Key]]) -> Ticket:
         """Queues the plan's steps under their keys; call under the owner's
         metadata lock, right after the plan was made."""
-        seqs = self._order.admit([s.key for s in plan])
+        seqs = self._order.admit(plan)
         parents = {s.key: parent_of(s.key) for s in plan if s.op is not Op.DROP}
         return Ticket(list(zip(plan, seqs)), parents)
 
-    def is_latest(self, failure: Failure) -> bool:
-        """Whether no step was planned for the failure's key after it."""
-        return self._order.is_latest(failure.step.key, failure.seq)
+    def later_steps(self, failure: Failure) -> list[Step]:
+        """The steps planned for the failure's key after it (still queued).
+        Call under the owner's metadata lock, which every admission holds,
+        so the answer stays true until the lock is let go."""
+        return self._order.after(failure.step.key, failure.seq)
 
     def done(self, failure: Failure) -> None:
-        self._order.done(failure.step.key, failure.seq)
+        if failure.queued:
+            self._order.done(failure.step.key, failure.seq)
 
     def pending_steps(self) -> int:
         return self._order.pending()
@@ -144,9 +152,9 @@ class TierStack:
     def run(self, ticket: Ticket, sources: Mapping[Key, Any]) -> list[Failure]:
         """Executes the admitted steps in order, no lock held. COPY steps in a
         row from one tier to a slot tier are read as one batch (in parallel on
-        the adapter's I/O threads). Returns the failed steps, still queued;
-        a failed step that is not its key's last in the ticket is dequeued at
-        once instead (the later step, which will fail too, reports the key).
+        the adapter's I/O threads). Returns the failed steps, still queued
+        (a failed step that is not its key's last in the ticket is dequeued at
+        once, so that the later step can run, and returned all the same).
         Steps never plan anything themselves: a slot tier without a slot of
         the size asked is a NO_SPACE failure the owner answers (`reconcile`
         makes the slot and retries the step)."""
@@ -157,10 +165,9 @@ class TierStack:
         def failed(i: int, step: Step, seq: int, st: Status) -> None:
             if st is Status.CORRUPT:
                 self.corrupt += 1
-            if last[step.key] > i:
-                log.debug("ucm: %s of a block failed (%s); a later step of the plan follows",
-                          step.op.name.lower(), st.name)
+            if last[step.key] > i:  # the later step waits for this one: let it go now
                 self._order.done(step.key, seq)
+                failures.append(Failure(step, seq, st, queued=False))
             else:
                 failures.append(Failure(step, seq, st))
 
