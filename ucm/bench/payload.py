@@ -55,8 +55,11 @@ class PayloadCounts:
 def cache_config(policy: str, tier_bytes: Sequence[int], block_bytes: int, nvme_dir: str) -> dict:
     """UnifiedCache config for the replay: DRAM of `tier_bytes[0]`, and NVMe
     of `tier_bytes[1]` (logical capacity, exactly) if given."""
-    tiers: list[dict] = [{"adapter": "dram", "capacity": tier_bytes[0],
-                          "options": {"prefault": False}}]
+    dram: dict = {"prefault": False}
+    if block_bytes % 4096 == 0 and tier_bytes[0] % block_bytes == 0:
+        # extents of one block: the arena covers exactly the blocks asked for
+        dram["extent_bytes"] = block_bytes
+    tiers: list[dict] = [{"adapter": "dram", "capacity": tier_bytes[0], "options": dram}]
     if len(tier_bytes) > 1:
         want = tier_bytes[1]
         region = NVME_REGION_BLOCKS * block_bytes

@@ -200,6 +200,12 @@ def handle(args: argparse.Namespace) -> int:
             raise ArgumentError(f"--bytes: {exc}") from None
         if payload_bytes <= 0:
             raise ArgumentError(f"--bytes must be > 0 bytes per block, got {args.bytes!r}")
+    if args.live and payload_bytes is None:
+        raise ArgumentError("--live replays real payloads: give --bytes SIZE too")
+    if args.chunk_blocks <= 0:
+        raise ArgumentError(f"--chunk-blocks must be > 0, got {args.chunk_blocks}")
+    if args.live and "opt" in policy_names(args.policy):
+        raise ArgumentError("--live drives a live cache: opt needs the future (metadata or --bytes replay only)")
     if args.limit is not None and args.limit <= 0:
         raise ArgumentError(f"--limit must be > 0 requests, got {args.limit}")
     if block_bytes <= 0 or block_tokens <= 0:
@@ -249,6 +255,12 @@ def handle(args: argparse.Namespace) -> int:
             extra: dict = {}
             if payload_bytes is None:
                 r = run_one(requests, name, tiers, cost, block_tokens)
+            elif args.live:
+                from ucm.bench.live import run_live
+
+                r, live = run_live(requests, name, tiers, cost, block_tokens, args.bytes_dir, args.chunk_blocks)
+                extra = {f"live_{k}": v for k, v in asdict(live).items()}
+                extra["payload_block_bytes"] = payload_bytes
             else:
                 from ucm.bench.payload import run_payload
 
@@ -329,6 +341,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "a UnifiedCache (dram adapter; nvme adapter in a temporary directory for "
                         "two tiers); each tier holds as many blocks as in metadata mode; every "
                         "hit is read back and checked (payload_mismatches must be 0)")
+    p.add_argument("--live", action="store_true",
+                   help="with --bytes: drive the cache through its public API in the vLLM connector's call "
+                        "sequence (begin_request, lookup, pin, read_slots, chunked write_slots, finish; "
+                        "ucm/bench/live.py) instead of the placement directly")
+    p.add_argument("--chunk-blocks", type=int, default=4, metavar="N",
+                   help="with --live: blocks per write_slots call (a chunked-prefill step; default 4)")
     p.add_argument("--bytes-dir", metavar="DIR",
                    help="with --bytes: where the NVMe tier's temporary directory goes "
                         "(default: the system temporary directory)")
