@@ -54,7 +54,7 @@ test: test-native test-python
 # with ucm (TTFT per turn, hits per tier, out/demo_ttft.png).
 demo: install
 	$(BIN)/ucm model prepare smollm2
-	$(BIN)/python -m ucm.demo
+	$(BIN)/python -m ucm.apps.demo
 
 clean:
 	rm -rf build $(VENV) *.egg-info ucm/_native*.so

@@ -1,7 +1,8 @@
 """The `ucm` command line: serve, bench, inspect, model.
 
-Each benchmark lives in its own module under ucm/bench/ and registers its
-subcommand with `register(subparsers)`; its handler returns the exit status.
+Each benchmark lives in its own module (under ucm/bench/, or ucm/apps/ for
+the one that drives an engine) and registers its subcommand with
+`register(subparsers)`; its handler returns the exit status.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Optional, Sequence
 from ucm import __version__
 from ucm.errors import UcmError
 
-BENCHES = ("io", "placement", "service", "soak", "trace", "tracegen", "vllm")
+# `ucm bench NAME` -> the module that registers it
+BENCHES = {name: f"ucm.bench.{name}" for name in ("io", "placement", "service", "soak", "trace", "tracegen")}
+BENCHES["vllm"] = "ucm.apps.vllm_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--socket", default=None, help="socket path (overrides --config)")
     inspect.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     inspect.set_defaults(handler=_inspect)
-    importlib.import_module("ucm.model_cli").register(sub)
+    importlib.import_module("ucm.apps.model_cli").register(sub)
     bench = sub.add_parser("bench", help="measure ucm against baselines from the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name in BENCHES:
-        importlib.import_module(f"ucm.bench.{name}").register(bench_sub)
+    for module in BENCHES.values():
+        importlib.import_module(module).register(bench_sub)
     return parser
 
 
@@ -53,7 +56,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from ucm.config import load_config
     from ucm.service.client import CacheClient
-    from ucm.service.server import socket_path
+    from ucm.service.paths import socket_path
 
     cfg = load_config(args.config)
     path = args.socket or socket_path(cfg)

@@ -352,7 +352,7 @@ def chaos(variant: str, work: Path, kills: int, min_requests: int, seed: int, n_
     import yaml
 
     from ucm.keys import Namespace, block_keys
-    from ucm.model import prepare
+    from ucm.apps.model import prepare
 
     model = str(prepare("smollm2"))
     record = work / "record.jsonl"

@@ -216,7 +216,7 @@ def _driver(out: Path, work: Path) -> int:
     import yaml
 
     import ucm
-    from ucm.model import prepare
+    from ucm.apps.model import prepare
 
     model = str(prepare("smollm2"))
     cfg = {
@@ -323,7 +323,7 @@ def _robustness_driver(out: Path, work: Path) -> int:
     import yaml
 
     from ucm.keys import Namespace, block_keys
-    from ucm.model import prepare
+    from ucm.apps.model import prepare
     from ucm.service.client import CacheClient
 
     model = str(prepare("smollm2"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-import ucm.bench.vllm as bv
+import ucm.apps.vllm_bench as bv
 
 
 def _phase(ttft, first_tokens, cached=2944):

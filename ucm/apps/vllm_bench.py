@@ -240,7 +240,7 @@ def _subprocess(spec: dict, work: Path) -> dict:
     spec_path = work / f"spec-{spec['config']}.json"
     out_path = work / f"out-{spec['config']}.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "ucm.bench.vllm", "--run-config", str(spec_path), str(out_path)],
+    proc = subprocess.run([sys.executable, "-m", "ucm.apps.vllm_bench", "--run-config", str(spec_path), str(out_path)],
                           env=_env(), cwd=str(work), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout + proc.stderr)[-4000:]
@@ -265,7 +265,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
     import yaml
 
     import ucm
-    from ucm.model import prepare
+    from ucm.apps.model import prepare
 
     os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
     model = str(prepare(model_name))
@@ -386,7 +386,7 @@ if __name__ == "__main__":
         spec = json.loads(Path(sys.argv[2]).read_text())
         Path(sys.argv[3]).write_text(json.dumps(_run_config(spec)))
         sys.exit(0)
-    ap = argparse.ArgumentParser(prog="python -m ucm.bench.vllm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ucm.apps.vllm_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(ap)
     sys.exit(run(ap.parse_args()))

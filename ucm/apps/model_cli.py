@@ -9,7 +9,7 @@ import argparse
 
 
 def register(subparsers) -> None:
-    from ucm.model import MODELS
+    from ucm.apps.model import MODELS
 
     model = subparsers.add_parser("model", help="prepare local model directories (offline)")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from ucm.model import prepare
+    from ucm.apps.model import prepare
 
     path = prepare(args.name, cache_dir=args.cache_dir)
     print(path, flush=True)

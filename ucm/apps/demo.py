@@ -1,4 +1,4 @@
-"""`python -m ucm.demo`: a multi-turn chat replayed through vLLM, without and with ucm.
+"""`python -m ucm.apps.demo`: a multi-turn chat replayed through vLLM, without and with ucm.
 
 Starts a ucm service from `configs/default.yaml` resized for a demo (DRAM
 2GiB, NVMe under a temporary directory, 128-token blocks, no metrics port),
@@ -122,7 +122,7 @@ def _subprocess(spec: dict, work: Path, name: str) -> list[dict]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    proc = subprocess.run([sys.executable, "-m", "ucm.demo", "--run-config", str(spec_path), str(out_path)],
+    proc = subprocess.run([sys.executable, "-m", "ucm.apps.demo", "--run-config", str(spec_path), str(out_path)],
                           env=env, cwd=str(work), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out_path.exists():
         raise RuntimeError(f"replay {name!r} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -170,7 +170,7 @@ def _plot(rows_off: list[dict], rows_on: list[dict], path: Path) -> Optional[str
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ucm.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ucm.apps.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="base YAML (default: configs/default.yaml of this checkout)")
     ap.add_argument("--conversations", type=int, default=3)
@@ -182,7 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     import ucm
-    from ucm.model import prepare
+    from ucm.apps.model import prepare
 
     base = Path(a.config) if a.config else Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
     plot_path = Path(a.plot).resolve()
