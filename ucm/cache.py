@@ -1,16 +1,17 @@
 """UnifiedCache: the one API (ucm.api.CacheAPI) over a stack of tiers.
 
 `lookup`, `locate`, batched asynchronous `load` / `store` / `prefetch`
-returning Handles with one Outcome per block, the zero-copy `write_slots` /
-`read_slots`, `pin` / `unpin`, `stats`, the request events (`begin_request`,
-`request_id`) and the placement hint `finish`. The slot API the service
-serves to other processes (`reserve` / `commit` / `abort`, `acquire` /
-`release`) sits on the landing tier's shared slots.
+returning Handles with one Outcome per block, `pin` / `unpin`, `stats`, the
+request events (`begin_request`, `request_id`) and the placement hint
+`finish`; the slot API (zero-copy `write_slots` / `read_slots`, and the
+`reserve` / `commit` / `abort`, `acquire` / `release` the service serves to
+other processes) is in ucm/slot_access.py.
 
 Layers. `ucm.placement.Placement` decides (admission, eviction, demotion,
-promotion) with the configured policy and returns Plans; `ucm.tiers.
-TierStack` executes them against the adapters; `ucm.reclaim` keeps headroom.
-This class holds the one metadata lock and the request bookkeeping.
+promotion) with the configured policy and returns Plans; `ucm.execution.
+PlanExecutor` admits them to `ucm.tiers.TierStack`, which runs them against
+the adapters, and settles failed steps; `ucm.reclaim` keeps headroom. This
+class holds the one metadata lock, the request bookkeeping and the counters.
 
 Threads. Any method may be called from any thread. Loads, stores and
 prefetches run on a pool of `io_workers` threads. One lock, `_meta`, guards
@@ -19,8 +20,8 @@ reconcile, never across an adapter's I/O (the TierStack keeps each key's
 steps in planning order instead; see ucm/tiers.py). Blocks being read,
 staged or reserved are held (`Placement.hold`), so they are never victims
 meanwhile. Lock order: `_meta`, then the TierStack's order lock, then an
-adapter's own lock (`_slot_evictions` asks a slab arena for victims under
-`_meta`); `_counts_lock` is a leaf.
+adapter's own lock (a slab arena is asked for victims under `_meta`);
+`_counts_lock` is a leaf.
 
 Faults. Nothing on the data path raises for a cache fault: a missing file, a
 bad checksum, a failed write or a full medium is an Outcome (MISSING,
@@ -34,17 +35,19 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from ucm.adapters.base import SharedSlots, Status, StorageAdapter, load_adapter_class
-from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_request_id, check_sizes, submit)
+from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
+from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, check_parent,
+                     check_request_id, submit)
 from ucm.buffers import byte_view
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker
-from ucm.placement import Op, Placement, Plan, Step, TierSpec
+from ucm.placement import Op, Placement, Plan, TierSpec
+from ucm.execution import PlanExecutor
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer
-from ucm.tiers import Failure, Ticket, TierStack
+from ucm.slot_access import SlotAccess
+from ucm.tiers import TierStack
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> S
     return cls(capacity_bytes=capacity_bytes, config=options)
 
 
-class UnifiedCache:
+class UnifiedCache(SlotAccess):
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
     def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None, replay: bool = False,
@@ -103,13 +106,12 @@ class UnifiedCache:
             cls = load_adapter_class(tier.adapter)
             self.adapters.append(self._tier_factory(i, cls, tier.capacity, adapter_options(tier, i)))
         self.tiers = TierStack(self.adapters, self.tier_names)
-        self.tiers.reconcile = self._reconcile
-        self.tiers.make_slot = self._make_slot
         self.heat = HeatTracker(half_life=cfg.heat.half_life_requests, history_bytes=cfg.heat.history_bytes)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
         self.placement = Placement(specs, policy, self.heat, landing=self.tier_names.index(cfg.landing_tier))
         self._meta = threading.Lock()
+        self.plans = PlanExecutor(self.placement, self.tiers, self._meta, self._count, self._footprint)
         self._requests: OrderedDict[str, None] = OrderedDict()
         self._requests_counted = 0  # request events the policy saw (ticks of the heat clock)
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
@@ -119,7 +121,7 @@ class UnifiedCache:
         # Tiers that keep headroom: (tier, bytes kept free).
         self._headroom = [(t, int(tier.headroom * a.capacity_bytes))
                           for t, (tier, a) in enumerate(zip(cfg.tiers, self.adapters)) if tier.headroom > 0]
-        self._restore()
+        self.plans.restore()
         if self._headroom:
             self._reclaimer = HeadroomReclaimer(self._reclaim_step)
 
@@ -220,110 +222,6 @@ class UnifiedCache:
         self._check_open()
         return self._submit(len(keys), self._prefetch, keys)
 
-    def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
-                    parent: Optional[Key] = None, request_id: Optional[str] = None) -> list[Outcome]:
-        """The zero-copy store (ucm.api.CacheAPI): slots in the landing
-        tier's shared slots when it has them (`fill` then writes straight
-        into the tier), else in a scratch buffer stored afterwards."""
-        keys = check_keys(keys)
-        sizes = check_sizes(keys, sizes)
-        parent, request_id = check_parent(parent), check_request_id(request_id)
-        self._check_open()
-        if not keys:
-            return []
-        arena = self.shared_arena()
-        if arena is None:
-            return self._write_via_scratch(keys, sizes, fill, parent, request_id)
-        got = self.reserve(keys, sizes, parent, request_id=request_id)
-        filled = [k for k, g in zip(keys, got) if isinstance(g, memoryview)]
-        slots, out = [], []
-        for k, g in zip(keys, got):
-            if isinstance(g, memoryview):
-                slots.append(arena.slot_offset(k))
-                out.append(Outcome.DONE)
-            else:
-                slots.append(None)
-                out.append(Outcome.DONE if g is True else Outcome.MISSING)
-        for g in got:
-            if isinstance(g, memoryview):
-                g.release()
-        if not filled:
-            return out
-        segment = arena.segment_view()
-        try:
-            fill(0, slots, segment)
-        except Exception:
-            log.debug("ucm: a fill into reserved slots raised; the chunk is aborted", exc_info=True)
-            self.abort(filled)
-            return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
-        ok = dict(zip(filled, self.commit(filled)))
-        return [Outcome.FAILED if not ok.get(k, True) else o for k, o in zip(keys, out)]
-
-    def _write_via_scratch(self, keys: list[Key], sizes: list[int], fill: SlotFn, parent: Optional[Key],
-                           request_id: Optional[str]) -> list[Outcome]:
-        offsets = [0]
-        for s in sizes:
-            offsets.append(offsets[-1] + s)
-        scratch = bytearray(offsets[-1])
-        with self._meta:
-            cached = [self.placement.contains(k) for k in keys]
-        try:
-            fill(0, [None if cached[i] else (offsets[i], sizes[i]) for i in range(len(keys))], scratch)
-        except Exception:
-            log.debug("ucm: a fill into scratch slots raised; nothing is stored", exc_info=True)
-            return [Outcome.FAILED] * len(keys)
-        view = memoryview(scratch)
-        return self._store(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], parent, request_id)
-
-    def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
-                   request_id: Optional[str] = None) -> list[Outcome]:
-        """The zero-copy load (ucm.api.CacheAPI): leases in the landing
-        tier's shared slots when it has them, else a scratch buffer loaded
-        first."""
-        keys = check_keys(keys)
-        sizes = check_sizes(keys, sizes)
-        request_id = check_request_id(request_id)
-        self._check_open()
-        if not keys:
-            return []
-        arena = self.shared_arena()
-        if arena is None:
-            offsets = [0]
-            for s in sizes:
-                offsets.append(offsets[-1] + s)
-            scratch = bytearray(offsets[-1])
-            view = memoryview(scratch)
-            out = self._load(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], request_id)
-            slots = [(offsets[i], sizes[i]) if o is Outcome.DONE else None for i, o in enumerate(out)]
-            return self._fill_out(slots, out, scratch, fill)
-        leases = self.acquire(keys, request_id=request_id)
-        try:
-            slots, out = [], []
-            for lease, size in zip(leases, sizes):
-                if lease is None:
-                    slots.append(None)
-                    out.append(Outcome.MISSING)
-                elif lease.length != size:
-                    slots.append(None)
-                    out.append(Outcome.CORRUPT)
-                else:
-                    slots.append((lease.offset, lease.length))
-                    out.append(Outcome.DONE)
-            segment = arena.segment_view()
-            return self._fill_out(slots, out, segment, fill)
-        finally:
-            self.release(leases)
-
-    @staticmethod
-    def _fill_out(slots: list, out: list[Outcome], arena: Any, fill: SlotFn) -> list[Outcome]:
-        if any(s is not None for s in slots):
-            try:
-                fill(0, slots, arena)
-            except Exception:
-                log.debug("ucm: a fill out of leased slots raised", exc_info=True)
-                return [Outcome.FAILED if o is Outcome.DONE else o for o in out]
-        return out
-
     def pin(self, keys: Sequence[Key]) -> None:
         """Keeps the blocks cached until `unpin` (counted): a hit promised to
         an engine. A pinned block may leave a tier only while another tier
@@ -411,241 +309,6 @@ class UnifiedCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- two-phase access to the shared-memory landing tier ----------------
-    # Served by the service: engine processes copy into and out of the
-    # landing tier's shared segment themselves, the cache hands out slots.
-    def shared_arena(self) -> Optional[SharedSlots]:
-        """The landing tier when it declares shared slots (ucm.adapters.base.
-        SharedSlots), else None."""
-        a = self.adapters[self.placement.landing]
-        return a if isinstance(a, SharedSlots) else None
-
-    def reserve(self, keys: Sequence[Key], sizes: Sequence[int], parent: Optional[Key] = None,
-                request_id: Optional[str] = None, counted: bool = True) -> list[Union[None, bool, memoryview]]:
-        """Places consecutive blocks like `store` but hands back, per block, a
-        writable slot view to fill and then `commit` (or `abort`); True when
-        the block is already cached; None when refused (and every block
-        after it, which would lack its parent). The whole run is planned
-        under one hold of the metadata lock; a reserved block is held (not
-        a victim) until it is committed or aborted. `counted` False: a later
-        chunk of one call without a request id (its access counted once)."""
-        arena = self.shared_arena()
-        if arena is None:
-            raise ArgumentError(f"reserve needs a shared-memory landing tier; landing is "
-                                f"{self.tier_names[self.placement.landing]!r}")
-        keys = check_keys(keys)
-        sizes = check_sizes(keys, sizes)
-        parent, request_id = check_parent(parent), check_request_id(request_id)
-        landing = self.placement.landing
-        p = self.placement
-        placed: list[Union[None, bool]] = []  # per key: True placed, False present, None refused
-        plan: Plan = []
-        with self._meta:
-            self._record_locked(keys, parent, request_id, counted)
-            for i, key in enumerate(keys):
-                d = p.insert(key, keys[i - 1] if i else parent, self._footprint(sizes[i]))
-                plan.extend(s for s in d.plan if s.op is not Op.WRITE)
-                if d.placed:
-                    p.hold([key])  # not a victim until committed or aborted
-                    placed.append(True)
-                elif p.contains(key):
-                    placed.append(False)
-                else:
-                    break
-            ticket = self.tiers.admit(plan, p.parent_of)
-        self.tiers.run_through(ticket, {})
-        out: list[Union[None, bool, memoryview]] = []
-        first_bad: Optional[int] = None
-        for i, (key, size, state) in enumerate(zip(keys, sizes, placed)):
-            if state is False:
-                out.append(True)
-                continue
-            view = self.tiers.reserve_slot(landing, key, size)
-            if view is None:
-                first_bad = i
-                break
-            out.append(view)
-        if first_bad is not None or len(placed) < len(keys):
-            self._count("store_refused", 1)
-        if first_bad is not None:  # it and the blocks after it (its descendants) are taken back
-            with self._meta:
-                p.unhold([k for k, state in zip(keys[first_bad:], placed[first_bad:]) if state])
-                ticket = self.tiers.admit(p.remove(keys[first_bad], landing), p.parent_of)
-            self.tiers.run_through(ticket, {})
-        out.extend([None] * (len(keys) - len(out)))
-        with self._meta:
-            p.touch([k for k, o in zip(keys, out) if o is not None])
-        return out
-
-    def commit(self, keys: Sequence[Key]) -> list[bool]:
-        """Makes filled slots visible; False for a key with no reservation
-        (it was taken back meanwhile)."""
-        keys = check_keys(keys)
-        arena = self.shared_arena()
-        out = []
-        committed = []
-        stored = 0
-        for key in keys:
-            slot = arena.slot_offset(key)
-            ok = arena.commit(key)
-            if ok:
-                committed.append(key)
-                stored += slot[1]
-            out.append(ok)
-        if committed:
-            with self._meta:
-                self.placement.unhold(committed)
-            self._count("stored_blocks", len(committed))
-            self._count("bytes_stored", stored)
-        self._wake_reclaim()
-        return out
-
-    def abort(self, keys: Sequence[Key]) -> None:
-        """Gives back reserved slots that will not be filled."""
-        keys = check_keys(keys)
-        arena = self.shared_arena()
-        landing = self.placement.landing
-        taken = []
-        for key in keys:
-            if arena.slot_offset(key) is None:
-                continue  # not reserved (committed or never placed)
-            arena.abort(key)
-            taken.append(key)
-        if not taken:
-            return
-        undo: Plan = []
-        with self._meta:
-            for key in taken:
-                self.placement.unhold([key])
-                if not arena.contains([key])[0]:
-                    undo.extend(self.placement.remove(key, landing))
-            ticket = self.tiers.admit(undo, self.placement.parent_of)
-        self.tiers.run_through(ticket, {})
-
-    def acquire(self, keys: Sequence[Key], request_id: Optional[str] = None, counted: bool = True) -> list[Any]:
-        """Leases each block's slot in the shared-memory landing tier for
-        reading, staging blocks held only below it first (synchronously).
-        Per key: a Lease (its `view` is the blob) or None on a miss. Give
-        every lease back with `release`."""
-        arena = self.shared_arena()
-        if arena is None:
-            raise ArgumentError("acquire needs a shared-memory landing tier")
-        keys = check_keys(keys)
-        request_id = check_request_id(request_id)
-        with self._meta:
-            self._record_locked(keys, None, request_id, counted)
-        leases = [arena.lease(key) for key in keys]
-        staging = any(le is None for le in leases)
-        if staging:
-            self._adopt_remote_all(keys, [i for i, le in enumerate(leases) if le is None])
-            need = [i for i, le in enumerate(leases) if le is None]
-
-            def lease_staged() -> None:  # before the staged blocks may be evicted again
-                for i in need:
-                    leases[i] = arena.lease(keys[i])
-
-            self._stage([keys[i] for i in need], force=True, then=lease_staged)
-        n_ok = sum(le is not None for le in leases)
-        self._count("missing_blocks", len(keys) - n_ok)
-        self._count("loaded_blocks", n_ok)
-        self._count("bytes_loaded", sum(len(le.view) for le in leases if le is not None))
-        with self._meta:
-            self.placement.touch([k for k, le in zip(keys, leases) if le is not None])
-        self._drain_dropped()
-        if staging:
-            self._wake_reclaim()
-        return leases
-
-    def release(self, leases: Sequence[Any]) -> None:
-        arena = self.shared_arena()
-        for lease in leases:
-            if lease is not None:
-                arena.release(lease)
-
-    # ---- plans -------------------------------------------------------------
-    def run_plan(self, plan: Plan, sources: Mapping[Key, Any]) -> bool:
-        """Executes a plan made by this cache's Placement outside this class
-        (the payload replay, `ucm bench trace --payload`, which plans and
-        runs from one thread): admitted, run, failures reconciled. Returns
-        whether every step succeeded."""
-        with self._meta:
-            ticket = self.tiers.admit(plan, self.placement.parent_of)
-        return self.tiers.run_through(ticket, sources)
-
-    def _reconcile(self, failures: list[Failure], retried: set) -> Optional[Ticket]:
-        """The TierStack's failed steps, under `_meta`. A failed step means
-        its destination tier does not hold the block, and for a MOVE or COPY
-        that read nothing (NOT_FOUND, CORRUPT) that the source does not hold
-        a good copy either. Each such copy is taken back out of the
-        placement (with the descendants that lose their prefix) unless a
-        step planned after the failure writes that tier again (it settles
-        that copy itself: the generation check). NO_SPACE in a tier with
-        size classes is retried once instead, after evictions that free a
-        slot of that size. Every failure is dequeued; returns the plan to
-        run next (undo and retries)."""
-        p = self.placement
-        plan: Plan = []
-        with self._meta:
-            for f in failures:
-                step, key = f.step, f.step.key
-                later = self.tiers.later_steps(f)
-                rewritten = {s.dst for s in later if s.op is not Op.DROP}
-                if step.dst in rewritten or step.op is Op.DROP:
-                    pass
-                elif (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and key not in retried
-                        and step.dst in p.tiers_of(key)):
-                    size = p.size_of(key)
-                    evictions = self._slot_evictions(step.dst, key, size) if size is not None else []
-                    if evictions:
-                        retried.add(key)
-                        plan.extend(evictions)
-                        plan.append(step)
-                        continue
-                    plan.extend(p.remove(key, step.dst))
-                elif step.dst in p.tiers_of(key):
-                    plan.extend(p.remove(key, step.dst))
-                if (step.op is Op.COPY and f.status in (Status.NOT_FOUND, Status.CORRUPT)
-                        and step.src not in rewritten and step.src in p.tiers_of(key)):
-                    if f.status is Status.CORRUPT:  # bad bytes: deleted, through the key's queue
-                        plan.append(Step(Op.DROP, key, src=step.src))
-                    plan.extend(p.remove(key, step.src))  # the source copy is gone or bad too
-            ticket = self.tiers.admit(plan, p.parent_of) if plan else None
-        for f in failures:
-            self.tiers.done(f)
-        return ticket
-
-    def _make_slot(self, t: int, key: Key, size: int) -> Optional[Ticket]:
-        """The TierStack's hook when a reservation finds no slot: evictions
-        that free one (planned and admitted here), or None."""
-        with self._meta:
-            plan = self._slot_evictions(t, key, size)
-            return self.tiers.admit(plan, self.placement.parent_of) if plan else None
-
-    def _slot_evictions(self, t: int, key: Key, size: int) -> Plan:
-        """Tier t found no slot for `key` although Placement made room by
-        bytes (the freed bytes lie in extents of another size class of a
-        slab arena, ucm.adapters.slab). Asks the adapter which blocks to give
-        up (`victims_for`), first those Placement may evict in prefix order,
-        else with parents demoted ahead of their children, and evicts them
-        through Placement (`evict_keys`: demoted like any victim). Caller
-        holds `_meta` (the adapter's lock is a leaf under it)."""
-        a = self.adapters[t]
-        if not isinstance(a, SharedSlots):
-            return []
-        p = self.placement
-        protect = p.parent_of(key)
-        for relaxed in (False, True):
-            def acceptable(keys: tuple[Key, ...], relaxed: bool = relaxed) -> bool:
-                return p.may_evict(t, keys, protect=protect, relaxed=relaxed)
-
-            v = a.victims_for(size, acceptable)
-            if v.keys:
-                plan = p.evict_keys(t, v.keys, any_one=v.any_one, protect=protect, relaxed=relaxed)
-                if plan:
-                    self._count("slot_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
-                    return plan
-        return []
-
     # ---- internals ---------------------------------------------------------
     def _adopt_remote_all(self, keys: Sequence[Key], idx: Sequence[int]) -> None:
         if self._shared:
@@ -671,8 +334,8 @@ class UnifiedCache:
                 if parent is not None and not self.placement.contains(parent):
                     parent = None
                 d = self.placement.insert(key, parent, self._footprint(size), tier=t, restored=True)
-                ticket = self.tiers.admit(d.plan, self.placement.parent_of)
-            self.tiers.run_through(ticket, {})
+                ticket = self.plans.admit(d.plan)
+            self.plans.run(ticket, {})
             if d.placed:
                 return t
         return None
@@ -705,45 +368,6 @@ class UnifiedCache:
                       on_error=lambda exc: log.error("ucm: %s failed", getattr(fn, "__name__", fn),
                                                      exc_info=exc))
 
-    def _restore(self) -> None:
-        """Records the blocks tiers hold at start (a restarted NVMe log),
-        each under its recorded parent when that parent is restored too
-        (parents first), so the prefix tree survives the restart; a block
-        whose parent is not cached anywhere is recorded as a root."""
-
-        def parents_first(entries: Mapping[Key, Any]) -> list[Any]:
-            """The entries (key -> BlockEntry), each after its parent when the
-            parent is among them. A cycle (garbage parents) is broken where
-            the walk meets it: that entry comes first, as a root."""
-            order: list[Any] = []
-            done: set[Key] = set()
-            for key in entries:
-                path: list[Key] = []
-                on_path: set[Key] = set()
-                k: Optional[Key] = key
-                while k is not None and k in entries and k not in done and k not in on_path:
-                    path.append(k)
-                    on_path.add(k)
-                    k = entries[k].parent
-                for k in reversed(path):
-                    order.append(entries[k])
-                    done.add(k)
-            return order
-
-        for t, a in enumerate(self.adapters):
-            if a.shared:
-                continue  # other nodes' blocks: asked for on demand
-            entries = {e.key: e for e in a.iter_entries()}
-            for e in parents_first(entries):
-                with self._meta:
-                    par = e.parent if e.parent is not None and self.placement.contains(e.parent) else None
-                    d = self.placement.insert(e.key, par, self._footprint(e.size_bytes), tier=t, restored=True)
-                    kept = d.placed or self.placement.contains(e.key)
-                    ticket = self.tiers.admit(d.plan, self.placement.parent_of)
-                self.tiers.run_through(ticket, {})
-                if not kept:
-                    a.delete([e.key])
-
     def _footprint(self, size: int) -> int:
         return self.adapters[self.placement.landing].footprint_bytes(size)
 
@@ -755,9 +379,9 @@ class UnifiedCache:
         with self._meta:
             self._record_locked(keys, parent, request_id)
             run = p.insert_run(keys, parent, [self._footprint(len(v)) for v in views])
-            ticket = self.tiers.admit(run.plan, p.parent_of)
+            ticket = self.plans.admit(run.plan)
         placed = run.placed[:run.stop]
-        self.tiers.run_through(ticket, dict(zip(keys, views)))
+        self.plans.run(ticket, dict(zip(keys, views)))
         out: list[Outcome] = []
         with self._meta:
             for i, key in enumerate(keys):
@@ -771,7 +395,7 @@ class UnifiedCache:
         self._count("bytes_stored", sum(len(views[i]) for i in new))
         if any(o is Outcome.MISSING for o in out):
             self._count("store_refused", 1)
-        self._drain_dropped()
+        self.plans.drain_dropped()
         self._wake_reclaim()
         return out
 
@@ -810,14 +434,14 @@ class UnifiedCache:
             with self._meta:
                 self.placement.unhold(held)
         for key, t in bad:
-            self._forget(key, t)
+            self.plans.forget(key, t)
         if promote:
             plan: Plan = []
             with self._meta:
                 for i in promote:
                     plan.extend(self.placement.promote(keys[i]).plan)
-                ticket = self.tiers.admit(plan, self.placement.parent_of)
-            self.tiers.run_through(ticket, {keys[i]: views[i] for i in promote})
+                ticket = self.plans.admit(plan)
+            self.plans.run(ticket, {keys[i]: views[i] for i in promote})
         with self._meta:
             self.placement.touch([k for k, o in zip(keys, out) if o is Outcome.DONE])
         done = [o if o is not None else Outcome.FAILED for o in out]
@@ -827,7 +451,7 @@ class UnifiedCache:
         self._count("missing_blocks", sum(o is Outcome.MISSING for o in done))
         self._count("corrupt", sum(o is Outcome.CORRUPT for o in done))
         self._count("failed", sum(o is Outcome.FAILED for o in done))
-        self._drain_dropped()
+        self.plans.drain_dropped()
         return done
 
     def _prefetch(self, keys: list[Key]) -> list[Outcome]:
@@ -836,7 +460,7 @@ class UnifiedCache:
         with self._meta:
             landing = self.placement.landing
             out = [Outcome.DONE if self.placement.where(k) == landing else Outcome.MISSING for k in keys]
-        self._drain_dropped()
+        self.plans.drain_dropped()
         self._wake_reclaim()
         return out
 
@@ -864,21 +488,14 @@ class UnifiedCache:
             # The evictions first, then the copies as one run (one batched read
             # per source tier); the staged blocks are held, so no eviction names one.
             plan = [s for s in plan if s.op is not Op.COPY] + [s for s in plan if s.op is Op.COPY]
-            ticket = self.tiers.admit(plan, self.placement.parent_of)
+            ticket = self.plans.admit(plan)
         try:
-            self.tiers.run_through(ticket, {})
+            self.plans.run(ticket, {})
             if then is not None:
                 then()
         finally:
             with self._meta:
                 self.placement.unhold(staged)
-
-    def _forget(self, key: Key, tier: int) -> None:
-        with self._meta:
-            plan = [*self.placement.remove(key, tier)]
-            ticket = self.tiers.admit(plan, self.placement.parent_of)
-        self.tiers.delete(tier, key)
-        self.tiers.run_through(ticket, {})
 
     def _wake_reclaim(self) -> None:
         if self._reclaimer is not None:
@@ -894,22 +511,11 @@ class UnifiedCache:
                 return False
             with self._meta:
                 plan = self.placement.reclaim(t, free, max_victims=4)
-                ticket = self.tiers.admit(plan, self.placement.parent_of) if plan else None
+                ticket = self.plans.admit(plan) if plan else None
             if ticket is not None:
                 did = True
                 self._count("headroom_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
-                self.tiers.run_through(ticket, {})
-        self._drain_dropped()
+                self.plans.run(ticket, {})
+        self.plans.drain_dropped()
         return did
 
-    def _drain_dropped(self) -> None:
-        for t, a in enumerate(self.adapters):
-            dropped = a.drain_dropped()
-            if not dropped:
-                continue
-            with self._meta:
-                plan: Plan = []
-                for key in dropped:
-                    plan.extend(self.placement.remove(key, t))
-                ticket = self.tiers.admit(plan, self.placement.parent_of)
-            self.tiers.run_through(ticket, {})

@@ -86,7 +86,7 @@ class PayloadReplay(TraceReplay):
     def execute(self, plan: Plan) -> None:
         size = self.cost.block_bytes
         sources = {s.key: memoryview(payload(s.key, size)) for s in plan if s.op is Op.WRITE}
-        if not self.cache.run_plan(plan, sources):
+        if not self.cache.plans.run_plan(plan, sources):
             self.counts.failed_steps += 1
         self.counts.bytes_written += size * sum(s.op is not Op.DROP for s in plan)
         super().execute(plan)
