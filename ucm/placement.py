@@ -29,7 +29,15 @@ Batched calls: `record_request` and `touch` take a request's keys, and
 so the owner takes its lock once per request. They make exactly the
 decisions of the per-block calls made in the same order.
 
-Not thread-safe: the owner serialises calls.
+Two implementations behind one class: when the policy has a native twin
+(`native` on the policy class, see ucm/policy/base.py) `Placement(...)`
+builds a `NativePlacement` (ucm/placement_native.py), which keeps all of the
+state below in the C++ core (cpp/src/placement.cpp) and makes exactly the
+same decisions; otherwise the Python code here runs, with any policy.
+`native=False` forces the Python path, `native=True` demands the native one.
+
+Not thread-safe: the owner serialises calls (the native core releases the
+GIL in its batched calls, so unserialised calls are a data race there).
 """
 from __future__ import annotations
 
@@ -112,12 +120,28 @@ class _Tier:
 class Placement:
     """Block placement over an ordered stack of tiers (index 0 fastest)."""
 
+    native = False  # this instance runs on the C++ core
+
+    def __new__(cls, tiers: Sequence[TierSpec], policy: PolicyFactory, heat: Optional[HeatTracker] = None,
+                landing: int = 0, *, native: Optional[bool] = None) -> "Placement":
+        if cls is Placement and native is not False:
+            from ucm import placement_native
+
+            why = placement_native.unavailable(policy, heat)
+            if why is None:
+                return object.__new__(placement_native.NativePlacement)
+            if native:
+                raise ArgumentError(f"native placement unavailable: {why}")
+        return object.__new__(cls)
+
     def __init__(
         self,
         tiers: Sequence[TierSpec],
         policy: PolicyFactory,
         heat: Optional[HeatTracker] = None,
         landing: int = 0,
+        *,
+        native: Optional[bool] = None,
     ) -> None:
         if not tiers:
             raise ArgumentError("placement needs at least one tier")
@@ -134,7 +158,9 @@ class Placement:
         self._res: dict[Key, int] = {}  # resident key -> bit mask of the tiers holding it
         self._protect: list[Optional[Key]] = [None] * len(tiers)  # per tier, while making room
         self._parent: dict[Key, Optional[Key]] = {}  # resident anywhere -> parent
-        self._children: dict[Key, set[Key]] = {}  # resident parent -> resident children
+        # resident parent -> resident children, in the order they were linked
+        # (a dict as an ordered set: drops and evictions walk them in that order)
+        self._children: dict[Key, dict[Key, None]] = {}
         self._size: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}  # promised to an engine: stays cached (some tier); counted
         self._holds: dict[Key, int] = {}  # in use where it is: stays in every tier it is in; counted
@@ -391,7 +417,7 @@ class Placement:
         tier a block held nowhere else leaves only with every child it has,
         which must be held nowhere else either (a parent never leaves the
         cache while a child is cached)."""
-        group = keys if isinstance(keys, (set, frozenset)) else set(keys)
+        group = keys if isinstance(keys, (set, frozenset, dict)) else dict.fromkeys(keys)
         tier = self._tiers[t]
         if not group:
             return False
@@ -433,7 +459,7 @@ class Placement:
             if victim is not None:
                 self._evict(victim, t, plan)
             return plan
-        group = set(keys)
+        group = dict.fromkeys(keys)  # an ordered set: evictions in the caller's order
         if not self.may_evict(t, group, protect=protect, relaxed=relaxed):
             return plan
         for k in self._children_first(group):
@@ -474,9 +500,9 @@ class Placement:
         if parent is not None:
             kids = self._children.get(parent)
             if kids is None:
-                self._children[parent] = {key}
+                self._children[parent] = {key: None}
             else:
-                kids.add(key)
+                kids[key] = None
 
     def _unlink(self, key: Key) -> None:
         parent = self._parent.pop(key)
@@ -486,7 +512,7 @@ class Placement:
         if parent is not None:
             kids = self._children.get(parent)
             if kids is not None:
-                kids.discard(key)
+                kids.pop(key, None)
                 if not kids:
                     del self._children[parent]
 
@@ -628,20 +654,21 @@ class Placement:
                         del holds[key]
                     else:
                         holds[key] = n - 1
-                if room:
+                if room and key in self._parent:
                     self._enter(key, lower, size)
                     below.counters.demotions_in += 1
                     plan.append(Step(Op.MOVE, key, t, lower))
                     return
                 plan.append(Step(Op.DROP, key, t))
-                self._drop_descendants(key, plan)
+                if key in self._parent:  # else lost while making room: an ancestor left the cache
+                    self._drop_descendants(key, plan)
                 return
         self._leave(key, t)
         plan.append(Step(Op.DROP, key, t))
         if not elsewhere:
             self._drop_descendants(key, plan)
 
-    def _children_first(self, group: set[Key]) -> list[Key]:
+    def _children_first(self, group: dict[Key, None]) -> list[Key]:
         """The keys of `group` ordered so that each comes after every one of
         its descendants in the group."""
         order: list[Key] = []

@@ -18,9 +18,9 @@ def key(prefix, i):
 def check(p, pinned):
     for t in range(p.tier_count):
         assert p.used_bytes(t) <= p.capacity_bytes(t)
-        assert p.used_bytes(t) == sum(p._tiers[t].blocks.values())
+        assert p.used_bytes(t) == sum(p.size_of(k) for k in p.resident_keys(t))
         for k in p.resident_keys(t):
-            parent = p._parent[k]
+            parent = p.parent_of(k)
             assert parent is None or p.contains(parent), "a cached child always has its cached parent"
     for k in pinned:
         assert p.contains(k), "a pinned block is never evicted"

@@ -13,6 +13,13 @@ same requests:
 Both must make the same decisions (`same_decisions` compares the tiers'
 counters and contents afterwards).
 
+Each is measured on both engines of `Placement`: `python` (ucm/placement.py
+with the Python policy) and, for a policy with a native twin, `native` (the
+C++ core, ucm/placement_native.py); the same decisions are required across
+engines too. `per_block_us_per_block` and `batched_us_per_block` are the
+figures of the engine `Placement` picks by default (native where there is
+one).
+
 Workload (seeded, the same for every policy): requests of
 `blocks_per_request` blocks; a third of them continue the first half of an
 earlier request (a hit prefix, then new blocks behind it), the rest are new.
@@ -30,7 +37,7 @@ import json
 import random
 import statistics
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
@@ -42,6 +49,7 @@ DRAM_REQUESTS = 2  # DRAM capacity, in requests' blocks
 NVME_REQUESTS = 8
 REUSE_SHARE = 1 / 3
 PATHS = ("per_block", "batched")
+ENGINES = ("python", "native")
 
 
 def workload(blocks_per_request: int, requests: int, seed: int = 0) -> list[list[Key]]:
@@ -61,10 +69,15 @@ def workload(blocks_per_request: int, requests: int, seed: int = 0) -> list[list
     return out
 
 
-def make_placement(policy: str, blocks_per_request: int) -> Placement:
+def make_placement(policy: str, blocks_per_request: int, native: Optional[bool] = None) -> Placement:
     specs = [TierSpec("dram", DRAM_REQUESTS * blocks_per_request * BLOCK_BYTES),
              TierSpec("nvme", NVME_REQUESTS * blocks_per_request * BLOCK_BYTES)]
-    return Placement(specs, load_policy(policy), heat=HeatTracker())
+    return Placement(specs, load_policy(policy), heat=HeatTracker(), native=native)
+
+
+def has_native(policy: str) -> bool:
+    """Whether `policy` runs on the native core by default."""
+    return make_placement(policy, 1).native
 
 
 def _request(p: Placement, keys: Sequence[Key], batched: bool) -> None:
@@ -87,25 +100,28 @@ def _state(p: Placement) -> list:
 
 
 def measure(policy: str, blocks_per_request: int, blocks: int, seed: int = 0) -> dict:
-    """One run of both paths: µs per block each, and whether they agree."""
+    """One run of both paths on each engine the policy has: µs per block
+    each (keys `<engine>_<path>`), and whether they all agree."""
     warm = (DRAM_REQUESTS + NVME_REQUESTS) * 2 + 2  # requests until both tiers are full and churning
     timed = max(1, blocks // blocks_per_request)
     reqs = workload(blocks_per_request, warm + timed, seed)
     out: dict = {}
     states = []
-    for path in PATHS:
-        batched = path == "batched"
-        p = make_placement(policy, blocks_per_request)
-        for keys in reqs[:warm]:
-            _request(p, keys, batched)
-        t0 = time.process_time()
-        for keys in reqs[warm:]:
-            _request(p, keys, batched)
-        elapsed = time.process_time() - t0
-        out[path] = elapsed * 1e6 / (timed * blocks_per_request)
-        out[f"{path}_evictions"] = sum(p.counters(t).evictions for t in range(p.tier_count))
-        states.append(_state(p))
-    out["same_decisions"] = states[0] == states[1]
+    engines = ENGINES if has_native(policy) else ENGINES[:1]
+    for engine in engines:
+        for path in PATHS:
+            batched = path == "batched"
+            p = make_placement(policy, blocks_per_request, native=engine == "native")
+            for keys in reqs[:warm]:
+                _request(p, keys, batched)
+            t0 = time.process_time()
+            for keys in reqs[warm:]:
+                _request(p, keys, batched)
+            elapsed = time.process_time() - t0
+            out[f"{engine}_{path}"] = elapsed * 1e6 / (timed * blocks_per_request)
+            out[f"{engine}_{path}_evictions"] = sum(p.counters(t).evictions for t in range(p.tier_count))
+            states.append(_state(p))
+    out["same_decisions"] = all(s == states[0] for s in states)
     return out
 
 
@@ -116,13 +132,23 @@ def run(policies: Sequence[str], sizes: Sequence[int], blocks: int, repeat: int,
     for policy in policies:
         for bpr in sizes:
             runs = [measure(policy, bpr, blocks, seed) for _ in range(repeat)]
+            native = "native_batched" in runs[0]
             row = {"policy": policy, "blocks_per_request": bpr,
                    "timed_requests": max(1, blocks // bpr),
-                   "dram_blocks": DRAM_REQUESTS * bpr, "nvme_blocks": NVME_REQUESTS * bpr}
+                   "dram_blocks": DRAM_REQUESTS * bpr, "nvme_blocks": NVME_REQUESTS * bpr,
+                   "native": native}
+            for engine in ENGINES:
+                for path in PATHS:
+                    k = f"{engine}_{path}"
+                    row[f"{k}_us_per_block"] = (round(statistics.median(r[k] for r in runs), 3)
+                                                if k in runs[0] else None)
+            default = "native" if native else "python"
             for path in PATHS:
-                row[f"{path}_us_per_block"] = round(statistics.median(r[path] for r in runs), 3)
+                row[f"{path}_us_per_block"] = row[f"{default}_{path}_us_per_block"]
             row["speedup"] = round(row["per_block_us_per_block"] / max(row["batched_us_per_block"], 1e-9), 2)
-            row["evictions"] = runs[0]["batched_evictions"]
+            row["native_speedup"] = (round(row["python_batched_us_per_block"]
+                                           / max(row["native_batched_us_per_block"], 1e-9), 2) if native else None)
+            row["evictions"] = runs[0][f"{default}_batched_evictions"]
             row["same_decisions"] = all(r["same_decisions"] for r in runs)
             rows.append(row)
     return {"bench": "placement", "unit": "us_per_block", "repeat": repeat,
@@ -130,11 +156,18 @@ def run(policies: Sequence[str], sizes: Sequence[int], blocks: int, repeat: int,
 
 
 def format_table(doc: dict) -> str:
-    lines = ["| policy | blocks/request | per-block calls (µs/block) | batched (µs/block) | speedup | same decisions |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| policy | blocks/request | python per-block (µs/block) | python batched | native per-block "
+             "| native batched | native speedup | same decisions |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def cell(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
     for r in doc["results"]:
-        lines.append(f"| {r['policy']} | {r['blocks_per_request']} | {r['per_block_us_per_block']:.2f} "
-                     f"| {r['batched_us_per_block']:.2f} | {r['speedup']:.2f}x | {r['same_decisions']} |")
+        lines.append(f"| {r['policy']} | {r['blocks_per_request']} | {cell(r['python_per_block_us_per_block'])} "
+                     f"| {cell(r['python_batched_us_per_block'])} | {cell(r['native_per_block_us_per_block'])} "
+                     f"| {cell(r['native_batched_us_per_block'])} | {cell(r['native_speedup'], '{:.2f}x')} "
+                     f"| {r['same_decisions']} |")
     return "\n".join(lines)
 
 
@@ -171,8 +204,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="placement cost per block, batched calls against per-block calls",
         description=__doc__.split("\n\n")[0],
         epilog=("Output: a table, or with --json one object with `results`, one row per policy and "
-                "request size: per_block_us_per_block, batched_us_per_block, speedup, evictions, "
-                "same_decisions. Example: ucm bench placement --policy all "
+                "request size: python_/native_ per_block/batched _us_per_block (native: null without a "
+                "native twin), per_block_us_per_block and batched_us_per_block of the default engine, "
+                "speedup, native_speedup, evictions, same_decisions. Example: ucm bench placement --policy all "
                 "--blocks-per-request 16,512 --repeat 3 --json"),
     )
     p.add_argument("--policy", default="all", metavar="NAME[,NAME...]",

@@ -26,6 +26,7 @@ T1, T2 = 0, 1
 
 class ArcPolicy(PlacementPolicy):
     name = "arc"
+    native = "arc"  # its twin in cpp/src/placement.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

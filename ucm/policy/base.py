@@ -44,6 +44,19 @@ the configuration is loaded (`check_policy`) and again at construction;
 a bad option is a ConfigError naming `policy.options.<key>`. A policy that
 needs what only a trace replay knows (the oracle's next use) sets
 `live = False`: a live cache refuses it.
+
+Native implementations. A policy class may declare `native = "<name>"`, the
+name of its twin in the C++ placement core (`ucm._native.placement_policies()`,
+cpp/src/placement.cpp), which makes exactly its decisions. `Placement` then
+keeps the whole per-block bookkeeping, tier stack and policy queues in C++
+(ucm/placement_native.py) and creates no instance of the Python class. The
+declaration holds for the class that makes it only, not for subclasses (a
+subclass that changes a method would otherwise be replaced by its parent's
+twin), and only when the policy is loaded through `load_policy` (a
+`BoundPolicy`) with no options. Every other policy, third-party ones from
+the `ucm.policies` entry points included, runs on the Python path. A
+native twin must pass tests/unit/test_placement_native.py, which replays
+generated traces through both paths and compares every plan.
 """
 from __future__ import annotations
 
@@ -86,6 +99,7 @@ class PlacementPolicy(abc.ABC):
     name: str = ""
     Config: type[PolicyOptions] = PolicyOptions
     live: bool = True  # False: needs the trace's future, replay only
+    native: Optional[str] = None  # its twin in the C++ placement core (see the module docstring)
 
     def __init__(self, tier: TierInfo, heat: HeatTracker, **options: Any) -> None:
         self.options = validate_options(type(self), options)
@@ -112,6 +126,31 @@ class PlacementPolicy(abc.ABC):
 
 
 PolicyFactory = Callable[[TierInfo, HeatTracker], PlacementPolicy]
+
+
+@dataclass(frozen=True, eq=False)
+class BoundPolicy:
+    """A policy class with its validated options: the factory `load_policy`
+    returns (call it with a tier and a tracker for one instance)."""
+
+    name: str  # its entry-point name
+    cls: type[PlacementPolicy]
+    options: dict[str, Any]
+
+    def __call__(self, tier: TierInfo, heat: HeatTracker) -> PlacementPolicy:
+        return self.cls(tier, heat, **self.options)
+
+    @property
+    def policy_name(self) -> str:
+        return self.name
+
+    @property
+    def native(self) -> Optional[str]:
+        """The name of the native twin to use instead of the class, or None
+        (see the module docstring)."""
+        if self.options:
+            return None
+        return self.cls.__dict__.get("native")
 
 
 def validate_options(cls: type[PlacementPolicy], options: dict[str, Any]) -> PolicyOptions:
@@ -161,17 +200,12 @@ def check_policy(name: str, options: dict[str, Any], replay: bool = False) -> ty
     return cls
 
 
-def load_policy(name: str, **options: Any) -> PolicyFactory:
+def load_policy(name: str, **options: Any) -> BoundPolicy:
     """Finds the policy class registered as `name` in the `ucm.policies`
     entry points and returns a factory binding `options` (validated now)."""
     cls = load_policy_class(name)
     validate_options(cls, options)
-
-    def factory(tier: TierInfo, heat: HeatTracker) -> PlacementPolicy:
-        return cls(tier, heat, **options)
-
-    factory.policy_name = name  # type: ignore[attr-defined]
-    return factory
+    return BoundPolicy(name, cls, dict(options))
 
 
 def _raise_load_failure(manager: Any, entrypoint: Any, exc: BaseException) -> None:

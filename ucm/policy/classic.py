@@ -28,6 +28,7 @@ class LruPolicy(PlacementPolicy):
     """
 
     name = "lru"
+    native = "lru"  # its twin in cpp/src/placement.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
@@ -60,6 +61,7 @@ class FifoPolicy(PlacementPolicy):
     """
 
     name = "fifo"
+    native = "fifo"  # its twin in cpp/src/placement.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
@@ -93,6 +95,7 @@ class LfuPolicy(PlacementPolicy):
     """
 
     name = "lfu"
+    native = "lfu"  # its twin in cpp/src/placement.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

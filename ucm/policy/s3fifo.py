@@ -29,6 +29,7 @@ S, M = 0, 1
 
 class S3FifoPolicy(PlacementPolicy):
     name = "s3fifo"
+    native = "s3fifo"  # its twin in cpp/src/placement.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

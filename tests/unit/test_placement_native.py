@@ -1,0 +1,232 @@
+"""The native placement core against the Python path: every decision, step by step.
+
+Each policy with a native twin replays the same generated workload through
+`Placement(..., native=False)` and `Placement(..., native=True)`: requests
+over a prefix forest (shared prefixes, branches, continuations), stored per
+block and as runs, hits promoted, pins and holds, reclaims, removals,
+adapter-named evictions and restored blocks; every plan, every placed flag
+and, after each request, every tier's contents and counters must agree.
+"""
+import random
+
+import pytest
+
+from ucm.errors import ArgumentError
+from ucm.heat import HeatTracker
+from ucm.placement import Op, Placement, Step, TierSpec
+from ucm.placement_native import NativePlacement
+from ucm.policy.base import load_policy
+
+NATIVE = ["lru", "fifo", "lfu", "arc", "s3fifo"]
+
+
+def key(i):
+    return i.to_bytes(16, "little")
+
+
+def workload(seed, n):
+    """Requests as key lists over a forest of documents that grow and branch."""
+    rnd = random.Random(seed)
+    docs = [[key(d * 1000 + i) for i in range(rnd.randint(1, 6))] for d in range(20)]
+    fresh = [10 ** 6]
+    out = []
+    for _ in range(n):
+        doc = rnd.choice(docs)
+        r = rnd.random()
+        if r < 0.3:
+            fresh[0] += 1
+            doc.append(key(fresh[0]))  # the conversation goes on
+        elif r < 0.4:
+            cut = rnd.randint(1, len(doc))
+            branch = doc[:cut]
+            for _ in range(rnd.randint(1, 4)):
+                fresh[0] += 1
+                branch.append(key(fresh[0]))
+            docs.append(branch)  # a new branch off a shared prefix
+            doc = branch
+        out.append(doc[:rnd.randint(1, len(doc))])
+    return out
+
+
+def state(p):
+    return [(p.counters(t), sorted(p.resident_keys(t)), p.used_bytes(t), p.blocks(t))
+            for t in range(p.tier_count)]
+
+
+class Pair:
+    """Both engines, driven alike; every answer compared."""
+
+    def __init__(self, policy, tiers, landing=0):
+        specs = [TierSpec(f"t{i}", c) for i, c in enumerate(tiers)]
+        self.py = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=400), landing=landing,
+                            native=False)
+        self.nat = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=400), landing=landing,
+                             native=True)
+        assert type(self.py) is Placement and type(self.nat) is NativePlacement
+        self.links = [set(), set()]
+        for i, p in enumerate((self.py, self.nat)):
+            p.watch(self.links[i].add, self.links[i].discard)
+
+    def call(self, name, *args, **kwargs):
+        a = getattr(self.py, name)(*args, **kwargs)
+        b = getattr(self.nat, name)(*args, **kwargs)
+        assert a == b, f"{name}{args}: python {a} != native {b}"
+        return a
+
+    def check(self):
+        assert state(self.py) == state(self.nat)
+        assert self.links[0] == self.links[1]
+        assert self.py.heat.now == self.nat.heat.now
+
+
+def drive(pair, reqs, seed, sizes=(1, 2, 3)):
+    rnd = random.Random(seed)
+    pinned = []
+    for step, keys in enumerate(reqs):
+        size = rnd.choice(sizes)
+        pair.call("record_request", keys)
+        hit = pair.call("lookup", keys)
+        pair.call("locate", keys)
+        for k in keys[:hit]:
+            if rnd.random() < 0.5:
+                pair.call("promote", k, force=rnd.random() < 0.2)
+        parent = keys[hit - 1] if hit else None
+        if rnd.random() < 0.5:
+            pair.call("insert_run", keys[hit:], parent, [size] * (len(keys) - hit))
+        else:
+            for k in keys[hit:]:
+                if not pair.call("insert", k, parent, size).placed:
+                    break
+                parent = k
+        pair.call("touch", keys)
+        r = rnd.random()
+        cached = [k for k in keys if pair.py.contains(k)]
+        if r < 0.08 and cached:
+            ks = rnd.sample(cached, min(2, len(cached)))
+            pair.call("pin", ks)
+            pinned.append(ks)
+        elif r < 0.14 and pinned:
+            pair.call("unpin", pinned.pop(0))
+        elif r < 0.18 and cached:
+            k = rnd.choice(cached)
+            pair.call("hold", [k])
+            pair.call("insert", key(5 * 10 ** 6 + step), k, size)
+            pair.call("unhold", [k])
+        elif r < 0.22 and cached:
+            k = rnd.choice(cached)
+            pair.call("remove", k, rnd.choice([None] + pair.py.tiers_of(k)))
+        elif r < 0.27:
+            t = rnd.randrange(pair.py.tier_count)
+            pair.call("reclaim", t, rnd.randint(1, 4), rnd.randint(1, 3))
+        elif r < 0.33:
+            t = rnd.randrange(pair.py.tier_count)
+            res = sorted(pair.py.resident_keys(t))
+            if res:
+                named = rnd.sample(res, min(3, len(res)))
+                protect = rnd.choice([None, named[0]])
+                relaxed = rnd.random() < 0.5
+                pair.call("may_evict", t, named[:1], protect=protect, relaxed=relaxed)
+                pair.call("evict_keys", t, named, any_one=True, protect=protect, relaxed=relaxed)
+                pair.call("evict_keys", t, named[-1:], protect=None, relaxed=relaxed)
+        elif r < 0.36:
+            pair.call("insert", key(7 * 10 ** 6 + step), None, size, tier=pair.py.tier_count - 1, restored=True)
+        if rnd.random() < 0.1:
+            pair.call("finish_request", keys, rnd.choice([10, 500]))
+        for k in keys:
+            pair.call("where", k)
+            pair.call("tiers_of", k)
+            pair.call("size_of", k)
+            pair.call("parent_of", k)
+            pair.call("contains", k)
+        pair.check()
+
+
+@pytest.mark.parametrize("policy", NATIVE)
+@pytest.mark.parametrize("tiers", [(9,), (6, 14), (4, 7, 12)])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_native_core_makes_every_decision_of_the_python_path(policy, tiers, seed):
+    pair = Pair(policy, tiers)
+    drive(pair, workload(seed, 300), seed)
+    assert any(pair.py.counters(t).evictions for t in range(pair.py.tier_count)), "the tiers churned"
+
+
+@pytest.mark.parametrize("policy", NATIVE)
+def test_same_decisions_with_a_landing_tier_below_the_top(policy):
+    pair = Pair(policy, (5, 8, 20), landing=1)
+    drive(pair, workload(3, 200), 3)
+
+
+@pytest.mark.parametrize("policy", NATIVE)
+def test_same_decisions_when_history_forgets_parents(policy):
+    specs = [TierSpec("dram", 6), TierSpec("nvme", 12)]
+    pair = Pair(policy, (6, 12))
+    for i, p in enumerate((pair.py, pair.nat)):  # a tiny history: parents are forgotten while resident
+        heat = HeatTracker(50, history_blocks=8)
+        new = Placement(specs, load_policy(policy), heat, native=bool(i))
+        new.watch(pair.links[i].add, pair.links[i].discard)
+        if i:
+            pair.nat = new
+        else:
+            pair.py = new
+    pair.links[0].clear()
+    pair.links[1].clear()
+    drive(pair, workload(4, 250), 4)
+
+
+def test_policies_without_a_native_twin_stay_on_the_python_path():
+    for name in ("tinylfu", "heat", "opt"):
+        assert type(Placement([TierSpec("dram", 4)], load_policy(name), HeatTracker())) is Placement
+        with pytest.raises(ArgumentError, match="no native twin"):
+            Placement([TierSpec("dram", 4)], load_policy(name), HeatTracker(), native=True)
+    # A factory that is not a BoundPolicy (a third-party callable) runs in Python too.
+    factory = load_policy("lru")
+    p = Placement([TierSpec("dram", 4)], lambda tier, heat: factory(tier, heat))
+    assert type(p) is Placement
+
+
+def test_a_subclass_does_not_inherit_the_native_twin():
+    from ucm.policy.base import BoundPolicy
+    from ucm.policy.classic import LruPolicy
+
+    class Mine(LruPolicy):
+        name = "mine"
+
+    assert BoundPolicy("mine", Mine, {}).native is None
+    assert BoundPolicy("lru", LruPolicy, {}).native == "lru"
+
+
+def test_a_tracker_with_history_keeps_the_python_path():
+    heat = HeatTracker()
+    heat.tick()
+    heat.touch(key(1))
+    assert type(Placement([TierSpec("dram", 4)], load_policy("lru"), heat)) is Placement
+
+
+def test_plans_are_steps_of_the_python_types():
+    p = Placement([TierSpec("dram", 2), TierSpec("nvme", 4)], load_policy("lru"))
+    a, b, c = key(1), key(2), key(3)
+    p.record_request([a, b, c])
+    d = p.insert_run([a, b, c], None, [1, 1, 1])
+    assert d.placed == [True, True, True] and d.stop == 3
+    assert all(type(s) is Step for s in d.plan)
+    # c's parent b stays (protected), so a, a parent, is demoted ahead of its child.
+    assert d.plan == [Step(Op.WRITE, a, None, 0), Step(Op.WRITE, b, None, 0), Step(Op.MOVE, a, 0, 1),
+                      Step(Op.WRITE, c, None, 0)]
+    assert p.where(c) == 0 and p.tiers_of(a) == [1]
+    assert p.parent_of(b) == a and p.size_of(c) == 1 and p.size_of(key(9)) is None
+    with pytest.raises(ArgumentError, match="size_bytes must be > 0"):
+        p.insert(key(4), c, 0)
+    with pytest.raises(ArgumentError, match="2 keys but 1 sizes"):
+        p.insert_run([key(4), key(5)], c, [1])
+    with pytest.raises(IndexError):
+        p.used_bytes(2)
+
+
+def test_long_and_short_keys_round_trip():
+    p = Placement([TierSpec("dram", 10)], load_policy("lru"))
+    keys = [b"", b"a", b"x" * 16, b"y" * 17, b"z" * 40]
+    p.record_request(keys)
+    d = p.insert_run(keys, None, [1] * len(keys))
+    assert d.placed == [True] * len(keys)
+    assert sorted(p.resident_keys(0)) == sorted(keys)
+    assert [p.parent_of(k) for k in keys] == [None] + keys[:-1]
