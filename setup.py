@@ -6,11 +6,13 @@ from setuptools import setup
 
 ROOT = Path(__file__).parent
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp" / "src").glob("*.cpp"))
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp" / "include" / "ucm").glob("*.hpp"))
 
 native = Pybind11Extension(
     "ucm._native",
     ["cpp/bindings/module.cpp", *SOURCES],
     include_dirs=["cpp/include", "cpp/third_party/xxhash"],
+    depends=HEADERS,  # an edited header rebuilds every source
     cxx_std=17,
     extra_compile_args=["-O3"],
     extra_link_args=["-pthread"],

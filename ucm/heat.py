@@ -33,7 +33,7 @@ import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Protocol, TypeVar
+from typing import Any, Iterable, Optional, Protocol, Sequence, TypeVar
 
 from ucm.errors import ArgumentError
 
@@ -212,6 +212,54 @@ class HeatTracker:
             self.parents[s] = parent
         self.next_uses[s] = next_use
         flags[s] = (f & LONG_OUT) | (TAIL if first else 0) | (EXT if ext else 0)
+
+    def touch_request(self, keys: Sequence[Key], parent: Optional[Key] = None,
+                      next_uses: Optional[Sequence[float]] = None) -> None:
+        """Records one access to each block of a request, deepest first:
+        exactly `touch(keys[i], keys[i - 1], next_uses[i])` for i from
+        `len(keys) - 1` down to 1, then `touch(keys[0], parent,
+        next_uses[0])` (next use INF without `next_uses`), in one call."""
+        if self._listeners:  # listeners see every step: the plain calls
+            touch = self.touch
+            for i in range(len(keys) - 1, 0, -1):
+                touch(keys[i], keys[i - 1], INF if next_uses is None else next_uses[i])
+            if keys:
+                touch(keys[0], parent, INF if next_uses is None else next_uses[0])
+            return
+        slots = self._slots
+        get, move, new = slots.get, slots.move_to_end, self._new
+        now, lam, exp = self.now, self._lam, math.exp
+        score, stamp, last, count, gaps = self.score, self.stamp, self.last, self.count, self.gaps
+        nus, flags, parents = self.next_uses, self.flags, self.parents
+        first = self._first
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            up = keys[i - 1] if i else parent
+            s = get(key)
+            if s is None:
+                s = new(key)
+            else:
+                move(key)
+            ps = get(up) if up is not None else None
+            ext = ps is not None and count[ps] > 0 and last[ps] < now
+            f = flags[s]
+            prev = last[s]
+            if prev < 0 and ps is not None:
+                f = (f & ~LONG_OUT) | (flags[ps] & LONG_OUT)
+            if prev >= 0:
+                gap = float(now - prev)
+                g = gaps[s]
+                gaps[s] = gap if g == 0.0 else 0.5 * g + 0.5 * gap
+            score[s] = score[s] * exp(-lam * (now - stamp[s])) + 1.0
+            stamp[s] = now
+            last[s] = now
+            count[s] += 1
+            if up is not None:
+                parents[s] = up
+            nus[s] = INF if next_uses is None else next_uses[i]
+            flags[s] = (f & LONG_OUT) | (TAIL if first else 0) | (EXT if ext else 0)
+            first = False
+        self._first = first
 
     def finish(self, keys: Iterable[Key], output_tokens: int) -> list[Key]:
         """The request that used `keys` finished after generating

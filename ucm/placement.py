@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 from ucm.errors import ArgumentError
-from ucm.heat import INF, HeatTracker, Key
+from ucm.heat import HeatTracker, Key
 from ucm.policy.base import Admission, PlacementPolicy, PolicyFactory, TierInfo
 
 
@@ -265,15 +265,7 @@ class Placement:
         prefix), so the tracker knows what keys[0] follows."""
         heat = self.heat
         heat.tick()
-        touch = heat.touch
-        if next_uses is None:
-            for i in range(len(keys) - 1, 0, -1):
-                touch(keys[i], keys[i - 1])
-        else:
-            for i in range(len(keys) - 1, 0, -1):
-                touch(keys[i], keys[i - 1], next_uses[i])
-        if keys:
-            touch(keys[0], parent, INF if next_uses is None else next_uses[0])
+        heat.touch_request(keys, parent, next_uses)
 
     def finish_request(self, keys: Sequence[Key], output_tokens: int) -> None:
         """The request that used `keys` finished after generating

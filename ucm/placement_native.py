@@ -7,8 +7,9 @@ history yet. The core (cpp/src/placement.cpp, bound as
 `ucm._native.PlacementCore`) keeps the tier membership, sizes, the prefix
 tree, pins, holds and the policy's queues, and makes exactly the decisions
 of the Python path (tests/unit/test_placement_native.py compares every
-plan). This class converts: keys and plans cross once per call, a batched
-call (`record_request`, `insert_run`, `touch`) once per request.
+plan). This class converts: keys (bytes) and plans cross once per call, a
+batched call (`record_request`, `insert_run`, `touch`) once per request.
+`resident_keys` answers a list (a snapshot), `counters` a snapshot too.
 
 The HeatTracker stays the Python one, updated by `record_request` as on the
 Python path (the cache and the replay read its clock and records); the core
@@ -156,7 +157,9 @@ class NativePlacement(Placement):
     # ---- accesses ----------------------------------------------------------
     def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None,
                        parent: Optional[Key] = None) -> None:
-        Placement.record_request(self, keys, next_uses, parent)  # the HeatTracker, as on the Python path
+        heat = self.heat  # the HeatTracker, as on the Python path
+        heat.tick()
+        heat.touch_request(keys, parent, next_uses)
         self._core.record_request(keys, parent)
 
     def finish_request(self, keys: Sequence[Key], output_tokens: int) -> None:

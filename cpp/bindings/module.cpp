@@ -129,17 +129,27 @@ struct PlacementHandle {
     return out;
   }
 
+  // The plan as a list of Steps. Step is a tuple subclass without slots of
+  // its own, allocated here as tuple.__new__ would and filled in place. Each
+  // is then untracked by the cycle collector: it holds an Op member, bytes
+  // and ints only, so it can never be part of a cycle, and a run's
+  // thousands of Steps, alive until the caller drops the plan, would
+  // otherwise drive collections of the whole heap.
   py::list plan_of(const ucm::PlanSteps& steps) const {
     py::list out(steps.size());
     auto* type = reinterpret_cast<PyTypeObject*>(step_type.ptr());
     for (std::size_t i = 0; i < steps.size(); ++i) {
       const ucm::PlanStep& s = steps[i];
-      py::tuple fields = py::make_tuple(ops[static_cast<int>(s.op)], bytes(s.key),
-                                        s.src < 0 ? py::none() : py::object(py::int_(s.src)),
-                                        s.dst < 0 ? py::none() : py::object(py::int_(s.dst)));
-      py::tuple args = py::make_tuple(fields);
-      PyObject* step = PyTuple_Type.tp_new(type, args.ptr(), nullptr);  // tuple.__new__(Step, fields)
+      py::object key = bytes(s.key);
+      py::object src = s.src < 0 ? py::object(py::none()) : py::object(py::int_(s.src));
+      py::object dst = s.dst < 0 ? py::object(py::none()) : py::object(py::int_(s.dst));
+      PyObject* step = type->tp_alloc(type, 4);
       if (step == nullptr) throw py::error_already_set();
+      PyTuple_SET_ITEM(step, 0, ops[static_cast<int>(s.op)].inc_ref().ptr());
+      PyTuple_SET_ITEM(step, 1, key.release().ptr());
+      PyTuple_SET_ITEM(step, 2, src.release().ptr());
+      PyTuple_SET_ITEM(step, 3, dst.release().ptr());
+      PyObject_GC_UnTrack(step);
       PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i), step);
     }
     return out;
@@ -380,6 +390,11 @@ PYBIND11_MODULE(_native, m) {
              if (ops.size() != 4) throw ArgumentError("ops must name the 4 step kinds, got " + std::to_string(ops.size()));
              std::vector<ucm::TierSetup> setup;
              for (const auto& [name, cap] : tiers) setup.push_back({name, cap});
+             auto* type = reinterpret_cast<PyTypeObject*>(step_type.ptr());
+             if (!PyType_Check(step_type.ptr()) || !PyType_IsSubtype(type, &PyTuple_Type) ||
+                 type->tp_basicsize != PyTuple_Type.tp_basicsize) {
+               throw ArgumentError("step_type must be a tuple subclass without slots (ucm.placement.Step)");
+             }
              auto h = std::make_unique<PlacementHandle>();
              h->core = std::make_unique<ucm::PlacementCore>(setup, kind, history_blocks, landing);
              h->step_type = std::move(step_type);

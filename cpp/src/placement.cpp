@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -47,19 +48,29 @@ void HeatMirror::touch(const BlockKey& key, const BlockKey* parent) {
   auto it = records_.find(key);
   if (it == records_.end()) {
     if (records_.size() >= capacity_) {  // forget the least recently accessed
-      auto old = by_order_.end();
-      while ((old = by_order_.find(oldest_)) == by_order_.end()) ++oldest_;
-      records_.erase(old->second);
-      by_order_.erase(old);
-      ++oldest_;
+      for (;;) {
+        auto [order, old] = order_.front();
+        order_.pop_front();
+        auto r = records_.find(old);
+        if (r != records_.end() && r->second.order == order) {
+          records_.erase(r);
+          break;
+        }
+      }
     }
     it = records_.emplace(key, Record{std::nullopt, 0}).first;
-  } else {
-    by_order_.erase(it->second.order);
   }
-  it->second.order = next_order_++;
-  by_order_.emplace(it->second.order, key);
+  it->second.order = next_order_;
   if (parent != nullptr) it->second.parent = *parent;
+  order_.emplace_back(next_order_++, key);
+  if (order_.size() > 1024 + 2 * records_.size()) {  // mostly stale: keep the live entries, in order
+    std::deque<std::pair<std::uint64_t, BlockKey>> live;
+    for (auto& entry : order_) {
+      auto r = records_.find(entry.second);
+      if (r != records_.end() && r->second.order == entry.first) live.push_back(entry);
+    }
+    order_.swap(live);
+  }
 }
 
 const BlockKey* HeatMirror::parent(const BlockKey& key) const {
@@ -71,13 +82,16 @@ const BlockKey* HeatMirror::parent(const BlockKey& key) const {
 namespace {
 
 // ---- LeafQueues (ucm/policy/leafqueue.py) ----------------------------------
-// Live entries of each queue in a sorted set of (priority, key); a parent
-// that fails the predicate while it has resident children here is parked
-// (in park order) until its last child leaves or `wake`.
+// As there: a min-heap of (priority, key) per queue with lazy invalidation
+// (an entry is live while it matches the block's current queue and
+// priority and the block is not parked); a parent that fails the predicate
+// while it has resident children here is parked (in park order) until its
+// last child leaves or `wake`. The policies' priorities never tie, so the
+// order the heaps give is the Python one.
 template <class Prio>
 class LeafQueues {
  public:
-  LeafQueues(const HeatMirror& heat, int queues) : heat_(heat), sets_(static_cast<std::size_t>(queues)) {}
+  LeafQueues(const HeatMirror& heat, int queues) : heat_(heat), heaps_(static_cast<std::size_t>(queues)) {}
 
   std::size_t size() const { return where_.size(); }
   bool contains(const BlockKey& key) const { return where_.count(key) != 0; }
@@ -87,8 +101,7 @@ class LeafQueues {
   }
 
   void add(const BlockKey& key, int queue, const Prio& prio) {
-    auto it = where_.find(key);
-    if (it != where_.end()) {
+    if (where_.count(key) != 0) {
       update(key, queue, prio);
       return;
     }
@@ -98,17 +111,15 @@ class LeafQueues {
       ++kids_[*parent];
     }
     where_.emplace(key, std::move(e));
-    sets_[static_cast<std::size_t>(queue)].emplace(prio, key);
+    push(key, queue, prio);
   }
 
   void update(const BlockKey& key, int queue, const Prio& prio) {
     auto it = where_.find(key);
     if (it == where_.end()) return;
-    Entry& e = it->second;
-    if (e.parked == 0) sets_[static_cast<std::size_t>(e.queue)].erase({e.prio, key});
-    e.queue = queue;
-    e.prio = prio;
-    if (e.parked == 0) sets_[static_cast<std::size_t>(queue)].emplace(prio, key);
+    it->second.queue = queue;
+    it->second.prio = prio;
+    if (it->second.parked == 0) push(key, queue, prio);
   }
 
   void wake(const BlockKey& key) {
@@ -119,42 +130,50 @@ class LeafQueues {
   void remove(const BlockKey& key) {
     auto it = where_.find(key);
     if (it == where_.end()) return;
-    Entry& e = it->second;
-    if (e.parked != 0) {
-      parked_.erase(e.parked);
-    } else {
-      sets_[static_cast<std::size_t>(e.queue)].erase({e.prio, key});
-    }
-    OptKey parent = std::move(e.parent);
+    if (it->second.parked != 0) parked_.erase(it->second.parked);
+    OptKey parent = std::move(it->second.parent);
     where_.erase(it);
     if (!parent) return;
     auto k = kids_.find(*parent);
     if (k != kids_.end() && --k->second == 0) {
       kids_.erase(k);
       auto p = where_.find(*parent);
-      if (p != where_.end() && p->second.parked != 0) unpark(*parent, p->second);
+      if (p != where_.end() && p->second.parked != 0) unpark(*parent, p->second);  // a candidate again
     }
   }
 
   // The lowest block of `queue` passing `pred`, left in place; false if none.
   bool head(int queue, const KeyPred& pred, BlockKey* out, Prio* prio = nullptr) {
-    auto& set = sets_[static_cast<std::size_t>(queue)];
-    for (auto it = set.begin(); it != set.end();) {
-      const BlockKey& key = it->second;
-      if (pred(key)) {
-        *out = key;
-        if (prio != nullptr) *prio = it->first;
-        return true;
+    auto& heap = heaps_[static_cast<std::size_t>(queue)];
+    skipped_.clear();
+    bool found = false;
+    while (!heap.empty()) {
+      const Item& top = heap.front();
+      auto w = where_.find(top.second);
+      if (w == where_.end() || w->second.queue != queue || !(w->second.prio == top.first) || w->second.parked != 0) {
+        pop(heap);  // stale
+        continue;
       }
-      if (kids_.count(key) != 0) {
-        where_.find(key)->second.parked = ++park_seq_;
-        parked_.emplace(park_seq_, key);
-        it = set.erase(it);
+      if (pred(top.second)) {
+        *out = top.second;
+        if (prio != nullptr) *prio = top.first;
+        found = true;
+        break;
+      }
+      if (kids_.count(top.second) != 0) {
+        w->second.parked = ++park_seq_;  // back when its last child leaves
+        parked_.emplace(park_seq_, top.second);
+        pop(heap);
       } else {
-        ++it;
+        skipped_.push_back(top);
+        pop(heap);
       }
     }
-    return false;
+    for (auto& item : skipped_) {
+      heap.push_back(std::move(item));
+      std::push_heap(heap.begin(), heap.end(), Later());
+    }
+    return found;
   }
 
   bool fallback(const KeyPred& pred, BlockKey* out) const {
@@ -174,22 +193,50 @@ class LeafQueues {
     OptKey parent;
     std::uint64_t parked;  // 0: in its queue, else its park order
   };
+  using Item = std::pair<Prio, BlockKey>;
+  struct Later {  // std::push_heap keeps the greatest first: invert for a min-heap
+    bool operator()(const Item& a, const Item& b) const {
+      if (a.first < b.first) return false;
+      if (b.first < a.first) return true;
+      return b.second < a.second;
+    }
+  };
+
+  static void pop(std::vector<Item>& heap) {
+    std::pop_heap(heap.begin(), heap.end(), Later());
+    heap.pop_back();
+  }
 
   void unpark(const BlockKey& key, Entry& e) {
     parked_.erase(e.parked);
     e.parked = 0;
-    sets_[static_cast<std::size_t>(e.queue)].emplace(e.prio, key);
+    push(key, e.queue, e.prio);
+  }
+
+  void push(const BlockKey& key, int queue, const Prio& prio) {
+    auto& heap = heaps_[static_cast<std::size_t>(queue)];
+    heap.emplace_back(prio, key);
+    std::push_heap(heap.begin(), heap.end(), Later());
+    if (heap.size() > 64 + 4 * where_.size()) {  // mostly stale: rebuild from the live entries
+      heap.clear();
+      for (const auto& kv : where_) {
+        if (kv.second.queue == queue && kv.second.parked == 0) heap.emplace_back(kv.second.prio, kv.first);
+      }
+      std::make_heap(heap.begin(), heap.end(), Later());
+    }
   }
 
   const HeatMirror& heat_;
-  std::vector<std::set<std::pair<Prio, BlockKey>>> sets_;
+  std::vector<std::vector<Item>> heaps_;
+  std::vector<Item> skipped_;
   KeyMap<Entry> where_;
   KeyMap<int> kids_;  // parent -> its resident children here
   std::map<std::uint64_t, BlockKey> parked_;
   std::uint64_t park_seq_ = 0;
 };
 
-// An insertion-ordered map of key -> bytes (Python's OrderedDict as the ghosts use it).
+// An insertion-ordered map of key -> bytes (Python's OrderedDict as the
+// ghosts use it): a queue of (order, key) with lazy invalidation.
 class GhostList {
  public:
   bool contains(const BlockKey& key) const { return at_.count(key) != 0; }
@@ -198,31 +245,45 @@ class GhostList {
   std::int64_t pop(const BlockKey& key) {
     auto it = at_.find(key);
     std::int64_t size = it->second.second;
-    order_.erase(it->second.first);
     at_.erase(it);
     return size;
   }
   void put(const BlockKey& key, std::int64_t size) {
     auto it = at_.find(key);
-    if (it != at_.end()) {
+    if (it != at_.end()) {  // keeps its place, as an OrderedDict does
       it->second.second = size;
       return;
     }
-    order_.emplace(next_, key);
+    order_.emplace_back(next_, key);
     at_.emplace(key, std::make_pair(next_++, size));
+    if (order_.size() > 64 + 2 * at_.size()) compact();
   }
   std::int64_t pop_oldest() {
-    auto first = order_.begin();
-    auto it = at_.find(first->second);
-    std::int64_t size = it->second.second;
-    at_.erase(it);
-    order_.erase(first);
-    return size;
+    for (;;) {
+      auto& [seq, key] = order_.front();
+      auto it = at_.find(key);
+      if (it != at_.end() && it->second.first == seq) {
+        std::int64_t size = it->second.second;
+        at_.erase(it);
+        order_.pop_front();
+        return size;
+      }
+      order_.pop_front();  // stale
+    }
   }
 
  private:
-  std::map<std::uint64_t, BlockKey> order_;
-  KeyMap<std::pair<std::uint64_t, std::int64_t>> at_;
+  void compact() {
+    std::deque<std::pair<std::uint64_t, BlockKey>> live;
+    for (auto& entry : order_) {
+      auto it = at_.find(entry.second);
+      if (it != at_.end() && it->second.first == entry.first) live.push_back(entry);
+    }
+    order_.swap(live);
+  }
+
+  std::deque<std::pair<std::uint64_t, BlockKey>> order_;
+  KeyMap<std::pair<std::uint64_t, std::int64_t>> at_;  // key -> (order, bytes)
   std::uint64_t next_ = 0;
 };
 
@@ -298,18 +359,17 @@ class ArcPolicy : public PolicyCore {
       lst = kT2;
     }
     ++seq_;
-    sizes_[key] = size;
+    meta_[key] = Meta{size, heat_.now()};
     tb_[lst] += size;
     lists_.add(key, lst, seq_);
-    born_[key] = heat_.now();
     trim_ghosts();
   }
 
   void on_hit(const BlockKey& key) override {
     int lst = lists_.queue_of(key);
     if (lst < 0) return;
-    auto b = born_.find(key);
-    if (lst == kT1 && b != born_.end() && b->second == heat_.now()) {
+    auto m = meta_.find(key);
+    if (lst == kT1 && m != meta_.end() && m->second.born == heat_.now()) {
       place(key, kT1);  // the storing access itself
     } else {
       place(key, kT2);
@@ -320,10 +380,9 @@ class ArcPolicy : public PolicyCore {
     int lst = lists_.queue_of(key);
     if (lst < 0) return;
     lists_.remove(key);
-    born_.erase(key);
-    auto s = sizes_.find(key);
-    std::int64_t size = s->second;
-    sizes_.erase(s);
+    auto m = meta_.find(key);
+    std::int64_t size = m->second.size;
+    meta_.erase(m);
     tb_[lst] -= size;
     (lst == kT1 ? b1_ : b2_).put(key, size);
     bb_[lst] += size;
@@ -344,7 +403,7 @@ class ArcPolicy : public PolicyCore {
     ++seq_;
     int old = lists_.queue_of(key);
     if (old >= 0 && old != lst) {
-      std::int64_t size = sizes_.at(key);
+      std::int64_t size = meta_.at(key).size;
       tb_[old] -= size;
       tb_[lst] += size;
     }
@@ -361,11 +420,14 @@ class ArcPolicy : public PolicyCore {
   double p_ = 0.0;
   LeafQueues<std::int64_t> lists_;
   std::int64_t seq_ = 0;
-  KeyMap<std::int64_t> sizes_;
+  struct Meta {  // a resident block: bytes, clock of its insertion
+    std::int64_t size;
+    std::int64_t born;
+  };
+  KeyMap<Meta> meta_;
   std::int64_t tb_[2] = {0, 0};
   GhostList b1_, b2_;
   std::int64_t bb_[2] = {0, 0};
-  KeyMap<std::int64_t> born_;
 };
 
 // ---- s3fifo.py ---------------------------------------------------------------
@@ -386,26 +448,22 @@ class S3FifoPolicy : public PolicyCore {
       s_bytes_ += size;
       ++s_count_;
     }
-    sizes_[key] = size;
-    freq_[key] = 0;
-    born_[key] = heat_.now();
+    meta_[key] = Meta{size, 0, heat_.now()};
   }
 
   void on_hit(const BlockKey& key) override {
-    auto f = freq_.find(key);
-    if (f == freq_.end() || born_.at(key) == heat_.now() || f->second >= kMaxFreq) return;
-    if (f->second++ == 0) queues_.wake(key);  // now due to move on even if it cannot go
+    auto m = meta_.find(key);
+    if (m == meta_.end() || m->second.born == heat_.now() || m->second.freq >= kMaxFreq) return;
+    if (m->second.freq++ == 0) queues_.wake(key);  // now due to move on even if it cannot go
   }
 
   void on_remove(const BlockKey& key) override {
     int q = queues_.queue_of(key);
     if (q < 0) return;
     queues_.remove(key);
-    freq_.erase(key);
-    born_.erase(key);
-    auto s = sizes_.find(key);
-    std::int64_t size = s->second;
-    sizes_.erase(s);
+    auto m = meta_.find(key);
+    std::int64_t size = m->second.size;
+    meta_.erase(m);
     if (q == kS) {
       s_bytes_ -= size;
       --s_count_;
@@ -417,30 +475,30 @@ class S3FifoPolicy : public PolicyCore {
 
   bool victim(const KeyPred& evictable, BlockKey* out) override {
     KeyPred candidate = [this, &evictable](const BlockKey& key) {  // due for a decision: to move on, or to go
-      return freq_.at(key) > 0 || evictable(key);
+      return meta_.at(key).freq > 0 || evictable(key);
     };
     BlockKey key;
     for (int round = 0; round < kMaxFreq + 2; ++round) {
-      if (static_cast<double>(s_bytes_) >= small_cap_ || static_cast<std::int64_t>(sizes_.size()) == s_count_) {
+      if (static_cast<double>(s_bytes_) >= small_cap_ || static_cast<std::int64_t>(meta_.size()) == s_count_) {
         while (queues_.head(kS, candidate, &key)) {
-          std::int64_t& f = freq_.at(key);
-          if (f == 0) {
+          Meta& m = meta_.at(key);
+          if (m.freq == 0) {
             *out = key;
             return true;
           }
           enqueue(key, kM);  // accessed again while in S: on to M
-          s_bytes_ -= sizes_.at(key);
+          s_bytes_ -= m.size;
           --s_count_;
-          f = 0;
+          m.freq = 0;
         }
       }
       while (queues_.head(kM, candidate, &key)) {
-        std::int64_t& f = freq_.at(key);
-        if (f == 0) {
+        Meta& m = meta_.at(key);
+        if (m.freq == 0) {
           *out = key;
           return true;
         }
-        --f;
+        --m.freq;
         enqueue(key, kM);  // second chance
       }
       if (queues_.head(kS, evictable, out)) return true;
@@ -466,13 +524,16 @@ class S3FifoPolicy : public PolicyCore {
   double ghost_cap_;
   LeafQueues<std::int64_t> queues_;
   std::int64_t seq_ = 0;
-  KeyMap<std::int64_t> sizes_;
+  struct Meta {  // a resident block: bytes, accesses (capped), clock of its insertion
+    std::int64_t size;
+    std::int64_t freq;
+    std::int64_t born;
+  };
+  KeyMap<Meta> meta_;
   std::int64_t s_bytes_ = 0;
   std::int64_t s_count_ = 0;
   GhostList g_;
   std::int64_t g_bytes_ = 0;
-  KeyMap<std::int64_t> freq_;
-  KeyMap<std::int64_t> born_;
 };
 
 std::unique_ptr<PolicyCore> make_policy(PolicyKind kind, const HeatMirror& heat, std::int64_t capacity) {
@@ -545,7 +606,9 @@ PlacementCore::PlacementCore(const std::vector<TierSetup>& tiers, PolicyKind pol
                              int landing)
     : landing_(landing), heat_(history_blocks) {
   if (tiers.empty()) throw std::invalid_argument("placement needs at least one tier");
-  if (tiers.size() > 32) throw std::invalid_argument("placement takes at most 32 tiers");
+  if (tiers.size() > static_cast<std::size_t>(kMaxTiers)) {
+    throw std::invalid_argument("placement takes at most " + std::to_string(kMaxTiers) + " tiers");
+  }
   if (landing < 0 || landing >= static_cast<int>(tiers.size())) {
     throw std::invalid_argument("landing tier index " + std::to_string(landing) + " outside 0.." +
                                 std::to_string(tiers.size() - 1));
@@ -579,12 +642,12 @@ const PlacementCore::Tier& PlacementCore::tier_at(int t) const {
 const std::string& PlacementCore::tier_name(int t) const { return tier_at(t).name; }
 std::int64_t PlacementCore::capacity_bytes(int t) const { return tier_at(t).capacity; }
 std::int64_t PlacementCore::used_bytes(int t) const { return tier_at(t).used; }
-std::size_t PlacementCore::blocks(int t) const { return tier_at(t).blocks.size(); }
+std::size_t PlacementCore::blocks(int t) const { return tier_at(t).count; }
 TierCounts PlacementCore::counters(int t) const { return tier_at(t).counters; }
 
 std::uint32_t PlacementCore::mask_of(const BlockKey& key) const {
-  auto it = res_.find(key);
-  return it == res_.end() ? 0u : it->second;
+  auto it = nodes_.find(key);
+  return it == nodes_.end() ? 0u : it->second.mask;
 }
 
 std::vector<int> PlacementCore::tiers_of(const BlockKey& key) const {
@@ -628,8 +691,10 @@ const BlockKey* PlacementCore::parent_of(const BlockKey& key) const {
 std::vector<BlockKey> PlacementCore::resident_keys(int t) const {
   const Tier& tier = tier_at(t);
   std::vector<BlockKey> out;
-  out.reserve(tier.blocks.size());
-  for (const auto& kv : tier.blocks) out.push_back(kv.first);
+  out.reserve(tier.count);
+  for (const auto& kv : nodes_) {
+    if (kv.second.mask & tier.bit) out.push_back(kv.first);
+  }
   return out;
 }
 
@@ -671,8 +736,10 @@ bool PlacementCore::relaxed_ok(int t, const BlockKey& key) const {
 
 bool PlacementCore::evictable(int t, const BlockKey& key) const {
   const Tier& tier = tiers_[static_cast<std::size_t>(t)];
-  if (is_protected(t, key) || tier.kids.count(key) != 0 || holds_.count(key) != 0) return false;
-  std::uint32_t elsewhere = mask_of(key) & ~tier.bit;
+  if (is_protected(t, key) || holds_.count(key) != 0) return false;
+  auto node = nodes_.find(key);
+  if (node != nodes_.end() && node->second.kids[t] > 0) return false;
+  std::uint32_t elsewhere = (node == nodes_.end() ? 0u : node->second.mask) & ~tier.bit;
   if (pins_.count(key) != 0 && elsewhere == 0) return false;
   // From the lowest tier a block leaves the cache unless another tier holds
   // it; then its children anywhere would be orphaned.
@@ -777,16 +844,16 @@ bool PlacementCore::may_evict(int t, const std::vector<BlockKey>& keys, const Bl
   KeySet group(keys.begin(), keys.end());
   if (group.empty()) return false;
   for (const auto& k : group) {
-    if (tier.blocks.count(k) == 0 || stuck(k, tier) || (protect != nullptr && k == *protect)) return false;
+    if (!holds_block(t, k) || stuck(k, tier) || (protect != nullptr && k == *protect)) return false;
   }
   if (relaxed && !tier.lowest) return true;
   for (const auto& k : group) {
     auto kids = children_.find(k);
     if (kids == children_.end()) continue;
     if (!tier.lowest || (mask_of(k) & ~tier.bit) != 0) {
-      if (tier.kids.count(k) != 0) {
+      if (nodes_.at(k).kids[t] > 0) {
         for (const auto& c : kids->second) {
-          if (tier.blocks.count(c) != 0 && group.count(c) == 0) return false;
+          if (holds_block(t, c) && group.count(c) == 0) return false;
         }
       }
     } else {
@@ -804,7 +871,7 @@ void PlacementCore::evict_keys(int t, const std::vector<BlockKey>& keys, bool an
   if (any_one) {
     KeySet named;
     for (const auto& k : keys) {
-      if (tier.blocks.count(k) != 0) named.insert(k);
+      if (holds_block(t, k)) named.insert(k);
     }
     if (named.empty()) return;
     BlockKey victim;
@@ -830,7 +897,7 @@ void PlacementCore::evict_keys(int t, const std::vector<BlockKey>& keys, bool an
     if (in_group.insert(k).second) group.push_back(k);
   }
   for (const auto& k : children_first(group, in_group)) {
-    if (tier.blocks.count(k) != 0) evict(k, t, plan);  // not dropped meanwhile with a parent whose demotion failed
+    if (holds_block(t, k)) evict(k, t, plan);  // not dropped meanwhile with a parent whose demotion failed
   }
 }
 
@@ -839,7 +906,7 @@ void PlacementCore::remove(const BlockKey& key, int tier, PlanSteps& plan) {
   if (nodes_.count(key) == 0) return;
   std::vector<int> ts = tier < 0 ? tiers_of(key) : std::vector<int>{tier};
   for (int t : ts) {
-    if (tiers_[static_cast<std::size_t>(t)].blocks.count(key) != 0) leave(key, t);
+    if (holds_block(t, key)) leave(key, t);
   }
   if (mask_of(key) == 0) drop_descendants(key, plan);
 }
@@ -881,35 +948,35 @@ void PlacementCore::unlink(const BlockKey& key) {
 
 void PlacementCore::enter(const BlockKey& key, int t, std::int64_t size) {
   Tier& tier = tiers_[static_cast<std::size_t>(t)];
-  tier.blocks[key] = size;
+  Node& node = nodes_.at(key);  // only cached blocks enter a tier
+  node.mask |= tier.bit;
+  ++tier.count;
   tier.used += size;
   ++tier.counters.inserts;
   tier.counters.bytes_written += size;
-  res_[key] |= tier.bit;
   auto kids = children_.find(key);
+  std::int32_t n = 0;
   if (kids != children_.end()) {
-    std::int64_t n = 0;
-    for (const auto& c : kids->second) n += tier.blocks.count(c);
-    if (n) tier.kids[key] = n;
+    for (const auto& c : kids->second) n += holds_block(t, c) ? 1 : 0;
   }
-  const BlockKey* parent = parent_of(key);
-  if (parent != nullptr && tier.blocks.count(*parent) != 0) ++tier.kids[*parent];
+  node.kids[t] = n;
+  if (node.parent) {
+    auto p = nodes_.find(*node.parent);
+    if (p != nodes_.end() && (p->second.mask & tier.bit)) ++p->second.kids[t];
+  }
   tier.policy->on_insert(key, size);
 }
 
 void PlacementCore::leave(const BlockKey& key, int t) {
   Tier& tier = tiers_[static_cast<std::size_t>(t)];
-  auto b = tier.blocks.find(key);
-  tier.used -= b->second;
-  tier.blocks.erase(b);
-  auto r = res_.find(key);
-  r->second &= ~tier.bit;
-  if (r->second == 0) res_.erase(r);
-  tier.kids.erase(key);
-  const BlockKey* parent = parent_of(key);
-  if (parent != nullptr && tier.blocks.count(*parent) != 0) {
-    auto k = tier.kids.find(*parent);
-    if (--k->second <= 0) tier.kids.erase(k);
+  Node& node = nodes_.at(key);
+  tier.used -= node.size;
+  --tier.count;
+  node.mask &= ~tier.bit;
+  node.kids[t] = 0;
+  if (node.parent) {
+    auto p = nodes_.find(*node.parent);
+    if (p != nodes_.end() && (p->second.mask & tier.bit)) --p->second.kids[t];
   }
   tier.policy->on_remove(key);
 }
@@ -939,7 +1006,7 @@ bool PlacementCore::make_room(int t, std::int64_t size, PlanSteps& plan, const B
 void PlacementCore::evict(const BlockKey& key, int t, PlanSteps& plan) {
   Tier& tier = tiers_[static_cast<std::size_t>(t)];
   ++tier.counters.evictions;
-  const std::int64_t size = tier.blocks.at(key);
+  const std::int64_t size = nodes_.at(key).size;  // the bytes it holds in every tier
   const std::uint32_t elsewhere = mask_of(key) & ~tier.bit;
   const int lower = t + 1;
   if (lower < tier_count() && elsewhere == 0) {

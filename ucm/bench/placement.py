@@ -25,8 +25,10 @@ Workload (seeded, the same for every policy): requests of
 earlier request (a hit prefix, then new blocks behind it), the rest are new.
 DRAM holds 2 requests' blocks, NVMe 8. The tiers are filled first
 (`warmup`), then `blocks` blocks' worth of requests are timed; the figure
-is CPU time of the process per recorded block (µs; CPU time, so that
-other load on the machine does not count), the median over `--repeat` runs.
+is CPU time of the calling thread per recorded block (µs; CPU time, so
+that other load on the machine does not count, and of this thread, so that
+helper threads of imported libraries, such as OpenBLAS's spinning workers
+once numpy is loaded, do not either), the median over `--repeat` runs.
 Runs in the calling process, single-threaded; figures on a busy machine
 are noisy (take the median of several repeats).
 """
@@ -114,10 +116,10 @@ def measure(policy: str, blocks_per_request: int, blocks: int, seed: int = 0) ->
             p = make_placement(policy, blocks_per_request, native=engine == "native")
             for keys in reqs[:warm]:
                 _request(p, keys, batched)
-            t0 = time.process_time()
+            t0 = time.thread_time()
             for keys in reqs[warm:]:
                 _request(p, keys, batched)
-            elapsed = time.process_time() - t0
+            elapsed = time.thread_time() - t0
             out[f"{engine}_{path}"] = elapsed * 1e6 / (timed * blocks_per_request)
             out[f"{engine}_{path}_evictions"] = sum(p.counters(t).evictions for t in range(p.tier_count))
             states.append(_state(p))

@@ -11,6 +11,10 @@ bounds are in bytes of the tier's capacity); the access that stores a block
 (reported by `on_hit` in the request that inserted it) is the miss itself,
 so only a later access moves a block from T1 to T2; T1 and T2 are queues of
 LeafQueues, so a block that is not evictable is passed over.
+
+Native twin: ArcPolicy in cpp/src/placement.cpp makes the same decisions
+(`native = ...` on the class, see ucm/policy/base.py); a change here must be
+made there too, and tests/unit/test_placement_native.py compares the two.
 """
 from __future__ import annotations
 

@@ -8,6 +8,11 @@ The cache never lets a parent with resident children go first; each order
 lives in LeafQueues (ucm/policy/leafqueue.py), which keeps such parents out
 of the way until their last child leaves, so an eviction stays O(log n)
 whatever the order.
+
+Native twins: LruPolicy (LRU and FIFO) and LfuPolicy in cpp/src/placement.cpp
+make the same decisions (`native = ...` on each class, see
+ucm/policy/base.py); a change here must be made there too, and
+tests/unit/test_placement_native.py compares the two.
 """
 from __future__ import annotations
 

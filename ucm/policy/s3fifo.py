@@ -12,6 +12,10 @@ Adaptations to the placement interface: sizes are bytes; the access that
 stores a block (the `on_hit` in its inserting request) is the miss itself and
 does not count; a block that is not evictable keeps its place and the scan
 goes on to the next one.
+
+Native twin: S3FifoPolicy in cpp/src/placement.cpp makes the same decisions
+(`native = ...` on the class, see ucm/policy/base.py); a change here must be
+made there too, and tests/unit/test_placement_native.py compares the two.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 // moves one, for the policies that have a native implementation (lru, fifo,
 // lfu, arc, s3fifo). It makes exactly the decisions of ucm/placement.py with
 // the same policy in ucm/policy/*.py; see that module for the invariants it
-// keeps. Keys are byte strings. Not thread-safe: the owner serialises calls.
+// keeps. Not thread-safe: the owner serialises calls.
 //
 // The policies learn the prefix tree and the clock from a HeatMirror: the
 // parent links and clock of the Python HeatTracker, kept the same way
@@ -15,10 +15,12 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <list>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -29,7 +31,7 @@ namespace ucm {
 // A key as the core keeps it: up to 16 bytes packed in two words with their
 // count in `tag`, or a longer key's surrogate (kInterned | its number).
 struct BlockKey {
-  static constexpr std::uint64_t kInterned = 1ULL << 63;
+  static constexpr std::uint64_t kInterned = 1ULL << 63;  // ids stay below 2^63 - 1: ~0 marks an empty KeyMap slot
   std::uint64_t lo = 0;
   std::uint64_t hi = 0;
   std::uint64_t tag = 0;
@@ -55,8 +57,136 @@ struct BlockKeyHash {
   }
 };
 
+// An open-addressing hash map from BlockKey (linear probing, backward-shift
+// deletion, at most half full): one probe sequence in one array, where the
+// node-based std::unordered_map costs a cache miss per node. The subset of
+// std::unordered_map's interface the core uses; an insert or erase
+// invalidates iterators and references; iteration order is unspecified
+// (nothing the core decides depends on it).
 template <class V>
-using KeyMap = std::unordered_map<BlockKey, V, BlockKeyHash>;
+class KeyMap {
+ public:
+  struct Slot {
+    BlockKey first{0, 0, kEmptyTag};
+    V second{};
+  };
+
+  template <class S>
+  class Iter {
+   public:
+    Iter(S* p, S* end) : p_(p), end_(end) { skip(); }
+    S& operator*() const { return *p_; }
+    S* operator->() const { return p_; }
+    Iter& operator++() {
+      ++p_;
+      skip();
+      return *this;
+    }
+    bool operator==(const Iter& o) const { return p_ == o.p_; }
+    bool operator!=(const Iter& o) const { return p_ != o.p_; }
+
+   private:
+    void skip() {
+      while (p_ != end_ && p_->first.tag == kEmptyTag) ++p_;
+    }
+    S* p_;
+    S* end_;
+  };
+  using iterator = Iter<Slot>;
+  using const_iterator = Iter<const Slot>;
+
+  iterator begin() { return iterator(slots_.data(), slots_.data() + slots_.size()); }
+  iterator end() { return iterator(slots_.data() + slots_.size(), slots_.data() + slots_.size()); }
+  const_iterator begin() const { return const_iterator(slots_.data(), slots_.data() + slots_.size()); }
+  const_iterator end() const {
+    return const_iterator(slots_.data() + slots_.size(), slots_.data() + slots_.size());
+  }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+  iterator find(const BlockKey& key) {
+    std::size_t i = index_of(key);
+    return i == kNone ? end() : iterator(slots_.data() + i, slots_.data() + slots_.size());
+  }
+  const_iterator find(const BlockKey& key) const {
+    std::size_t i = index_of(key);
+    return i == kNone ? end() : const_iterator(slots_.data() + i, slots_.data() + slots_.size());
+  }
+  std::size_t count(const BlockKey& key) const { return index_of(key) == kNone ? 0 : 1; }
+  V& at(const BlockKey& key) { return slots_[checked(key)].second; }
+  const V& at(const BlockKey& key) const { return slots_[checked(key)].second; }
+  V& operator[](const BlockKey& key) { return emplace(key, V{}).first->second; }
+
+  std::pair<iterator, bool> emplace(const BlockKey& key, V value) {
+    if ((size_ + 1) * 2 > slots_.size()) grow();
+    std::size_t i = home(key);
+    while (slots_[i].first.tag != kEmptyTag) {
+      if (slots_[i].first == key) return {iterator(slots_.data() + i, slots_.data() + slots_.size()), false};
+      i = (i + 1) & mask_;
+    }
+    slots_[i].first = key;
+    slots_[i].second = std::move(value);
+    ++size_;
+    return {iterator(slots_.data() + i, slots_.data() + slots_.size()), true};
+  }
+
+  std::size_t erase(const BlockKey& key) {
+    std::size_t i = index_of(key);
+    if (i == kNone) return 0;
+    erase_at(i);
+    return 1;
+  }
+  void erase(iterator it) { erase_at(static_cast<std::size_t>(&*it - slots_.data())); }
+
+ private:
+  static constexpr std::uint64_t kEmptyTag = ~0ULL;  // no key has it (see BlockKey)
+  static constexpr std::size_t kNone = ~std::size_t{0};
+
+  std::size_t home(const BlockKey& key) const { return BlockKeyHash()(key) & mask_; }
+
+  std::size_t index_of(const BlockKey& key) const {
+    if (size_ == 0) return kNone;
+    std::size_t i = home(key);
+    while (slots_[i].first.tag != kEmptyTag) {
+      if (slots_[i].first == key) return i;
+      i = (i + 1) & mask_;
+    }
+    return kNone;
+  }
+
+  std::size_t checked(const BlockKey& key) const {
+    std::size_t i = index_of(key);
+    if (i == kNone) throw std::out_of_range("KeyMap: no such key");
+    return i;
+  }
+
+  void erase_at(std::size_t i) {
+    for (std::size_t j = (i + 1) & mask_; slots_[j].first.tag != kEmptyTag; j = (j + 1) & mask_) {
+      const std::size_t k = home(slots_[j].first);
+      if (((j - k) & mask_) >= ((j - i) & mask_)) {  // j's home is not in (i, j]: it may move back to i
+        slots_[i] = std::move(slots_[j]);
+        i = j;
+      }
+    }
+    slots_[i] = Slot{};
+    --size_;
+  }
+
+  void grow() {
+    std::vector<Slot> old;
+    old.swap(slots_);
+    slots_.resize(old.empty() ? 16 : old.size() * 2);
+    mask_ = slots_.size() - 1;
+    size_ = 0;
+    for (auto& s : old) {
+      if (s.first.tag != kEmptyTag) emplace(s.first, std::move(s.second));
+    }
+  }
+
+  std::vector<Slot> slots_;
+  std::size_t size_ = 0;
+  std::size_t mask_ = 0;
+};
 using KeySet = std::unordered_set<BlockKey, BlockKeyHash>;
 using OptKey = std::optional<BlockKey>;
 
@@ -117,8 +247,9 @@ class HeatMirror {
   std::int64_t now_ = 0;
   std::uint64_t next_order_ = 0;
   KeyMap<Record> records_;
-  std::unordered_map<std::uint64_t, BlockKey> by_order_;  // least recently accessed: lowest order
-  std::uint64_t oldest_ = 0;  // no record has a lower order
+  // (order, key) by access, least recent first; an entry is live while its
+  // order is the record's
+  std::deque<std::pair<std::uint64_t, BlockKey>> order_;
 };
 
 using KeyPred = std::function<bool(const BlockKey&)>;
@@ -200,10 +331,15 @@ class PlacementCore {
 
  private:
   using ChildList = std::list<BlockKey>;  // in link order
+  static constexpr int kMaxTiers = 8;
+  // A cached block: its parent, bytes, the tiers holding it and, per tier,
+  // how many of its children that tier holds.
   struct Node {
     OptKey parent;
-    std::int64_t size;
+    std::int64_t size = 0;
     ChildList::iterator sib;  // its place in its parent's ChildList
+    std::uint32_t mask = 0;   // bit t: tier t holds it
+    std::int32_t kids[kMaxTiers] = {};
   };
   struct Tier {
     std::string name;
@@ -212,14 +348,14 @@ class PlacementCore {
     bool lowest;
     std::uint32_t bit;
     std::int64_t used = 0;
-    KeyMap<std::int64_t> blocks;
-    KeyMap<std::int64_t> kids;  // resident children in this tier (> 0)
+    std::size_t count = 0;  // blocks it holds
     TierCounts counters;
     std::unique_ptr<PolicyCore> policy;
   };
 
   const Tier& tier_at(int t) const;
   std::uint32_t mask_of(const BlockKey& key) const;
+  bool holds_block(int t, const BlockKey& key) const { return (mask_of(key) >> t & 1u) != 0; }
   bool stuck(const BlockKey& key, const Tier& tier) const;
   bool is_protected(int t, const BlockKey& key) const;
   bool evictable(int t, const BlockKey& key) const;
@@ -240,7 +376,6 @@ class PlacementCore {
   std::vector<Tier> tiers_;
   int landing_;
   HeatMirror heat_;
-  KeyMap<std::uint32_t> res_;  // resident key -> bit mask of its tiers
   std::vector<OptKey> protect_;                      // per tier, while making room
   KeyMap<Node> nodes_;                               // cached anywhere -> parent, size
   KeyMap<ChildList> children_;                       // cached parent -> cached children
