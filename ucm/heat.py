@@ -236,6 +236,23 @@ class HeatTracker:
             key = keys[i]
             up = keys[i - 1] if i else parent
             s = get(key)
+            if s is None and up != key and not self._free and len(slots) < self.history_blocks:
+                # A new record in a new slot: its values written once (what
+                # _new's defaults followed by the update below come to).
+                ps = get(up) if up is not None else None
+                ext = ps is not None and count[ps] > 0 and last[ps] < now
+                slots[key] = len(parents)
+                score.append(1.0)
+                stamp.append(now)
+                last.append(now)
+                count.append(1)
+                gaps.append(0.0)
+                nus.append(INF if next_uses is None else next_uses[i])
+                flags.append((flags[ps] & LONG_OUT if ps is not None else 0) | (TAIL if first else 0)
+                             | (EXT if ext else 0))
+                parents.append(up)
+                first = False
+                continue
             if s is None:
                 s = new(key)
             else:

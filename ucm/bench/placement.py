@@ -28,13 +28,16 @@ DRAM holds 2 requests' blocks, NVMe 8. The tiers are filled first
 is CPU time of the calling thread per recorded block (µs; CPU time, so
 that other load on the machine does not count, and of this thread, so that
 helper threads of imported libraries, such as OpenBLAS's spinning workers
-once numpy is loaded, do not either), the median over `--repeat` runs.
+once numpy is loaded, do not either), the median over `--repeat` runs;
+the cycle collector runs once before the timed part, so that it starts with
+no young objects of the setup (the collector stays on while timing).
 Runs in the calling process, single-threaded; figures on a busy machine
 are noisy (take the median of several repeats).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -116,6 +119,7 @@ def measure(policy: str, blocks_per_request: int, blocks: int, seed: int = 0) ->
             p = make_placement(policy, blocks_per_request, native=engine == "native")
             for keys in reqs[:warm]:
                 _request(p, keys, batched)
+            gc.collect()  # the setup's young objects (workload, tracker) not traversed in the timed part
             t0 = time.thread_time()
             for keys in reqs[warm:]:
                 _request(p, keys, batched)

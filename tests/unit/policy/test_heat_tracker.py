@@ -98,19 +98,20 @@ def test_a_record_forgotten_in_the_tick_of_its_access_leaves_no_episode_behind()
     assert model.exposure.sum() == 8.0
 
 
+@pytest.mark.parametrize("history", [40, 1000])  # records forgotten all along / never
 @pytest.mark.parametrize("listening", [False, True])
-def test_touch_request_records_exactly_what_touches_deepest_first_would(listening):
+def test_touch_request_records_exactly_what_touches_deepest_first_would(listening, history):
     import random
 
     rnd = random.Random(5)
-    a, b = HeatTracker(30, history_blocks=40), HeatTracker(30, history_blocks=40)
+    a, b = HeatTracker(30, history_blocks=history), HeatTracker(30, history_blocks=history)
     recs = [Recorder(), Recorder()]
     if listening:
         a.subscribe(recs[0])
         b.subscribe(recs[1])
     for step in range(400):
-        keys = [key(rnd.randrange(80)) for _ in range(rnd.randint(0, 8))]  # repeats and forgotten keys too
-        parent = rnd.choice([None, key(rnd.randrange(80))])
+        keys = [key(rnd.randrange(80 + step)) for _ in range(rnd.randint(0, 8))]  # repeats, new, forgotten
+        parent = rnd.choice([None, key(rnd.randrange(80 + step))] + keys[:1])  # keys[0] its own parent too
         nus = [float(rnd.randrange(1000)) for _ in keys] if step % 2 else None
         a.tick()
         for i in range(len(keys) - 1, 0, -1):
@@ -123,6 +124,6 @@ def test_touch_request_records_exactly_what_touches_deepest_first_would(listenin
             changed = [key(rnd.randrange(80)) for _ in range(3)]
             assert a.finish(changed, 500) == b.finish(changed, 500)
     assert len(a) == len(b) and list(a._slots) == list(b._slots)
-    for i in range(80):
+    for i in range(480):
         assert a.get(key(i)) == b.get(key(i))
     assert recs[0].events == recs[1].events
