@@ -127,7 +127,7 @@ class Placement:
         if cls is Placement and native is not False:
             from ucm import placement_native
 
-            why = placement_native.unavailable(policy, heat)
+            why = placement_native.unavailable(policy, heat, len(tiers))
             if why is None:
                 return object.__new__(placement_native.NativePlacement)
             if native:

@@ -43,8 +43,14 @@ def _native_policies() -> frozenset[str]:
     return frozenset(_native.placement_policies())
 
 
-def unavailable(policy: PolicyFactory, heat: Optional[HeatTracker]) -> Optional[str]:
-    """Why `policy` with `heat` cannot run on the native core, or None if it can."""
+MAX_TIERS = 8  # PlacementCore::kMaxTiers
+
+
+def unavailable(policy: PolicyFactory, heat: Optional[HeatTracker], tiers: int = 1) -> Optional[str]:
+    """Why `policy` with `heat` over `tiers` tiers cannot run on the native
+    core, or None if it can."""
+    if tiers > MAX_TIERS:
+        return f"{tiers} tiers, the native core takes at most {MAX_TIERS}"
     if not isinstance(policy, BoundPolicy):
         return f"the policy factory {policy!r} is not a BoundPolicy from load_policy"
     name = policy.native
@@ -84,7 +90,7 @@ class NativePlacement(Placement):
         for spec in tiers:
             if spec.capacity_bytes < 0:
                 raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
-        why = unavailable(policy, heat)
+        why = unavailable(policy, heat, len(tiers))
         if why is not None:
             raise ArgumentError(f"native placement unavailable: {why}")
         self.heat = heat if heat is not None else HeatTracker()

@@ -195,6 +195,14 @@ def test_a_subclass_does_not_inherit_the_native_twin():
     assert BoundPolicy("lru", LruPolicy, {}).native == "lru"
 
 
+def test_more_tiers_than_the_core_takes_keep_the_python_path():
+    specs = [TierSpec(f"t{i}", 4) for i in range(9)]
+    assert type(Placement(specs, load_policy("lru"))) is Placement
+    with pytest.raises(ArgumentError, match="at most 8"):
+        Placement(specs, load_policy("lru"), native=True)
+    assert type(Placement(specs[:8], load_policy("lru"))) is NativePlacement
+
+
 def test_a_tracker_with_history_keeps_the_python_path():
     heat = HeatTracker()
     heat.tick()
