@@ -311,10 +311,15 @@ class UnifiedCache(SlotAccess):
 
     # ---- internals ---------------------------------------------------------
     def _adopt_remote_all(self, keys: Sequence[Key], idx: Sequence[int]) -> None:
-        if self._shared:
-            for i in idx:
-                if not self.placement.contains(keys[i]):
-                    self._adopt_remote(keys[i], keys[i - 1] if i else None)
+        """Records the blocks of keys[i] (i in idx) that only a shared tier
+        holds. Every placement call is made under `_meta` (the native core
+        releases the GIL inside its calls: unlocked calls would race)."""
+        if not self._shared:
+            return
+        with self._meta:
+            unknown = [i for i in idx if not self.placement.contains(keys[i])]
+        for i in unknown:
+            self._adopt_remote(keys[i], keys[i - 1] if i else None)
 
     def _adopt_remote(self, key: Key, parent: Optional[Key]) -> Optional[int]:
         """Records a block found only in a shared tier (put there by another

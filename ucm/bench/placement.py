@@ -199,9 +199,39 @@ def handle(args: argparse.Namespace) -> int:
     sizes = _int_list(args.blocks_per_request, "--blocks-per-request")
     if args.blocks <= 0 or args.repeat <= 0:
         raise ArgumentError(f"--blocks and --repeat must be > 0, got {args.blocks} and {args.repeat}")
+    if args.service_seconds <= 0 or args.service_clients <= 0:
+        raise ArgumentError(f"--service-seconds and --service-clients must be > 0, got "
+                            f"{args.service_seconds} and {args.service_clients}")
+    if args.baseline is not None and not args.service:
+        raise ArgumentError("--baseline names the tree whose service --service measures: give --service too")
     doc = run(policies, sizes, args.blocks, args.repeat, args.seed)
-    print(json.dumps(doc) if args.json else format_table(doc), flush=True)
+    if args.service:
+        from ucm.bench import staging
+
+        doc["service"] = staging.run(args.baseline, clients=args.service_clients, seconds=args.service_seconds)
+    if args.json:
+        print(json.dumps(doc), flush=True)
+    else:
+        print(format_table(doc), flush=True)
+        if args.service:
+            print(format_service(doc["service"]), flush=True)
     return 0
+
+
+def format_service(doc: dict) -> str:
+    """The service half (`--service`) as a table."""
+    lines = [f"stores and lookups through ucm serve, {doc['clients']} clients x {doc['blocks_per_store']} "
+             f"blocks of {doc['block_bytes'] // 1024} KiB, {doc['seconds']} s per phase",
+             "| tree | stores/s alone | stores/s while one client stages | ratio | lookups/s while staging "
+             "| staged blocks/s |", "|---|---:|---:|---:|---:|---:|"]
+    for name in ("current", "baseline"):
+        r = doc.get(name)
+        if r is None:
+            continue
+        a, w = r["alone"], r["with_staging"]
+        lines.append(f"| {r.get('tree', 'this one')} | {a['stores_per_s']:.0f} | {w['stores_per_s']:.0f} "
+                     f"| {r['store_ratio']:.2f} | {w['lookups_per_s']:.0f} | {w['staged_blocks_per_s']:.0f} |")
+    return "\n".join(lines)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -224,5 +254,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=3, metavar="N",
                    help="runs per figure; the median is reported (default 3)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--service", action="store_true",
+                   help="also measure stores and lookups per second through `ucm serve` with "
+                        "--service-clients clients, alone and while one more client stages from NVMe "
+                        "(ucm/bench/staging.py; JSON key `service`)")
+    p.add_argument("--service-clients", type=int, default=4, metavar="N", help="store clients (default 4)")
+    p.add_argument("--service-seconds", type=float, default=4.0, metavar="S",
+                   help="seconds per phase (default 4)")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="with --service: the source tree of another ucm version (a git worktree with its "
+                        "native module built in place) measured in the same run, e.g. the commit before")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=handle)

@@ -156,10 +156,13 @@ def _phase(cfg: str, env: dict, clients: int, stage: bool, blocks: int, seconds:
     return out
 
 
-def run_tree(tree: Optional[str], clients: int = 4, blocks: int = 8, seconds: float = 4.0) -> dict:
-    """Both phases against the service of `tree` (None: this installation)."""
+def run_tree(tree: Optional[str], clients: int = 4, blocks: int = 8, seconds: float = 4.0,
+             tmp_dir: Optional[str] = None) -> dict:
+    """Both phases against the service of `tree` (None: this installation),
+    its socket, config and NVMe file in a temporary directory under
+    `tmp_dir` (default the system's)."""
     env = _env(tree)
-    with tempfile.TemporaryDirectory(prefix="ucm-staging-", dir=os.environ.get("UCM_BENCH_DIR")) as tmp:
+    with tempfile.TemporaryDirectory(prefix="ucm-staging-", dir=tmp_dir) as tmp:
         cfg = _config(tmp)
         proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -183,12 +186,13 @@ def run_tree(tree: Optional[str], clients: int = 4, blocks: int = 8, seconds: fl
             "store_ratio": staging["stores_per_s"] / alone["stores_per_s"] if alone["stores_per_s"] else 0.0}
 
 
-def run(baseline: Optional[str], clients: int = 4, blocks: int = 8, seconds: float = 4.0) -> dict:
+def run(baseline: Optional[str], clients: int = 4, blocks: int = 8, seconds: float = 4.0,
+        tmp_dir: Optional[str] = None) -> dict:
     """This installation, and `baseline` (a source tree) if given."""
     if baseline is not None and not os.path.isdir(os.path.join(baseline, "ucm")):
         raise ArgumentError(f"--baseline {baseline!r} is not a ucm source tree (no ucm/ inside)")
     out = {"clients": clients, "blocks_per_store": blocks, "block_bytes": BLOCK_BYTES, "seconds": seconds,
-           "current": run_tree(None, clients, blocks, seconds)}
+           "current": run_tree(None, clients, blocks, seconds, tmp_dir)}
     if baseline is not None:
-        out["baseline"] = {"tree": baseline, **run_tree(baseline, clients, blocks, seconds)}
+        out["baseline"] = {"tree": baseline, **run_tree(baseline, clients, blocks, seconds, tmp_dir)}
     return out
