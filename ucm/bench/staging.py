@@ -38,6 +38,8 @@ from ucm.errors import ArgumentError
 
 BLOCK_BYTES = 256 * 1024
 STAGED_BLOCKS = 96
+DRAM_BLOCKS = 32
+NVME_BLOCKS = 2048
 
 _CLIENT = textwrap.dedent('''
     import hashlib, json, sys, time
@@ -92,8 +94,8 @@ _CLIENT = textwrap.dedent('''
 def _config(tmp: str) -> str:
     nvme = os.path.join(tmp, "nvme")
     os.makedirs(nvme, exist_ok=True)
-    cfg = {"tiers": [{"adapter": "dram", "capacity": 32 * BLOCK_BYTES, "options": {"prefault": False}},
-                     {"adapter": "nvme", "capacity": 2048 * BLOCK_BYTES,
+    cfg = {"tiers": [{"adapter": "dram", "capacity": DRAM_BLOCKS * BLOCK_BYTES, "options": {"prefault": False}},
+                     {"adapter": "nvme", "capacity": NVME_BLOCKS * BLOCK_BYTES,
                       "options": {"path": nvme, "region_size": 16 * BLOCK_BYTES}}],
            "landing_tier": "dram", "policy": {"name": "lru"}, "io_workers": 4,
            "service": {"socket": os.path.join(tmp, "ucm.sock")}}
@@ -186,13 +188,28 @@ def run_tree(tree: Optional[str], clients: int = 4, blocks: int = 8, seconds: fl
             "store_ratio": staging["stores_per_s"] / alone["stores_per_s"] if alone["stores_per_s"] else 0.0}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median store ratio, and every run's ratio."""
+    order = sorted(runs, key=lambda r: r["store_ratio"])
+    return {**order[len(order) // 2], "store_ratios": [r["store_ratio"] for r in runs]}
+
+
 def run(baseline: Optional[str], clients: int = 4, blocks: int = 8, seconds: float = 4.0,
-        tmp_dir: Optional[str] = None) -> dict:
-    """This installation, and `baseline` (a source tree) if given."""
+        tmp_dir: Optional[str] = None, repeat: int = 1) -> dict:
+    """This installation, and `baseline` (a source tree) if given, `repeat`
+    times each, alternating (so that a slow spell of the machine hits both);
+    per tree the run with the median store ratio is reported."""
     if baseline is not None and not os.path.isdir(os.path.join(baseline, "ucm")):
         raise ArgumentError(f"--baseline {baseline!r} is not a ucm source tree (no ucm/ inside)")
+    if repeat <= 0:
+        raise ArgumentError(f"repeat must be > 0, got {repeat}")
+    current, base = [], []
+    for _ in range(repeat):
+        current.append(run_tree(None, clients, blocks, seconds, tmp_dir))
+        if baseline is not None:
+            base.append(run_tree(baseline, clients, blocks, seconds, tmp_dir))
     out = {"clients": clients, "blocks_per_store": blocks, "block_bytes": BLOCK_BYTES, "seconds": seconds,
-           "current": run_tree(None, clients, blocks, seconds, tmp_dir)}
+           "repeat": repeat, "current": _median_run(current)}
     if baseline is not None:
-        out["baseline"] = {"tree": baseline, **run_tree(baseline, clients, blocks, seconds, tmp_dir)}
+        out["baseline"] = {"tree": baseline, **_median_run(base)}
     return out
