@@ -92,6 +92,7 @@ class UnifiedCache(SlotAccess):
         self._tier_factory = tier_factory or _default_tier
         self.tier_names = [t.adapter for t in cfg.tiers]
         self.adapters: list[StorageAdapter] = []
+        self.tiers: Optional[TierStack] = None
         self._closed = False
         self._pool: Optional[ThreadPoolExecutor] = None
         self._reclaimer: Optional[HeadroomReclaimer] = None
@@ -253,6 +254,8 @@ class UnifiedCache(SlotAccess):
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Makes the tiers' headroom, then waits until buffered writes of
         every tier are on their medium."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+            raise ArgumentError(f"flush: timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
         if self._reclaimer is not None:
             self._reclaimer.run_now()
         return self.tiers.flush(timeout_s)
@@ -297,11 +300,14 @@ class UnifiedCache(SlotAccess):
             self._pool.shutdown(wait=True)
         if self._reclaimer is not None:
             self._reclaimer.close()
-        for a in self.adapters:
-            try:
-                a.close()
-            except Exception:  # closing the rest matters more
-                log.exception("closing tier %s failed", a.name)
+        if self.tiers is not None:
+            self.tiers.close()
+        else:  # the TierStack was not built yet: close what was opened
+            for a in self.adapters:
+                try:
+                    a.close()
+                except Exception:  # closing the rest matters more
+                    log.exception("closing tier %s failed", a.name)
 
     def __enter__(self) -> "UnifiedCache":
         return self
@@ -377,13 +383,19 @@ class UnifiedCache(SlotAccess):
         return self.adapters[self.placement.landing].footprint_bytes(size)
 
     def _store(self, keys: list[Key], views: list[memoryview], parent: Optional[Key],
-               request_id: Optional[str] = None) -> list[Outcome]:
+               request_id: Optional[str] = None, filled: Optional[list[bool]] = None) -> list[Outcome]:
         """The whole run planned under one hold of `_meta` (`insert_run`:
-        stopping at the first refusal), then executed without it."""
+        stopping at the first refusal), then executed without it.
+        `filled[i]` False: views[i] holds no bytes (the caller skipped a
+        block it saw cached); the run stops before such a block unless it is
+        still cached when the run is planned."""
         p = self.placement
         with self._meta:
             self._record_locked(keys, parent, request_id)
-            run = p.insert_run(keys, parent, [self._footprint(len(v)) for v in views])
+            n = len(keys)
+            if filled is not None:
+                n = next((i for i, f in enumerate(filled) if not f and not p.contains(keys[i])), n)
+            run = p.insert_run(keys[:n], parent, [self._footprint(len(v)) for v in views[:n]])
             ticket = self.plans.admit(run.plan)
         placed = run.placed[:run.stop]
         self.plans.run(ticket, dict(zip(keys, views)))
@@ -428,13 +440,14 @@ class UnifiedCache(SlotAccess):
                     log.exception("ucm: reading %d blocks from tier %s failed", len(idx), self.tier_names[t])
                     statuses = [Status.FAILED] * len(idx)
                 for i, st in zip(idx, statuses):
+                    src: Optional[int] = t
                     if st is Status.NOT_FOUND:  # moved by a concurrent demotion: look everywhere
-                        st = self.tiers.get_anywhere(keys[i], views[i], skip=t)
+                        st, src = self.tiers.get_anywhere(keys[i], views[i], skip=t)
                     out[i] = _FROM_STATUS[st]
-                    if st is Status.OK and t > self.placement.landing:
+                    if st is Status.OK and src is not None and src > self.placement.landing:
                         promote.append(i)
-                    elif st in (Status.CORRUPT, Status.FAILED):
-                        bad.append((keys[i], t))
+                    elif st in (Status.CORRUPT, Status.FAILED) and src is not None:
+                        bad.append((keys[i], src))  # the tier whose copy was bad
         finally:
             with self._meta:
                 self.placement.unhold(held)

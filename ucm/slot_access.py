@@ -72,7 +72,11 @@ class SlotAccess:
             if state is False:
                 out.append(True)
                 continue
-            view = self.tiers.reserve_slot(landing, key, size)
+            try:
+                view = self.tiers.reserve_slot(landing, key, size)
+            except Exception:  # a tier that raises refuses the block; its hold and record go below
+                log.exception("ucm: reserving a slot in tier %s failed", self.tier_names[landing])
+                view = None
             if view is None:
                 first_bad = i
                 break
@@ -119,8 +123,8 @@ class SlotAccess:
         landing = self.placement.landing
         taken = []
         for key in keys:
-            if arena.slot_offset(key) is None:
-                continue  # not reserved (committed or never placed)
+            if arena.slot_offset(key) is None or arena.contains([key])[0]:
+                continue  # no pending reservation: never placed, or committed (its holds are others')
             arena.abort(key)
             taken.append(key)
         if not taken:
@@ -129,8 +133,7 @@ class SlotAccess:
         with self._meta:
             for key in taken:
                 self.placement.unhold([key])
-                if not arena.contains([key])[0]:
-                    undo.extend(self.placement.remove(key, landing))
+                undo.extend(self.placement.remove(key, landing))
             ticket = self.plans.admit(undo)
         self.plans.run(ticket, {})
 
@@ -227,7 +230,10 @@ class SlotAccess:
             log.debug("ucm: a fill into scratch slots raised; nothing is stored", exc_info=True)
             return [Outcome.FAILED] * len(keys)
         view = memoryview(scratch)
-        return self._store(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], parent, request_id)
+        # A block skipped as cached may have been evicted meanwhile: the
+        # store stops before it rather than write its unfilled bytes.
+        return self._store(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], parent, request_id,
+                           filled=[not c for c in cached])
 
     def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
                    request_id: Optional[str] = None) -> list[Outcome]:

@@ -59,7 +59,9 @@ class Ticket:
 
 @dataclass(slots=True)
 class Failure:
-    """A step that failed; still queued under its key until `done`."""
+    """A step that failed. `queued`: still at the head of its key's queue
+    until `done` (False: dequeued at once, because a later step of its own
+    ticket names the key and waits for it)."""
 
     step: Step
     seq: int
@@ -96,7 +98,9 @@ class _KeyOrder:
 
     def done(self, key: Key, seq: int) -> None:
         with self._cond:
-            q = self._queues[key]
+            q = self._queues.get(key)
+            if q is None:  # dequeued already
+                return
             for i, (n, _) in enumerate(q):
                 if n == seq:
                     del q[i]
@@ -242,11 +246,15 @@ class TierStack:
             statuses = [Status.FAILED] * len(keys)
         for n, view, st in zip(taken, views, statuses):
             step, seq = group[n]
-            view.release()
-            if st is Status.OK and b.commit(step.key):
-                self._order.done(step.key, seq)
-                continue
-            b.abort(step.key)
+            try:
+                view.release()
+                if st is Status.OK and b.commit(step.key):
+                    self._order.done(step.key, seq)
+                    continue
+                b.abort(step.key)
+            except Exception:  # a tier that raises is a failed step, never a key left queued
+                log.exception("ucm: settling a slot in tier %s failed", self.names[dst])
+                st = Status.FAILED
             failures.append((n, st if st is not Status.OK else Status.FAILED))
         return sorted(failures)
 
@@ -293,7 +301,13 @@ class TierStack:
                     self.done(f)
                 return False
             before = len(retried)
-            undo = self.reconcile(failures, retried)
+            try:
+                undo = self.reconcile(failures, retried)
+            except Exception:  # never leave a key's queue blocked behind a failure
+                log.exception("ucm: reconciling %d failed steps failed", len(failures))
+                for f in failures:
+                    self.done(f)
+                return False
             if len(retried) - before < len(failures):  # some were taken back, not retried
                 ok = False
             failures = self.run(undo, sources) if undo is not None else []
@@ -307,9 +321,11 @@ class TierStack:
         except Exception:
             log.exception("ucm: deleting a block from tier %s failed", self.names[t])
 
-    def get_anywhere(self, key: Key, view: memoryview, skip: int) -> Status:
+    def get_anywhere(self, key: Key, view: memoryview, skip: int) -> tuple[Status, Optional[int]]:
         """A read of a block that was not where the placement said (moved by
-        a demotion running meanwhile): every other tier, fastest first."""
+        a demotion running meanwhile): every other tier, fastest first, until
+        one has it. Returns the status and the tier that answered it (None
+        when none has the block)."""
         for t, a in enumerate(self.adapters):
             if t != skip:
                 try:
@@ -318,8 +334,8 @@ class TierStack:
                     log.exception("ucm: reading a block from tier %s failed", self.names[t])
                     continue
                 if st is not Status.NOT_FOUND:
-                    return st
-        return Status.NOT_FOUND
+                    return st, t
+        return Status.NOT_FOUND, None
 
     def _transfer(self, key: Key, src: int, dst: int, have: Any, parent: Optional[Key]) -> Status:
         """Copies one block between tiers (through the caller's buffer when

@@ -241,7 +241,9 @@ def test_pins_finish_stats_flush(api):
     lambda c: c.lookup(b"\0" * 16),  # one key where a sequence belongs
     lambda c: c.locate([b"short"]),
     lambda c: c.store([b"\0" * 16], [b"a", b"b"]),
-    lambda c: c.load([b"\0" * 16], [b""]),
+    lambda c: c.load([b"\0" * 16], [bytearray()]),
+    lambda c: c.store([b"\0" * 16], [b""]),  # an empty buffer
+    lambda c: c.flush(0),
     lambda c: c.store([b"\0" * 16], [b"a"], parent=b"x"),
     lambda c: c.write_slots([b"\0" * 16], [0], copy_in([b""])),
     lambda c: c.write_slots([b"\0" * 16], [1, 2], copy_in([b""])),

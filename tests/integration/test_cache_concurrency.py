@@ -107,3 +107,50 @@ def test_a_failed_write_followed_by_planned_moves_leaves_no_phantom(nvme_dir):
         assert c.store([key], [blob]).wait(30) == [Outcome.DONE]
         out = bytearray(SIZE)
         assert c.load([key], [out]).wait(30) == [Outcome.DONE] and bytes(out) == blob
+
+
+def test_a_scratch_write_never_stores_the_bytes_of_a_block_it_skipped(nvme_dir):
+    """write_slots over a landing tier without shared slots skips a block it
+    sees cached; if that block is evicted before the store is planned, the
+    store stops before it instead of writing the unfilled (zero) bytes, so
+    no later load returns them as a hit."""
+    cfg_nvme = {"tiers": [{"adapter": "nvme", "capacity": "16MiB",
+                           "options": {"path": nvme_dir, "region_size": "512KiB", "io_chunk": "128KiB"}}],
+                "landing_tier": "nvme", "policy": {"name": "lru"}}
+    with UnifiedCache(cfg_nvme) as c:
+        keys, data = chain(3, 91, size=SIZE)
+        assert c.store(keys[:1], data[:1]).wait(30) == [Outcome.DONE]
+
+        def fill(first, slots, arena):
+            assert slots[0] is None  # cached: nothing to copy
+            with c._meta:  # the block leaves the cache meanwhile (another thread's eviction)
+                ticket = c.plans.admit(c.placement.remove(keys[0]))
+            c.plans.run(ticket, {})
+            c.adapters[0].delete([keys[0]])
+            view = memoryview(arena)
+            for i, s in enumerate(slots):
+                if s is not None:
+                    off, n = s
+                    view[off:off + n] = data[first + i]
+
+        out = c.write_slots(keys, [SIZE] * 3, fill)
+        assert out == [Outcome.MISSING] * 3
+        got = [bytearray(SIZE) for _ in keys]
+        res = c.load(keys, got).wait(30)
+        for r, g, d in zip(res, got, data):
+            assert r is not Outcome.DONE or bytes(g) == d  # never other bytes as a hit
+        assert c.lookup(keys) == 0
+
+
+def test_abort_of_a_committed_block_leaves_other_holds_alone(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        keys, data = chain(2, 92, size=SIZE)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 2
+        with c._meta:
+            c.placement.hold(keys[1:])  # a reader's hold
+        c.abort(keys)  # committed, not reserved: nothing to give back
+        with c._meta:
+            assert not c.placement.may_evict(0, keys[1:])  # the reader's hold stands
+            c.placement.unhold(keys[1:])
+            assert c.placement.may_evict(0, keys[1:])
+        assert c.lookup(keys) == 2

@@ -415,7 +415,9 @@ class CacheClient:
         return self._try("stats", {}, {"available": False})
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        return bool(self._try("flush", {}, False))
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+            raise ArgumentError(f"flush: timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
+        return bool(self._try("flush", {"timeout_s": float(timeout_s)}, False))
 
     def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
               request_id: Optional[str] = None) -> Handle:
@@ -659,4 +661,7 @@ def _keys(keys: Sequence[Key]) -> list[bytes]:
 def _views(keys: list[bytes], bufs: Sequence[Any], writable: bool) -> list[memoryview]:
     if len(keys) != len(bufs):
         raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
-    return [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
+    views = [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
+    if any(len(v) == 0 for v in views):
+        raise ArgumentError("buffers must not be empty")
+    return views

@@ -249,7 +249,11 @@ class ServiceHandlers:
 
     @op("unpin", blocking=False)  # as pin
     def _unpin(self, conn: ConnState, args: Any) -> None:
-        keys = [k for k in self._keys(args, {"keys"}) if conn.pins.get(k)]
+        # At most as many unpins per key as this connection pinned it: a
+        # key named twice must not release another connection's pin.
+        keys = []
+        for k, n in Counter(self._keys(args, {"keys"})).items():
+            keys.extend([k] * min(n, conn.pins.get(k, 0)))
         conn.pins.subtract(keys)
         conn.pins += Counter()  # drop zero counts
         self.cache.unpin(keys)
@@ -273,8 +277,11 @@ class ServiceHandlers:
 
     @op("flush", blocking=True)  # waits for NVMe writes
     def _flush(self, conn: ConnState, args: Any) -> bool:
-        proto.check_args(args, set())
-        return self.cache.flush()
+        proto.check_args(args, {"timeout_s"})
+        timeout_s = args.get("timeout_s", 60.0)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+            raise proto.ProtocolError(f"timeout_s: expected a number of seconds in (0, 3600], got {timeout_s!r:.40}")
+        return self.cache.flush(timeout_s=float(timeout_s))
 
 
 OPS: dict[str, OpSpec] = {fn.op_spec.name: fn.op_spec for fn in vars(ServiceHandlers).values()

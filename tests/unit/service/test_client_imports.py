@@ -11,5 +11,5 @@ def test_importing_the_client_loads_no_server_and_no_cache():
     assert r.returncode == 0, r.stderr
     loaded = set(r.stdout.split())
     assert "ucm.service.client" in loaded and "ucm.api" in loaded
-    assert not loaded & {"ucm.cache", "ucm.placement", "ucm.heat", "ucm.reuse", "ucm.service.server",
+    assert not loaded & {"ucm.cache", "ucm.placement", "ucm.heat", "ucm.policy.reuse", "ucm.service.server",
                          "ucm.service.metrics", "ucm.service.handlers", "ucm.service.loop"}, sorted(loaded)

@@ -205,3 +205,23 @@ def test_a_bad_request_id_from_the_wire_is_a_refusal(op, args):
     assert (rid, ok) == (3, False) and "internal error" not in msg
     assert ("request_id" in msg or "parent" in msg), msg
     assert cache.calls == []
+
+
+def test_an_unpin_naming_a_key_twice_releases_only_this_connections_pins():
+    """Connections A and B each pin k once; A's `unpin [k, k]` gives back its
+    one pin, never B's (the cache's pin count is shared)."""
+    cache = StandInCache()
+    cache.pin = lambda keys: cache.calls.append(("pin", (list(keys),), {}))
+    h = handlers(cache)
+    a, b = h.connect(1), h.connect(2)
+
+    def reply(conn, op, args):
+        dec = proto.FrameDecoder(1 << 20)
+        dec.feed(h.handle(conn, 5, op, args))
+        return dec.next()
+
+    assert reply(a, "pin", {"keys": [K[0]]})[1] and reply(b, "pin", {"keys": [K[0]]})[1]
+    assert reply(a, "unpin", {"keys": [K[0], K[0], K[1]]})[1]
+    assert [c for c in cache.calls if c[0] == "unpin"] == [("unpin", ([K[0]],), {})]
+    assert reply(a, "unpin", {"keys": [K[0]]})[1]  # nothing left to give back
+    assert [c for c in cache.calls if c[0] == "unpin"][-1] == ("unpin", ([],), {})

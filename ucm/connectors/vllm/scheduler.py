@@ -375,7 +375,7 @@ class UCMSchedulerSide:
             return False, None
         self._unpin(st)
         if st.keys:
-            # A placement hint: how long an answer this prompt got (ucm/reuse.py).
+            # A placement hint: how long an answer this prompt got (ucm/policy/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,
                       request_id=request.request_id)
         return st.stores_issued, None
