@@ -117,6 +117,18 @@ class _Tier:
     relaxed: Optional[Callable[[Key], bool]] = None
 
 
+def check_tiers(tiers: Sequence[TierSpec], landing: int) -> None:
+    """The tier specs of a placement, checked (both engines): at least one,
+    a landing index among them, no negative capacity."""
+    if not tiers:
+        raise ArgumentError("placement needs at least one tier")
+    if not 0 <= landing < len(tiers):
+        raise ArgumentError(f"landing tier index {landing} outside 0..{len(tiers) - 1}")
+    for spec in tiers:
+        if spec.capacity_bytes < 0:
+            raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
+
+
 class Placement:
     """Block placement over an ordered stack of tiers (index 0 fastest)."""
 
@@ -143,16 +155,11 @@ class Placement:
         *,
         native: Optional[bool] = None,
     ) -> None:
-        if not tiers:
-            raise ArgumentError("placement needs at least one tier")
-        if not 0 <= landing < len(tiers):
-            raise ArgumentError(f"landing tier index {landing} outside 0..{len(tiers) - 1}")
+        check_tiers(tiers, landing)
         self.heat = heat if heat is not None else HeatTracker()
         self.landing = landing
         self._tiers: list[_Tier] = []
         for i, spec in enumerate(tiers):
-            if spec.capacity_bytes < 0:
-                raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
             info = TierInfo(spec.name, i, spec.capacity_bytes, i == len(tiers) - 1)
             self._tiers.append(_Tier(info, policy(info, self.heat), bit=1 << i))
         self._res: dict[Key, int] = {}  # resident key -> bit mask of the tiers holding it

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
-from ucm.placement import Decision, Op, Placement, Plan, RunDecision, Step, TierCounters, TierSpec
+from ucm.placement import Decision, Op, Placement, Plan, RunDecision, Step, TierCounters, TierSpec, check_tiers
 from ucm.policy.base import BoundPolicy, PolicyFactory
 
 _OPS = [Op.WRITE, Op.MOVE, Op.COPY, Op.DROP]  # the order of ucm::StepOp
@@ -83,13 +83,7 @@ class NativePlacement(Placement):
     ) -> None:
         from ucm import _native
 
-        if not tiers:
-            raise ArgumentError("placement needs at least one tier")
-        if not 0 <= landing < len(tiers):
-            raise ArgumentError(f"landing tier index {landing} outside 0..{len(tiers) - 1}")
-        for spec in tiers:
-            if spec.capacity_bytes < 0:
-                raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
+        check_tiers(tiers, landing)
         why = unavailable(policy, heat, len(tiers))
         if why is not None:
             raise ArgumentError(f"native placement unavailable: {why}")
