@@ -139,6 +139,13 @@ def check_output_tokens(value: Any) -> int:
     return value
 
 
+def check_timeout(value: Any, what: str = "timeout_s") -> float:
+    """A timeout in seconds: a number in (0, 3600]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+        raise ArgumentError(f"{what} must be a number of seconds in (0, 3600], got {value!r}")
+    return float(value)
+
+
 def check_request_id(value: Any) -> Optional[str]:
     """A request id: None, or a non-empty string of at most 256 characters."""
     if value is None:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
 from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, check_parent,
-                     check_request_id, submit)
+                     check_request_id, check_timeout, submit)
 from ucm.buffers import byte_view
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
@@ -254,8 +254,7 @@ class UnifiedCache(SlotAccess):
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Makes the tiers' headroom, then waits until buffered writes of
         every tier are on their medium."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
-            raise ArgumentError(f"flush: timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
+        timeout_s = check_timeout(timeout_s, "flush: timeout_s")
         if self._reclaimer is not None:
             self._reclaimer.run_now()
         return self.tiers.flush(timeout_s)
@@ -316,40 +315,6 @@ class UnifiedCache(SlotAccess):
         self.close()
 
     # ---- internals ---------------------------------------------------------
-    def _adopt_remote_all(self, keys: Sequence[Key], idx: Sequence[int]) -> None:
-        """Records the blocks of keys[i] (i in idx) that only a shared tier
-        holds. Every placement call is made under `_meta` (the native core
-        releases the GIL inside its calls: unlocked calls would race)."""
-        if not self._shared:
-            return
-        with self._meta:
-            unknown = [i for i in idx if not self.placement.contains(keys[i])]
-        for i in unknown:
-            self._adopt_remote(keys[i], keys[i - 1] if i else None)
-
-    def _adopt_remote(self, key: Key, parent: Optional[Key]) -> Optional[int]:
-        """Records a block found only in a shared tier (put there by another
-        node) so that the usual paths can load and promote it. Returns the
-        tier, or None. Caller holds no lock."""
-        for t in self._shared:
-            try:
-                size = self.adapters[t].size_of(key)
-            except Exception:
-                log.debug("shared tier %s failed in size_of", self.tier_names[t], exc_info=True)
-                continue
-            if size is None:
-                continue
-            with self._meta:
-                if self.placement.contains(key):
-                    return self.placement.where(key)
-                if parent is not None and not self.placement.contains(parent):
-                    parent = None
-                d = self.placement.insert(key, parent, self._footprint(size), tier=t, restored=True)
-                ticket = self.plans.admit(d.plan)
-            self.plans.run(ticket, {})
-            if d.placed:
-                return t
-        return None
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:
@@ -419,7 +384,7 @@ class UnifiedCache(SlotAccess):
     def _load(self, keys: list[Key], views: list[memoryview], request_id: Optional[str] = None) -> list[Outcome]:
         out: list[Optional[Outcome]] = [None] * len(keys)
         by_tier: dict[int, list[int]] = {}
-        self._adopt_remote_all(keys, range(len(keys)))
+        self.plans.adopt_shared(keys, range(len(keys)))
         with self._meta:
             self._record_locked(keys, None, request_id)
             for i, k in enumerate(keys):
@@ -473,7 +438,7 @@ class UnifiedCache(SlotAccess):
         return done
 
     def _prefetch(self, keys: list[Key]) -> list[Outcome]:
-        self._adopt_remote_all(keys, range(len(keys)))
+        self.plans.adopt_shared(keys, range(len(keys)))
         self._stage(keys, force=False)
         with self._meta:
             landing = self.placement.landing

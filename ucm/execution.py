@@ -6,7 +6,8 @@ class is the seam between the two: it admits each plan to the TierStack
 under the metadata lock, runs it, and answers the TierStack's failed steps
 (`reconcile`: the copies a failed step did not make leave the placement, or
 a NO_SPACE in a slab arena is retried after `slot_evictions` free a slot of
-that size). It also records what the tiers hold at start-up (`restore`),
+that size). It also records what the tiers hold at start-up (`restore`) and
+blocks found only in a shared tier (`adopt_shared`),
 forgets blocks found bad (`forget`) and those an adapter dropped on its own
 (`drain_dropped`).
 
@@ -16,13 +17,16 @@ victims under `meta`).
 """
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ucm.adapters.base import SharedSlots, Status
 from ucm.api import Key
 from ucm.placement import Op, Placement, Plan, Step
 from ucm.tiers import Failure, Ticket, TierStack
+
+log = logging.getLogger(__name__)
 
 
 class PlanExecutor:
@@ -148,6 +152,39 @@ class PlanExecutor:
                     plan.extend(self.placement.remove(key, t))
                 ticket = self.admit(plan)
             self.tiers.run_through(ticket, {})
+
+    def adopt_shared(self, keys: Sequence[Key], idx: Iterable[int]) -> None:
+        """Records the blocks of keys[i] (i in idx) that only a shared tier
+        holds (put there by another node), each under keys[i-1] when that is
+        cached, so that the usual paths can load and promote them. Caller
+        holds no lock."""
+        shared = self.tiers.shared
+        if not shared:
+            return
+        with self.meta:
+            unknown = [i for i in idx if not self.placement.contains(keys[i])]
+        for i in unknown:
+            self._adopt(shared, keys[i], keys[i - 1] if i else None)
+
+    def _adopt(self, shared: Sequence[int], key: Key, parent: Optional[Key]) -> None:
+        for t in shared:
+            try:
+                size = self.tiers.adapters[t].size_of(key)
+            except Exception:
+                log.debug("shared tier %s failed in size_of", self.tiers.names[t], exc_info=True)
+                continue
+            if size is None:
+                continue
+            with self.meta:
+                if self.placement.contains(key):
+                    return
+                if parent is not None and not self.placement.contains(parent):
+                    parent = None
+                d = self.placement.insert(key, parent, self.footprint(size), tier=t, restored=True)
+                ticket = self.admit(d.plan)
+            self.run(ticket, {})
+            if d.placed:
+                return
 
     def restore(self) -> None:
         """Records the blocks tiers hold at start (a restarted NVMe log),

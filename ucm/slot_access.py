@@ -152,7 +152,7 @@ class SlotAccess:
         leases = [arena.lease(key) for key in keys]
         staging = any(le is None for le in leases)
         if staging:
-            self._adopt_remote_all(keys, [i for i, le in enumerate(leases) if le is None])
+            self.plans.adopt_shared(keys, [i for i, le in enumerate(leases) if le is None])
             need = [i for i, le in enumerate(leases) if le is None]
 
             def lease_staged() -> None:  # before the staged blocks may be evicted again

@@ -15,7 +15,7 @@ def test_both_phases_store_look_up_and_stage(monkeypatch, tmp_path):
     assert cur["alone"]["stores_per_s"] > 0 and cur["alone"]["lookups_per_s"] > 0
     assert cur["with_staging"]["stores_per_s"] > 0
     assert cur["with_staging"]["staged_blocks_per_s"] > 0  # the stager's loads came back DONE
-    assert cur["store_ratio"] == pytest.approx(cur["with_staging"]["stores_per_s"] / cur["alone"]["stores_per_s"])
+    assert doc["repeat"] == 1 and len(cur["store_ratios"]) == 1 and 0 < cur["store_ratio"]
 
 
 def test_a_baseline_that_is_no_source_tree_is_refused(tmp_path):

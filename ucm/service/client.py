@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ucm import _native
 from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_request_id, check_sizes, submit)
+                     check_request_id, check_sizes, check_timeout, submit)
 from ucm.buffers import byte_view
 from ucm.config import UcmConfig
 from ucm.errors import ArgumentError, ClosedError, CopyAborted, UcmError
@@ -415,9 +415,8 @@ class CacheClient:
         return self._try("stats", {}, {"available": False})
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
-            raise ArgumentError(f"flush: timeout_s must be a number of seconds in (0, 3600], got {timeout_s!r}")
-        return bool(self._try("flush", {"timeout_s": float(timeout_s)}, False))
+        timeout_s = check_timeout(timeout_s, "flush: timeout_s")
+        return bool(self._try("flush", {"timeout_s": timeout_s}, False))
 
     def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
               request_id: Optional[str] = None) -> Handle:

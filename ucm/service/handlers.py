@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ucm import __version__
-from ucm.errors import UcmError
+from ucm.api import check_timeout
+from ucm.errors import ArgumentError, UcmError
 from ucm.service import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -278,10 +279,11 @@ class ServiceHandlers:
     @op("flush", blocking=True)  # waits for NVMe writes
     def _flush(self, conn: ConnState, args: Any) -> bool:
         proto.check_args(args, {"timeout_s"})
-        timeout_s = args.get("timeout_s", 60.0)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
-            raise proto.ProtocolError(f"timeout_s: expected a number of seconds in (0, 3600], got {timeout_s!r:.40}")
-        return self.cache.flush(timeout_s=float(timeout_s))
+        try:
+            timeout_s = check_timeout(args.get("timeout_s", 60.0))
+        except ArgumentError as exc:
+            raise proto.ProtocolError(str(exc)) from None
+        return self.cache.flush(timeout_s=timeout_s)
 
 
 OPS: dict[str, OpSpec] = {fn.op_spec.name: fn.op_spec for fn in vars(ServiceHandlers).values()
