@@ -160,11 +160,12 @@ class NativePlacement(Placement):
         heat = self.heat  # the HeatTracker, as on the Python path
         heat.tick()
         heat.touch_request(keys, parent, next_uses)
-        self._core.record_request(keys, parent)
+        self._core.record_request(keys, parent, next_uses)
 
     def finish_request(self, keys: Sequence[Key], output_tokens: int) -> None:
-        # The native policies file nothing by output kind (no on_reclass).
+        keys = _keys(keys)
         self.heat.finish(keys, output_tokens)
+        self._core.finish_request(keys, output_tokens)
 
     def touch(self, keys: Sequence[Key]) -> None:
         self._core.touch(keys)

@@ -373,20 +373,12 @@ PYBIND11_MODULE(_native, m) {
   // ---- placement core (see ucm/placement.hpp; the Python facade is ucm/placement_native.py) ----
   m.def(
       "placement_policies",
-      []() {
-        std::vector<std::string> out;
-        for (const char* n : {"lru", "fifo", "lfu", "arc", "s3fifo"}) {
-          ucm::PolicyKind k;
-          if (ucm::policy_kind_of(n, &k)) out.emplace_back(n);
-        }
-        return out;
-      },
+      []() { return ucm::native_policy_names(); },
       "Names of the policies the placement core implements.");
   py::class_<PlacementHandle>(m, "PlacementCore")
       .def(py::init([](const std::vector<std::pair<std::string, std::int64_t>>& tiers, const std::string& policy,
                        std::size_t history_blocks, int landing, py::object step_type, const std::vector<py::object>& ops) {
-             ucm::PolicyKind kind;
-             if (!ucm::policy_kind_of(policy, &kind)) throw ArgumentError("no native placement policy " + policy);
+             if (ucm::policy_maker(policy) == nullptr) throw ArgumentError("no native placement policy " + policy);
              if (ops.size() != 4) throw ArgumentError("ops must name the 4 step kinds, got " + std::to_string(ops.size()));
              std::vector<ucm::TierSetup> setup;
              for (const auto& [name, cap] : tiers) setup.push_back({name, cap});
@@ -396,7 +388,7 @@ PYBIND11_MODULE(_native, m) {
                throw ArgumentError("step_type must be a tuple subclass without slots (ucm.placement.Step)");
              }
              auto h = std::make_unique<PlacementHandle>();
-             h->core = std::make_unique<ucm::PlacementCore>(setup, kind, history_blocks, landing);
+             h->core = std::make_unique<ucm::PlacementCore>(setup, policy, history_blocks, landing);
              h->step_type = std::move(step_type);
              for (int i = 0; i < 4; ++i) h->ops[i] = ops[static_cast<std::size_t>(i)];
              return h;
@@ -460,13 +452,24 @@ PYBIND11_MODULE(_native, m) {
            py::arg("keys"))
       .def(
           "record_request",
-          [](PlacementHandle& h, py::handle keys, py::handle parent) {
+          [](PlacementHandle& h, py::handle keys, py::handle parent, py::handle next_uses) {
             std::vector<ucm::BlockKey> ks = h.keys(keys);
             std::optional<ucm::BlockKey> p = h.opt_key(parent);
+            std::optional<std::vector<double>> nus;
+            if (!next_uses.is_none()) nus = next_uses.cast<std::vector<double>>();
             py::gil_scoped_release nogil;
-            h.core->record_request(ks, opt(p));
+            h.core->record_request(ks, opt(p), nus ? &*nus : nullptr);
           },
-          py::arg("keys"), py::arg("parent"))
+          py::arg("keys"), py::arg("parent"), py::arg("next_uses") = py::none(),
+          "next_uses: one float per key (trace replay's oracle) or None.")
+      .def(
+          "finish_request",
+          [](PlacementHandle& h, py::handle keys, std::int64_t output_tokens) {
+            std::vector<ucm::BlockKey> ks = h.keys(keys);
+            py::gil_scoped_release nogil;
+            h.core->finish_request(ks, output_tokens);
+          },
+          py::arg("keys"), py::arg("output_tokens"))
       .def(
           "touch",
           [](PlacementHandle& h, py::handle keys) {

@@ -1,5 +1,5 @@
-// The placement core and its native policies; the Python twins are
-// ucm/placement.py, ucm/policy/leafqueue.py, classic.py, arc.py, s3fifo.py.
+// The placement core (the twin of ucm/placement.py) and the KeyCodec; the
+// native policies are in policies.cpp and policy_<name>.cpp.
 #include "ucm/placement.hpp"
 
 #include <algorithm>
@@ -42,515 +42,7 @@ std::string KeyCodec::decode(const BlockKey& key) const {
   return std::string(buf, static_cast<std::size_t>(key.tag));
 }
 
-// ---- HeatMirror --------------------------------------------------------------
-
-void HeatMirror::touch(const BlockKey& key, const BlockKey* parent) {
-  auto it = records_.find(key);
-  if (it == records_.end()) {
-    if (records_.size() >= capacity_) {  // forget the least recently accessed
-      for (;;) {
-        auto [order, old] = order_.front();
-        order_.pop_front();
-        auto r = records_.find(old);
-        if (r != records_.end() && r->second.order == order) {
-          records_.erase(r);
-          break;
-        }
-      }
-    }
-    it = records_.emplace(key, Record{std::nullopt, 0}).first;
-  }
-  it->second.order = next_order_;
-  if (parent != nullptr) it->second.parent = *parent;
-  order_.emplace_back(next_order_++, key);
-  if (order_.size() > 1024 + 2 * records_.size()) {  // mostly stale: keep the live entries, in order
-    std::deque<std::pair<std::uint64_t, BlockKey>> live;
-    for (auto& entry : order_) {
-      auto r = records_.find(entry.second);
-      if (r != records_.end() && r->second.order == entry.first) live.push_back(entry);
-    }
-    order_.swap(live);
-  }
-}
-
-const BlockKey* HeatMirror::parent(const BlockKey& key) const {
-  auto it = records_.find(key);
-  if (it == records_.end() || !it->second.parent) return nullptr;
-  return &*it->second.parent;
-}
-
 namespace {
-
-// ---- LeafQueues (ucm/policy/leafqueue.py) ----------------------------------
-// As there: a min-heap of (priority, key) per queue with lazy invalidation
-// (an entry is live while it matches the block's current queue and
-// priority and the block is not parked); a parent that fails the predicate
-// while it has resident children here is parked (in park order) until its
-// last child leaves or `wake`. The policies' priorities never tie, so the
-// order the heaps give is the Python one.
-template <class Prio>
-class LeafQueues {
- public:
-  LeafQueues(const HeatMirror& heat, int queues) : heat_(heat), heaps_(static_cast<std::size_t>(queues)) {}
-
-  std::size_t size() const { return where_.size(); }
-  bool contains(const BlockKey& key) const { return where_.count(key) != 0; }
-  int queue_of(const BlockKey& key) const {
-    auto it = where_.find(key);
-    return it == where_.end() ? -1 : it->second.queue;
-  }
-
-  void add(const BlockKey& key, int queue, const Prio& prio) {
-    if (where_.count(key) != 0) {
-      update(key, queue, prio);
-      return;
-    }
-    Entry e{queue, prio, std::nullopt, 0};
-    if (const BlockKey* parent = heat_.parent(key)) {
-      e.parent = *parent;
-      ++kids_[*parent];
-    }
-    where_.emplace(key, std::move(e));
-    push(key, queue, prio);
-  }
-
-  void update(const BlockKey& key, int queue, const Prio& prio) {
-    auto it = where_.find(key);
-    if (it == where_.end()) return;
-    it->second.queue = queue;
-    it->second.prio = prio;
-    if (it->second.parked == 0) push(key, queue, prio);
-  }
-
-  void wake(const BlockKey& key) {
-    auto it = where_.find(key);
-    if (it != where_.end() && it->second.parked != 0) unpark(key, it->second);
-  }
-
-  void remove(const BlockKey& key) {
-    auto it = where_.find(key);
-    if (it == where_.end()) return;
-    if (it->second.parked != 0) parked_.erase(it->second.parked);
-    OptKey parent = std::move(it->second.parent);
-    where_.erase(it);
-    if (!parent) return;
-    auto k = kids_.find(*parent);
-    if (k != kids_.end() && --k->second == 0) {
-      kids_.erase(k);
-      auto p = where_.find(*parent);
-      if (p != where_.end() && p->second.parked != 0) unpark(*parent, p->second);  // a candidate again
-    }
-  }
-
-  // The lowest block of `queue` passing `pred`, left in place; false if none.
-  bool head(int queue, const KeyPred& pred, BlockKey* out, Prio* prio = nullptr) {
-    auto& heap = heaps_[static_cast<std::size_t>(queue)];
-    skipped_.clear();
-    bool found = false;
-    while (!heap.empty()) {
-      const Item& top = heap.front();
-      auto w = where_.find(top.second);
-      if (w == where_.end() || w->second.queue != queue || !(w->second.prio == top.first) || w->second.parked != 0) {
-        pop(heap);  // stale
-        continue;
-      }
-      if (pred(top.second)) {
-        *out = top.second;
-        if (prio != nullptr) *prio = top.first;
-        found = true;
-        break;
-      }
-      if (kids_.count(top.second) != 0) {
-        w->second.parked = ++park_seq_;  // back when its last child leaves
-        parked_.emplace(park_seq_, top.second);
-        pop(heap);
-      } else {
-        skipped_.push_back(top);
-        pop(heap);
-      }
-    }
-    for (auto& item : skipped_) {
-      heap.push_back(std::move(item));
-      std::push_heap(heap.begin(), heap.end(), Later());
-    }
-    return found;
-  }
-
-  bool fallback(const KeyPred& pred, BlockKey* out) const {
-    for (const auto& [seq, key] : parked_) {
-      if (pred(key)) {
-        *out = key;
-        return true;
-      }
-    }
-    return false;
-  }
-
- private:
-  struct Entry {
-    int queue;
-    Prio prio;
-    OptKey parent;
-    std::uint64_t parked;  // 0: in its queue, else its park order
-  };
-  using Item = std::pair<Prio, BlockKey>;
-  struct Later {  // std::push_heap keeps the greatest first: invert for a min-heap
-    bool operator()(const Item& a, const Item& b) const {
-      if (a.first < b.first) return false;
-      if (b.first < a.first) return true;
-      return b.second < a.second;
-    }
-  };
-
-  static void pop(std::vector<Item>& heap) {
-    std::pop_heap(heap.begin(), heap.end(), Later());
-    heap.pop_back();
-  }
-
-  void unpark(const BlockKey& key, Entry& e) {
-    parked_.erase(e.parked);
-    e.parked = 0;
-    push(key, e.queue, e.prio);
-  }
-
-  void push(const BlockKey& key, int queue, const Prio& prio) {
-    auto& heap = heaps_[static_cast<std::size_t>(queue)];
-    heap.emplace_back(prio, key);
-    std::push_heap(heap.begin(), heap.end(), Later());
-    if (heap.size() > 64 + 4 * where_.size()) {  // mostly stale: rebuild from the live entries
-      heap.clear();
-      for (const auto& kv : where_) {
-        if (kv.second.queue == queue && kv.second.parked == 0) heap.emplace_back(kv.second.prio, kv.first);
-      }
-      std::make_heap(heap.begin(), heap.end(), Later());
-    }
-  }
-
-  const HeatMirror& heat_;
-  std::vector<std::vector<Item>> heaps_;
-  std::vector<Item> skipped_;
-  KeyMap<Entry> where_;
-  KeyMap<int> kids_;  // parent -> its resident children here
-  std::map<std::uint64_t, BlockKey> parked_;
-  std::uint64_t park_seq_ = 0;
-};
-
-// An insertion-ordered map of key -> bytes (Python's OrderedDict as the
-// ghosts use it): a queue of (order, key) with lazy invalidation.
-class GhostList {
- public:
-  bool contains(const BlockKey& key) const { return at_.count(key) != 0; }
-  bool empty() const { return at_.empty(); }
-  // Removes `key`, returning its bytes.
-  std::int64_t pop(const BlockKey& key) {
-    auto it = at_.find(key);
-    std::int64_t size = it->second.second;
-    at_.erase(it);
-    return size;
-  }
-  void put(const BlockKey& key, std::int64_t size) {
-    auto it = at_.find(key);
-    if (it != at_.end()) {  // keeps its place, as an OrderedDict does
-      it->second.second = size;
-      return;
-    }
-    order_.emplace_back(next_, key);
-    at_.emplace(key, std::make_pair(next_++, size));
-    if (order_.size() > 64 + 2 * at_.size()) compact();
-  }
-  std::int64_t pop_oldest() {
-    for (;;) {
-      auto& [seq, key] = order_.front();
-      auto it = at_.find(key);
-      if (it != at_.end() && it->second.first == seq) {
-        std::int64_t size = it->second.second;
-        at_.erase(it);
-        order_.pop_front();
-        return size;
-      }
-      order_.pop_front();  // stale
-    }
-  }
-
- private:
-  void compact() {
-    std::deque<std::pair<std::uint64_t, BlockKey>> live;
-    for (auto& entry : order_) {
-      auto it = at_.find(entry.second);
-      if (it != at_.end() && it->second.first == entry.first) live.push_back(entry);
-    }
-    order_.swap(live);
-  }
-
-  std::deque<std::pair<std::uint64_t, BlockKey>> order_;
-  KeyMap<std::pair<std::uint64_t, std::int64_t>> at_;  // key -> (order, bytes)
-  std::uint64_t next_ = 0;
-};
-
-// ---- classic.py ------------------------------------------------------------
-class LruPolicy : public PolicyCore {
- public:
-  LruPolicy(const HeatMirror& heat, bool reorder) : queue_(heat, 1), reorder_(reorder) {}
-  void on_insert(const BlockKey& key, std::int64_t) override { queue_.add(key, 0, ++seq_); }
-  void on_hit(const BlockKey& key) override {
-    if (reorder_ && queue_.contains(key)) queue_.update(key, 0, ++seq_);
-  }
-  void on_remove(const BlockKey& key) override { queue_.remove(key); }
-  bool victim(const KeyPred& evictable, BlockKey* out) override {
-    return queue_.head(0, evictable, out) || queue_.fallback(evictable, out);
-  }
-
- private:
-  LeafQueues<std::int64_t> queue_;
-  bool reorder_;  // false: FIFO
-  std::int64_t seq_ = 0;
-};
-
-class LfuPolicy : public PolicyCore {
- public:
-  explicit LfuPolicy(const HeatMirror& heat) : queue_(heat, 1) {}
-  void on_insert(const BlockKey& key, std::int64_t) override {
-    ++seq_;
-    hits_[key] = 0;
-    queue_.add(key, 0, {age_, seq_});
-  }
-  void on_hit(const BlockKey& key) override {
-    auto it = hits_.find(key);
-    if (it == hits_.end()) return;
-    std::int64_t n = it->second;
-    it->second = n + 1;
-    ++seq_;
-    queue_.update(key, 0, {age_ + static_cast<double>(n) + 1.0, seq_});
-  }
-  void on_remove(const BlockKey& key) override {
-    queue_.remove(key);
-    hits_.erase(key);
-  }
-  bool victim(const KeyPred& evictable, BlockKey* out) override {
-    std::pair<double, std::int64_t> prio;
-    if (!queue_.head(0, evictable, out, &prio)) return queue_.fallback(evictable, out);
-    age_ = prio.first;
-    return true;
-  }
-
- private:
-  LeafQueues<std::pair<double, std::int64_t>> queue_;
-  double age_ = 0.0;
-  std::int64_t seq_ = 0;
-  KeyMap<std::int64_t> hits_;
-};
-
-// ---- arc.py ------------------------------------------------------------------
-class ArcPolicy : public PolicyCore {
- public:
-  ArcPolicy(const HeatMirror& heat, std::int64_t capacity) : heat_(heat), c_(capacity), lists_(heat, 2) {}
-
-  void on_insert(const BlockKey& key, std::int64_t size) override {
-    int lst = kT1;
-    if (b1_.contains(key)) {
-      double ratio = std::max(1.0, static_cast<double>(bb_[1]) / static_cast<double>(std::max<std::int64_t>(1, bb_[0])));
-      p_ = std::min(static_cast<double>(c_), p_ + ratio * static_cast<double>(size));
-      bb_[0] -= b1_.pop(key);
-      lst = kT2;
-    } else if (b2_.contains(key)) {
-      double ratio = std::max(1.0, static_cast<double>(bb_[0]) / static_cast<double>(std::max<std::int64_t>(1, bb_[1])));
-      p_ = std::max(0.0, p_ - ratio * static_cast<double>(size));
-      bb_[1] -= b2_.pop(key);
-      lst = kT2;
-    }
-    ++seq_;
-    meta_[key] = Meta{size, heat_.now()};
-    tb_[lst] += size;
-    lists_.add(key, lst, seq_);
-    trim_ghosts();
-  }
-
-  void on_hit(const BlockKey& key) override {
-    int lst = lists_.queue_of(key);
-    if (lst < 0) return;
-    auto m = meta_.find(key);
-    if (lst == kT1 && m != meta_.end() && m->second.born == heat_.now()) {
-      place(key, kT1);  // the storing access itself
-    } else {
-      place(key, kT2);
-    }
-  }
-
-  void on_remove(const BlockKey& key) override {
-    int lst = lists_.queue_of(key);
-    if (lst < 0) return;
-    lists_.remove(key);
-    auto m = meta_.find(key);
-    std::int64_t size = m->second.size;
-    meta_.erase(m);
-    tb_[lst] -= size;
-    (lst == kT1 ? b1_ : b2_).put(key, size);
-    bb_[lst] += size;
-    trim_ghosts();
-  }
-
-  bool victim(const KeyPred& evictable, BlockKey* out) override {
-    int first = kT1, second = kT2;
-    if (tb_[kT1] == 0 || (tb_[kT2] != 0 && static_cast<double>(tb_[kT1]) <= p_)) std::swap(first, second);
-    return lists_.head(first, evictable, out) || lists_.head(second, evictable, out) ||
-           lists_.fallback(evictable, out);
-  }
-
- private:
-  static constexpr int kT1 = 0, kT2 = 1;
-
-  void place(const BlockKey& key, int lst) {
-    ++seq_;
-    int old = lists_.queue_of(key);
-    if (old >= 0 && old != lst) {
-      std::int64_t size = meta_.at(key).size;
-      tb_[old] -= size;
-      tb_[lst] += size;
-    }
-    lists_.update(key, lst, seq_);
-  }
-
-  void trim_ghosts() {
-    while (!b1_.empty() && tb_[0] + bb_[0] > c_) bb_[0] -= b1_.pop_oldest();
-    while (!b2_.empty() && tb_[0] + tb_[1] + bb_[0] + bb_[1] > 2 * c_) bb_[1] -= b2_.pop_oldest();
-  }
-
-  const HeatMirror& heat_;
-  std::int64_t c_;
-  double p_ = 0.0;
-  LeafQueues<std::int64_t> lists_;
-  std::int64_t seq_ = 0;
-  struct Meta {  // a resident block: bytes, clock of its insertion
-    std::int64_t size;
-    std::int64_t born;
-  };
-  KeyMap<Meta> meta_;
-  std::int64_t tb_[2] = {0, 0};
-  GhostList b1_, b2_;
-  std::int64_t bb_[2] = {0, 0};
-};
-
-// ---- s3fifo.py ---------------------------------------------------------------
-class S3FifoPolicy : public PolicyCore {
- public:
-  S3FifoPolicy(const HeatMirror& heat, std::int64_t capacity)
-      : heat_(heat),
-        small_cap_(0.1 * static_cast<double>(capacity)),
-        ghost_cap_(static_cast<double>(capacity) - small_cap_),
-        queues_(heat, 2) {}
-
-  void on_insert(const BlockKey& key, std::int64_t size) override {
-    if (g_.contains(key)) {
-      g_bytes_ -= g_.pop(key);
-      enqueue(key, kM);
-    } else {
-      enqueue(key, kS);
-      s_bytes_ += size;
-      ++s_count_;
-    }
-    meta_[key] = Meta{size, 0, heat_.now()};
-  }
-
-  void on_hit(const BlockKey& key) override {
-    auto m = meta_.find(key);
-    if (m == meta_.end() || m->second.born == heat_.now() || m->second.freq >= kMaxFreq) return;
-    if (m->second.freq++ == 0) queues_.wake(key);  // now due to move on even if it cannot go
-  }
-
-  void on_remove(const BlockKey& key) override {
-    int q = queues_.queue_of(key);
-    if (q < 0) return;
-    queues_.remove(key);
-    auto m = meta_.find(key);
-    std::int64_t size = m->second.size;
-    meta_.erase(m);
-    if (q == kS) {
-      s_bytes_ -= size;
-      --s_count_;
-      g_.put(key, size);
-      g_bytes_ += size;
-      while (static_cast<double>(g_bytes_) > ghost_cap_ && !g_.empty()) g_bytes_ -= g_.pop_oldest();
-    }
-  }
-
-  bool victim(const KeyPred& evictable, BlockKey* out) override {
-    KeyPred candidate = [this, &evictable](const BlockKey& key) {  // due for a decision: to move on, or to go
-      return meta_.at(key).freq > 0 || evictable(key);
-    };
-    BlockKey key;
-    for (int round = 0; round < kMaxFreq + 2; ++round) {
-      if (static_cast<double>(s_bytes_) >= small_cap_ || static_cast<std::int64_t>(meta_.size()) == s_count_) {
-        while (queues_.head(kS, candidate, &key)) {
-          Meta& m = meta_.at(key);
-          if (m.freq == 0) {
-            *out = key;
-            return true;
-          }
-          enqueue(key, kM);  // accessed again while in S: on to M
-          s_bytes_ -= m.size;
-          --s_count_;
-          m.freq = 0;
-        }
-      }
-      while (queues_.head(kM, candidate, &key)) {
-        Meta& m = meta_.at(key);
-        if (m.freq == 0) {
-          *out = key;
-          return true;
-        }
-        --m.freq;
-        enqueue(key, kM);  // second chance
-      }
-      if (queues_.head(kS, evictable, out)) return true;
-    }
-    return queues_.fallback(evictable, out);
-  }
-
- private:
-  static constexpr int kS = 0, kM = 1;
-  static constexpr std::int64_t kMaxFreq = 3;
-
-  void enqueue(const BlockKey& key, int q) {
-    ++seq_;
-    if (queues_.contains(key)) {
-      queues_.update(key, q, seq_);
-    } else {
-      queues_.add(key, q, seq_);
-    }
-  }
-
-  const HeatMirror& heat_;
-  double small_cap_;
-  double ghost_cap_;
-  LeafQueues<std::int64_t> queues_;
-  std::int64_t seq_ = 0;
-  struct Meta {  // a resident block: bytes, accesses (capped), clock of its insertion
-    std::int64_t size;
-    std::int64_t freq;
-    std::int64_t born;
-  };
-  KeyMap<Meta> meta_;
-  std::int64_t s_bytes_ = 0;
-  std::int64_t s_count_ = 0;
-  GhostList g_;
-  std::int64_t g_bytes_ = 0;
-};
-
-std::unique_ptr<PolicyCore> make_policy(PolicyKind kind, const HeatMirror& heat, std::int64_t capacity) {
-  switch (kind) {
-    case PolicyKind::kLru:
-      return std::make_unique<LruPolicy>(heat, true);
-    case PolicyKind::kFifo:
-      return std::make_unique<LruPolicy>(heat, false);
-    case PolicyKind::kLfu:
-      return std::make_unique<LfuPolicy>(heat);
-    case PolicyKind::kArc:
-      return std::make_unique<ArcPolicy>(heat, capacity);
-    case PolicyKind::kS3Fifo:
-      return std::make_unique<S3FifoPolicy>(heat, capacity);
-  }
-  throw std::invalid_argument("unknown policy kind");
-}
 
 int lowest_bit(std::uint32_t m) { return __builtin_ctz(m); }
 
@@ -587,24 +79,11 @@ void count_down(KeyMap<int>& counts, const BlockKey& key) {
 
 }  // namespace
 
-bool policy_kind_of(const std::string& name, PolicyKind* out) {
-  static const std::pair<const char*, PolicyKind> kinds[] = {
-      {"lru", PolicyKind::kLru}, {"fifo", PolicyKind::kFifo}, {"lfu", PolicyKind::kLfu},
-      {"arc", PolicyKind::kArc}, {"s3fifo", PolicyKind::kS3Fifo}};
-  for (const auto& [n, k] : kinds) {
-    if (name == n) {
-      *out = k;
-      return true;
-    }
-  }
-  return false;
-}
-
 // ---- PlacementCore -------------------------------------------------------------
 
-PlacementCore::PlacementCore(const std::vector<TierSetup>& tiers, PolicyKind policy, std::size_t history_blocks,
-                             int landing)
-    : landing_(landing), heat_(history_blocks) {
+PlacementCore::PlacementCore(const std::vector<TierSetup>& tiers, const std::string& policy,
+                             std::size_t history_blocks, int landing)
+    : heat_(history_blocks), landing_(landing) {
   if (tiers.empty()) throw std::invalid_argument("placement needs at least one tier");
   if (tiers.size() > static_cast<std::size_t>(kMaxTiers)) {
     throw std::invalid_argument("placement takes at most " + std::to_string(kMaxTiers) + " tiers");
@@ -614,6 +93,8 @@ PlacementCore::PlacementCore(const std::vector<TierSetup>& tiers, PolicyKind pol
                                 std::to_string(tiers.size() - 1));
   }
   if (history_blocks < 1) throw std::invalid_argument("history_blocks must be >= 1");
+  const PolicyMaker make = policy_maker(policy);
+  if (make == nullptr) throw std::invalid_argument("no native placement policy '" + policy + "'");
   tiers_.resize(tiers.size());
   for (std::size_t i = 0; i < tiers.size(); ++i) {
     if (tiers[i].capacity_bytes < 0) {
@@ -625,7 +106,7 @@ PlacementCore::PlacementCore(const std::vector<TierSetup>& tiers, PolicyKind pol
     tier.capacity = tiers[i].capacity_bytes;
     tier.lowest = i + 1 == tiers.size();
     tier.bit = 1u << i;
-    tier.policy = make_policy(policy, heat_, tier.capacity);
+    tier.policy = make(PolicyContext{heat_, codec_, tier.name, tier.index, tier.capacity, tier.lowest});
   }
   protect_.resize(tiers.size());
 }
@@ -746,10 +227,25 @@ bool PlacementCore::evictable(int t, const BlockKey& key) const {
   return !tier.lowest || children_.count(key) == 0 || elsewhere != 0;
 }
 
-void PlacementCore::record_request(const std::vector<BlockKey>& keys, const BlockKey* parent) {
+void PlacementCore::record_request(const std::vector<BlockKey>& keys, const BlockKey* parent,
+                                   const std::vector<double>* next_uses) {
+  if (next_uses != nullptr && next_uses->size() != keys.size()) {
+    throw std::invalid_argument("record_request: " + std::to_string(keys.size()) + " keys but " +
+                                std::to_string(next_uses->size()) + " next uses");
+  }
+  auto nu = [&](std::size_t i) { return next_uses == nullptr ? HeatMirror::kInf : (*next_uses)[i]; };
   heat_.tick();
-  for (std::size_t i = keys.size(); i-- > 1;) heat_.touch(keys[i], &keys[i - 1]);
-  if (!keys.empty()) heat_.touch(keys[0], parent);
+  for (std::size_t i = keys.size(); i-- > 1;) heat_.touch(keys[i], &keys[i - 1], nu(i));
+  if (!keys.empty()) heat_.touch(keys[0], parent, nu(0));
+}
+
+void PlacementCore::finish_request(const std::vector<BlockKey>& keys, std::int64_t output_tokens) {
+  for (const auto& key : heat_.finish(keys, output_tokens)) {
+    const std::uint32_t m = mask_of(key);
+    for (auto& tier : tiers_) {
+      if (m & tier.bit) tier.policy->on_reclass(key);
+    }
+  }
 }
 
 void PlacementCore::touch(const std::vector<BlockKey>& keys) {

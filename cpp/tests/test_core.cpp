@@ -246,7 +246,7 @@ static bool step_is(const ucm::PlanStep& s, ucm::StepOp op, const ucm::BlockKey&
 }
 
 static void test_placement_plans() {
-  ucm::PlacementCore p({{"dram", 2}, {"nvme", 4}}, ucm::PolicyKind::kLru, 100, 0);
+  ucm::PlacementCore p({{"dram", 2}, {"nvme", 4}}, "lru", 100, 0);
   const ucm::BlockKey a = pkey(p, 1), b = pkey(p, 2), c = pkey(p, 3);
   p.record_request({a, b, c}, nullptr);
   std::vector<bool> placed;
@@ -288,7 +288,7 @@ static void test_placement_plans() {
 }
 
 static void test_placement_pins_and_holds() {
-  ucm::PlacementCore p({{"dram", 2}}, ucm::PolicyKind::kFifo, 100, 0);
+  ucm::PlacementCore p({{"dram", 2}}, "fifo", 100, 0);
   const ucm::BlockKey a = pkey(p, 1), b = pkey(p, 2), c = pkey(p, 3), d = pkey(p, 4);
   ucm::PlanSteps plan;
   p.record_request({a}, nullptr);
@@ -324,6 +324,13 @@ static void test_placement_heat_mirror() {
   heat.touch(a, nullptr);  // keeps its parent, becomes the most recent
   heat.touch(x, nullptr);  // the history holds 2: b, the least recent, is forgotten
   CHECK(heat.parent(b) == nullptr && heat.parent(a) != nullptr);
+  // Slots as the tracker allocates them: x takes b's forgotten slot; a's record counts both accesses.
+  CHECK(heat.slot(b) == -1 && heat.slot(x) == 1 && heat.count(heat.slot(a)) == 2 && heat.last(heat.slot(a)) == 1);
+  CHECK((heat.flags(heat.slot(a)) & ucm::HeatMirror::kTail) == 0);  // not the request's first touch
+  heat.tick();
+  heat.touch(x, nullptr);
+  CHECK((heat.flags(heat.slot(x)) & ucm::HeatMirror::kTail) != 0);  // the first touch after a tick
+  CHECK(heat.finish({a, b}, 500).size() == 1 && (heat.flags(heat.slot(a)) & ucm::HeatMirror::kLongOut) != 0);
   // Keys of any length round-trip; up to 16 bytes they are values.
   const std::string long_key(40, 'z');
   CHECK(codec.decode(codec.encode(long_key.data(), long_key.size())) == long_key);
@@ -333,8 +340,7 @@ static void test_placement_heat_mirror() {
 
 // Every policy keeps the invariants under a random workload over three tiers.
 static void test_placement_invariants() {
-  for (auto kind : {ucm::PolicyKind::kLru, ucm::PolicyKind::kFifo, ucm::PolicyKind::kLfu, ucm::PolicyKind::kArc,
-                    ucm::PolicyKind::kS3Fifo}) {
+  for (const std::string& kind : ucm::native_policy_names()) {
     ucm::PlacementCore p({{"hbm", 3}, {"dram", 5}, {"nvme", 9}}, kind, 50, 0);
     std::uint64_t x = 7;
     int fresh = 1000;

@@ -15,9 +15,10 @@ from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker
 from ucm.placement import Op, Placement, Step, TierSpec
 from ucm.placement_native import NativePlacement
-from ucm.policy.base import load_policy
+from ucm.policy.base import load_policy, load_policy_class, policy_names
 
-NATIVE = ["lru", "fifo", "lfu", "arc", "s3fifo"]
+# Every installed policy whose class declares a native twin.
+NATIVE = [n for n in policy_names() if load_policy_class(n).__dict__.get("native")]
 
 
 def key(i):
@@ -173,11 +174,24 @@ def test_same_decisions_when_history_forgets_parents(policy):
     drive(pair, workload(4, 250), 4)
 
 
+def test_the_shipped_policies_have_native_twins():
+    from ucm import _native
+
+    assert set(NATIVE) >= {"lru", "fifo", "lfu", "arc", "s3fifo"}
+    assert set(NATIVE) <= set(_native.placement_policies())
+
+
 def test_policies_without_a_native_twin_stay_on_the_python_path():
-    for name in ("tinylfu", "heat", "opt"):
-        assert type(Placement([TierSpec("dram", 4)], load_policy(name), HeatTracker())) is Placement
+    from ucm.policy.base import BoundPolicy
+    from ucm.policy.classic import LruPolicy
+
+    class Mine(LruPolicy):
+        name = "mine"
+
+    for bound in (BoundPolicy("mine", Mine, {}),):
+        assert type(Placement([TierSpec("dram", 4)], bound, HeatTracker())) is Placement
         with pytest.raises(ArgumentError, match="no native twin"):
-            Placement([TierSpec("dram", 4)], load_policy(name), HeatTracker(), native=True)
+            Placement([TierSpec("dram", 4)], bound, HeatTracker(), native=True)
     # A factory that is not a BoundPolicy (a third-party callable) runs in Python too.
     factory = load_policy("lru")
     p = Placement([TierSpec("dram", 4)], lambda tier, heat: factory(tier, heat))
