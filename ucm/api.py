@@ -22,11 +22,14 @@ worker process that only talks to the service loads it and the client.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from concurrent.futures import Executor
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from ucm.errors import ArgumentError
+
+log = logging.getLogger(__name__)
 
 Key = bytes
 
@@ -49,6 +52,8 @@ class Handle:
     def __init__(self, n: int) -> None:
         self._results: list[Optional[Outcome]] = [None] * n
         self._event = threading.Event()
+        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._lock = threading.Lock()
         if n == 0:
             self._event.set()
 
@@ -70,12 +75,33 @@ class Handle:
     def ok(self) -> bool:
         return self.done() and all(r is Outcome.DONE for r in self._results)
 
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Calls `fn(handle)` once the handle is done: at once (on this
+        thread) if it is done already, else on the thread that completes
+        it. An exception from `fn` is logged, never raised there."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
     def resolve(self, results: Sequence[Outcome]) -> None:
         """Completes the handle (the implementation's side; called once)."""
         if len(results) != len(self._results):
             raise ArgumentError(f"a handle for {len(self._results)} blocks resolved with {len(results)} outcomes")
-        self._results = list(results)
-        self._event.set()
+        with self._lock:
+            self._results = list(results)
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _run_callback(fn, self)
+
+
+def _run_callback(fn: Callable[[Handle], None], handle: Handle) -> None:
+    try:
+        fn(handle)
+    except Exception:
+        log.exception("ucm: a handle's done callback raised")
 
 
 def submit(pool: Executor, n: int, fn: Callable[..., Sequence[Outcome]], *args: Any,

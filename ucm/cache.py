@@ -35,6 +35,8 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from ucm.accelerators.base import BlocksLoaded, BlocksStored, RequestFinished, RequestSeen
+from ucm.accelerators.chain import Accelerators
 from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
 from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, check_parent,
                      check_request_id, check_timeout, submit)
@@ -93,6 +95,7 @@ class UnifiedCache(SlotAccess):
         self.tier_names = [t.adapter for t in cfg.tiers]
         self.adapters: list[StorageAdapter] = []
         self.tiers: Optional[TierStack] = None
+        self.accelerators = Accelerators()
         self._closed = False
         self._pool: Optional[ThreadPoolExecutor] = None
         self._reclaimer: Optional[HeadroomReclaimer] = None
@@ -125,6 +128,7 @@ class UnifiedCache(SlotAccess):
         self.plans.restore()
         if self._headroom:
             self._reclaimer = HeadroomReclaimer(self._reclaim_step)
+        self.accelerators = Accelerators.build(cfg, self)
 
     # ---- queries -----------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -177,24 +181,32 @@ class UnifiedCache(SlotAccess):
         keys = check_keys(keys)
         parent = check_parent(parent)
         with self._meta:
-            self._record_locked(keys, parent, request_id)
+            new = self._record_locked(keys, parent, request_id)
+            if new and self.accelerators:
+                p = self.placement
+                seen = RequestSeen(request_id, tuple(keys), parent,
+                                   tuple(None if t is None else self.tier_names[t] for t in p.locate(keys)),
+                                   tuple(p.size_of(k) or 0 for k in keys))
+        if new and self.accelerators:
+            self.accelerators.request_seen(seen)
 
     def _record_locked(self, keys: Sequence[Key], parent: Optional[Key], request_id: Optional[str],
-                       counted: bool = True) -> None:
+                       counted: bool = True) -> bool:
         """Counts the request's access unless `request_id` was begun already
         (or, without an id, unless the call continues one already counted:
-        `counted` False, a later chunk of one client call)."""
+        `counted` False, a later chunk of one client call). True if counted."""
         if request_id is None and not counted:
-            return
+            return False
         if request_id is not None:
             if request_id in self._requests:
                 self._requests.move_to_end(request_id)
-                return
+                return False
             self._requests[request_id] = None
             if len(self._requests) > MAX_OPEN_REQUESTS:
                 self._requests.popitem(last=False)
         self.placement.record_request(keys, parent=parent)
         self._requests_counted += 1
+        return True
 
     # ---- operations --------------------------------------------------------
     def store(self, keys: Sequence[Key], srcs: Sequence[Any], parent: Optional[Key] = None,
@@ -250,6 +262,8 @@ class UnifiedCache(SlotAccess):
             if request_id is not None:
                 self._requests.pop(request_id, None)
         self._count("finished_requests")
+        if self.accelerators:
+            self.accelerators.request_finished(RequestFinished(request_id, tuple(keys), output_tokens))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Makes the tiers' headroom, then waits until buffered writes of
@@ -281,7 +295,8 @@ class UnifiedCache(SlotAccess):
                   "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
                   "finished_requests", "slot_evictions"):
             counts.setdefault(k, 0)
-        return {"tiers": tiers, **counts, "requests": requests, "open_requests": open_requests}
+        return {"tiers": tiers, **counts, "requests": requests, "open_requests": open_requests,
+                "accelerators": self.accelerators.stats()}
 
     def watch_keys(self, on_add: Callable[[Key], None], on_remove: Callable[[Key], None]) -> None:
         """Mirrors the set of cached keys that `lookup` sees (blocks in shared
@@ -295,6 +310,7 @@ class UnifiedCache(SlotAccess):
         if self._closed:
             return
         self._closed = True
+        self.accelerators.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._reclaimer is not None:
@@ -375,6 +391,10 @@ class UnifiedCache(SlotAccess):
         new = [i for i, o in enumerate(out) if o is Outcome.DONE and placed[i]]
         self._count("stored_blocks", len(new))
         self._count("bytes_stored", sum(len(views[i]) for i in new))
+        if new and self.accelerators:
+            self.accelerators.blocks_stored(BlocksStored(
+                tuple(keys[i] for i in new), tuple(len(views[i]) for i in new),
+                self.tier_names[p.landing], request_id))
         if any(o is Outcome.MISSING for o in out):
             self._count("store_refused", 1)
         self.plans.drain_dropped()
@@ -383,6 +403,7 @@ class UnifiedCache(SlotAccess):
 
     def _load(self, keys: list[Key], views: list[memoryview], request_id: Optional[str] = None) -> list[Outcome]:
         out: list[Optional[Outcome]] = [None] * len(keys)
+        served: list[Optional[int]] = [None] * len(keys)  # the tier each block came from
         by_tier: dict[int, list[int]] = {}
         self.plans.adopt_shared(keys, range(len(keys)))
         with self._meta:
@@ -409,6 +430,7 @@ class UnifiedCache(SlotAccess):
                     if st is Status.NOT_FOUND:  # moved by a concurrent demotion: look everywhere
                         st, src = self.tiers.get_anywhere(keys[i], views[i], skip=t)
                     out[i] = _FROM_STATUS[st]
+                    served[i] = src if st is Status.OK else None
                     if st is Status.OK and src is not None and src > self.placement.landing:
                         promote.append(i)
                     elif st in (Status.CORRUPT, Status.FAILED) and src is not None:
@@ -435,6 +457,10 @@ class UnifiedCache(SlotAccess):
         self._count("corrupt", sum(o is Outcome.CORRUPT for o in done))
         self._count("failed", sum(o is Outcome.FAILED for o in done))
         self.plans.drain_dropped()
+        if self.accelerators:
+            self.accelerators.blocks_loaded(BlocksLoaded(
+                tuple(keys), tuple(done), tuple(None if t is None else self.tier_names[t] for t in served),
+                request_id))
         return done
 
     def _prefetch(self, keys: list[Key]) -> list[Outcome]:

@@ -90,6 +90,11 @@ def _inspect(args: argparse.Namespace) -> int:
           f"({format_size(stats['bytes_loaded'])})  missing {stats['missing_blocks']}  "
           f"stored {stats['stored_blocks']}  corrupt {stats['corrupt']}  failed {stats['failed']}  "
           f"evicted for headroom {stats.get('headroom_evictions', 0)}")
+    accelerators = stats.get("accelerators") or {}
+    if not accelerators:
+        print("accelerators: none")
+    for name, counts in accelerators.items():
+        print(f"accelerator {name}: " + "  ".join(f"{k} {v}" for k, v in counts.items()))
     return 0
 
 

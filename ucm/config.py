@@ -76,6 +76,11 @@ class HeatConfig(_Strict):
         return n
 
 
+class AcceleratorConfig(_Strict):
+    name: str  # an installed `ucm.accelerators` entry point
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class ServiceConfig(_Strict):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # names the socket
     socket: Optional[str] = None  # Unix socket path; default <runtime dir>/<name>.sock
@@ -114,6 +119,7 @@ class UcmConfig(_Strict):
     heat: HeatConfig = HeatConfig()
     io_workers: int = Field(default=4, ge=1, le=64)  # threads running asynchronous loads and stores
     service: ServiceConfig = ServiceConfig()
+    accelerators: tuple[AcceleratorConfig, ...] = ()  # in the order their hooks run
 
     @model_validator(mode="after")
     def _check(self) -> "UcmConfig":
@@ -128,6 +134,9 @@ class UcmConfig(_Strict):
                 raise ValueError(f"tiers.{i}.adapter: unknown adapter {n!r}; installed: {known}")
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: each adapter may appear once, got {names}")
+        accs = [a.name for a in self.accelerators]
+        if len(set(accs)) != len(accs):
+            raise ValueError(f"accelerators: each accelerator may appear once, got {accs}")
         if self.landing_tier not in names:
             raise ValueError(f"landing_tier: {self.landing_tier!r} is not one of the configured tiers {names}")
         if self.tiers[-1].headroom:
@@ -253,7 +262,17 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
     for i, tier in enumerate(cfg.tiers):
         adapter_options(tier, index=i)
     _check_policy(cfg.policy, replay)
+    check_accelerators(cfg)
     return cfg
+
+
+def check_accelerators(cfg: UcmConfig) -> None:
+    """Every configured accelerator installed and its options valid
+    (ConfigError naming `accelerators.<i>...` otherwise)."""
+    from ucm.accelerators.base import check_accelerator
+
+    for i, acc in enumerate(cfg.accelerators):
+        check_accelerator(acc.name, acc.options, i)
 
 
 def adapter_options(tier: TierConfig, index: int = 0) -> BaseModel:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence, Union
 
+from ucm.accelerators.base import BlocksLoaded, BlocksStored
 from ucm.adapters.base import SharedSlots
 from ucm.api import Key, Outcome, SlotFn, check_keys, check_parent, check_request_id, check_sizes
 from ucm.errors import ArgumentError
@@ -100,12 +101,14 @@ class SlotAccess:
         arena = self.shared_arena()
         out = []
         committed = []
+        sizes = []
         stored = 0
         for key in keys:
             slot = arena.slot_offset(key)
             ok = arena.commit(key)
             if ok:
                 committed.append(key)
+                sizes.append(slot[1])
                 stored += slot[1]
             out.append(ok)
         if committed:
@@ -113,6 +116,9 @@ class SlotAccess:
                 self.placement.unhold(committed)
             self._count("stored_blocks", len(committed))
             self._count("bytes_stored", stored)
+            if self.accelerators:
+                self.accelerators.blocks_stored(BlocksStored(
+                    tuple(committed), tuple(sizes), self.tier_names[self.placement.landing], None))
         self._wake_reclaim()
         return out
 
@@ -151,9 +157,16 @@ class SlotAccess:
             self._record_locked(keys, None, request_id, counted)
         leases = [arena.lease(key) for key in keys]
         staging = any(le is None for le in leases)
+        landing = self.tier_names[self.placement.landing]
+        tiers: list[Optional[str]] = [landing if le is not None else None for le in leases]
         if staging:
             self.plans.adopt_shared(keys, [i for i, le in enumerate(leases) if le is None])
             need = [i for i, le in enumerate(leases) if le is None]
+            if self.accelerators:
+                with self._meta:
+                    for i in need:
+                        t = self.placement.where(keys[i])
+                        tiers[i] = None if t is None else self.tier_names[t]
 
             def lease_staged() -> None:  # before the staged blocks may be evicted again
                 for i in need:
@@ -169,6 +182,10 @@ class SlotAccess:
         self.plans.drain_dropped()
         if staging:
             self._wake_reclaim()
+        if self.accelerators:
+            self.accelerators.blocks_loaded(BlocksLoaded(
+                tuple(keys), tuple(Outcome.DONE if le is not None else Outcome.MISSING for le in leases),
+                tuple(t if le is not None else None for t, le in zip(tiers, leases)), request_id))
         return leases
 
     def release(self, leases: Sequence[Any]) -> None:

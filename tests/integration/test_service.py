@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SIZE = 64 * 1024
 
 
-def write_config(tmp_path, metrics=False):
+def write_config(tmp_path, metrics=False, accelerators=()):
     sock = str(tmp_path / "ucm.sock")
     cfg = {
         "tiers": [{"adapter": "dram", "capacity": "4MiB"},
@@ -34,6 +34,7 @@ def write_config(tmp_path, metrics=False):
                    "options": {"path": str(tmp_path / "nvme"), "region_size": "512KiB", "io_chunk": "128KiB"}}],
         "policy": {"name": "lru"},
         "service": {"socket": sock, "metrics_port": 0 if metrics else None},
+        "accelerators": list(accelerators),
     }
     path = tmp_path / "ucm.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -251,6 +252,27 @@ def test_private_files_and_observability(service):
     r = subprocess.run([sys.executable, "-m", "ucm.cli", "inspect", "--config", cfg_path],
                        capture_output=True, text=True, timeout=60)
     assert "dram" in r.stdout and "capacity" in r.stdout
+    assert "accelerators: none" in r.stdout
+
+
+def test_inspect_lists_the_services_accelerators_and_their_counters(tmp_path):
+    cfg_path, sock, _ = write_config(tmp_path, accelerators=[{"name": "prefetch"}])
+    proc = start_service(cfg_path, sock)
+    try:
+        c = CacheClient(sock)
+        keys, data = chain(3, 12)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * 3
+        c.begin_request("r1", keys)
+        assert c.stats()["accelerators"]["prefetch"]["errors"] == 0
+        c.close()
+        r = subprocess.run([sys.executable, "-m", "ucm.cli", "inspect", "--config", cfg_path],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("accelerator prefetch:"))
+        assert "blocks_issued 0" in line and "errors 0" in line  # a DRAM hit: nothing to stage
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
 
 
 def test_connect_starts_a_private_service_that_exits_when_unused(tmp_path):

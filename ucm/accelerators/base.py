@@ -1,0 +1,177 @@
+"""The accelerator interface: the hook points an accelerator receives, and
+how accelerators are found and configured.
+
+An accelerator is a module on top of the cache API. It is registered in the
+`ucm.accelerators` entry points (one line in a package's metadata, as
+adapters and policies are), enabled in the YAML file
+
+    accelerators:
+      - name: prefetch
+        options: {max_inflight_blocks: 512}
+
+and built once per process that calls its hooks, with the `CacheAPI` of
+that process and the configuration it runs under (`Accelerator(cache,
+config, **options)`: tier order, landing tier, block size). It uses only
+the public API plus the hooks; it never reaches into the cache's internals.
+
+Hook points, each with one event value (new fields may be added to an
+event; an accelerator reads the ones it knows):
+- `request_seen(RequestSeen)`: a request's prompt was seen for the first
+  time (`CacheAPI.begin_request`: the scheduler's lookup);
+- `blocks_stored(BlocksStored)`: blocks became cached (a store or a
+  committed slot write);
+- `blocks_loaded(BlocksLoaded)`: blocks were read for a request (a load or
+  a slot read), with each block's outcome and the tier that served it;
+- `request_finished(RequestFinished)`: the request ended
+  (`CacheAPI.finish`).
+Each is called after the cache did its work, outside its locks, on the
+thread that did it (an engine's call or an I/O worker): a hook must be
+short and must not block; long work goes to the accelerator's own thread or
+to the asynchronous API (`prefetch`, `load`), whose handles it may keep.
+Nothing an accelerator does changes the result of the call that fired the
+hook: an exception from a hook is counted (`errors`) and logged, never
+raised into the caller (`ucm.accelerators.chain.Accelerators`).
+
+`counters()` answers the accelerator's figures (numbers by name), shown by
+`ucm inspect` and `stats()["accelerators"]`; `close()` ends its work.
+
+Options: an accelerator declares them as its `Config` (a frozen pydantic
+model that forbids unknown keys), validated when the configuration loads;
+a bad option is a ConfigError naming `accelerators.<i>.options.<key>`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ucm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ucm.api import CacheAPI, Key, Outcome
+    from ucm.config import UcmConfig
+
+ACCELERATOR_NAMESPACE = "ucm.accelerators"
+
+
+class AcceleratorOptions(BaseModel):
+    """An accelerator's options (`accelerators[i].options`): none by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSeen:
+    request_id: str
+    keys: tuple["Key", ...]  # the prompt's full blocks, in order
+    parent: Optional["Key"]  # the block before keys[0], if any
+    # Per key, as this cache's placement knew it when the request was seen
+    # (blocks other nodes put into a shared tier are not known here): the
+    # fastest tier holding it (None: not cached) and the bytes placement
+    # accounts for it (its footprint in a tier: a slot may round the payload
+    # up; 0: not cached).
+    tiers: tuple[Optional[str], ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    keys: tuple["Key", ...]  # the blocks this call made cached (not those it found cached)
+    sizes: tuple[int, ...]  # their payload bytes
+    tier: str  # where they landed
+    request_id: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksLoaded:
+    keys: tuple["Key", ...]
+    outcomes: tuple["Outcome", ...]  # per key, as the load answered
+    tiers: tuple[Optional[str], ...]  # per key, the tier that served it (None: not served)
+    request_id: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    request_id: Optional[str]
+    keys: tuple["Key", ...]
+    output_tokens: int
+
+
+class Accelerator(abc.ABC):
+    """One accelerator instance in one process; every hook defaults to nothing."""
+
+    name: str = ""
+    Config: type[AcceleratorOptions] = AcceleratorOptions
+
+    def __init__(self, cache: "CacheAPI", config: "UcmConfig", **options: Any) -> None:
+        self.options = validate_options(type(self), options)
+        self.cache = cache
+        self.config = config
+
+    def request_seen(self, event: RequestSeen) -> None:
+        """A request's prompt was seen for the first time."""
+
+    def blocks_stored(self, event: BlocksStored) -> None:
+        """Blocks became cached."""
+
+    def blocks_loaded(self, event: BlocksLoaded) -> None:
+        """Blocks were read for a request."""
+
+    def request_finished(self, event: RequestFinished) -> None:
+        """A request ended."""
+
+    def counters(self) -> dict[str, float]:
+        """The accelerator's figures by name (a snapshot)."""
+        return {}
+
+    def close(self) -> None:
+        """Ends the accelerator's work (called once, when its cache closes)."""
+
+
+def validate_options(cls: type[Accelerator], options: dict[str, Any], prefix: str = "options.") -> AcceleratorOptions:
+    """`options` checked against the accelerator's Config, else ConfigError."""
+    from ucm.config import describe_validation_error
+
+    try:
+        return cls.Config.model_validate(options)
+    except ValidationError as exc:
+        raise ConfigError(f"accelerator {cls.name!r}: "
+                          + describe_validation_error(exc, cls.Config, prefix=prefix)) from None
+
+
+def accelerator_names() -> list[str]:
+    """The names registered in the `ucm.accelerators` entry points."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=ACCELERATOR_NAMESPACE)})
+
+
+def load_accelerator_class(name: str, where: str = "name") -> type[Accelerator]:
+    """The class registered as `name`; ConfigError naming `where` for an
+    unknown name, and naming the entry point for one that fails to load or
+    does not name an Accelerator."""
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep for ep in entry_points(group=ACCELERATOR_NAMESPACE)}
+    if name not in eps:
+        raise ConfigError(f"{where}: unknown accelerator {name!r}; installed: {sorted(eps)}")
+    ep = eps[name]
+    try:
+        cls = ep.load()
+    except Exception as exc:
+        raise ConfigError(f"{where}: accelerator entry point {name} = {ep.value!r} failed to load: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
+        raise ConfigError(f"{where}: accelerator entry point {name} = {ep.value!r} is not a "
+                          f"ucm.accelerators.base.Accelerator subclass")
+    return cls
+
+
+def check_accelerator(name: str, options: dict[str, Any], index: int) -> type[Accelerator]:
+    """The class of accelerator `name`, its options validated (ConfigError
+    naming `accelerators.<index>...` otherwise)."""
+    cls = load_accelerator_class(name, where=f"accelerators.{index}.name")
+    validate_options(cls, options, prefix=f"accelerators.{index}.options.")
+    return cls
