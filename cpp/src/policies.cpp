@@ -1,5 +1,6 @@
 // The classic native policies (twins of ucm/policy/classic.py, arc.py,
-// s3fifo.py) and the table of every native policy by name.
+// s3fifo.py) and the table of every native policy by name (the others in
+// cpp/src/policy_<name>.cpp).
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -269,7 +270,7 @@ struct PolicyRow {
 // Every native policy: its name in the `ucm.policies` entry points, its maker.
 const PolicyRow kPolicies[] = {
     {"lru", make_lru_policy},   {"fifo", make_fifo_policy},     {"lfu", make_lfu_policy},
-    {"arc", make_arc_policy},   {"s3fifo", make_s3fifo_policy},
+    {"arc", make_arc_policy},   {"s3fifo", make_s3fifo_policy}, {"tinylfu", make_tinylfu_policy},
 };
 
 }  // namespace

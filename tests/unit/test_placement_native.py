@@ -252,3 +252,95 @@ def test_long_and_short_keys_round_trip():
     assert d.placed == [True] * len(keys)
     assert sorted(p.resident_keys(0)) == sorted(keys)
     assert [p.parent_of(k) for k in keys] == [None] + keys[:-1]
+
+
+def tinylfu_workload(seed, n):
+    """Longer requests for tinylfu on bigger tiers: the forest of `workload`,
+    hot documents asked again and again (their sketch counters saturate), and
+    scans of one-shot prompts; keys of 16 bytes, of 5 (zero-padded in the
+    sketch) and of 24 (interned by the core; only the first 16 bytes reach the
+    sketch, so pairs that differ after them collide there)."""
+    rnd = random.Random(seed)
+    forest = workload(seed, n)
+    hot = [[key(9 * 10 ** 6 + 10 * d + i) for i in range(rnd.randint(2, 4))] for d in range(4)]
+    scan = iter(range(8 * 10 ** 6, 9 * 10 ** 6))
+    out = []
+    for req in forest:
+        r = rnd.random()
+        if r < 0.25:
+            req = rnd.choice(hot)
+        elif r < 0.4:
+            req = [key(next(scan)) for _ in range(rnd.randint(2, 6))]
+        out.append(req)
+
+    def reshape(k):
+        i = int.from_bytes(k, "little")
+        if i % 5 == 1:
+            return (i % 2 ** 40).to_bytes(5, "little")
+        if i % 5 == 2:
+            return k + bytes([i % 7, 1]) * 4  # 24 bytes; i and i' with one first 16 share slots
+        return k
+
+    return [[reshape(k) for k in req] for req in out]
+
+
+def test_tinylfu_sketch_window_climb_and_segments_match_on_bigger_tiers(monkeypatch):
+    """The paths of tinylfu that small tiers barely reach, each counted on the
+    Python path (the native one must make the same decisions): the sketch's
+    halving and saturated counters, the window's share climbing both ways and
+    deciding the window's size, the window -> probation contest won and lost,
+    a move to main with ancestors still in the window, protected overflow."""
+    from ucm.policy import tinylfu
+
+    seen = {k: 0 for k in ("halving", "saturated", "flip", "share_target", "contest_won", "contest_lost",
+                           "ancestors", "overflow", "long_key", "short_key")}
+    Sketch, Policy = tinylfu.FrequencySketch, tinylfu.TinyLfuPolicy
+    add, count, target, estimate, victim, move, to_main = (
+        Sketch.add, Policy._count, Policy._window_target, Policy._estimate, Policy.victim, Policy._move,
+        Policy._to_main)
+
+    def add_(self, k):
+        before = self._added
+        add(self, k)
+        seen["halving"] += self._added <= before
+        seen["saturated"] += self.estimate(k) == tinylfu.COUNTER_MAX
+        seen["long_key"] += len(k) > 16
+        seen["short_key"] += len(k) < 16
+
+    def count_(self, hit):
+        step = self._step
+        count(self, hit)
+        seen["flip"] += (step < 0) != (self._step < 0)
+
+    def target_(self):
+        seen["share_target"] += self._window_share * self.tier.capacity_bytes > self._block
+        return target(self)
+
+    def estimate_(self, k):
+        self._asked.append(k)
+        return estimate(self, k)
+
+    def victim_(self, evictable):
+        self._asked = []
+        found = victim(self, evictable)
+        if len(self._asked) == 2:
+            seen["contest_lost" if found == self._asked[0] else "contest_won"] += 1
+        return found
+
+    def move_(self, k, seg):
+        seen["overflow"] += seg == tinylfu.PROBATION and self._queues.queue_of(k) == tinylfu.PROTECTED
+        move(self, k, seg)
+
+    def to_main_(self, k):
+        p = self.heat.parent(k)
+        seen["ancestors"] += p is not None and self._queues.queue_of(p) == tinylfu.WINDOW
+        to_main(self, k)
+
+    for cls, name, f in ((Sketch, "add", add_), (Policy, "_count", count_), (Policy, "_window_target", target_),
+                         (Policy, "_estimate", estimate_), (Policy, "victim", victim_), (Policy, "_move", move_),
+                         (Policy, "_to_main", to_main_)):
+        monkeypatch.setattr(cls, name, f)
+    for tiers, seed in (((90, 260), 11), ((40, 120, 400), 12)):
+        pair = Pair("tinylfu", tiers)
+        drive(pair, tinylfu_workload(seed, 1500), seed)
+    assert all(seen.values()), seen

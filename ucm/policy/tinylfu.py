@@ -21,6 +21,11 @@ Accesses recorded in the sketch: each new or promoted block (the miss, or
 the hit in a tier below), and each later hit; a demotion is no access. Every
 block is stored (admission is decided inside the tier, by eviction).
 Hashing is deterministic (no per-process salt), so runs are reproducible.
+
+Native twin: TinyLfuPolicy in cpp/src/policy_tinylfu.cpp makes exactly these
+decisions (the same sketch slots and halving, the same float arithmetic for
+the window's share); a change here must be made there too, and
+tests/unit/test_placement_native.py compares the two.
 """
 from __future__ import annotations
 
@@ -94,6 +99,7 @@ WINDOW, PROBATION, PROTECTED = 0, 1, 2
 
 class TinyLfuPolicy(PlacementPolicy):
     name = "tinylfu"
+    native = "tinylfu"  # cpp/src/policy_tinylfu.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
