@@ -2,19 +2,23 @@
 // replay only; it reads each block's next use from the HeatMirror, which
 // record_request fills from the oracle).
 //
-// As there: two binary heaps with lazy invalidation, `far_` (farthest next
-// use first, then newest insertion) and `due_` (soonest finite next use
-// first), an entry live while it matches the block's insertion sequence and
-// recorded next use, both rebuilt from the live entries when `far_` grows
-// past 4 x residents + 64. Entries order totally by (next use, sequence)
-// (a sequence is one insertion of one key; equal pairs are copies of one
-// entry), so the heaps pop in the order Python's heapq pops its tuples
-// whatever their layout, and they hold the same entries: the same blocks
-// are refreshed, the same victims chosen, the rebuilds fall on the same
-// calls. Next uses stay doubles (INF: unknown or never again).
+// As there: the entries of `_far` (farthest next use first, then newest
+// insertion) and `_due` (soonest finite next use first) with lazy
+// invalidation, an entry live while it matches the block's insertion
+// sequence and recorded next use, both rebuilt from the live entries when
+// `far_` grows past 4 x residents + 64. Entries order totally by (next use,
+// sequence) (a sequence is one insertion of one key; equal pairs are copies
+// of one entry), so heapq pops them in that order whatever the heap's
+// layout: `due_` is a binary heap of the same entries; `far_` is an ordered
+// multiset that `victim` walks instead of popping and pushing back the
+// entries it passes (parents of resident children, pinned blocks), erasing
+// the stale ones as the pops drop them. Both hold exactly Python's entries:
+// the same blocks are refreshed, the same victims chosen, the rebuilds fall
+// on the same calls. Next uses stay doubles (INF: unknown or never again).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <vector>
 
 #include "ucm/policy_core.hpp"
@@ -57,23 +61,23 @@ class OptPolicy : public PolicyCore {
     res_.erase(it);
   }
 
+  // Python pops `_far` in order until an evictable live entry, dropping
+  // the stale ones and pushing back the rest: here a walk in order that
+  // erases the stale entries it passes (the same entries remain).
   bool victim(const KeyPred& evictable, BlockKey* out) override {
     sync();
-    skipped_.clear();
-    bool found = false;
-    while (!far_.empty()) {
-      const Entry e = pop(far_, far_first);
-      if (!valid(e)) continue;
-      if (evictable(e.key)) {
-        *out = e.key;
-        found = true;
-        push_entry(far_, e, far_first);  // stays valid until on_remove
-        break;
+    for (auto it = far_.begin(); it != far_.end();) {
+      if (!valid(*it)) {
+        it = far_.erase(it);
+        continue;
       }
-      skipped_.push_back(e);
+      if (evictable(it->key)) {
+        *out = it->key;  // stays valid until on_remove
+        return true;
+      }
+      ++it;
     }
-    for (const Entry& e : skipped_) push_entry(far_, e, far_first);
-    return found;
+    return false;
   }
 
  private:
@@ -88,10 +92,14 @@ class OptPolicy : public PolicyCore {
     std::int64_t size = 0;
   };
   using Heap = std::vector<Entry>;
-  // std heap comparators ("a after b"): `far_` pops the largest (next use,
-  // sequence), as heapq pops the smallest (-next use, -sequence, key);
-  // `due_` the smallest (next use, sequence).
-  static bool far_first(const Entry& a, const Entry& b) { return a.nu < b.nu || (a.nu == b.nu && a.seq < b.seq); }
+  // `far_` in heapq's pop order of (-next use, -sequence, key): the largest
+  // (next use, sequence) first; equal entries are copies of one entry.
+  struct FarOrder {
+    bool operator()(const Entry& a, const Entry& b) const {
+      return a.nu > b.nu || (a.nu == b.nu && a.seq > b.seq);
+    }
+  };
+  // std heap comparator ("a after b") of `due_`: the smallest (next use, sequence) first.
   static bool due_first(const Entry& a, const Entry& b) { return a.nu > b.nu || (a.nu == b.nu && a.seq > b.seq); }
 
   template <class Cmp>
@@ -118,17 +126,16 @@ class OptPolicy : public PolicyCore {
   bool push(const BlockKey& key, double nu, Heap* retired = nullptr) {
     Resident& r = res_.at(key);
     r.next = nu;
-    push_entry(far_, Entry{nu, r.seq, key}, far_first);
+    far_.insert(far_.end(), Entry{nu, r.seq, key});
     if (nu != HeatMirror::kInf) push_entry(due_, Entry{nu, r.seq, key}, due_first);
     if (far_.size() <= 4 * res_.size() + 64) return false;
     far_.clear();
     Heap due;
     for (const auto& kv : res_) {
       const Entry e{kv.second.next, kv.second.seq, kv.first};
-      far_.push_back(e);
+      far_.insert(e);
       if (e.nu != HeatMirror::kInf) due.push_back(e);
     }
-    std::make_heap(far_.begin(), far_.end(), far_first);
     std::make_heap(due.begin(), due.end(), due_first);
     if (retired != nullptr) *retired = std::move(due_);
     due_ = std::move(due);
@@ -153,8 +160,8 @@ class OptPolicy : public PolicyCore {
   // OptPolicy._farthest: the next use of the resident block used farthest in the future.
   double farthest() {
     sync();
-    while (!far_.empty() && !valid(far_.front())) pop(far_, far_first);
-    return far_.empty() ? -HeatMirror::kInf : far_.front().nu;
+    while (!far_.empty() && !valid(*far_.begin())) far_.erase(far_.begin());
+    return far_.empty() ? -HeatMirror::kInf : far_.begin()->nu;
   }
 
   const HeatMirror& heat_;
@@ -162,9 +169,8 @@ class OptPolicy : public PolicyCore {
   bool lowest_;
   std::int64_t seq_ = 0;
   KeyMap<Resident> res_;
-  Heap far_;
+  std::multiset<Entry, FarOrder> far_;  // Python's heap `_far`, walked in its pop order
   Heap due_;
-  Heap skipped_;  // victim's scratch
   std::int64_t used_ = 0;
   std::int64_t block_ = 0;  // bytes of the last block stored; admission estimates room with it
 };
