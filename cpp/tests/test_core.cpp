@@ -338,6 +338,29 @@ static void test_placement_heat_mirror() {
   CHECK(codec.decode(codec.encode("", 0)).empty() && !(codec.encode("", 0) == codec.encode("\0", 1)));
 }
 
+// OPT evicts the block used farthest in the future and refuses, in a full
+// lowest tier, a block used later than every resident one.
+static void test_placement_opt() {
+  ucm::PlacementCore p({{"dram", 2}}, "opt", 100, 0);
+  const ucm::BlockKey a = pkey(p, 1), b = pkey(p, 2), c = pkey(p, 3), d = pkey(p, 4);
+  const double inf = ucm::HeatMirror::kInf;
+  ucm::PlanSteps plan;
+  const std::vector<double> nu_a{3.0}, nu_b{inf}, nu_c{4.0}, nu_d{inf};
+  p.record_request({a}, nullptr, &nu_a);
+  CHECK(p.insert(a, nullptr, 1, 0, false, plan));
+  p.record_request({b}, nullptr, &nu_b);
+  CHECK(p.insert(b, nullptr, 1, 0, false, plan));
+  plan.clear();
+  p.record_request({c}, nullptr, &nu_c);
+  CHECK(p.insert(c, nullptr, 1, 0, false, plan));  // used before b, never used again: b goes
+  CHECK(plan.size() == 2 && step_is(plan[0], ucm::StepOp::kDrop, b, 0, -1));
+  plan.clear();
+  p.record_request({d}, nullptr, &nu_d);
+  CHECK(!p.insert(d, nullptr, 1, 0, false, plan));  // never used again: refused
+  CHECK(plan.empty() && p.contains(a) && p.contains(c) && !p.contains(d));
+  CHECK(p.counters(0).evictions == 1);
+}
+
 // Every policy keeps the invariants under a random workload over three tiers.
 static void test_placement_invariants() {
   for (const std::string& kind : ucm::native_policy_names()) {
@@ -381,6 +404,7 @@ int main() {
   test_placement_plans();
   test_placement_pins_and_holds();
   test_placement_heat_mirror();
+  test_placement_opt();
   test_placement_invariants();
   if (failures) {
     std::fprintf(stderr, "%d failed\n", failures);

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from ucm.errors import ArgumentError
-from ucm.heat import HeatTracker
-from ucm.placement import Op, Placement, Step, TierSpec
+from ucm.heat import INF, HeatTracker
+from ucm.placement import Decision, Op, Placement, Step, TierSpec
 from ucm.placement_native import NativePlacement
 from ucm.policy.base import load_policy, load_policy_class, policy_names
 
@@ -65,6 +65,7 @@ class Pair:
                              native=True)
         assert type(self.py) is Placement and type(self.nat) is NativePlacement
         self.links = [set(), set()]
+        self.refused = 0  # inserts (or runs) that stopped at a block not placed
         for i, p in enumerate((self.py, self.nat)):
             p.watch(self.links[i].add, self.links[i].discard)
 
@@ -72,6 +73,8 @@ class Pair:
         a = getattr(self.py, name)(*args, **kwargs)
         b = getattr(self.nat, name)(*args, **kwargs)
         assert a == b, f"{name}{args}: python {a} != native {b}"
+        if name == "insert" and not a.placed or name == "insert_run" and a.stop < len(args[0]):
+            self.refused += 1
         return a
 
     def check(self):
@@ -80,12 +83,17 @@ class Pair:
         assert self.py.heat.now == self.nat.heat.now
 
 
-def drive(pair, reqs, seed, sizes=(1, 2, 3)):
+def drive(pair, reqs, seed, sizes=(1, 2, 3), nexts=None):
+    """`nexts`: per request, the next use of each of its blocks (as a trace
+    replay passes them to `record_request`); none by default."""
     rnd = random.Random(seed)
     pinned = []
     for step, keys in enumerate(reqs):
         size = rnd.choice(sizes)
-        pair.call("record_request", keys)
+        if nexts is None:
+            pair.call("record_request", keys)
+        else:
+            pair.call("record_request", keys, nexts[step])
         hit = pair.call("lookup", keys)
         pair.call("locate", keys)
         for k in keys[:hit]:
@@ -174,10 +182,107 @@ def test_same_decisions_when_history_forgets_parents(policy):
     drive(pair, workload(4, 250), 4)
 
 
+def oracle(reqs):
+    """Per request, the next use of each of its blocks, as the trace replay
+    computes it (ucm/bench/replay.py `next_uses`): the clock of the next
+    request holding the block, INF if none; request i runs at clock i + 1
+    (one `record_request` each, from a fresh tracker)."""
+    out, seen = [None] * len(reqs), {}
+    for i in range(len(reqs) - 1, -1, -1):
+        out[i] = [seen.get(k, INF) for k in reqs[i]]
+        for k in reqs[i]:
+            seen[k] = float(i + 1)
+    return out
+
+
+def wrong_oracle(reqs, seed):
+    """Next uses that need not come true: due before the block is used
+    again, in the past, repeated, or never (refreshes that change nothing,
+    or find a next use already due)."""
+    rnd = random.Random(seed)
+    return [[rnd.choice([INF, float(i + 1 + rnd.randint(-3, 12)), float(rnd.randint(1, 40))]) for _ in keys]
+            for i, keys in enumerate(reqs)]
+
+
+@pytest.mark.parametrize("tiers", [(9,), (6, 14), (4, 7, 12)])
+@pytest.mark.parametrize("seed", [1, 2, 5])
+def test_opt_makes_every_decision_of_the_python_path_with_next_uses(tiers, seed):
+    reqs = workload(seed, 400)
+    pair = Pair("opt", tiers)
+    drive(pair, reqs, seed, nexts=oracle(reqs))
+    assert any(pair.py.counters(t).evictions for t in range(pair.py.tier_count)), "the tiers churned"
+    assert pair.refused, "a full lowest tier refused blocks used later than every resident one"
+
+
+def test_opt_same_decisions_across_rebuilds_of_its_heaps(monkeypatch):
+    from ucm.policy.opt import OptPolicy
+
+    rebuilds = []  # (in _sync?) per rebuild of the Python policy's heaps
+    push, sync = OptPolicy._push, OptPolicy._sync
+
+    def counting_push(self, key, nu):
+        far = self._far
+        push(self, key, nu)
+        if self._far is not far:
+            rebuilds.append(getattr(self, "_syncing", False))
+
+    def flagged_sync(self):
+        self._syncing = True
+        try:
+            sync(self)
+        finally:
+            self._syncing = False
+
+    monkeypatch.setattr(OptPolicy, "_push", counting_push)
+    monkeypatch.setattr(OptPolicy, "_sync", flagged_sync)
+    reqs = workload(2, 1000)
+    pair = Pair("opt", (3, 8, 40))
+    drive(pair, reqs, 2, nexts=oracle(reqs))
+    assert True in rebuilds, "a refresh in _sync rebuilt the heaps (it walks on the one it started with)"
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_opt_same_decisions_with_a_wrong_oracle(seed):
+    reqs = workload(seed, 400)
+    pair = Pair("opt", (6, 14))
+    drive(pair, reqs, seed, nexts=wrong_oracle(reqs, seed))
+    assert pair.refused and any(pair.py.counters(t).evictions for t in range(pair.py.tier_count))
+
+
+def test_opt_same_decisions_when_history_forgets_next_uses():
+    specs = [TierSpec("dram", 6), TierSpec("nvme", 12)]
+    reqs = workload(6, 300)
+    pair = Pair("opt", (6, 12))
+    for i in range(2):  # a tiny history: resident blocks' next uses are forgotten (INF)
+        new = Placement(specs, load_policy("opt"), HeatTracker(50, history_blocks=10), native=bool(i))
+        new.watch(pair.links[i].add, pair.links[i].discard)
+        pair.links[i].clear()
+        if i:
+            pair.nat = new
+        else:
+            pair.py = new
+    drive(pair, reqs, 6, nexts=oracle(reqs))
+    assert pair.refused
+
+
+def test_opt_refuses_a_block_used_later_than_every_resident_one():
+    pair = Pair("opt", (2,))
+    a, b, c, d = key(1), key(2), key(3), key(4)
+    for k, nu in ((a, 3.0), (b, INF)):
+        pair.call("record_request", [k], [nu])
+        assert pair.call("insert", k, None, 1).placed
+    pair.call("record_request", [c], [4.0])
+    assert pair.call("insert", c, None, 1).plan == [Step(Op.DROP, b, 0, None), Step(Op.WRITE, c, None, 0)]
+    pair.call("record_request", [d], [INF])
+    assert pair.call("insert", d, None, 1) == Decision(False, [])
+    pair.check()
+    assert sorted(pair.nat.resident_keys(0)) == [a, c]
+
+
 def test_the_shipped_policies_have_native_twins():
     from ucm import _native
 
-    assert set(NATIVE) >= {"lru", "fifo", "lfu", "arc", "s3fifo"}
+    assert set(NATIVE) >= {"lru", "fifo", "lfu", "arc", "s3fifo", "opt"}
     assert set(NATIVE) <= set(_native.placement_policies())
 
 

@@ -22,6 +22,13 @@ next use falls due. A second heap ordered by due time finds those entries
 and refreshes them from the HeatTracker before each decision, so a copy in a
 tier that did not serve the access is refreshed too. Everything is
 O(log n) per event.
+
+Native twin: `opt` in the C++ placement core (cpp/src/policy_opt.cpp), the
+same two heaps with the same lazy invalidation and rebuilds, reading the
+next uses from the core's HeatMirror (filled by the same `record_request`);
+`Placement` runs it there, so a trace replay with a fresh HeatTracker
+replays OPT natively. tests/unit/test_placement_native.py compares its
+every plan with this class, with the oracle's next uses and with wrong ones.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from ucm.policy.base import Admission, PlacementPolicy
 class OptPolicy(PlacementPolicy):
     name = "opt"
     live = False  # needs each block's next use: trace replay only
+    native = "opt"  # cpp/src/policy_opt.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
