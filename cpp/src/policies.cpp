@@ -269,7 +269,7 @@ struct PolicyRow {
 // Every native policy: its name in the `ucm.policies` entry points, its maker.
 const PolicyRow kPolicies[] = {
     {"lru", make_lru_policy},   {"fifo", make_fifo_policy},     {"lfu", make_lfu_policy},
-    {"arc", make_arc_policy},   {"s3fifo", make_s3fifo_policy},
+    {"arc", make_arc_policy},   {"s3fifo", make_s3fifo_policy}, {"heat", make_heat_policy},
 };
 
 }  // namespace

@@ -60,5 +60,6 @@ std::unique_ptr<PolicyCore> make_fifo_policy(const PolicyContext& ctx);
 std::unique_ptr<PolicyCore> make_lfu_policy(const PolicyContext& ctx);
 std::unique_ptr<PolicyCore> make_arc_policy(const PolicyContext& ctx);
 std::unique_ptr<PolicyCore> make_s3fifo_policy(const PolicyContext& ctx);
+std::unique_ptr<PolicyCore> make_heat_policy(const PolicyContext& ctx);  // cpp/src/policy_heat.cpp
 
 }  // namespace ucm
