@@ -1,6 +1,7 @@
 // The native heat policy: the twin of ucm/policy/heat.py (values from the
 // ReuseModel of cpp/src/reuse_model.cpp, one queue per class in LeafQueues).
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -26,7 +27,7 @@ class HeatPolicy : public PolicyCore {
     if (why == AdmissionKind::kNew && !lowest_) return true;
     Low low;
     if (!lowest(always_, &low)) return true;
-    return value(key, densities()) >= low.value;
+    return value(heat_.slot(key)) >= low.value;  // lowest() read the table
   }
 
   void on_insert(const BlockKey& key, std::int64_t size) override {
@@ -77,14 +78,26 @@ class HeatPolicy : public PolicyCore {
     BlockKey key;
   };
 
-  // _densities: the table, recomputed at the first call after a tick.
-  const reuse::Table& densities() {
+  // _densities: the table over the residence at the first call after a tick,
+  // from the model's hazards as cached then. Its cells are computed when
+  // first read (reuse_density_at: the numbers the whole table would hold).
+  void densities() {
     if (!have_table_ || model_.version() != table_version_) {
-      model_.density(residence(), table_);
+      hazard_ = model_.hazard();
+      horizon_ = std::max(1.0, residence());
       table_version_ = model_.version();
       have_table_ = true;
+      ++table_epoch_;
     }
-    return table_;
+  }
+
+  double density(int c, int j) {
+    const auto i = static_cast<std::size_t>(c * reuse::kAgeBuckets + j);
+    if (cell_epoch_[i] != table_epoch_) {
+      table_[i] = reuse_density_at(hazard_.data() + c * reuse::kAgeBuckets, horizon_, j);
+      cell_epoch_[i] = table_epoch_;
+    }
+    return table_[i];
   }
 
   // _residence: mean ticks a block stays in this tier (Little's law). Python
@@ -97,15 +110,14 @@ class HeatPolicy : public PolicyCore {
     return std::max(1.0, static_cast<double>(blocks * ticks) / static_cast<double>(inserts_));
   }
 
-  double value(const BlockKey& key, const reuse::Table& table) const {
-    const int s = heat_.slot(key);
+  // _value of the block in record slot s (-1: none), read after densities().
+  double value(int s) {
     if (s < 0) return 0.0;
-    const std::int64_t age = heat_.now() - heat_.last(s);
-    return table[static_cast<std::size_t>(reuse::class_of(heat_, s) * reuse::kAgeBuckets + reuse::age_bucket(age))];
+    return density(reuse::class_of(heat_, s), reuse::age_bucket(heat_.now() - heat_.last(s)));
   }
 
-  void requeue(const BlockKey& key) {
-    const int s = heat_.slot(key);
+  void requeue(const BlockKey& key) { requeue(key, heat_.slot(key)); }
+  void requeue(const BlockKey& key, int s) {
     ++seq_;
     if (s < 0) {
       queues_.update(key, 0, {-1, seq_});
@@ -116,7 +128,7 @@ class HeatPolicy : public PolicyCore {
 
   // _lowest: the evictable block of lowest value among the oldest of each class.
   bool lowest(const KeyPred& evictable, Low* best) {
-    const reuse::Table& table = densities();
+    densities();
     bool found = false;
     BlockKey key;
     Prio prio;
@@ -125,10 +137,10 @@ class HeatPolicy : public PolicyCore {
       while (queues_.head(q, evictable, &key, &prio)) {
         const int s = heat_.slot(key);
         if (s >= 0 && (heat_.last(s) != prio.first || reuse::class_of(heat_, s) != q)) {
-          requeue(key);  // accessed since it was queued (or its class moved): look again
+          requeue(key, s);  // accessed since it was queued (or its class moved): look again
           continue;
         }
-        const double v = value(key, table);
+        const double v = value(s);
         if (!found || v < best->value || (v == best->value && prio < best->prio)) {
           *best = Low{v, prio, key};
           found = true;
@@ -150,9 +162,13 @@ class HeatPolicy : public PolicyCore {
   std::int64_t block_ = 0;    // bytes of the last block stored; admission estimates room with it
   std::int64_t inserts_ = 0;  // blocks stored since the first one
   std::int64_t first_tick_ = -1;
-  reuse::Table table_{};
   bool have_table_ = false;
   std::uint64_t table_version_ = 0;
+  reuse::Table hazard_{};  // the model's, as of the table's version
+  double horizon_ = 1.0;
+  reuse::Table table_{};
+  std::array<std::uint64_t, reuse::kCells> cell_epoch_{};  // table_epoch_: table_[i] is computed
+  std::uint64_t table_epoch_ = 0;
   const KeyPred always_ = [](const BlockKey&) { return true; };
 };
 

@@ -65,30 +65,41 @@ void reuse_hazard(const double* ev, const double* ex, double* out) {
   }
 }
 
+double reuse_density_at(const double* l, double horizon, int j) {
+  // Over the buckets i >= j crossed within the horizon (the others add
+  // nothing): e = hazard x ticks spent in i, m = P(reuse within them) =
+  // -expm1(-e), the survival to i's start the product of the (1 - m) before
+  // it (exp(-e) where 1 - m would lose digits), the expected ticks occupied
+  // in i survival x m / hazard (x ticks without hazard).
+  const double start = static_cast<double>(reuse::bucket_start(j));
+  const double end = start + horizon;
+  double acc = 0.0, occupied = 0.0, surv = 1.0, m = 0.0;
+  int cells = 0;
+  for (int i = j; i < kAgeBuckets; ++i, ++cells) {
+    const double lo = static_cast<double>(reuse::bucket_start(i));
+    if (!(lo < end)) break;
+    const double top = i + 1 < kAgeBuckets ? static_cast<double>(reuse::bucket_start(i + 1))
+                                           : std::numeric_limits<double>::infinity();
+    const double span = std::min(top, end) - lo;
+    const double e = l[i] * span;
+    acc += e;
+    if (l[i] > 0.0) {
+      m = -std::expm1(-e);
+      occupied += surv * (m / l[i]);
+      surv *= e < 0.5 ? 1.0 - m : std::exp(-e);
+    } else {
+      m = 0.0;
+      occupied += surv * span;
+    }
+  }
+  const double p_hit = cells == 1 ? m : -std::expm1(-acc);  // one bucket: P(reuse) is its m
+  return occupied > 0.0 ? p_hit / occupied : 0.0;
+}
+
 void reuse_density(const double* lam, double horizon, double* out) {
   horizon = std::max(1.0, horizon);
-  for (int j = 0; j < kAgeBuckets; ++j) {  // the bucket the block is in now
-    const double start = static_cast<double>(reuse::bucket_start(j));
-    const double end = start + horizon;
-    for (int c = 0; c < kClasses; ++c) {
-      const double* l = lam + c * kAgeBuckets;
-      // Buckets i >= j crossed within the horizon (the others add nothing).
-      double acc = 0.0, occupied = 0.0;
-      for (int i = j; i < kAgeBuckets; ++i) {
-        const double lo = static_cast<double>(reuse::bucket_start(i));
-        if (!(lo < end)) break;
-        const double top = i + 1 < kAgeBuckets ? static_cast<double>(reuse::bucket_start(i + 1))
-                                               : std::numeric_limits<double>::infinity();
-        const double span = std::max(std::min(top, end) - lo, 0.0);
-        const double e = l[i] * span;
-        acc += e;
-        const double before = acc - e;  // hazard accumulated before bucket i
-        const double piece = l[i] > 0.0 ? -std::expm1(-e) / l[i] : span;
-        occupied += std::exp(-before) * piece;
-      }
-      const double p_hit = -std::expm1(-acc);
-      out[c * kAgeBuckets + j] = occupied > 0.0 ? p_hit / occupied : 0.0;
-    }
+  for (int c = 0; c < kClasses; ++c) {
+    for (int j = 0; j < kAgeBuckets; ++j) out[c * kAgeBuckets + j] = reuse_density_at(lam + c * kAgeBuckets, horizon, j);
   }
 }
 

@@ -361,9 +361,14 @@ static void test_reuse_model() {
   CHECK(model.version() == 5);
   // Reused blocks are valued above the once-used ones at a young age.
   ucm::reuse::Table table;
-  model.density(64.0, table);
+  ucm::reuse_density(model.hazard().data(), 64.0, table.data());
   const int twice = ucm::reuse::classify(2, false, false, false);
   CHECK(table[static_cast<std::size_t>(twice * ucm::reuse::kAgeBuckets)] > 0.0);
+  for (int i = 0; i < ucm::reuse::kCells; ++i) {  // a cell alone is what the whole table holds there
+    const int c = i / ucm::reuse::kAgeBuckets, j = i % ucm::reuse::kAgeBuckets;
+    CHECK(ucm::reuse_density_at(model.hazard().data() + c * ucm::reuse::kAgeBuckets, 64.0, j) ==
+          table[static_cast<std::size_t>(i)]);
+  }
 }
 
 // Every policy keeps the invariants under a random workload over three tiers.

@@ -57,6 +57,10 @@ inline std::int64_t bucket_start(int i) { return i == 0 ? 0 : std::int64_t{1} <<
 void reuse_hazard(const double* events, const double* exposure, double* out);
 // ReuseModel.density: hit density per cell over `horizon` ticks from the hazards.
 void reuse_density(const double* hazard, double horizon, double* out);
+// One cell of it, (class, bucket j), from the class's row of hazards and a
+// horizon >= 1: what reuse_density writes there (it calls this), so a
+// policy may compute only the cells it reads.
+double reuse_density_at(const double* hazard_row, double horizon, int j);
 
 class ReuseModel : public HeatListener {
  public:
@@ -78,8 +82,6 @@ class ReuseModel : public HeatListener {
   const reuse::Table& alive() const { return alive_; }
   // Cached until the next tick (computed at the first call after it).
   const reuse::Table& hazard();
-  // The density table over `horizon` ticks from the cached hazard.
-  void density(double horizon, reuse::Table& out) { reuse_density(hazard().data(), horizon, out.data()); }
 
  private:
   HeatMirror& heat_;
