@@ -75,6 +75,8 @@ try:  # the one implementation of the hazard and density tables (cpp/src/reuse_m
     from ucm import _native
 except ImportError:  # not built: the numpy twins below
     _native = None
+if _native is not None and not hasattr(_native, "reuse_density"):  # built before the tables moved there
+    _native = None
 
 __all__ = ["AGE_BUCKETS", "LONG_OUTPUT", "NUM_CLASSES", "USE_KINDS", "ReuseModel", "age_bucket",
            "class_of", "classify"]

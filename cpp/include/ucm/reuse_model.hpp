@@ -58,9 +58,10 @@ void reuse_hazard(const double* events, const double* exposure, double* out);
 // ReuseModel.density: hit density per cell over `horizon` ticks from the hazards.
 void reuse_density(const double* hazard, double horizon, double* out);
 // One cell of it, (class, bucket j), from the class's row of hazards and a
-// horizon >= 1: what reuse_density writes there (it calls this), so a
-// policy may compute only the cells it reads.
-double reuse_density_at(const double* hazard_row, double horizon, int j);
+// horizon >= 1: what reuse_density writes there (it calls this, and it is
+// never inlined, so both callers run one compiled body), so a policy may
+// compute only the cells it reads.
+__attribute__((noinline)) double reuse_density_at(const double* hazard_row, double horizon, int j);
 
 class ReuseModel : public HeatListener {
  public:
