@@ -271,7 +271,7 @@ struct PolicyRow {
 const PolicyRow kPolicies[] = {
     {"lru", make_lru_policy},   {"fifo", make_fifo_policy},     {"lfu", make_lfu_policy},
     {"arc", make_arc_policy},   {"s3fifo", make_s3fifo_policy}, {"tinylfu", make_tinylfu_policy},
-    {"opt", make_opt_policy},
+    {"heat", make_heat_policy}, {"opt", make_opt_policy},
 };
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "ucm/hash.hpp"
 #include "ucm/io_engine.hpp"
 #include "ucm/placement.hpp"
+#include "ucm/reuse_model.hpp"
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -361,6 +362,38 @@ static void test_placement_opt() {
   CHECK(p.counters(0).evictions == 1);
 }
 
+// The heat policy's ReuseModel counts as ucm/policy/reuse.py does
+// (tests/unit/policy/test_heat_policy.py, the same case).
+static void test_reuse_model() {
+  ucm::HeatMirror heat(100);
+  ucm::KeyCodec codec;
+  ucm::ReuseModel& model = heat.shared<ucm::ReuseModel>();
+  CHECK(&heat.shared<ucm::ReuseModel>() == &model);  // one per mirror
+  const ucm::BlockKey a = codec.encode("aaaaaaaa", 8);
+  heat.tick();  // t=1
+  heat.touch(a, nullptr);  // the first (deepest) block of its request: a tail, used once
+  for (int i = 0; i < 4; ++i) heat.tick();  // t=2..5
+  heat.touch(a, nullptr);  // reused at age 4
+  const int c = ucm::reuse::classify(1, true, false, false);
+  const auto& ex = model.exposure();
+  const std::size_t row = static_cast<std::size_t>(c * ucm::reuse::kAgeBuckets);
+  CHECK(ex[row] == 1.0 && ex[row + 1] == 2.0 && ex[row + 2] == 1.0 && ex[row + 3] == 0.0);
+  CHECK(model.events()[row + static_cast<std::size_t>(ucm::reuse::age_bucket(4))] == 1.0);
+  CHECK(ucm::reuse::age_bucket(0) == 0 && ucm::reuse::age_bucket(1) == 0 && ucm::reuse::age_bucket(3) == 1 &&
+        ucm::reuse::age_bucket(8) == 3 && ucm::reuse::age_bucket(std::int64_t{1} << 40) == 19);
+  CHECK(model.version() == 5);
+  // Reused blocks are valued above the once-used ones at a young age.
+  ucm::reuse::Table table;
+  ucm::reuse_density(model.hazard().data(), 64.0, table.data());
+  const int twice = ucm::reuse::classify(2, false, false, false);
+  CHECK(table[static_cast<std::size_t>(twice * ucm::reuse::kAgeBuckets)] > 0.0);
+  for (int i = 0; i < ucm::reuse::kCells; ++i) {  // a cell alone is what the whole table holds there
+    const int c = i / ucm::reuse::kAgeBuckets, j = i % ucm::reuse::kAgeBuckets;
+    CHECK(ucm::reuse_density_at(model.hazard().data() + c * ucm::reuse::kAgeBuckets, 64.0, j) ==
+          table[static_cast<std::size_t>(i)]);
+  }
+}
+
 // Every policy keeps the invariants under a random workload over three tiers.
 static void test_placement_invariants() {
   for (const std::string& kind : ucm::native_policy_names()) {
@@ -406,6 +439,7 @@ int main() {
   test_placement_heat_mirror();
   test_placement_opt();
   test_placement_invariants();
+  test_reuse_model();
   if (failures) {
     std::fprintf(stderr, "%d failed\n", failures);
     return 1;

@@ -57,11 +57,11 @@ def state(p):
 class Pair:
     """Both engines, driven alike; every answer compared."""
 
-    def __init__(self, policy, tiers, landing=0):
+    def __init__(self, policy, tiers, landing=0, history=400):
         specs = [TierSpec(f"t{i}", c) for i, c in enumerate(tiers)]
-        self.py = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=400), landing=landing,
+        self.py = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=history), landing=landing,
                             native=False)
-        self.nat = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=400), landing=landing,
+        self.nat = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=history), landing=landing,
                              native=True)
         assert type(self.py) is Placement and type(self.nat) is NativePlacement
         self.links = [set(), set()]
@@ -83,9 +83,10 @@ class Pair:
         assert self.py.heat.now == self.nat.heat.now
 
 
-def drive(pair, reqs, seed, sizes=(1, 2, 3), nexts=None):
+def drive(pair, reqs, seed, sizes=(1, 2, 3), nexts=None, finish=0.1):
     """`nexts`: per request, the next use of each of its blocks (as a trace
-    replay passes them to `record_request`); none by default."""
+    replay passes them to `record_request`); none by default. `finish`: the
+    share of requests that report their output length."""
     rnd = random.Random(seed)
     pinned = []
     for step, keys in enumerate(reqs):
@@ -139,7 +140,7 @@ def drive(pair, reqs, seed, sizes=(1, 2, 3), nexts=None):
                 pair.call("evict_keys", t, named[-1:], protect=None, relaxed=relaxed)
         elif r < 0.36:
             pair.call("insert", key(7 * 10 ** 6 + step), None, size, tier=pair.py.tier_count - 1, restored=True)
-        if rnd.random() < 0.1:
+        if rnd.random() < finish:
             pair.call("finish_request", keys, rnd.choice([10, 500]))
         for k in keys:
             pair.call("where", k)
@@ -279,10 +280,83 @@ def test_opt_refuses_a_block_used_later_than_every_resident_one():
     assert sorted(pair.nat.resident_keys(0)) == [a, c]
 
 
+@pytest.mark.parametrize("tiers, history", [((24, 70), 60), ((10, 30, 90), 90), ((16, 48), 12)])
+def test_heat_twin_on_bigger_tiers_with_a_forgetting_history(monkeypatch, tiers, history):
+    """A longer run on bigger tiers whose history forgets resident blocks
+    (slots reused at once, the model's waiting episodes dropped), with
+    output lengths reported often (reclasses): both engines agree, and the
+    Python side shows that the paths the twin mirrors were taken."""
+    from ucm.policy.heat import HeatPolicy
+    from ucm.policy.reuse import ReuseModel
+
+    seen = dict.fromkeys(["refused", "admitted_full", "requeued", "reclassed", "forgot", "forgot_same_tick",
+                          "fallback"], 0)
+    in_lowest = [False]
+
+    def wrap(cls, name, after):
+        orig = getattr(cls, name)
+
+        def method(self, *args):
+            out = orig(self, *args)
+            after(self, args, out)
+            return out
+        monkeypatch.setattr(cls, name, method)
+
+    def lowest(orig):
+        def method(self, evictable):
+            in_lowest[0] = True
+            try:
+                return orig(self, evictable)
+            finally:
+                in_lowest[0] = False
+        return method
+
+    def admitted(self, args, out):
+        if self._sizes and self._used + self._block > self.tier.capacity_bytes:
+            seen["refused" if not out else "admitted_full"] += 1
+
+    def requeued(self, args, out):
+        seen["requeued"] += in_lowest[0]
+
+    def reclassed(self, args, out):
+        seen["reclassed"] += args[0] in self._queues
+
+    def forgot(self, args, out):
+        seen["forgot"] += 1
+        seen["forgot_same_tick"] += self._heat.last[args[1]] == args[2]
+
+    def fallback(self, args, out):
+        seen["fallback"] += out is not None and out in self._queues._parked  # _lowest offers no parked block
+
+    wrap(HeatPolicy, "admit", admitted)
+    wrap(HeatPolicy, "_requeue", requeued)
+    wrap(HeatPolicy, "on_reclass", reclassed)
+    wrap(HeatPolicy, "victim", fallback)
+    wrap(ReuseModel, "on_forget", forgot)
+    monkeypatch.setattr(HeatPolicy, "_lowest", lowest(HeatPolicy._lowest))
+
+    pair = Pair("heat", tiers, history=history)
+    drive(pair, workload(11 + history, 900), 5 + history, finish=0.5)
+    counters = [pair.py.counters(t) for t in range(pair.py.tier_count)]
+    assert all(c.evictions for c in counters), "every tier churned"
+    assert seen["admitted_full"] > 0, seen
+    assert seen["requeued"] > 0, seen  # heads accessed through another tier, or reclassed, re-filed
+    assert seen["reclassed"] > 0 and seen["forgot"] > 0, seen
+    if history > 12:
+        assert seen["refused"] > 0, seen  # admission judged by value, refused too
+        assert seen["fallback"] > 0, seen  # only parked parents left: LeafQueues.fallback
+    else:
+        assert seen["forgot_same_tick"] > 0, seen  # requests longer than the history
+    assert pair.py.heat.now == len(workload(11 + history, 900))
+
+
 def test_the_shipped_policies_have_native_twins():
     from ucm import _native
 
     assert set(NATIVE) >= {"lru", "fifo", "lfu", "arc", "s3fifo", "opt"}
+
+
+    assert set(NATIVE) >= {"lru", "fifo", "lfu", "arc", "s3fifo", "heat"}
     assert set(NATIVE) <= set(_native.placement_policies())
 
 

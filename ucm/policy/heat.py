@@ -41,6 +41,11 @@ and a large NVMe tier far reuse.
   that has tiers below is always admitted (refused there, it would be lost
   everywhere; its demotion is judged below).
 - Promotion: a hit served below is copied up under the same rule.
+
+Native twin: HeatPolicy in cpp/src/policy_heat.cpp (`native = "heat"`,
+see ucm/policy/base.py) makes exactly these decisions with the native
+ReuseModel; a change here must be made there too, and
+tests/unit/test_placement_native.py compares the two.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ def _always(key: Key) -> bool:
 
 class HeatPolicy(PlacementPolicy):
     name = "heat"
+    native = "heat"
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

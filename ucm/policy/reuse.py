@@ -51,6 +51,15 @@ From hazards, `density(horizon)` gives each (class, age bucket) its hit
 density (Beckmann et al., LHD, NSDI 2018): the probability of a reuse within
 the next `horizon` ticks divided by the expected ticks the block occupies
 the cache meanwhile: hits per unit of space-time, the currency of eviction.
+
+Native twin: ReuseModel in cpp/src/reuse_model.cpp (ucm/reuse_model.hpp),
+the model of the native heat policy, keeps the same counts from the same
+events; a change here must be made there too. The hazard and density
+tables have one implementation, in C++ (`ucm._native.reuse_hazard` and
+`reuse_density`), which this model uses whenever ucm._native is importable,
+so both engines value blocks with the same numbers; `estimate_hazard` and
+`density_table` are their numpy twins, the fallback when it is not (they
+agree to rounding, tests/unit/policy/test_heat_policy.py).
 """
 from __future__ import annotations
 
@@ -61,6 +70,13 @@ from typing import Optional
 import numpy as np
 
 from ucm.heat import EXT, LONG_OUT, LONG_OUTPUT, TAIL, HeatTracker, Key
+
+try:  # the one implementation of the hazard and density tables (cpp/src/reuse_model.cpp)
+    from ucm import _native
+except ImportError:  # not built: the numpy twins below
+    _native = None
+if _native is not None and not hasattr(_native, "reuse_density"):  # built before the tables moved there
+    _native = None
 
 __all__ = ["AGE_BUCKETS", "LONG_OUTPUT", "NUM_CLASSES", "USE_KINDS", "ReuseModel", "age_bucket",
            "class_of", "classify"]
@@ -239,44 +255,62 @@ class ReuseModel:
         self._hazard = self._estimate()
         self._hazard_version = self.version
         return self._hazard
+
     def _estimate(self) -> np.ndarray:
-        ev, ex = self.events, self.exposure
-        total_ev, total_ex = ev.sum(), ex.sum()
-        if total_ev <= 0 or total_ex <= 0:
-            return np.zeros_like(ev)
-        overall = total_ev / total_ex
-        base = (ev.sum(axis=0) + PRIOR_EVENTS) / (ex.sum(axis=0) + PRIOR_EVENTS / overall)
-        mult = (ev.sum(axis=1) + PRIOR_EVENTS) / ((ex * base[None, :]).sum(axis=1) + PRIOR_EVENTS)
-        prior = mult[:, None] * base[None, :]
-        out = (ev + PRIOR_EVENTS) / (ex + PRIOR_EVENTS / prior)
-        for tail in (False, True):
-            for long_out in (False, True):
-                twice, more = classify(2, tail, False, long_out), classify(3, tail, False, long_out)
-                for ext in (False, True):
-                    np.maximum(out[twice], out[classify(1, tail, ext, long_out)], out=out[twice])
-                np.maximum(out[more], out[twice], out=out[more])
-        return out
+        if _native is not None:
+            return np.array(_native.reuse_hazard(self.events, self.exposure))
+        return estimate_hazard(self.events, self.exposure)
 
     def density(self, horizon: float) -> list[list[float]]:
         """Hit density per (class, age bucket) over the next `horizon` ticks,
         for a block at the first age of the bucket: P(reuse within the
         horizon) / expected ticks occupied meanwhile, with the hazard
-        constant within each age bucket."""
+        constant within each age bucket (`density_table`)."""
         lam = self.hazard()  # (classes, buckets)
-        horizon = max(1.0, float(horizon))
-        start = _START_F[:, None]  # rows: the bucket the block is in now
-        end = start + horizon
-        lo = np.maximum(_START_F[None, :], start)  # columns: buckets crossed
-        hi = np.minimum(_END_F[None, :], end)
-        span = np.clip(hi - lo, 0.0, None)  # (j, i) ticks spent in bucket i
-        exposure = lam[:, None, :] * span[None, :, :]  # (c, j, i)
-        before = np.cumsum(exposure, axis=2) - exposure  # hazard accumulated before i
-        surv_in = np.exp(-before)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            piece = np.where(lam[:, None, :] > 0,
-                             -np.expm1(-exposure) / lam[:, None, :], span[None, :, :])
-        occupied = (surv_in * piece).sum(axis=2)
-        p_hit = -np.expm1(-exposure.sum(axis=2))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out = np.where(occupied > 0, p_hit / occupied, 0.0)
-        return out.tolist()
+        if _native is not None:
+            return _native.reuse_density(lam, float(horizon))
+        return density_table(lam, horizon)
+
+
+def estimate_hazard(ev: np.ndarray, ex: np.ndarray) -> np.ndarray:
+    """ReuseModel.hazard from reuses `ev` and exposure `ex` per (class, age
+    bucket), in numpy: the fallback of ucm._native.reuse_hazard, which the
+    model uses whenever the native core is built (both engines then value
+    blocks with the same numbers; they agree with this to rounding)."""
+    total_ev, total_ex = ev.sum(), ex.sum()
+    if total_ev <= 0 or total_ex <= 0:
+        return np.zeros_like(ev)
+    overall = total_ev / total_ex
+    base = (ev.sum(axis=0) + PRIOR_EVENTS) / (ex.sum(axis=0) + PRIOR_EVENTS / overall)
+    mult = (ev.sum(axis=1) + PRIOR_EVENTS) / ((ex * base[None, :]).sum(axis=1) + PRIOR_EVENTS)
+    prior = mult[:, None] * base[None, :]
+    out = (ev + PRIOR_EVENTS) / (ex + PRIOR_EVENTS / prior)
+    for tail in (False, True):
+        for long_out in (False, True):
+            twice, more = classify(2, tail, False, long_out), classify(3, tail, False, long_out)
+            for ext in (False, True):
+                np.maximum(out[twice], out[classify(1, tail, ext, long_out)], out=out[twice])
+            np.maximum(out[more], out[twice], out=out[more])
+    return out
+
+
+def density_table(lam: np.ndarray, horizon: float) -> list[list[float]]:
+    """ReuseModel.density from the hazards `lam`, in numpy: the fallback of
+    ucm._native.reuse_density (see `estimate_hazard`)."""
+    horizon = max(1.0, float(horizon))
+    start = _START_F[:, None]  # rows: the bucket the block is in now
+    end = start + horizon
+    lo = np.maximum(_START_F[None, :], start)  # columns: buckets crossed
+    hi = np.minimum(_END_F[None, :], end)
+    span = np.clip(hi - lo, 0.0, None)  # (j, i) ticks spent in bucket i
+    exposure = lam[:, None, :] * span[None, :, :]  # (c, j, i)
+    before = np.cumsum(exposure, axis=2) - exposure  # hazard accumulated before i
+    surv_in = np.exp(-before)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        piece = np.where(lam[:, None, :] > 0,
+                         -np.expm1(-exposure) / lam[:, None, :], span[None, :, :])
+    occupied = (surv_in * piece).sum(axis=2)
+    p_hit = -np.expm1(-exposure.sum(axis=2))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(occupied > 0, p_hit / occupied, 0.0)
+    return out.tolist()

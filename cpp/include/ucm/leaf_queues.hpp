@@ -33,6 +33,9 @@ class LeafQueues {
     auto it = where_.find(key);
     return it == where_.end() ? -1 : it->second.queue;
   }
+  // Whether queue q has entries, live or stale (an upper bound of its
+  // blocks): LeafQueues.nonempty() yields q when this holds as it reaches q.
+  bool has_entries(int queue) const { return !heaps_[static_cast<std::size_t>(queue)].empty(); }
 
   void add(const BlockKey& key, int queue, const Prio& prio) {
     if (where_.count(key) != 0) {

@@ -61,6 +61,7 @@ std::unique_ptr<PolicyCore> make_lfu_policy(const PolicyContext& ctx);
 std::unique_ptr<PolicyCore> make_arc_policy(const PolicyContext& ctx);
 std::unique_ptr<PolicyCore> make_s3fifo_policy(const PolicyContext& ctx);
 std::unique_ptr<PolicyCore> make_tinylfu_policy(const PolicyContext& ctx);  // cpp/src/policy_tinylfu.cpp
+std::unique_ptr<PolicyCore> make_heat_policy(const PolicyContext& ctx);     // cpp/src/policy_heat.cpp
 std::unique_ptr<PolicyCore> make_opt_policy(const PolicyContext& ctx);      // cpp/src/policy_opt.cpp
 
 }  // namespace ucm

@@ -293,3 +293,71 @@ def test_heat_uses_the_output_length_the_engine_reports():
         p = Placement([TierSpec("dram", 150)], load_policy("heat"), heat=HeatTracker())
         ratio[name] = TraceReplay(p, CostModel(block_bytes=1)).replay(trace).hit_ratio
     assert ratio["told"] > 1.1 * ratio["blind"]
+
+
+def learned_model(seed=5, n=3000):
+    """A ReuseModel taught by a tracker with a bounded history over reused
+    and one-shot prompts, with output kinds reported."""
+    rnd = random.Random(seed)
+    heat = HeatTracker(history_blocks=300)
+    model = ReuseModel.of(heat)
+    for req in hot_and_one_shot(seed, n):
+        keys = [i.to_bytes(8, "little") for i in req.hash_ids]
+        heat.tick()
+        heat.touch_request(keys)
+        if rnd.random() < 0.3:
+            heat.finish(keys, rnd.choice([10, 500]))
+    return model
+
+
+def test_native_tables_agree_with_the_numpy_twins():
+    """The hazard and density tables come from ucm._native when it is built
+    (both engines then use the same numbers); the numpy code, the fallback
+    without it, gives the same tables to rounding."""
+    import numpy as np
+
+    from ucm import _native
+    from ucm.policy import reuse
+    from ucm.policy.reuse import density_table, estimate_hazard
+
+    assert reuse._native is _native  # the model uses the native tables here
+    empty = ReuseModel()
+    models = [empty, learned_model(5), learned_model(6, 800)]
+    skewed = ReuseModel()
+    skewed.events[0, :] = 1.0
+    skewed.exposure[0, :] = 1000.0
+    skewed.events[1, :3] = 50.0
+    skewed.exposure[1, :] = 1e9
+    models.append(skewed)
+    for m in models:
+        lam = m.hazard()
+        assert np.array_equal(lam, np.array(_native.reuse_hazard(m.events, m.exposure)))
+        np.testing.assert_allclose(lam, estimate_hazard(m.events, m.exposure), rtol=1e-12, atol=0)
+        for horizon in (0.5, 1, 3.5, 64, 1000.0, 12345.6, 5e5, 3e6):
+            native = m.density(horizon)
+            assert native == _native.reuse_density(lam, horizon)
+            np.testing.assert_allclose(np.array(native), np.array(density_table(lam, horizon)),
+                                       rtol=1e-12, atol=0)
+    assert np.array(models[1].density(100)).max() > 0  # a learned model values reuse
+    with pytest.raises(Exception, match="320 float64"):
+        _native.reuse_density(np.zeros((4, 20)), 1.0)
+
+
+def test_heat_policy_without_the_native_tables(monkeypatch):
+    """The numpy fallback drives the policy as before when ucm._native is absent."""
+    from ucm.policy import reuse
+
+    reuse_density = reuse.density_table
+
+    def python_path():
+        placement = Placement([TierSpec("dram", 40), TierSpec("nvme", 120)], load_policy("heat"),
+                              heat=HeatTracker(), native=False)
+        return TraceReplay(placement, CostModel(block_bytes=1)).replay(hot_and_one_shot(seed=9, n=800))
+
+    with_native = python_path()
+    calls = []
+    monkeypatch.setattr(reuse, "density_table", lambda lam, h: calls.append(h) or reuse_density(lam, h))
+    monkeypatch.setattr(reuse, "_native", None)
+    fallback = python_path()
+    assert calls  # the numpy tables were used
+    assert fallback.hit_ratio == pytest.approx(with_native.hit_ratio, abs=0.01)
