@@ -12,7 +12,7 @@ bounds are in bytes of the tier's capacity); the access that stores a block
 so only a later access moves a block from T1 to T2; T1 and T2 are queues of
 LeafQueues, so a block that is not evictable is passed over.
 
-Native twin: ArcPolicy in cpp/src/placement.cpp makes the same decisions
+Native twin: ArcPolicy in cpp/src/policies.cpp makes the same decisions
 (`native = ...` on the class, see ucm/policy/base.py); a change here must be
 made there too, and tests/unit/test_placement_native.py compares the two.
 """
@@ -30,7 +30,7 @@ T1, T2 = 0, 1
 
 class ArcPolicy(PlacementPolicy):
     name = "arc"
-    native = "arc"  # its twin in cpp/src/placement.cpp
+    native = "arc"  # its twin in cpp/src/policies.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

@@ -46,8 +46,9 @@ needs what only a trace replay knows (the oracle's next use) sets
 `live = False`: a live cache refuses it.
 
 Native implementations. A policy class may declare `native = "<name>"`, the
-name of its twin in the C++ placement core (`ucm._native.placement_policies()`,
-cpp/src/placement.cpp), which makes exactly its decisions. `Placement` then
+name of its twin in the C++ placement core (`ucm._native.placement_policies()`;
+the table in cpp/src/policies.cpp, the interface in cpp/include/ucm/policy_core.hpp),
+which makes exactly its decisions. Every shipped policy has one. `Placement` then
 keeps the whole per-block bookkeeping, tier stack and policy queues in C++
 (ucm/placement_native.py) and creates no instance of the Python class. The
 declaration holds for the class that makes it only, not for subclasses (a

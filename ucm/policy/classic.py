@@ -9,7 +9,7 @@ lives in LeafQueues (ucm/policy/leafqueue.py), which keeps such parents out
 of the way until their last child leaves, so an eviction stays O(log n)
 whatever the order.
 
-Native twins: LruPolicy (LRU and FIFO) and LfuPolicy in cpp/src/placement.cpp
+Native twins: LruPolicy (LRU and FIFO) and LfuPolicy in cpp/src/policies.cpp
 make the same decisions (`native = ...` on each class, see
 ucm/policy/base.py); a change here must be made there too, and
 tests/unit/test_placement_native.py compares the two.
@@ -33,7 +33,7 @@ class LruPolicy(PlacementPolicy):
     """
 
     name = "lru"
-    native = "lru"  # its twin in cpp/src/placement.cpp
+    native = "lru"  # its twin in cpp/src/policies.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
@@ -66,7 +66,7 @@ class FifoPolicy(PlacementPolicy):
     """
 
     name = "fifo"
-    native = "fifo"  # its twin in cpp/src/placement.cpp
+    native = "fifo"  # its twin in cpp/src/policies.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
@@ -100,7 +100,7 @@ class LfuPolicy(PlacementPolicy):
     """
 
     name = "lfu"
-    native = "lfu"  # its twin in cpp/src/placement.cpp
+    native = "lfu"  # its twin in cpp/src/policies.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)

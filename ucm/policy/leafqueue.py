@@ -18,7 +18,7 @@ Priorities are any comparable values, lowest first; each block is in one of
 `queues` queues. Heaps with lazy invalidation: an entry is live while it
 matches the block's current (queue, priority).
 
-Native twin: LeafQueues in cpp/src/placement.cpp, under the native
+Native twin: LeafQueues in cpp/include/ucm/leaf_queues.hpp, under the native
 policies, offers blocks in the same order and parks the same parents; a
 change here must be made there too, and tests/unit/test_placement_native.py
 compares the two.

@@ -13,7 +13,7 @@ stores a block (the `on_hit` in its inserting request) is the miss itself and
 does not count; a block that is not evictable keeps its place and the scan
 goes on to the next one.
 
-Native twin: S3FifoPolicy in cpp/src/placement.cpp makes the same decisions
+Native twin: S3FifoPolicy in cpp/src/policies.cpp makes the same decisions
 (`native = ...` on the class, see ucm/policy/base.py); a change here must be
 made there too, and tests/unit/test_placement_native.py compares the two.
 """
@@ -33,7 +33,7 @@ S, M = 0, 1
 
 class S3FifoPolicy(PlacementPolicy):
     name = "s3fifo"
-    native = "s3fifo"  # its twin in cpp/src/placement.cpp
+    native = "s3fifo"  # its twin in cpp/src/policies.cpp
 
     def __init__(self, tier, heat, **options) -> None:
         super().__init__(tier, heat, **options)
