@@ -374,7 +374,8 @@ void PlacementCore::evict_keys(int t, const std::vector<BlockKey>& keys, bool an
     bool found;
     {
       ProtectGuard guard(protect_[static_cast<std::size_t>(t)], protect);
-      found = tier.policy->victim([&](const BlockKey& k) { return named.count(k) != 0 && evictable(t, k); }, &victim);
+      found = tier.policy->leaf_victim([&](const BlockKey& k) { return named.count(k) != 0 && evictable(t, k); },
+                                       &victim);
     }
     if (!found && relaxed && !tier.lowest) {
       found = tier.policy->victim(
@@ -456,11 +457,14 @@ void PlacementCore::enter(const BlockKey& key, int t, std::int64_t size) {
     for (const auto& c : kids->second) n += holds_block(t, c) ? 1 : 0;
   }
   node.kids[t] = n;
+  bool first_child = false;  // of its parent in this tier
   if (node.parent) {
     auto p = nodes_.find(*node.parent);
-    if (p != nodes_.end() && (p->second.mask & tier.bit)) ++p->second.kids[t];
+    if (p != nodes_.end() && (p->second.mask & tier.bit)) first_child = ++p->second.kids[t] == 1;
   }
   tier.policy->on_insert(key, size);
+  if (n > 0) tier.policy->on_children(key, true);
+  if (first_child) tier.policy->on_children(*node.parent, true);
 }
 
 void PlacementCore::leave(const BlockKey& key, int t) {
@@ -470,11 +474,13 @@ void PlacementCore::leave(const BlockKey& key, int t) {
   --tier.count;
   node.mask &= ~tier.bit;
   node.kids[t] = 0;
+  bool last_child = false;  // of its parent in this tier
   if (node.parent) {
     auto p = nodes_.find(*node.parent);
-    if (p != nodes_.end() && (p->second.mask & tier.bit)) --p->second.kids[t];
+    if (p != nodes_.end() && (p->second.mask & tier.bit)) last_child = --p->second.kids[t] == 0;
   }
   tier.policy->on_remove(key);
+  if (last_child) tier.policy->on_children(*node.parent, false);
 }
 
 bool PlacementCore::make_room(int t, std::int64_t size, PlanSteps& plan, const BlockKey* protect) {
@@ -487,7 +493,7 @@ bool PlacementCore::make_room(int t, std::int64_t size, PlanSteps& plan, const B
   const KeyPred relaxed_here = [this, t](const BlockKey& k) { return relaxed_ok(t, k); };
   BlockKey victim;
   while (tier.used + size > cap) {
-    bool found = tier.policy->victim(evictable_here, &victim);
+    bool found = tier.policy->leaf_victim(evictable_here, &victim);
     if (!found && !tier.lowest) {
       // Only parents are left: demote one ahead of its children (it stays
       // cached below, so the prefix survives).

@@ -31,6 +31,15 @@ class PolicyCore {
   virtual void on_hit(const BlockKey& key) = 0;
   virtual void on_remove(const BlockKey& key) = 0;
   virtual bool victim(const KeyPred& evictable, BlockKey* out) = 0;
+  // victim, where the core promises that `evictable` refuses every block
+  // that has resident children in this tier (its first, strict call; the
+  // relaxed fallback calls victim). A policy may skip such blocks unasked.
+  virtual bool leaf_victim(const KeyPred& evictable, BlockKey* out) { return victim(evictable, out); }
+  // `key`, resident here, now has some (`any`) / no longer has any resident
+  // children in this tier: after on_insert of a block that enters with
+  // some, after the on_insert of its first child and after the on_remove
+  // of its last one.
+  virtual void on_children(const BlockKey& /*key*/, bool /*any*/) {}
   virtual bool admit(const BlockKey&, AdmissionKind) { return true; }
   // The tracker's record of `key` changed without an access (its output kind).
   virtual void on_reclass(const BlockKey&) {}
