@@ -246,6 +246,22 @@ PYBIND11_MODULE(_native, m) {
       py::arg("data"), "XXH3-64 checksum of a buffer.");
 
   m.def(
+      "chunk_checksums",
+      [](const py::buffer& data, std::size_t chunk_bytes) {
+        if (chunk_bytes == 0) throw ArgumentError("chunk_bytes must be > 0");
+        Pinned s = pin(data, false, "data");
+        std::string out(8 * ucm::chunk_count(s.len, chunk_bytes), '\0');
+        {
+          py::gil_scoped_release nogil;
+          ucm::chunk_checksums(s.ptr, s.len, chunk_bytes, reinterpret_cast<std::uint8_t*>(out.data()));
+        }
+        return py::bytes(out);
+      },
+      py::arg("data"), py::arg("chunk_bytes"),
+      "XXH3-64 of each chunk_bytes piece of a buffer (the last one may be shorter), as little-endian "
+      "uint64s concatenated.");
+
+  m.def(
       "copy",
       [](const py::buffer& dst, const py::buffer& src, int threads) {
         Pinned d = pin(dst, true, "dst");

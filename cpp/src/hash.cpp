@@ -48,4 +48,17 @@ std::size_t chain_keys(const std::uint8_t seed[kKeyBytes], const std::uint32_t* 
 
 std::uint64_t checksum(const void* data, std::size_t len) { return XXH3_64bits(data, len); }
 
+std::size_t chunk_count(std::size_t len, std::size_t chunk) { return len / chunk + (len % chunk != 0); }
+
+std::size_t chunk_checksums(const void* data, std::size_t len, std::size_t chunk, std::uint8_t* out) {
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  const std::size_t n = chunk_count(len, chunk);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t at = i * chunk;
+    const std::uint64_t h = XXH3_64bits(p + at, len - at < chunk ? len - at : chunk);
+    for (int b = 0; b < 8; ++b) out[8 * i + b] = static_cast<std::uint8_t>(h >> (8 * b));
+  }
+  return n;
+}
+
 }  // namespace ucm

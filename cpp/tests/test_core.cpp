@@ -145,6 +145,35 @@ static void test_copy() {
   CHECK(ucm::checksum(src.data(), n) != ucm::checksum(dst.data(), n));
 }
 
+static void test_chunk_checksums() {
+  const std::size_t n = 3 * 4096 + 100;
+  std::vector<std::uint8_t> data(n);
+  for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<std::uint8_t>(i * 13 + 1);
+  CHECK(ucm::chunk_count(0, 4096) == 0);
+  CHECK(ucm::chunk_count(4096, 4096) == 1);
+  CHECK(ucm::chunk_count(n, 4096) == 4);
+  std::vector<std::uint8_t> out(8 * 4, 0xee);
+  CHECK(ucm::chunk_checksums(data.data(), n, 4096, out.data()) == 4);
+  for (std::size_t i = 0; i < 4; ++i) {  // each piece's XXH3-64, little-endian; the last one is 100 bytes
+    const std::size_t len = i < 3 ? 4096 : 100;
+    std::uint64_t h = 0;
+    for (int b = 7; b >= 0; --b) h = (h << 8) | out[8 * i + b];
+    CHECK(h == ucm::checksum(data.data() + 4096 * i, len));
+  }
+  std::vector<std::uint8_t> again(8 * 4);
+  data[2 * 4096 + 5] ^= 1;  // a flipped byte changes its own chunk's checksum only
+  ucm::chunk_checksums(data.data(), n, 4096, again.data());
+  CHECK(std::memcmp(out.data(), again.data(), 16) == 0);
+  CHECK(std::memcmp(out.data() + 16, again.data() + 16, 8) != 0);
+  CHECK(std::memcmp(out.data() + 24, again.data() + 24, 8) == 0);
+  // one chunk covering everything is the whole buffer's checksum
+  std::uint8_t one[8];
+  CHECK(ucm::chunk_checksums(data.data(), n, n, one) == 1);
+  std::uint64_t h = 0;
+  for (int b = 7; b >= 0; --b) h = (h << 8) | one[b];
+  CHECK(h == ucm::checksum(data.data(), n));
+}
+
 static void test_copy_spans() {
   // Scatter 64 spans of 1 MiB in reverse order over 4 threads, then gather back.
   const std::size_t len = 1u << 20, count = 64;
@@ -431,6 +460,7 @@ int main() {
   test_chain_keys();
   test_key_vectors();
   test_copy();
+  test_chunk_checksums();
   test_copy_spans();
   test_index();
   test_io_engine();

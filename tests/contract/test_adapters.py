@@ -288,17 +288,29 @@ def test_a_batch_may_name_a_key_twice(name, make):
 
 
 # ---- RangeReads (and read_range, its fallback for every adapter) -----------
+# Ranges of a SIZE-byte blob: first and last byte, ranges crossing the 32 KiB
+# and 64 KiB chunk boundaries of nvme and fs, exactly one chunk, the short
+# last chunk, the whole blob, and empty ranges (OK anywhere inside the blob,
+# offset == SIZE included: they read nothing).
+RANGES = [(0, 1), (SIZE - 1, 1), (32_760, 20), (65_536 - 5, 10), (32_768, 32_768), (98_304, SIZE - 98_304),
+          (1000, 500), (SIZE - 10, 10), (0, SIZE), (0, 0), (50_000, 0), (SIZE, 0), (31_000, 40_000)]
+
+
 def _check_ranges(a, reader):
     k, d = keys(1)[0], data(1)[0]
     assert a.put([k], [d]) == [Status.OK]
     miss = os.urandom(16)
-    offsets = [0, 1000, SIZE - 10, SIZE, 0]
-    dsts = [bytearray(SIZE), bytearray(500), bytearray(10), bytearray(0), bytearray(4)]
-    assert reader([k, k, k, k, miss], offsets, dsts) == [Status.OK] * 4 + [Status.NOT_FOUND]
-    assert [bytes(x) for x in dsts[:4]] == [d, d[1000:1500], d[-10:], b""]
-    assert dsts[4] == bytearray(4)  # a miss leaves the destination alone
-    # A range that does not lie inside the blob.
-    assert reader([k, k], [SIZE - 5, SIZE + 1], [bytearray(10), bytearray(0)]) == [Status.CORRUPT] * 2
+    for when in ("as stored", "flushed"):  # a buffered medium serves the first from memory
+        if when == "flushed":
+            assert a.flush()
+        offsets = [o for o, _ in RANGES] + [0]
+        dsts = [bytearray(n) for _, n in RANGES] + [bytearray(4)]
+        assert reader([k] * len(RANGES) + [miss], offsets, dsts) == [Status.OK] * len(RANGES) + [Status.NOT_FOUND], when
+        assert [bytes(x) for x in dsts[:-1]] == [d[o:o + n] for o, n in RANGES], when
+        assert dsts[-1] == bytearray(4)  # a miss leaves the destination alone
+        # A range that does not lie inside the blob.
+        assert reader([k, k, k], [SIZE - 5, SIZE + 1, 0], [bytearray(10), bytearray(0), bytearray(SIZE + 1)]) == [
+            Status.CORRUPT] * 3, when
     with pytest.raises(ArgumentError):
         reader([k, k], [0], [bytearray(1), bytearray(1)])
     with pytest.raises(ArgumentError):
@@ -318,6 +330,42 @@ def test_get_range_reads_a_slice_of_a_blob(name, make):
 def test_read_range_works_with_any_adapter(name, make):
     a = make(name)
     _check_ranges(a, lambda ks, offs, dsts: read_range(a, ks, offs, dsts))
+
+
+# Where a block's bytes lie on the medium, for the adapters that keep them in files.
+MEDIUM_FILE = {
+    "nvme": lambda a, key: a.stats()["path"],
+    "fs": lambda a, key: a.path_of(key),
+}
+
+
+def _flip(path, blob, offset):
+    """Flips one bit of the stored copy of `blob` at `offset` in its file."""
+    with open(path, "r+b") as f:
+        raw = f.read()
+        at = raw.find(blob)
+        assert at >= 0 and raw.find(blob, at + 1) < 0
+        f.seek(at + offset)
+        f.write(bytes([raw[at + offset] ^ 0x10]))
+
+
+@each([n for n in declaring(RangeReads) if n in MEDIUM_FILE])
+def test_a_corrupted_byte_in_a_range_is_corrupt_never_wrong_bytes(name, make):
+    a = make(name)
+    k, d = keys(1)[0], data(1)[0]
+    assert a.put([k], [d]) == [Status.OK] and a.flush()
+    bad = 70_000  # in the third 32 KiB chunk, the second 64 KiB one
+    _flip(MEDIUM_FILE[name](a, k), d, bad)
+    # Chunks are verified one by one: a range away from the bad one still verifies.
+    out = bytearray(1000)
+    assert a.get_range([k], [100], [out]) == [Status.OK] and out == d[100:1100]
+    out = bytearray(b"\xaa" * 20)
+    assert a.get_range([k], [bad - 10], [out]) == [Status.CORRUPT]
+    assert out == bytearray(b"\xaa" * 20)  # never the bytes read
+    assert a.stats()["corrupt"] == 1
+    # The whole block is never OK again: it is dropped (nvme) or CORRUPT, so the owner forgets it.
+    assert a.get([k], [bytearray(SIZE)])[0] in (Status.CORRUPT, Status.NOT_FOUND)
+    assert a.get_range([k], [0], [bytearray(SIZE)])[0] in (Status.CORRUPT, Status.NOT_FOUND)
 
 
 # ---- SharedSlots ---------------------------------------------------------------

@@ -57,21 +57,27 @@ REGION = 1 << 16
 def nvme(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     n = fdp.ConsumeIntInRange(0, 40)
-    fbytes = fmt.footer_bytes(n)
-    if fbytes > REGION:
-        return
-    raw = bytearray()
-    for _ in range(n):  # mostly plausible entries, so bounds and overlaps are what gets tested
+    raw, tables = bytearray(), bytearray()
+    for _ in range(n):  # mostly plausible entries, so bounds, overlaps and chunk tables are what gets tested
         flags = fdp.ConsumeIntInRange(0, 2)
         parent = fdp.ConsumeBytes(16).ljust(16, b"\0") if flags or fdp.ConsumeBool() else bytes(16)
         off = fdp.ConsumeIntInRange(0, REGION // fmt.ALIGN) * fmt.ALIGN + (fdp.ConsumeIntInRange(0, 1) * 8)
-        raw += fmt.ENTRY.pack(fdp.ConsumeBytes(16).ljust(16, b"\0"), parent, off,
-                              fdp.ConsumeIntInRange(0, REGION), fdp.ConsumeIntInRange(0, 1 << 63), flags)
+        length = fdp.ConsumeIntInRange(0, REGION)
+        chunk = fdp.ConsumeIntInRange(0, 4) * fmt.ALIGN + fdp.ConsumeIntInRange(0, 1)
+        m = min(64, fmt.n_chunks(length, chunk) if chunk else 0) + fdp.ConsumeIntInRange(-1, 1)
+        table = fdp.ConsumeBytes(max(0, m) * fmt.CHUNK_SUM)
+        csum = _native.checksum(table) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 1 << 63)
+        raw += fmt.ENTRY.pack(fdp.ConsumeBytes(16).ljust(16, b"\0"), parent, off, length, csum, flags, chunk)
+        tables += table
+    fbytes = fmt.align_up(len(raw) + len(tables) + fmt.TRAILER_BYTES)
+    if fbytes > REGION:
+        return
     region = fdp.ConsumeIntInRange(0, 3)
     seq = fdp.ConsumeIntInRange(0, 1 << 40)
     lie = fdp.ConsumeIntInRange(0, 3)  # sometimes a trailer that lies about its footer
-    foot = bytearray(fbytes)  # entries first, the trailer in its last bytes
+    foot = bytearray(fbytes)  # entries and their tables first, the trailer in its last bytes
     foot[:len(raw)] = raw
+    foot[len(raw):len(raw) + len(tables)] = tables
     ecsum = _native.checksum(bytes(raw))
     fields = [fmt.MAGIC, seq, n + (lie == 1), fbytes + 4096 * (lie == 2), ecsum, region, REGION]
     body = fmt.TRAILER.pack(*fields, 0)[:-8]
@@ -88,6 +94,9 @@ def nvme(data: bytes) -> None:
     spans = sorted((e.offset, e.offset + fmt.align_up(e.length)) for e in entries)
     for e in entries:
         assert e.length > 0 and e.offset % fmt.ALIGN == 0 and e.offset + e.length <= limit, e
+        assert e.chunk_bytes >= fmt.ALIGN and e.chunk_bytes % fmt.ALIGN == 0, e
+        assert len(e.chunks) == fmt.n_chunks(e.length, e.chunk_bytes) * fmt.CHUNK_SUM, e
+        assert _native.checksum(e.chunks) == e.checksum, e
     for (_, end), (nxt, _) in zip(spans, spans[1:]):
         assert nxt >= end, spans
 

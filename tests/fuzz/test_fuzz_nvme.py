@@ -122,8 +122,12 @@ def mutate(raw: bytearray, m) -> bytearray:
         seq = t.seq
         if what == "offset":
             entries[i] = e._replace(offset=value)
-        elif what == "length":
-            entries[i] = e._replace(length=value)
+        elif what == "length":  # a chunk table of the new length's size, whose checksum the entry records
+            size = fmt.n_chunks(value, e.chunk_bytes) * fmt.CHUNK_SUM if e.chunk_bytes else 0
+            if not e.chunk_bytes or size > RS:
+                return raw
+            chunks = (e.chunks + bytes(size))[:size]
+            entries[i] = e._replace(length=value, chunks=chunks, checksum=_native.checksum(chunks))
         elif what == "parent":
             entries[i] = e._replace(parent=value.to_bytes(8, "little") * 2)
         elif what == "parent_cycle":  # e's parent becomes a block whose ancestor is e
@@ -136,7 +140,11 @@ def mutate(raw: bytearray, m) -> bytearray:
             del entries[i]
         else:
             entries.append(e)
+        if any(not e.chunk_bytes for e in entries):  # a version-2 footer is not re-encoded
+            return raw
         foot = fmt.encode_footer(entries, seq=seq, region=region, region_size=RS)
+        if len(foot) > RS:
+            return raw
         raw[(region + 1) * RS - len(foot):(region + 1) * RS] = foot
     return raw
 
@@ -211,27 +219,28 @@ def test_decoding_a_random_trailer_returns_a_refusal():
         assert isinstance(t, fmt.Refused)  # a trailer needs its checksum: random bytes never pass
 
 
-def test_garbage_entries_behind_a_valid_trailer_are_refused_or_in_bounds():
+def test_garbage_version_2_entries_behind_a_valid_trailer_are_refused_or_in_bounds():
     rnd = rng("nvme_entries")
+    es = fmt.ENTRY_V2.size
     for _ in range(examples(2000)):
         region, checksummed = rnd.randrange(4), rnd.random() < 0.8
         n = rnd.randrange(0, 41)
-        raw = bytearray(rnd.randbytes(n * fmt.ENTRY.size))
+        raw = bytearray(rnd.randbytes(n * es))
         for i in range(n):  # plausible fields often enough to get past the first check
             if rnd.random() < 0.7:
-                raw[i * 64 + 56:i * 64 + 64] = rnd.choice((0, 0, 1, 2)).to_bytes(8, "little")  # flags
-                if raw[i * 64 + 56] == 0:
-                    raw[i * 64 + 16:i * 64 + 32] = bytes(16)
-                raw[i * 64 + 32:i * 64 + 40] = (rnd.randrange(16) * fmt.ALIGN).to_bytes(8, "little")
-                raw[i * 64 + 40:i * 64 + 48] = rnd.randrange(1, 3 * fmt.ALIGN).to_bytes(8, "little")
-        size = fmt.footer_bytes(n)
+                raw[i * es + 56:i * es + 64] = rnd.choice((0, 0, 1, 2)).to_bytes(8, "little")  # flags
+                if raw[i * es + 56] == 0:
+                    raw[i * es + 16:i * es + 32] = bytes(16)
+                raw[i * es + 32:i * es + 40] = (rnd.randrange(16) * fmt.ALIGN).to_bytes(8, "little")
+                raw[i * es + 40:i * es + 48] = rnd.randrange(1, 3 * fmt.ALIGN).to_bytes(8, "little")
+        size = fmt.align_up(n * es + fmt.TRAILER_BYTES)
         buf = bytearray(size)
         buf[:len(raw)] = raw
         ecsum = _native.checksum(bytes(raw)) if checksummed else 12345
-        head = fmt.TRAILER.pack(fmt.MAGIC, 5, n, size, ecsum, region, RS, 0)[:-8]
+        head = fmt.TRAILER.pack(fmt.MAGIC_V2, 5, n, size, ecsum, region, RS, 0)[:-8]
         buf[-64:] = head + _native.checksum(head).to_bytes(8, "little")
         t = fmt.decode_trailer(memoryview(buf), region, RS)
-        assert t == fmt.Trailer(5, n, size, ecsum, region, RS)
+        assert t == fmt.Trailer(5, n, size, ecsum, region, RS, 2)
         entries = fmt.decode_entries(memoryview(buf), t)
         if not checksummed:
             assert entries is fmt.Refused.BAD_ENTRIES
@@ -240,4 +249,54 @@ def test_garbage_entries_behind_a_valid_trailer_are_refused_or_in_bounds():
             ends = sorted((e.offset, e.offset + fmt.align_up(e.length)) for e in entries)
             for e in entries:
                 assert e.offset % fmt.ALIGN == 0 and 0 < e.length and e.offset + e.length <= RS - size
+                assert e.chunk_bytes == 0 and e.chunks == b""
             assert all(b[0] >= a[1] for a, b in zip(ends, ends[1:]))
+
+
+def test_garbage_version_3_entries_and_chunk_tables_are_refused_or_consistent():
+    rnd = rng("nvme_entries_v3")
+    es = fmt.ENTRY.size
+    for _ in range(examples(2000)):
+        region, checksummed = rnd.randrange(4), rnd.random() < 0.8
+        n = rnd.randrange(0, 41)
+        raw = bytearray(rnd.randbytes(n * es))
+        tables = bytearray()
+        for i in range(n):  # plausible fields, and tables whose checksum matches, often enough
+            if rnd.random() < 0.7:
+                raw[i * es + 56:i * es + 64] = rnd.choice((0, 0, 1, 2)).to_bytes(8, "little")  # flags
+                if raw[i * es + 56] == 0:
+                    raw[i * es + 16:i * es + 32] = bytes(16)
+                raw[i * es + 32:i * es + 40] = (rnd.randrange(16) * fmt.ALIGN).to_bytes(8, "little")
+                length = rnd.randrange(1, 3 * fmt.ALIGN)
+                raw[i * es + 40:i * es + 48] = length.to_bytes(8, "little")
+                chunk = rnd.choice((4096, 8192, 4096, 1000, 0, RS, 2 * RS))
+                raw[i * es + 64:i * es + 72] = chunk.to_bytes(8, "little")
+                m = fmt.n_chunks(length, chunk) + rnd.choice((0, 0, 0, 1, -1)) if chunk else rnd.randrange(3)
+                table = rnd.randbytes(max(0, m) * fmt.CHUNK_SUM)
+                if rnd.random() < 0.8:
+                    raw[i * es + 48:i * es + 56] = _native.checksum(table).to_bytes(8, "little")
+                tables += table
+        size = fmt.align_up(n * es + len(tables) + fmt.TRAILER_BYTES)
+        if size > RS:
+            continue
+        buf = bytearray(size)
+        buf[:len(raw)] = raw
+        buf[len(raw):len(raw) + len(tables)] = tables
+        ecsum = _native.checksum(bytes(raw)) if checksummed else 12345
+        head = fmt.TRAILER.pack(fmt.MAGIC, 5, n, size, ecsum, region, RS, 0)[:-8]
+        buf[-64:] = head + _native.checksum(head).to_bytes(8, "little")
+        t = fmt.decode_trailer(memoryview(buf), region, RS)
+        assert t == fmt.Trailer(5, n, size, ecsum, region, RS, 3)
+        entries = fmt.decode_entries(memoryview(buf), t)
+        if not checksummed:
+            assert entries is fmt.Refused.BAD_ENTRIES
+        elif not isinstance(entries, fmt.Refused):
+            assert len(entries) == n
+            ends = sorted((e.offset, e.offset + fmt.align_up(e.length)) for e in entries)
+            for e in entries:
+                assert e.offset % fmt.ALIGN == 0 and 0 < e.length and e.offset + e.length <= RS - size
+                assert e.chunk_bytes % fmt.ALIGN == 0 and 0 < e.chunk_bytes <= RS
+                assert len(e.chunks) == fmt.n_chunks(e.length, e.chunk_bytes) * fmt.CHUNK_SUM
+                assert _native.checksum(e.chunks) == e.checksum
+            assert all(b[0] >= a[1] for a, b in zip(ends, ends[1:]))
+            assert sum(len(e.chunks) for e in entries) == len(tables)

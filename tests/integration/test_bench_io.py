@@ -10,3 +10,18 @@ def test_bench_io_measures_and_verifies(tmp_path):
     for k in ("memcpy_gbps", "dram_store_gbps", "dram_load_gbps", "nvme_store_gbps", "nvme_load_gbps",
               "stage_gbps", "stage_no_headroom_gbps"):
         assert 0 < r[k] < float("inf"), k
+
+
+def test_bench_io_range_reads_measure_and_verify(tmp_path):
+    from ucm.bench.io import measure_range
+
+    r = measure_range(str(tmp_path), size_mb=4, block_bytes=30 * 96 * 1024, layers=30, batch=4, io_threads=4,
+                      chunk_kbs=[32, 64])
+    assert r["ok"] and r["blocks"] == 1 and r["layer_bytes"] == 96 * 1024
+    c32, c64 = r["by_chunk"]["32768"], r["by_chunk"]["65536"]
+    assert c32["range_amplification"] == 1.0  # 96 KiB layers are three 32 KiB chunks
+    assert c64["range_amplification"] > 1.0
+    assert c32["footer_bytes_per_block"] == 72 + 90 * 8
+    for c in (c32, c64):
+        for k in ("whole_mbps", "range_mbps", "range_p50_us", "whole_p50_ms"):
+            assert 0 < c[k] < float("inf"), k

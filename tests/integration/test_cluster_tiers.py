@@ -451,7 +451,7 @@ def test_fs_readers_never_see_half_written_blocks(tmp_path):
 def test_fs_capacity_is_enforced_without_scanning(tmp_path, monkeypatch):
     backend = FsBackend(str(tmp_path / "shared"))
     try:
-        slot = SIZE + framing.HEADER_BYTES
+        slot = SIZE + framing.chunked_header_bytes(SIZE)  # header, chunk table, payload
         a = backend.make(capacity=10 * slot)
         refuse = backend.make(capacity=10 * slot, key_prefix="refusing", on_full="refuse")
 
@@ -490,7 +490,7 @@ def test_fs_restart_and_other_nodes(tmp_path):
         os.utime(stale, (time.time() - 7200, time.time() - 7200))
         b = backend.make()  # a restarted (or another) node: one scan at start
         assert sorted(b.iter_keys()) == sorted(keys)
-        assert b.used_bytes == 4 * (SIZE + framing.HEADER_BYTES)
+        assert b.used_bytes == 4 * (SIZE + framing.chunked_header_bytes(SIZE)) == 4 * b.footprint_bytes(SIZE)
         assert not os.path.exists(stale) and os.path.exists(fresh)
         assert b.delete(keys[:1]) == [True]
         assert a.get(keys[:1], [bytearray(SIZE)]) == [NOT_FOUND]  # deleted by the other node
@@ -518,3 +518,24 @@ def test_bench_reports_tier_and_raw(tier, tmp_path):
         assert res[k] > 0
     assert res["ok"] is True
     assert res["blocks"] == 16
+
+
+def test_fs_files_of_the_earlier_layout_are_neither_read_nor_removed(tmp_path):
+    backend = FsBackend(str(tmp_path / "shared"))
+    try:
+        a = backend.make()
+        keys, data = blocks(23, 2, SIZE)
+        old = a.path_of(keys[0])[:-len(".v2")]  # `<32 hex>`, one checksum per file
+        os.makedirs(os.path.dirname(old), exist_ok=True)
+        with open(old, "wb") as f:
+            f.write(framing.pack_header(keys[0], data[0]) + data[0])
+        b = backend.make()  # its scan at start does not index it
+        assert list(b.iter_keys()) == [] and b.contains(keys[:1]) == [False]
+        assert b.get(keys[:1], [bytearray(SIZE)]) == [NOT_FOUND]
+        assert b.get_range(keys[:1], [0], [bytearray(10)]) == [NOT_FOUND]
+        assert b.put(keys, data) == [OK, OK]  # the new layout beside it
+        out = [bytearray(SIZE), bytearray(SIZE)]
+        assert b.get(keys, out) == [OK, OK] and [bytes(o) for o in out] == data
+        assert os.path.exists(old)
+    finally:
+        backend.close()

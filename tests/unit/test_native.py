@@ -125,3 +125,16 @@ def test_argument_errors_are_typed_and_name_the_values():
         _native.index_count(bytearray(4096))
     # Still ValueErrors for callers that catch those (ucm.service.index does).
     assert issubclass(ArgumentError, ValueError)
+
+
+def test_chunk_checksums_are_each_pieces_checksum_little_endian():
+    data = os.urandom(3 * 4096 + 100)
+    sums = _native.chunk_checksums(data, 4096)
+    assert len(sums) == 4 * 8
+    pieces = [data[i:i + 4096] for i in range(0, len(data), 4096)]
+    assert [int.from_bytes(sums[8 * i:8 * i + 8], "little") for i in range(4)] == [
+        _native.checksum(p) for p in pieces]
+    assert _native.chunk_checksums(b"", 4096) == b""
+    assert _native.chunk_checksums(memoryview(data)[4096:8192], 4096) == sums[8:16]
+    with pytest.raises(ArgumentError, match="chunk_bytes must be > 0"):
+        _native.chunk_checksums(data, 0)

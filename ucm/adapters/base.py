@@ -22,8 +22,10 @@ methods:
   other processes map (reserve/commit/abort, lease/release, slot_offset,
   segment_path, victims_for). `dram`.
 - `RangeReads`: reads of a byte range of a stored blob (`get_range`)
-  without copying the whole blob. `dram`, `hbm`. Callers that want a range
-  from any adapter use `read_range`, which falls back to a whole-blob get.
+  without copying the whole blob. `dram`, `hbm`, `nvme` and `fs` (which
+  read and verify only the checksummed chunks covering the range). Callers
+  that want a range from any adapter use `read_range`, which falls back to
+  a whole-blob get (`redis`, `mooncake`).
 
 Each adapter class has a `Config` (a frozen pydantic model, unknown keys
 forbidden) and is built as `cls(capacity_bytes=..., config=cls.Config(...))`.

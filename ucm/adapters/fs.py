@@ -4,11 +4,21 @@ For shared file systems (NFS, 3FS, Lustre, CephFS, or a local directory for
 one node): every node configures the same `path`, and a block stored by one
 node is found and loaded by the others.
 
-Layout. `<path>/<key_prefix>/<aa>/<bb>/<32 hex digits>`: the first bytes of
-the key name `shard_levels` levels of 256 directories each, so no directory
-grows large. A file is `header || payload` (ucm.adapters.framing); reads
-check magic, key, length and XXH3-64, so a damaged, truncated or foreign file
-is CORRUPT, never data.
+Layout. `<path>/<key_prefix>/<aa>/<bb>/<32 hex digits>.v2`: the first bytes
+of the key name `shard_levels` levels of 256 directories each, so no
+directory grows large. A file is a chunked frame (ucm.adapters.framing,
+version 2): `header || chunk table || payload`, an XXH3-64 per 32 KiB chunk
+of the payload. Reads check magic, key, length, the table's checksum and
+every chunk they return, so a damaged, truncated or foreign file is CORRUPT,
+never data. Files of the earlier layout (`<32 hex digits>`, one checksum
+per file) are neither read nor removed: a node of this version misses them,
+and a node of the earlier version misses these, so that nodes of both
+versions on one tree never take each other's files for corrupt.
+
+Range reads (`get_range`, RangeReads) read the header and table, then only
+the chunks that cover the range, and verify those: a bad chunk is CORRUPT
+for that read (as for `get`, the owner forgets the block), while a range
+that does not touch it still verifies.
 
 Writes are atomic for readers: a block is written to a temporary name beside
 its final name (`.<hex>.<host>.<pid>.<n>.tmp`), optionally fsync'ed, then
@@ -59,14 +69,15 @@ from typing import Any, Callable, Literal, Optional, Sequence
 from pydantic import Field, field_validator
 
 from ucm.adapters import framing
-from ucm.adapters.base import AdapterConfig, Key, Status
+from ucm.adapters.base import AdapterConfig, Key, RangeReads, Status, check_range_args
 from ucm.adapters.cluster import BudgetedAdapter, ClusterBudget
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
 
 log = logging.getLogger(__name__)
 
-_HEX = re.compile(r"^[0-9a-f]{32}$")
+_SUFFIX = ".v2"  # files of the chunked layout (framing version 2)
+_NAME = re.compile(r"^[0-9a-f]{32}\.v2$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -98,7 +109,7 @@ class FsConfig(AdapterConfig):
         return v
 
 
-class FsAdapter(BudgetedAdapter):
+class FsAdapter(BudgetedAdapter, RangeReads):
     """Blocks as files in a sharded tree on a (shared) file system."""
 
     name = "fs"
@@ -107,7 +118,8 @@ class FsAdapter(BudgetedAdapter):
     def __init__(self, capacity_bytes: int, config: FsConfig) -> None:
         self.config = config
         # key -> payload bytes, LRU first; a put of a key being written answers OK (same bytes)
-        self._budget = ClusterBudget("fs", capacity_bytes, pending_is_held=True)
+        self._budget = ClusterBudget("fs", capacity_bytes, pending_is_held=True,
+                                     footprint=lambda n: framing.chunked_header_bytes(n) + n)
         self.root = os.path.join(os.path.abspath(config.path), config.key_prefix)
         # directories are searchable by whoever may read the files
         self._dir_mode = 0o700 | (0o050 if config.file_mode & 0o040 else 0) | (0o005 if config.file_mode & 0o004 else 0)
@@ -122,8 +134,8 @@ class FsAdapter(BudgetedAdapter):
         self._tmp_tag = f"{socket.gethostname()}.{os.getpid()}"
         self._tmp_seq = itertools.count()
         self._closed = False
-        self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
-                       "failed": 0, "scans": 0, "tmp_removed": 0}
+        self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "range_hits": 0, "misses": 0, "corrupt": 0,
+                       "no_space": 0, "failed": 0, "scans": 0, "tmp_removed": 0}
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-fs")
         if config.scan_on_start:
             self.rescan()
@@ -141,7 +153,7 @@ class FsAdapter(BudgetedAdapter):
     def path_of(self, key: Key) -> str:
         """The file a block lives in (whether or not it exists)."""
         h = framing.check_key(key).hex()
-        return os.path.join(self._dir(h), h)
+        return os.path.join(self._dir(h), h + _SUFFIX)
 
     # ---- batches -----------------------------------------------------------
     def _map(self, fn: Callable[[int], Any], n: int) -> list[Any]:
@@ -188,7 +200,7 @@ class FsAdapter(BudgetedAdapter):
             return Status.OK
         d = os.path.dirname(path)
         tmp = os.path.join(d, f".{os.path.basename(path)}.{self._tmp_tag}.{next(self._tmp_seq)}.tmp")
-        header = framing.pack_header(key, payload)
+        header = framing.pack_chunked_header(key, payload)
         try:
             if d not in self._dirs:
                 os.makedirs(d, mode=self._dir_mode, exist_ok=True)
@@ -245,16 +257,74 @@ class FsAdapter(BudgetedAdapter):
             return Status.NOT_FOUND
         except OSError as exc:
             return self._io_fault("open", path, exc)
-        header = bytearray(framing.HEADER_BYTES)
+        header = bytearray(framing.chunked_header_bytes(len(dst)))
         try:
             n = _read_all(fd, [memoryview(header), dst])
         except OSError as exc:
             return self._io_fault("read", path, exc)
         finally:
             os.close(fd)
-        if n != framing.HEADER_BYTES + len(dst):
+        if n != len(header) + len(dst):
             return Status.CORRUPT
-        return framing.verify(key, header, dst)
+        return framing.verify_chunked(key, header, dst)
+
+    # ---- RangeReads --------------------------------------------------------
+    def get_range(self, keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> list[Status]:
+        """Copies bytes [offsets[i], offsets[i] + len(dsts[i])) of each block
+        into dsts[i], reading the file's header and chunk table and then only
+        the chunks that cover the range, verified before they are copied
+        (on CORRUPT the destination is left alone). An empty range inside
+        the blob is OK (the header is still read and checked)."""
+        check_range_args(keys, offsets, dsts)
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        paths = [self.path_of(k) for k in keys]
+        self._check_open()
+        res = self._map(lambda i: self._read_range(keys[i], paths[i], offsets[i], views[i]), len(keys))
+        out = [st for st, _ in res]
+        for key, (st, size) in zip(keys, res):
+            if st is Status.OK:
+                self._budget.touch(key, size)
+        self._budget.gone(k for k, st in zip(keys, out) if st is Status.NOT_FOUND)
+        with self._lock:
+            for v, st in zip(views, out):
+                if st is Status.OK:
+                    self._stats["range_hits"] += 1
+                    self._stats["bytes_out"] += len(v)
+                elif st is Status.NOT_FOUND:
+                    self._stats["misses"] += 1
+                else:
+                    self._stats["corrupt" if st is Status.CORRUPT else "failed"] += 1
+        return out
+
+    def _read_range(self, key: Key, path: str, offset: int, dst: memoryview) -> tuple[Status, int]:
+        """(status, payload bytes of the file) of one range read."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return Status.NOT_FOUND, 0
+        except OSError as exc:
+            return self._io_fault("open", path, exc), 0
+        try:
+            length = framing.chunked_payload_bytes(os.fstat(fd).st_size)
+            if length is None or offset + len(dst) > length:
+                return Status.CORRUPT, 0
+            header = bytearray(framing.chunked_header_bytes(length))
+            if _pread_all(fd, memoryview(header), 0) != len(header):
+                return Status.CORRUPT, 0
+            if not dst:
+                return framing.verify_chunked_span(key, header, length, 0, b""), length
+            start, end = framing.chunked_span(offset, len(dst), length)
+            span = bytearray(end - start)
+            if _pread_all(fd, memoryview(span), len(header) + start) != len(span):
+                return Status.CORRUPT, 0
+        except OSError as exc:
+            return self._io_fault("read", path, exc), 0
+        finally:
+            os.close(fd)
+        st = framing.verify_chunked_span(key, header, length, start, span)
+        if st is Status.OK:
+            dst[:] = memoryview(span)[offset - start:offset - start + len(dst)]
+        return st, length
 
     # ---- index upkeep ------------------------------------------------------
     def rescan(self) -> None:
@@ -274,14 +344,15 @@ class FsAdapter(BudgetedAdapter):
                     except OSError:
                         pass
                     continue
-                if not _HEX.match(name):
+                if not _NAME.match(name):
                     continue
                 try:
                     st = os.stat(full)
                 except OSError:
                     continue
-                if st.st_size >= framing.HEADER_BYTES:
-                    found[bytes.fromhex(name)] = (st.st_mtime, st.st_size - framing.HEADER_BYTES)
+                size = framing.chunked_payload_bytes(st.st_size)
+                if size is not None:
+                    found[bytes.fromhex(name[:32])] = (st.st_mtime, size)
         self._budget.resync((k, size) for k, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]))
         with self._lock:
             self._stats["scans"] += 1
@@ -339,7 +410,7 @@ def _payload_size(path: str) -> Optional[int]:
         n = os.stat(path).st_size
     except OSError:
         return None
-    return n - framing.HEADER_BYTES if n >= framing.HEADER_BYTES else None
+    return framing.chunked_payload_bytes(n)
 
 
 def _unlink(path: str) -> bool:
@@ -362,6 +433,17 @@ def _write_all(fd: int, bufs: list[Any]) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int) -> int:
+    """Fills `buf` from `offset` of the file; returns the bytes read (less at end of file)."""
+    total = 0
+    while total < len(buf):
+        n = os.preadv(fd, [buf[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
 
 
 def _read_all(fd: int, bufs: list[memoryview]) -> int:

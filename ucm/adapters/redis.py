@@ -34,6 +34,12 @@ adapter answers at once without touching the network; then it tries again
 restarting anything. redis-py's own retries are disabled so that a dead
 server costs one connection attempt, not a backoff ladder.
 
+Range reads. Not declared (RangeReads): a value is a version-1 frame with one
+checksum for the payload, which other nodes read too, so a GETRANGE of part
+of it could not be verified. `read_range` serves ranges with a whole GET,
+verified as a whole. Chunked frames (as fs writes) would make GETRANGE
+verifiable; docs/design-notes.md, "Checksum granularity".
+
 Thread-safe: redis-py's blocking pool hands each call its own connection;
 the budget index and the circuit breaker (ucm.adapters.cluster) have their
 own locks, and one lock guards the counters; none is held across network

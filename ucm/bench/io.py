@@ -19,6 +19,17 @@ Measured in one process, one after the other:
 - `fio_write_gbps` / `fio_read_gbps`: fio on the same directory, O_DIRECT,
   1 MiB blocks, iodepth 16 (when fio is installed), and the ratios.
 GB/s are 10^9 bytes per second.
+
+With `--range`, instead: layer-wise range reads from nvme next to whole-block
+reads, on one medium per chunk size (`--chunk-kb`, several allowed), written
+once and read by a freshly opened adapter (O_DIRECT, nothing from memory).
+Each block is `--layers` equal layer ranges (layer-major, so one layer of a
+block is one contiguous range). Per chunk size: `whole_mbps` (get of every
+block, `--batch` per call), `range_mbps` (one layer of every block, `--batch`
+ranges per call, MB/s of layer bytes delivered), `range_amplification`
+(medium bytes read per layer byte), `footer_bytes_per_block`, and p50 / p99
+latency of single calls (`whole_p50_ms`, `range_p50_us`, ...). MB/s are
+10^6 bytes per second.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ from ucm import _native
 from ucm.adapters.base import Status
 from ucm.adapters.dram import DramAdapter, DramConfig
 from ucm.adapters.nvme import NvmeAdapter, NvmeConfig
+from ucm.adapters.nvme import format as nvme_format
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="nvme native I/O threads, i.e. requests in flight (default 16, as fio's iodepth)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    rng = p.add_argument_group("range reads", "with --range: one layer of each block from nvme vs whole blocks")
+    rng.add_argument("--range", action="store_true", help="measure layer range reads instead")
+    rng.add_argument("--layers", type=int, default=30, help="equal layer ranges per block (default 30)")
+    rng.add_argument("--chunk-kb", type=int, action="append", default=None,
+                     help="nvme chunk_bytes in KiB, one medium each (default 32 and 64)")
     cluster = p.add_argument_group("cluster tiers", "with --tier: the tier's adapter next to its raw client "
                                    "(ucm/bench/cluster_io.py); see docs/cluster.md")
     cluster.add_argument("--tier", choices=("mooncake", "redis", "fs"), default=None,
@@ -149,6 +166,79 @@ def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threa
             res["stage_no_headroom_vs_fio_read"] = round(res["stage_no_headroom_gbps"] / res["fio_read_gbps"], 3)
     res["dram_store_vs_memcpy"] = round(res["dram_store_gbps"] / res["memcpy_gbps"], 3)
     res["dram_load_vs_memcpy"] = round(res["dram_load_gbps"] / res["memcpy_gbps"], 3)
+    return res
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def measure_range(directory: str, size_mb: int, block_bytes: int, layers: int, batch: int, io_threads: int,
+                  chunk_kbs: list[int]) -> dict[str, Any]:
+    """Layer range reads vs whole-block reads from nvme (see the module doc)."""
+    n = max(1, (size_mb << 20) // block_bytes)
+    layer = block_bytes // layers
+    srcs = [os.urandom(block_bytes) for _ in range(n)]
+    keys = [os.urandom(16) for _ in range(n)]
+    which = [(i * 7) % layers for i in range(n)]  # the layer read of block i: every offset parity
+    res: dict[str, Any] = {"block_bytes": block_bytes, "blocks": n, "layer_bytes": layer, "layers": layers,
+                           "batch": batch, "by_chunk": {}}
+    ok = True
+    for ckb in chunk_kbs:
+        work = tempfile.mkdtemp(prefix="ucm-bench-range-", dir=directory)
+        try:
+            region = 64 << 20
+            while region < 2 * block_bytes:
+                region *= 2
+            cfg = NvmeConfig(path=work, region_size=region, io_threads=io_threads, io_chunk=1 << 20,
+                             write_buffers=4, chunk_bytes=ckb << 10)
+            cap = (n * block_bytes * 2 // region + 4) * region
+            _lay_out(os.path.join(work, "ucm-regions.dat"), cap)
+            with NvmeAdapter(capacity_bytes=cap, config=cfg) as nv:
+                ok = ok and all(st is Status.OK for st in nv.put(keys, srcs)) and nv.flush()
+                direct = nv.direct_io
+            if not direct:
+                drop_page_cache(os.path.join(work, "ucm-regions.dat"))
+            # footer entry and chunk table, also what the index keeps per block
+            r: dict[str, Any] = {"chunk_bytes": ckb << 10, "footer_bytes_per_block": nvme_format.ENTRY.size
+                                 + nvme_format.n_chunks(block_bytes, ckb << 10) * nvme_format.CHUNK_SUM}
+            with NvmeAdapter(capacity_bytes=cap, config=cfg) as nv:
+                r["direct_io"] = nv.direct_io
+                dsts = _buffers(batch, block_bytes)
+                t = time.perf_counter()
+                for i in range(0, n, batch):
+                    got = nv.get(keys[i:i + batch], dsts[:len(keys[i:i + batch])])
+                    ok = ok and got == [Status.OK] * len(got) and dsts[0][:] == srcs[i]
+                r["whole_mbps"] = round(n * block_bytes / (time.perf_counter() - t) / 1e6, 1)
+                outs = [bytearray(layer) for _ in range(batch)]
+                before = nv.stats()["bytes_read"]
+                t = time.perf_counter()
+                for i in range(0, n, batch):
+                    ks = keys[i:i + batch]
+                    offs = [which[j] * layer for j in range(i, i + len(ks))]
+                    got = nv.get_range(ks, offs, outs[:len(ks)])
+                    ok = ok and got == [Status.OK] * len(ks) and outs[0] == srcs[i][offs[0]:offs[0] + layer]
+                seconds = time.perf_counter() - t
+                r["range_mbps"] = round(n * layer / seconds / 1e6, 1)
+                r["range_amplification"] = round((nv.stats()["bytes_read"] - before) / (n * layer), 3)
+                lat_w, lat_r = [], []
+                for i in range(min(n, 200)):  # single calls, alternating, on blocks not read since the open
+                    t = time.perf_counter()
+                    nv.get([keys[i]], dsts[:1])
+                    lat_w.append(time.perf_counter() - t)
+                    j = n - 1 - i
+                    t = time.perf_counter()
+                    ok = ok and nv.get_range([keys[j]], [((which[j] + 1) % layers) * layer], outs[:1]) == [Status.OK]
+                    lat_r.append(time.perf_counter() - t)
+                r["whole_p50_ms"] = round(_pct(lat_w, 0.5) * 1e3, 3)
+                r["whole_p99_ms"] = round(_pct(lat_w, 0.99) * 1e3, 3)
+                r["range_p50_us"] = round(_pct(lat_r, 0.5) * 1e6, 1)
+                r["range_p99_us"] = round(_pct(lat_r, 0.99) * 1e6, 1)
+            res["by_chunk"][str(ckb << 10)] = r
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    res["ok"] = ok
     return res
 
 
@@ -253,6 +343,11 @@ def run(args: argparse.Namespace) -> int:
                            io_threads=args.io_threads)
         print(json.dumps(res, sort_keys=True, default=str))
         return 0 if res.get("ok") else 1
+    if args.range:
+        res = measure_range(directory, args.size_mb, args.block_kb * 1024, args.layers, args.batch,
+                            args.io_threads, args.chunk_kb or [32, 64])
+        print(json.dumps(res, sort_keys=True) if args.json else json.dumps(res, sort_keys=True, indent=1))
+        return 0 if res["ok"] else 1
     res = measure(directory, args.size_mb, args.block_kb * 1024, args.batch, args.io_threads, not args.no_fio)
     if args.json:
         print(json.dumps(res, sort_keys=True))

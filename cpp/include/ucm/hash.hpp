@@ -20,4 +20,14 @@ std::size_t chain_keys(const std::uint8_t seed[kKeyBytes], const std::uint32_t* 
 // 64-bit payload checksum (XXH3-64).
 std::uint64_t checksum(const void* data, std::size_t len);
 
+// Number of `chunk`-byte pieces `len` bytes split into (the last one may be
+// shorter): ceil(len / chunk); 0 for `len` 0. `chunk` must be > 0.
+std::size_t chunk_count(std::size_t len, std::size_t chunk);
+
+// XXH3-64 of each consecutive `chunk`-byte piece of `len` bytes (the last one
+// shorter when `chunk` does not divide `len`), written to `out` as
+// little-endian uint64 (8 * chunk_count(len, chunk) bytes, the same on every
+// host). Returns the number of checksums. `chunk` must be > 0.
+std::size_t chunk_checksums(const void* data, std::size_t len, std::size_t chunk, std::uint8_t* out);
+
 }  // namespace ucm

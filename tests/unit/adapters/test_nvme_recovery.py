@@ -11,6 +11,7 @@ from ucm.adapters.nvme import format as fmt
 from ucm.adapters.base import BlockEntry, Status
 from ucm.adapters.nvme import FILE_NAME, NvmeAdapter, NvmeConfig
 from ucm.cache import Outcome, UnifiedCache
+from ucm.errors import ArgumentError
 
 RS = 64 << 10
 
@@ -19,17 +20,44 @@ def config(path, **kw):
     return NvmeConfig(path=str(path), region_size=RS, io_chunk=RS, **kw)
 
 
-def write_region(path, region, blocks, seq, rs=RS):
+CHUNK = 8192
+
+
+def entry(key, parent, off, data, chunk=CHUNK):
+    csum, chunks = fmt.block_checksums(data, chunk)
+    return fmt.FooterEntry(key, parent, off, len(data), csum, chunk, chunks)
+
+
+def encode_v2_footer(blocks, seq, region, rs):
+    """A version-2 footer of (key, parent, offset, bytes), written out by
+    hand: 64-byte entries (key, parent, offset, length, XXH3-64 of the
+    block, flags) and the same trailer as version 3 with magic UCMREGN2."""
+    n = len(blocks)
+    size = fmt.align_up(n * 64 + 64)
+    foot = bytearray(size)
+    for i, (key, parent, off, data) in enumerate(blocks):
+        foot[i * 64:(i + 1) * 64] = struct.pack("<16s16sQQQQ", key, parent or bytes(16), off, len(data),
+                                                _native.checksum(data), 1 if parent else 0)
+    head = b"UCMREGN2" + struct.pack("<QQQQQQ", seq, n, size, _native.checksum(bytes(foot[:n * 64])), region, rs)
+    foot[-64:] = head + struct.pack("<Q", _native.checksum(head))
+    return bytes(foot)
+
+
+def write_region(path, region, blocks, seq, rs=RS, version=3):
     """Writes a sealed region by hand: each (key, parent, bytes) at the next
-    4 KiB-aligned offset, then its footer."""
+    4 KiB-aligned offset, then its footer (version 2 or 3)."""
     entries, off = [], 0
     with open(path, "r+b") as f:
         for key, parent, data in blocks:
             f.seek(region * rs + off)
             f.write(data)
-            entries.append(fmt.FooterEntry(key, parent, off, len(data), _native.checksum(data)))
+            entries.append(entry(key, parent, off, data))
             off += fmt.align_up(len(data))
-        foot = fmt.encode_footer(entries, seq=seq, region=region, region_size=rs)
+        if version == 3:
+            foot = fmt.encode_footer(entries, seq=seq, region=region, region_size=rs)
+        else:
+            foot = encode_v2_footer([(e.key, e.parent, e.offset, data) for e, (_, _, data) in zip(entries, blocks)],
+                                    seq, region, rs)
         assert off + len(foot) <= rs
         f.seek((region + 1) * rs - len(foot))
         f.write(foot)
@@ -77,7 +105,7 @@ def test_recovers_a_sparse_medium_of_100k_regions(tmp_path):
 
 
 def test_footers_longer_than_a_page_are_read_in_batches(tmp_path, monkeypatch):
-    # 64 entries of 64 bytes and the trailer need two pages of footer. Small
+    # 64 entries of 72 bytes, their chunk tables and the trailer need two pages of footer. Small
     # batches (a tuning constant, not behaviour) so that several are needed.
     monkeypatch.setattr(nvme_adapter, "_TRAILER_BATCH", 7)
     monkeypatch.setattr(nvme_adapter, "_FOOTER_BATCH_BYTES", 3 * fmt.ALIGN)
@@ -161,35 +189,141 @@ def test_a_version_1_region_is_another_format_and_counts_as_empty(tmp_path):
         b.close()
 
 
-def test_footer_layout_is_version_2():
+def test_footer_layout_is_version_3():
     key, parent = bytes(range(16)), bytes(range(16, 32))
-    foot = fmt.encode_footer([fmt.FooterEntry(key, parent, 8192, 5000, 0x1122334455667788),
-                              fmt.FooterEntry(parent, None, 0, 4096, 7)], seq=3, region=9, region_size=RS)
-    assert len(foot) == fmt.ALIGN
-    assert foot[:64] == (key + parent + bytes.fromhex("0020000000000000" "8813000000000000"
-                                                     "8877665544332211" "0100000000000000"))
-    assert foot[64:128] == parent + bytes(16) + bytes.fromhex("0000000000000000" "0010000000000000"
-                                                              "0700000000000000" "0000000000000000")
+    d1, d2 = bytes(range(256)) * 20 + bytes(120), b"\x07" * 4096  # 5240 bytes: two 4 KiB chunks; one chunk
+    e1 = entry(key, parent, 8192, d1, chunk=4096)
+    e2 = entry(parent, None, 0, d2, chunk=4096)
+    assert e1.chunks == _native.checksum(d1[:4096]).to_bytes(8, "little") + _native.checksum(d1[4096:]).to_bytes(
+        8, "little")
+    assert e1.checksum == _native.checksum(e1.chunks)
+    foot = fmt.encode_footer([e1, e2], seq=3, region=9, region_size=RS)
+    assert len(foot) == fmt.ALIGN == fmt.footer_bytes(2, 3)
+    assert foot[:72] == (key + parent + bytes.fromhex("0020000000000000" "7814000000000000")
+                         + e1.checksum.to_bytes(8, "little") + bytes.fromhex("0100000000000000" "0010000000000000"))
+    assert foot[72:144] == parent + bytes(16) + bytes.fromhex("0000000000000000" "0010000000000000") + (
+        e2.checksum.to_bytes(8, "little") + bytes.fromhex("0000000000000000" "0010000000000000"))
+    assert foot[144:168] == e1.chunks + e2.chunks  # the chunk tables, entry by entry
+    assert foot[168:-64] == bytes(len(foot) - 168 - 64)
     trailer = foot[-64:]
-    assert trailer[:8] == b"UCMREGN2"
-    assert struct.unpack("<QQQ", trailer[8:32]) == (3, 2, 4096)
+    assert trailer[:8] == b"UCMREGN3"
+    assert struct.unpack("<QQQQ", trailer[8:40]) == (3, 2, 4096, _native.checksum(foot[:144]))
     assert struct.unpack("<QQ", trailer[40:56]) == (9, RS)
     t = fmt.decode_trailer(memoryview(foot), 9, RS)
-    assert t == fmt.Trailer(3, 2, 4096, t.entries_checksum, 9, RS)
-    assert fmt.decode_entries(memoryview(foot), t) == (
-        fmt.FooterEntry(key, parent, 8192, 5000, 0x1122334455667788), fmt.FooterEntry(parent, None, 0, 4096, 7))
+    assert t == fmt.Trailer(3, 2, 4096, t.entries_checksum, 9, RS, 3)
+    assert fmt.decode_entries(memoryview(foot), t) == (e1, e2)
     # the same bytes read as another region, or with another region size, are refused
     assert fmt.decode_trailer(memoryview(foot), 8, RS) is fmt.Refused.BAD_TRAILER
     assert fmt.decode_trailer(memoryview(foot), 9, 2 * RS) is fmt.Refused.BAD_TRAILER
     assert fmt.decode_trailer(memoryview(bytes(4096)), 9, RS) is fmt.Refused.EMPTY
 
 
+def test_footer_layout_of_version_2_is_still_decoded():
+    key, parent = bytes(range(16)), bytes(range(16, 32))
+    d1, d2 = os.urandom(5000), os.urandom(4096)
+    foot = encode_v2_footer([(key, parent, 8192, d1), (parent, None, 0, d2)], seq=3, region=9, rs=RS)
+    t = fmt.decode_trailer(memoryview(foot), 9, RS)
+    assert t == fmt.Trailer(3, 2, 4096, t.entries_checksum, 9, RS, 2)
+    assert fmt.decode_entries(memoryview(foot), t) == (
+        fmt.FooterEntry(key, parent, 8192, 5000, _native.checksum(d1)),
+        fmt.FooterEntry(parent, None, 0, 4096, _native.checksum(d2)))
+
+
+def _refuses(entries, rs=RS, edit=None):
+    foot = bytearray(fmt.encode_footer(entries, seq=1, region=0, region_size=rs))
+    if edit:
+        edit(foot)
+    t = fmt.decode_trailer(memoryview(foot), 0, rs)
+    return t if isinstance(t, fmt.Refused) else fmt.decode_entries(memoryview(foot), t)
+
+
 def test_overlapping_entries_refuse_the_region():
     k1, k2 = os.urandom(16), os.urandom(16)
-    foot = fmt.encode_footer([fmt.FooterEntry(k1, None, 0, 5000, 1), fmt.FooterEntry(k2, None, 4096, 10, 2)],
-                             seq=1, region=0, region_size=RS)
-    t = fmt.decode_trailer(memoryview(foot), 0, RS)
-    assert fmt.decode_entries(memoryview(foot), t) is fmt.Refused.BAD_ENTRY
+    assert _refuses([entry(k1, None, 0, os.urandom(5000)), entry(k2, None, 4096, os.urandom(10))]) \
+        is fmt.Refused.BAD_ENTRY
+
+
+def test_a_chunk_table_that_does_not_match_its_entry_refuses_the_region():
+    k1, k2 = os.urandom(16), os.urandom(16)
+    good = [entry(k1, None, 0, os.urandom(20_000)), entry(k2, None, 20_480, os.urandom(100))]
+    assert isinstance(_refuses(good), tuple)
+
+    def flip_table(foot):  # a chunk checksum changed, the entries' checksum still right
+        foot[2 * fmt.ENTRY.size + 3] ^= 1
+    assert _refuses(good, edit=flip_table) is fmt.Refused.BAD_ENTRY
+    # a chunk size that is no multiple of 4 KiB, or a table that claims more bytes than the footer has
+    bad_size = [good[0]._replace(chunk_bytes=1000, chunks=_native.chunk_checksums(bytes(20_000), 1000))]
+    bad_size[0] = bad_size[0]._replace(checksum=_native.checksum(bad_size[0].chunks))
+    assert _refuses(bad_size) is fmt.Refused.BAD_ENTRY
+
+    def more_entries(foot):  # a trailer that says 3 entries: the third one's table runs past the footer
+        n_off = len(foot) - 64 + 16
+        foot[n_off:n_off + 8] = (3).to_bytes(8, "little")
+    assert isinstance(_refuses(good, edit=more_entries), fmt.Refused)
+    with pytest.raises(ArgumentError, match="needs a chunk size"):
+        fmt.encode_footer([good[0]._replace(chunks=b"")], seq=1, region=0, region_size=RS)
+
+
+def test_a_version_2_region_is_still_read_and_its_ranges_are_verified_whole(tmp_path):
+    cap = 8 * RS
+    NvmeAdapter(cap, config(tmp_path)).close()
+    os.truncate(tmp_path / FILE_NAME, cap)
+    keys = [os.urandom(16) for _ in range(3)]
+    data = [os.urandom(9000), os.urandom(20_000), os.urandom(4096)]
+    write_region(tmp_path / FILE_NAME, 4, list(zip(keys, [None] + keys[:2], data)), seq=5, version=2)
+    a = NvmeAdapter(cap, config(tmp_path))
+    try:
+        assert sorted(a.iter_entries()) == sorted(BlockEntry(k, len(d), p)
+                                                  for k, d, p in zip(keys, data, [None] + keys[:2]))
+        assert read_back(a, keys, [len(d) for d in data]) == ([Status.OK] * 3, data)
+        before = a.stats()["bytes_read"]
+        out = bytearray(100)
+        assert a.get_range([keys[1]], [15_000], [out]) == [Status.OK] and out == data[1][15_000:15_100]
+        assert a.stats()["bytes_read"] - before == 20_000  # no chunk table: the whole block, verified
+    finally:
+        a.close()
+    corrupt(tmp_path / FILE_NAME, data[1])  # a byte far from the range read next
+    b = NvmeAdapter(cap, config(tmp_path))
+    try:
+        assert b.get_range([keys[1]], [15_000], [bytearray(100)]) == [Status.CORRUPT]
+        assert b.contains([keys[1]]) == [False] and b.drain_dropped() == [keys[1]]
+    finally:
+        b.close()
+
+
+def test_reclaiming_a_version_2_region_gives_its_blocks_chunk_tables(tmp_path):
+    rs, cap = RS, 3 * RS
+    conf = NvmeConfig(path=str(tmp_path), region_size=rs, io_chunk=rs, write_buffers=1, chunk_bytes=8192)
+    NvmeAdapter(cap, conf).close()
+    os.truncate(tmp_path / FILE_NAME, cap)
+    old = {os.urandom(16): os.urandom(20_000) for _ in range(2)}
+    filler = {os.urandom(16): os.urandom(20_000) for _ in range(6)}
+    write_region(tmp_path / FILE_NAME, 0, [(k, None, d) for k, d in old.items()], seq=1, rs=rs, version=2)
+    a = NvmeAdapter(cap, conf)
+    try:
+        for k, d in filler.items():  # regions 1 and 2 fill; the next put reclaims region 0 (fewest live bytes)
+            assert a.put([k], [d]) == [Status.OK]
+        new = {os.urandom(16): os.urandom(20_000)}
+        assert a.put(list(new), list(new.values())) == [Status.OK]
+        assert a.stats()["regions_reclaimed"] >= 1 and a.stats()["reinserted"] >= 2
+        assert a.flush()
+    finally:
+        a.close()
+    with open(tmp_path / FILE_NAME, "rb") as f:
+        f.seek(rs - fmt.ALIGN)
+        t = fmt.decode_trailer(memoryview(f.read(fmt.ALIGN)), 0, rs)
+    assert t.version == 3
+    b = NvmeAdapter(cap, conf)
+    try:
+        for k, d in old.items():
+            out = bytearray(5000)
+            assert b.get_range([k], [9000], [out]) == [Status.OK] and out == d[9000:14_000]
+        before = b.stats()["bytes_read"]
+        k, d = next(iter(old.items()))
+        assert b.get_range([k], [9000], [bytearray(5000)]) == [Status.OK]
+        assert b.stats()["bytes_read"] - before == 8192  # one 8 KiB chunk covers [9000, 14000)
+    finally:
+        b.close()
 
 
 def test_put_checks_parents(tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ucm.adapters import framing
 from ucm.adapters.base import Key, Status, StorageAdapter
@@ -50,17 +50,20 @@ class ClusterBudget:
     """A key -> payload-bytes index and the bytes it (and reservations) use."""
 
     def __init__(self, tier: str, capacity_bytes: int, *, overhead_bytes: int = framing.HEADER_BYTES,
-                 pending_is_held: bool = False) -> None:
+                 pending_is_held: bool = False, footprint: Optional[Callable[[int], int]] = None) -> None:
         """`tier` names the adapter in errors. `overhead_bytes`: stored per
-        value beside its payload. `pending_is_held`: a put of a key whose put
-        is still in flight answers OK instead of writing it again (fs: same
-        bytes, atomic renames)."""
+        value beside its payload; or `footprint`, the bytes a value of a
+        payload size takes, for a framing whose overhead grows with the
+        payload (fs's chunked frames). `pending_is_held`: a put of a key
+        whose put is still in flight answers OK instead of writing it again
+        (fs: same bytes, atomic renames)."""
         if capacity_bytes <= 0:
             raise ArgumentError(f"{tier}: capacity_bytes must be > 0, got {capacity_bytes}")
         if overhead_bytes < 0:
             raise ArgumentError(f"{tier}: overhead_bytes must be >= 0, got {overhead_bytes}")
         self._capacity = capacity_bytes
         self._overhead = overhead_bytes
+        self._footprint = footprint
         self._pending_is_held = pending_is_held
         self._lock = threading.Lock()
         self._index: OrderedDict[Key, int] = OrderedDict()  # LRU first
@@ -83,7 +86,7 @@ class ClusterBudget:
 
     def footprint_bytes(self, size: int) -> int:
         """Bytes a value of `size` payload bytes takes in the budget."""
-        return self._overhead + size
+        return self._footprint(size) if self._footprint is not None else self._overhead + size
 
     # ---- puts --------------------------------------------------------------
     def reserve(self, keys: Sequence[Key], sizes: Sequence[int], *, only: Optional[Iterable[int]] = None,

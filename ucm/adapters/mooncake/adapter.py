@@ -13,6 +13,9 @@ deployments share one pool through different prefixes. Reads check the header
 (magic, key, length, XXH3-64): foreign or damaged bytes, or bytes overwritten
 under a reader whose lease ran out, are CORRUPT, never data.
 
+Range reads. Not declared (RangeReads): the client reads whole objects
+only, so `read_range` serves a range with a whole get, verified as a whole.
+
 Zero copy. Batches go through `batch_put_from_multi_buffers` and
 `batch_get_into_multi_buffers`: the header travels from/into a small slot of
 the adapter's own registered scratch memory and the payload straight from/into

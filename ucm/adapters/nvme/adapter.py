@@ -4,10 +4,12 @@ Layout. The medium is an array of equal regions (`region_size` bytes): a
 file `ucm-regions.dat` in the configured directory, or the block device
 itself. A region holds blocks appended at 4 KiB-aligned offsets from its
 start, and a footer at its end: one entry per block (key, parent key,
-offset, length, XXH3-64 checksum) followed by a trailer in the last bytes
-(magic and format version, region sequence number, entry count, footer
-size, checksum of the entries, region index and size, checksum of the
-trailer). The format and its decoding are in `ucm.adapters.nvme.format`.
+offset, length, checksum, chunk size), each block's chunk table (the
+XXH3-64 of every `chunk_bytes` piece of it), then a trailer in the last
+bytes (magic and format version, region sequence number, entry count,
+footer size, checksum of the entries, region index and size, checksum of
+the trailer). The format (version 3; version-2 regions, without chunk
+tables, are still read) and its decoding are in `ucm.adapters.nvme.format`.
 There is no file per block and no directory scan.
 
 Writes. `put` appends blocks into an in-memory region buffer (readable at
@@ -17,10 +19,18 @@ pieces all in flight on the native I/O threads, then the footer. A crash at
 any instant leaves each region either with a valid footer describing intact
 data, or with none (ignored at restart); block checksums catch the rest.
 
-Reads. The index maps key -> (region, offset, length, checksum, parent).
-Blocks in a sealed region are read with O_DIRECT (batched, many in flight)
-and verified; a bad checksum is a CORRUPT status, the block is dropped,
-never returned.
+Reads. The index maps key -> (region, offset, length, checksum, parent,
+chunk table). Blocks in a sealed region are read with O_DIRECT (batched,
+many in flight) and verified, every chunk; a bad checksum is a CORRUPT
+status, the block is dropped, never returned. `get_range` (RangeReads)
+reads only the chunks that cover the range (4 KiB-aligned, as O_DIRECT
+needs), verifies those and copies the range out: a chunk that does not
+verify is CORRUPT for that read and drops the block as `get` does, while a
+range that does not touch it, read before, was served verified. A range of
+a block from a version-2 region (one checksum for the block) reads and
+verifies the whole block. Blocks still in a write buffer are served from
+memory by both. The index keeps each block's chunk table: 8 bytes per
+chunk, 1/4096 of the data at 32 KiB chunks.
 
 Space. When no region is free, the region with the fewest live bytes (the
 oldest on ties) is reclaimed in place: its live blocks are read back and
@@ -65,12 +75,13 @@ import threading
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ucm import _native
-from ucm.adapters.base import AdapterConfig, BlockEntry, Key, Status, StorageAdapter
+from ucm.adapters.base import AdapterConfig, BlockEntry, Key, RangeReads, Status, check_range_args
 from ucm.adapters.nvme import format as fmt
-from ucm.adapters.nvme.format import ALIGN, FooterEntry, Refused, align_up as _align_up, footer_bytes as _footer_bytes
+from ucm.adapters.nvme.format import (ALIGN, CHUNK_SUM, FooterEntry, Refused, align_up as _align_up,
+                                      footer_bytes as _footer_bytes, n_chunks as _n_chunks)
 from ucm.adapters.nvme.reclaim import read_back
 from ucm.adapters.nvme.regions import Loc, Region, choose_victim
 from ucm.adapters.nvme.writer import WriteBuffer, write_region
@@ -95,8 +106,11 @@ class NvmeConfig(AdapterConfig):
     usable_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
     retry_after_s: float = Field(default=5.0, ge=0.0)
     put_timeout_s: float = Field(default=30.0, gt=0.0)
+    # bytes per verified chunk (docs/design-notes.md, "Checksum granularity"): what a range read
+    # reads at least, and 8 bytes of footer and index per chunk
+    chunk_bytes: int = 32 << 10
 
-    @field_validator("region_size", "io_chunk", mode="before")
+    @field_validator("region_size", "io_chunk", "chunk_bytes", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         n = parse_size(v)
@@ -104,8 +118,14 @@ class NvmeConfig(AdapterConfig):
             raise ValueError(f"must be a positive multiple of {ALIGN} bytes, got {n}")
         return n
 
+    @model_validator(mode="after")
+    def _chunk_fits_a_region(self) -> "NvmeConfig":
+        if self.chunk_bytes > self.region_size:
+            raise ValueError(f"chunk_bytes ({self.chunk_bytes}) must not exceed region_size ({self.region_size})")
+        return self
 
-class NvmeAdapter(StorageAdapter):
+
+class NvmeAdapter(RangeReads):
     """Blocks in a log of fixed-size regions, written with O_DIRECT.
 
     Lock order: `_lock` (and `_cond` on it), then nothing. Never held across
@@ -149,7 +169,7 @@ class NvmeAdapter(StorageAdapter):
         self._failed_at = -1e18
         self._stats = {"bytes_written": 0, "bytes_read": 0, "regions_sealed": 0, "regions_reclaimed": 0,
                        "reinserted": 0, "dropped": 0, "corrupt": 0, "write_errors": 0, "read_errors": 0,
-                       "recovered_blocks": 0, "too_large": 0}
+                       "recovered_blocks": 0, "too_large": 0, "range_reads": 0}
         self._recover()
         self._seal_queue: list[WriteBuffer] = []
         self._sealer = threading.Thread(target=self._seal_loop, name="ucm-nvme-sealer", daemon=True)
@@ -285,7 +305,7 @@ class NvmeAdapter(StorageAdapter):
                 if prev is None or prev[0] <= t.seq:
                     best[e.key] = (t.seq, r, e)
         for key, (_, r, e) in best.items():
-            self._index[key] = Loc(r, e.offset, e.length, e.checksum, e.parent)
+            self._index[key] = Loc(r, e.offset, e.length, e.checksum, e.parent, e.chunk_bytes, e.chunks)
             reg = self._regions[r]
             reg.live.add(key)
             reg.live_bytes += _align_up(e.length)
@@ -305,13 +325,14 @@ class NvmeAdapter(StorageAdapter):
             if p is not None and not (isinstance(p, bytes) and len(p) == fmt.KEY_BYTES):
                 raise ArgumentError(f"put: a parent must be None or {fmt.KEY_BYTES} bytes, got {p!r:.40}")
         rs = self.config.region_size
+        cb = self.config.chunk_bytes
         out: list[Status] = []
         for key, blob, parent in zip(keys, blobs, parents):
             src = byte_view(blob, what="blob")
             n = len(src)
             if n == 0:
                 raise ArgumentError("nvme: a blob must not be empty")
-            if _align_up(n) + _footer_bytes(1) > rs:  # this tier cannot hold it: a refusal, not misuse
+            if _align_up(n) + _footer_bytes(1, _n_chunks(n, cb)) > rs:  # this tier cannot hold it: a refusal
                 with self._lock:
                     self._stats["too_large"] += 1
                     first = self._stats["too_large"] == 1
@@ -320,7 +341,7 @@ class NvmeAdapter(StorageAdapter):
                                 "such blocks are not kept on %s", n, rs, self.config.path)
                 out.append(Status.NO_SPACE)
                 continue
-            csum = _native.checksum(src)
+            csum, chunks = fmt.block_checksums(src, cb)
             with self._lock:
                 self._check_open()
                 if key in self._index:
@@ -349,8 +370,9 @@ class NvmeAdapter(StorageAdapter):
                     self._cond.notify_all()
                     out.append(Status.OK)
                     continue
-                buf.entries.append(FooterEntry(key, parent, off, n, csum))
-                self._index[key] = Loc(buf.region, off, n, csum, parent)
+                buf.entries.append(FooterEntry(key, parent, off, n, csum, cb, chunks))
+                buf.n_chunks += len(chunks) // CHUNK_SUM
+                self._index[key] = Loc(buf.region, off, n, csum, parent, cb, chunks)
                 reg = self._regions[buf.region]
                 reg.live.add(key)
                 reg.live_bytes += _align_up(n)
@@ -359,7 +381,8 @@ class NvmeAdapter(StorageAdapter):
         return out
 
     def _fits(self, buf: WriteBuffer, n: int) -> bool:
-        return buf.end + _align_up(n) + _footer_bytes(len(buf.entries) + 1) <= self.config.region_size
+        chunks = buf.n_chunks + _n_chunks(n, self.config.chunk_bytes)
+        return buf.end + _align_up(n) + _footer_bytes(len(buf.entries) + 1, chunks) <= self.config.region_size
 
     def _writable_buffer(self, n: int) -> Optional[WriteBuffer]:
         """The open buffer with room for `n` bytes, sealing and opening
@@ -387,7 +410,7 @@ class NvmeAdapter(StorageAdapter):
             region, reclaimed = taken
             buf = self._spare.pop()
             self._seq += 1
-            buf.region, buf.seq, buf.end, buf.entries = region, self._seq, 0, []
+            buf.region, buf.seq, buf.end, buf.entries, buf.n_chunks = region, self._seq, 0, [], 0
             if reclaimed:
                 self._opening = True
                 try:
@@ -432,17 +455,19 @@ class NvmeAdapter(StorageAdapter):
             return
         self._lock.release()  # the victim's read and copies run with no lock held
         try:
-            at, placed, refused = read_back(self._io, self._fd, buf, live, reserve, self.config.region_size,
-                                            self.config.io_chunk)
+            at, _, placed, refused = read_back(self._io, self._fd, buf, live, reserve, self.config.region_size,
+                                               self.config.io_chunk, self.config.chunk_bytes)
         finally:
             self._lock.acquire()
         reg.live, reg.live_bytes = set(), 0
         buf.end = at
-        for key, loc, off in placed:
+        for key, loc, new in placed:
             if self._index.get(key) is not loc:  # deleted, or dropped by a reader, meanwhile
                 continue
-            buf.entries.append(FooterEntry(key, loc.parent, off, loc.length, loc.checksum))
-            self._index[key] = Loc(victim, off, loc.length, loc.checksum, loc.parent)
+            buf.entries.append(FooterEntry(key, new.parent, new.offset, new.length, new.checksum, new.chunk_bytes,
+                                           new.chunks))
+            buf.n_chunks += len(new.chunks) // CHUNK_SUM
+            self._index[key] = new
             reg.live.add(key)
             reg.live_bytes += _align_up(loc.length)
             self._stats["reinserted"] += 1
@@ -578,7 +603,7 @@ class NvmeAdapter(StorageAdapter):
                     self._stats["read_errors"] += 1
                 continue
             data = target[:loc.length]
-            good = _native.checksum(data) == loc.checksum
+            good = fmt.verify_block(data, loc.checksum, loc.chunk_bytes, loc.chunks)
             if good:
                 if i in scratch:
                     _native.copy(views[i], data)
@@ -602,6 +627,100 @@ class NvmeAdapter(StorageAdapter):
                 scratch[i].close()
         with self._lock:
             self._stats["bytes_read"] += bytes_read
+
+    # ---- RangeReads ----------------------------------------------------------
+    def get_range(self, keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> list[Status]:
+        """Copies bytes [offsets[i], offsets[i] + len(dsts[i])) of each block
+        into dsts[i]. A block in a write buffer is copied from memory; one in
+        a sealed region is read only as far as the chunks that cover the
+        range (a whole version-2 block), all ranges of the batch in flight at
+        once, and those chunks are verified before the range is copied out.
+        A chunk that does not verify is CORRUPT for that read and drops the
+        block, as in `get`. An empty range inside the blob (offset at most
+        its length) is OK and reads nothing."""
+        check_range_args(keys, offsets, dsts)
+        out: list[Optional[Status]] = [None] * len(keys)
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        disk: list[tuple[int, Loc]] = []
+        mem_reads: list[tuple[int, Loc, WriteBuffer]] = []
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                loc = self._index.get(key)
+                if loc is None:
+                    out[i] = Status.NOT_FOUND
+                elif offsets[i] + len(views[i]) > loc.length:
+                    out[i] = Status.CORRUPT
+                elif not views[i]:
+                    out[i] = Status.OK
+                elif loc.region in self._mem:
+                    buf = self._mem[loc.region]
+                    buf.readers += 1
+                    mem_reads.append((i, loc, buf))
+                else:
+                    disk.append((i, loc))
+        for i, loc, buf in mem_reads:
+            try:
+                at = loc.offset + offsets[i]
+                _native.copy(views[i], buf.view[at:at + len(views[i])])
+                out[i] = Status.OK
+            finally:
+                with self._lock:
+                    buf.readers -= 1
+                    self._cond.notify_all()
+        if disk:
+            self._read_disk_ranges(keys, offsets, views, disk, out)
+        return [s if s is not None else Status.FAILED for s in out]
+
+    def _read_disk_ranges(self, keys: Sequence[Key], offsets: Sequence[int], views: list[memoryview],
+                          disk: list[tuple[int, Loc]], out: list[Optional[Status]]) -> None:
+        """Reads the covering chunks of each range into one aligned scratch
+        mapping (a span starts on a chunk, so on a page), verifies them and
+        copies the ranges out."""
+        rs = self.config.region_size
+        spans = [fmt.chunk_span(offsets[i], len(views[i]), loc.length, loc.chunk_bytes) for i, loc in disk]
+        total = sum(_align_up(end - start) for start, end in spans)
+        scratch = mmap.mmap(-1, total)
+        whole = memoryview(scratch)
+        targets, at = [], 0
+        for start, end in spans:
+            targets.append(whole[at:at + _align_up(end - start)])
+            at += _align_up(end - start)
+        try:
+            results = self._io.read_batch(self._fd, targets, [loc.region * rs + loc.offset + start
+                                                              for (_, loc), (start, _) in zip(disk, spans)])
+            bytes_read = reads = 0
+            for (i, loc), (start, end), target, res in zip(disk, spans, targets, results):
+                if res < end - start:
+                    out[i] = Status.FAILED
+                    with self._lock:
+                        self._stats["read_errors"] += 1
+                    continue
+                with target[:end - start] as data:
+                    good = fmt.verify_span(data, start, loc.checksum, loc.chunk_bytes, loc.chunks)
+                    if good:
+                        rel = offsets[i] - start
+                        _native.copy(views[i], data[rel:rel + len(views[i])])
+                if good:
+                    out[i] = Status.OK
+                    bytes_read += end - start
+                    reads += 1
+                else:
+                    with self._lock:
+                        if self._index.get(keys[i]) is loc:  # not moved meanwhile: the medium holds bad bytes
+                            self._drop_locked(keys[i])
+                            self._stats["corrupt"] += 1
+                            out[i] = Status.CORRUPT
+                    if out[i] is None:  # moved by reclamation: read it where it is now
+                        out[i] = self.get_range([keys[i]], [offsets[i]], [views[i]])[0]
+            with self._lock:
+                self._stats["bytes_read"] += bytes_read
+                self._stats["range_reads"] += reads
+        finally:
+            for t in targets:
+                t.release()
+            whole.release()
+            scratch.close()
 
     def _drop_locked(self, key: Key) -> None:
         loc = self._index.pop(key, None)
@@ -666,7 +785,7 @@ class NvmeAdapter(StorageAdapter):
             return sum(r.live_bytes for r in self._regions)
 
     def footprint_bytes(self, size: int) -> int:
-        return _align_up(size) + fmt.ENTRY.size
+        return _align_up(size) + fmt.ENTRY.size + _n_chunks(size, self.config.chunk_bytes) * CHUNK_SUM
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -15,11 +15,17 @@ Key = bytes
 
 @dataclass(slots=True)
 class Loc:
+    """Where a block is, and what verifies it (as its footer entry records
+    it, `ucm.adapters.nvme.format`): `chunk_bytes` and the chunk table
+    `chunks` for a version-3 entry, `chunk_bytes` 0 for a version-2 one."""
+
     region: int
     offset: int
     length: int
     checksum: int
     parent: Optional[Key] = None
+    chunk_bytes: int = 0
+    chunks: bytes = b""
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ class WriteBuffer:
     seq: int = 0
     end: int = 0  # bytes of data appended
     entries: list[FooterEntry] = field(default_factory=list)
+    n_chunks: int = 0  # chunks of the entries' blocks together (the footer's chunk tables)
     readers: int = 0
     sealing: bool = False
 
@@ -42,7 +43,7 @@ def write_region(io: Any, fd: int, buf: WriteBuffer, entries: list, invalidate: 
     Returns 0 or -errno."""
     rs = region_size
     base = buf.region * rs
-    fbytes = fmt.footer_bytes(len(entries))
+    fbytes = fmt.footer_bytes(len(entries), sum(len(e.chunks) for e in entries) // fmt.CHUNK_SUM)
     if invalidate:
         zero = mmap.mmap(-1, ALIGN)
         r = io.write_batch(fd, [zero], [base + rs - ALIGN])[0]
