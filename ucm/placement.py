@@ -129,6 +129,17 @@ def check_tiers(tiers: Sequence[TierSpec], landing: int) -> None:
             raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
 
 
+def check_next_uses(keys: Sequence[Key], next_uses: Optional[Sequence[float]]) -> None:
+    """The oracle's next uses of a request (both engines): None, or one
+    number per key and no NaN (NaN has no place in an order)."""
+    if next_uses is None:
+        return
+    if len(next_uses) != len(keys):
+        raise ArgumentError(f"record_request: {len(keys)} keys but {len(next_uses)} next uses")
+    if any(nu != nu for nu in next_uses):
+        raise ArgumentError("record_request: a next use is NaN")
+
+
 class Placement:
     """Block placement over an ordered stack of tiers (index 0 fastest)."""
 
@@ -269,7 +280,10 @@ class Placement:
         """Counts one access to each block of a request in the HeatTracker
         (call once per request before lookups and inserts); deepest first.
         `parent`: the block before keys[0] (a store that continues a cached
-        prefix), so the tracker knows what keys[0] follows."""
+        prefix), so the tracker knows what keys[0] follows. `next_uses`
+        (trace replay): one number per key, not NaN, else ArgumentError
+        before anything is recorded."""
+        check_next_uses(keys, next_uses)
         heat = self.heat
         heat.tick()
         heat.touch_request(keys, parent, next_uses)

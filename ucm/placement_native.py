@@ -29,7 +29,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
-from ucm.placement import Decision, Op, Placement, Plan, RunDecision, Step, TierCounters, TierSpec, check_tiers
+from ucm.placement import (Decision, Op, Placement, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
+                           check_tiers)
 from ucm.policy.base import BoundPolicy, PolicyFactory
 
 _OPS = [Op.WRITE, Op.MOVE, Op.COPY, Op.DROP]  # the order of ucm::StepOp
@@ -157,6 +158,7 @@ class NativePlacement(Placement):
     # ---- accesses ----------------------------------------------------------
     def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None,
                        parent: Optional[Key] = None) -> None:
+        check_next_uses(keys, next_uses)  # before the tracker records anything
         heat = self.heat  # the HeatTracker, as on the Python path
         heat.tick()
         heat.touch_request(keys, parent, next_uses)

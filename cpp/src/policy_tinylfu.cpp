@@ -208,12 +208,16 @@ class TinyLfuPolicy : public PolicyCore {
 
   // Moves a window block to probation with its ancestors still in the window,
   // the oldest first: the child stays the most recent.
+  // The walk stops at a block it met already (the tracker's parents may form a cycle).
   void to_main(const BlockKey& key) {
     chain_.clear();
+    met_.clear();
     chain_.push_back(key);
+    met_.insert(key);
     const BlockKey* parent = heat_.parent(key);
-    while (parent != nullptr && queues_.queue_of(*parent) == kWindow) {
+    while (parent != nullptr && met_.count(*parent) == 0 && queues_.queue_of(*parent) == kWindow) {
       chain_.push_back(*parent);
+      met_.insert(*parent);
       parent = heat_.parent(*parent);
     }
     for (auto it = chain_.rbegin(); it != chain_.rend(); ++it) move(*it, kProbation);
@@ -242,6 +246,7 @@ class TinyLfuPolicy : public PolicyCore {
   double last_ratio_ = 0.0;
   bool has_last_ratio_ = false;
   std::vector<BlockKey> chain_;
+  KeySet met_;  // the blocks `to_main` walked through
   const KeyPred always_ = [](const BlockKey&) { return true; };
 };
 

@@ -523,3 +523,36 @@ def test_tinylfu_sketch_window_climb_and_segments_match_on_bigger_tiers(monkeypa
         pair = Pair("tinylfu", tiers)
         drive(pair, tinylfu_workload(seed, 1500), seed)
     assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("policy", NATIVE)
+def test_parent_links_that_form_a_cycle_end_every_walk(policy):
+    """Requests [a, b] then [b, a] leave the tracker with a's parent b and
+    b's parent a (review: tinylfu's walk to the main area looped forever on
+    both engines); every policy stays finite and the engines agree."""
+    pair = Pair(policy, (10,))
+    a, b = key(1), key(2)
+    pair.call("record_request", [a, b])
+    pair.call("insert_run", [a, b], None, [1, 1])
+    pair.call("record_request", [b, a])
+    pair.call("touch", [b, a])
+    for i in range(30):
+        k = key(100 + i)
+        pair.call("record_request", [k], parent=k)  # a block recorded as its own parent
+        pair.call("insert", k, None, 1)
+        pair.check()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_next_uses_of_the_wrong_length_or_nan_are_refused_before_anything_is_recorded(native):
+    p = Placement([TierSpec("dram", 4)], load_policy("opt"), HeatTracker(), native=native)
+    a, b = key(1), key(2)
+    with pytest.raises(ArgumentError, match="2 keys but 3 next uses"):
+        p.record_request([a, b], next_uses=[1.0, 2.0, 3.0])
+    with pytest.raises(ArgumentError, match="2 keys but 1 next uses"):
+        p.record_request([a, b], next_uses=[1.0])
+    with pytest.raises(ArgumentError, match="NaN"):
+        p.record_request([a, b], next_uses=[1.0, float("nan")])
+    assert p.heat.now == 0 and len(p.heat) == 0
+    p.record_request([a, b], next_uses=[3.0, float("inf")])
+    assert p.heat.now == 1 and p.heat.next_use(a) == 3.0

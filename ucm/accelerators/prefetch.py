@@ -56,7 +56,8 @@ class Prefetch(Accelerator):
         self._below = frozenset(names[landing + 1:])
         self._lock = threading.Lock()
         self._inflight = 0
-        # staged key -> (request id, bytes, reached the landing tier): read or not yet
+        # staged key -> [request id (None once it finished), bytes, reached the
+        # landing tier]: staged for a request that has not read it yet
         self._staged: OrderedDict[bytes, list] = OrderedDict()
         self._counts = {k: 0 for k in ("requests_staged", "blocks_issued", "bytes_issued", "blocks_staged",
                                        "blocks_used", "blocks_wasted", "bytes_wasted", "blocks_failed",
@@ -86,7 +87,19 @@ class Prefetch(Accelerator):
             for key, size in zip(below, sizes):
                 self._track(key, event.request_id, size)
         start = time.monotonic()
-        handle = self.cache.prefetch(below)
+        try:
+            handle = self.cache.prefetch(below)
+        except BaseException:  # a closing cache: nothing was issued
+            with self._lock:
+                self._inflight -= len(below)
+                self._counts["requests_staged"] -= 1
+                self._counts["blocks_issued"] -= len(below)
+                self._counts["bytes_issued"] -= sum(sizes)
+                for key in below:
+                    entry = self._staged.get(key)
+                    if entry is not None and entry[0] == event.request_id:
+                        del self._staged[key]
+            raise
         handle.add_done_callback(lambda h: self._staged_done(below, h, start))
 
     def _track(self, key: bytes, request_id: str, size: int) -> None:
@@ -105,7 +118,11 @@ class Prefetch(Accelerator):
                 entry = self._staged.get(key)
                 if outcome is Outcome.DONE:
                     self._counts["blocks_staged"] += 1
-                    if entry is not None:
+                    if entry is not None and entry[0] is None:  # its request finished meanwhile
+                        del self._staged[key]
+                        self._counts["blocks_wasted"] += 1
+                        self._counts["bytes_wasted"] += entry[1]
+                    elif entry is not None:
                         entry[2] = True
                 else:
                     self._counts["blocks_failed"] += 1
@@ -128,10 +145,14 @@ class Prefetch(Accelerator):
             staged = self._staged
             for key in event.keys:
                 entry = staged.get(key)
-                if entry is not None and entry[0] == event.request_id and entry[2]:
+                if entry is None or entry[0] != event.request_id:
+                    continue
+                if entry[2]:
                     del staged[key]
                     self._counts["blocks_wasted"] += 1
                     self._counts["bytes_wasted"] += entry[1]
+                else:
+                    entry[0] = None  # still being staged: wasted once it arrives
 
     def counters(self) -> dict[str, float]:
         with self._lock:

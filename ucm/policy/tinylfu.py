@@ -193,11 +193,15 @@ class TinyLfuPolicy(PlacementPolicy):
     def _to_main(self, key: Key) -> None:
         """Moves a window block to probation with its ancestors still in the
         window: a parent is accessed whenever its child is, and left behind
-        it could not leave the window before the child leaves the tier."""
+        it could not leave the window before the child leaves the tier.
+        The walk stops at a block it met already: the tracker's last-seen
+        parents may form a cycle (requests [a, b] then [b, a])."""
         chain = [key]
+        met = {key}
         parent = self.heat.parent(key)
-        while parent is not None and self._queues.queue_of(parent) == WINDOW:
+        while parent is not None and parent not in met and self._queues.queue_of(parent) == WINDOW:
             chain.append(parent)
+            met.add(parent)
             parent = self.heat.parent(parent)
         for k in reversed(chain):  # the child stays the most recent
             self._move(k, PROBATION)
