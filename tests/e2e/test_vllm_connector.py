@@ -14,7 +14,9 @@ private ucm service so the cache outlives each engine:
   vLLM's prefix cache too);
 - ucm nvme: the driver stores filler blocks until P1's blocks are demoted
   from DRAM to NVMe (LRU policy, 16 MiB of DRAM); a new engine then finds
-  them below DRAM and loads them through the asynchronous path.
+  them below DRAM and loads them through the asynchronous path;
+- prefetch: the same again for each `ucm_prefetch_policy` (wait_complete,
+  timeout, best_effort): the scheduler stages first, then loads from DRAM.
 
 A second driver (`--robustness`, test_ucm_connector_partial_concurrent_and_service_faults)
 checks partial hits, concurrent requests and a standalone service killed and
@@ -112,6 +114,17 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
     assert nvme["p1"]["tokens"] == ref["p1_hit"]["tokens"]
     assert r["p1_tiers"] == ["nvme", "nvme"]  # so the connector chose an asynchronous load
     assert r["promoted_after"] - r["promoted_before"] >= 2  # staged NVMe -> DRAM
+    # The prefetch policies (ucm_prefetch_policy): P1 on NVMe only each time;
+    # wait_complete stages it and loads all 256 tokens from DRAM; timeout
+    # loads what reached DRAM in time; best_effort answers at once with what
+    # is in DRAM (nothing). Each equals vLLM's own run with that cached length.
+    by_cached = {256: ref["p1_hit"]["tokens"], 0: ref["p1_cold"]["tokens"]}
+    for policy in ("wait_complete", "timeout", "best_effort"):
+        got = r[f"prefetch_{policy}"]
+        assert got["tiers_before"] == ["nvme", "nvme"], policy
+        assert got["p1"]["tokens"] == by_cached[got["p1"]["cached"]], policy
+    assert r["prefetch_wait_complete"]["p1"]["cached"] == 256
+    assert r["prefetch_best_effort"]["p1"]["cached"] == 0
     assert r["service"]["loaded_blocks"] >= 6
     # Every finished request told the service how long its answer was (a
     # placement hint): 1 cold + 2 hit + 1 NVMe-hit request at least.
@@ -198,7 +211,8 @@ def _run_many(llm, prompts: list[list[int]]) -> list[dict]:
              "text": o.outputs[0].text} for o in outs]
 
 
-def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode: str = "auto"):
+def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode: str = "auto",
+            prefetch: str = "off"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -207,7 +221,8 @@ def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"ucm_config": ucm_config, "ucm_load_mode": load_mode})
+            kv_connector_extra_config={"ucm_config": ucm_config, "ucm_load_mode": load_mode,
+                                       "ucm_prefetch_policy": prefetch})
     return LLM(model=model, max_model_len=1024, enforce_eager=True, enable_prefix_caching=prefix_caching,
                seed=0, **kw)
 
@@ -270,6 +285,15 @@ def _driver(out: Path, work: Path) -> int:
         result["ucm_nvme"] = {"p1": _run(llm, p1)}
         close_engine(llm)
         result["promoted_after"] = client.stats()["tiers"]["dram"]["promotions_in"]
+        # Each prefetch policy: P1 pushed back to NVMe only, then a new engine
+        # stages it before loading it from DRAM (or answers without it).
+        for policy in ("wait_complete", "timeout", "best_effort"):
+            for i in range(8):
+                client.store([os.urandom(16)], [fill]).wait(30)
+            tiers = client.locate(block_keys(ns, p1))
+            llm = _engine(model, str(cfg_path), prefix_caching=True, prefetch=policy)
+            result[f"prefetch_{policy}"] = {"p1": _run(llm, p1), "tiers_before": tiers}
+            close_engine(llm)
         result["service"] = {k: v for k, v in client.stats().items() if not isinstance(v, dict)}
     finally:
         client.close()

@@ -10,6 +10,7 @@ tests, with what they need to observe and to break it.
 - `write_slots` keeps the reserve / fill / commit-or-abort contract: a
   `fill` that raises stores nothing (FAILED). `reserve_gate`, when an
   Event, holds write_slots before its fill after setting `reserving`.
+- `prefetches`: (keys, handle) of every prefetch, completed by `stage`.
 - `lost`: keys whose bytes read back as a miss. `broken`: names of methods
   that raise RuntimeError (a cache fault at the seam).
 """
@@ -31,6 +32,7 @@ class FakeCache:
         self.slots, self.next = {}, 4096
         self.lost, self.broken = set(), set()
         self.reserve_gate = None
+        self.prefetches = []  # (keys, Handle) per prefetch call, in order
         self.reserving = threading.Event()
         self.closed = False
 
@@ -120,7 +122,23 @@ class FakeCache:
         return self.store(keys, dsts)
 
     def prefetch(self, keys, tier=None):
-        return self.store(keys, [None] * len(keys))
+        """Staging the test completes: `stage(i)` moves the i-th prefetch's
+        keys to "dram" (those not in `refuse`) and resolves its handle."""
+        self._check("prefetch")
+        h = Handle(len(keys))
+        self.prefetches.append((list(keys), h))
+        return h
+
+    def stage(self, i=-1, refuse=()):
+        keys, h = self.prefetches[i]
+        out = []
+        for k in keys:
+            if k in self.tiers and k not in refuse:
+                self.tiers[k] = "dram"
+                out.append(Outcome.DONE)
+            else:
+                out.append(Outcome.MISSING)
+        h.resolve(out)
 
     def stats(self):
         return {}

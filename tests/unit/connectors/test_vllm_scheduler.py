@@ -508,7 +508,7 @@ def test_bad_pin_cap_is_refused_naming_the_key(value):
 
 
 @pytest.mark.parametrize("extra,match", [({"ucm_load_mode": "eager"}, r"ucm_load_mode: 'eager' not one of"),
-                                         ({"ucm_load_timeout_s": 0}, r"ucm_load_timeout_s must be > 0"),
+                                         ({"ucm_load_timeout_s": 0}, r"ucm_load_timeout_s must be a number > 0"),
                                          ({"ucm_bogus": 1}, r"unknown key 'ucm_bogus'")])
 def test_bad_settings_are_refused_naming_the_key(extra, match):
     with pytest.raises(ConfigError, match=match):

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ucm.api import CacheAPI, Key
+from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 PENDING = "pending"  # hit tier of a block whose save is still in flight
 MAX_LOAD_FAILURES = 2  # lost loads after which a request is computed without ucm
+MAX_STAGING_LOSSES = 2  # short or late stagings after which a request is computed without ucm
 T = TypeVar("T")
 
 
@@ -78,6 +80,10 @@ class _ReqState:
     next_store: int = 0  # first block neither cached nor planned for saving
     stores_issued: bool = False
     load_failures: int = 0  # loads of this request that lost blocks
+    staging: Optional[Handle] = None  # the prefetch of its blocks below the landing tier, in flight
+    staging_deadline: float = 0.0  # monotonic time after which it is answered without waiting
+    staging_losses: int = 0  # stagings that came back short or late
+    staging_tried: bool = False  # a staging was issued since the last fresh lookup
 
 
 class UCMSchedulerSide:
@@ -249,6 +255,14 @@ class UCMSchedulerSide:
         st.local_tokens = num_computed_tokens
         mode = self.settings.load_mode
         blocks = st.hit_blocks
+        if self.settings.prefetch_policy != "off" and blocks:
+            if self._staging(st, num_computed_tokens // self.block_tokens):
+                return None, False  # vLLM asks again next step; the request holds no pages meanwhile
+            blocks = st.hit_blocks
+            first = num_computed_tokens // self.block_tokens  # vLLM holds the blocks before it
+            # Loads only from the landing tier; the blocks from the first one still below are computed.
+            blocks = next((i for i in range(first, blocks) if st.hit_tiers[i] not in (self._landing, PENDING)),
+                          blocks)
         if mode == "sync":  # a synchronous load never waits for a save: stop at the first one in flight
             blocks = next((i for i, t in enumerate(st.hit_tiers[:blocks]) if t == PENDING), blocks)
         hit = min(blocks * self.block_tokens, request.num_tokens - 1)
@@ -261,6 +275,46 @@ class UCMSchedulerSide:
             is_async = mode == "async"
         st.load_async = is_async
         return hit - num_computed_tokens, is_async
+
+    def _staging(self, st: _ReqState, first: int) -> bool:
+        """Stages the request's hit blocks that lie below the landing tier
+        (after vLLM's own `first` blocks) by the prefetch policy; True while
+        the request should wait for it (vLLM asks again next step). A
+        staging that comes back short or late counts as lost (the hit then
+        stops at the first block still below); after MAX_STAGING_LOSSES the
+        request is computed without ucm."""
+        policy = self.settings.prefetch_policy
+        if st.staging is not None:
+            if st.staging.done():
+                st.staging = None
+                self._lookup(st)  # where the blocks are now
+                if any(t not in (self._landing, PENDING) for t in st.hit_tiers[first:st.hit_blocks]):
+                    st.staging_losses += 1
+            elif time.monotonic() >= st.staging_deadline:
+                st.staging = None  # late: it goes on for later requests; this one stops waiting
+                st.staging_losses += 1
+                self._lookup(st)
+            else:
+                return True
+            if st.staging_losses >= MAX_STAGING_LOSSES:
+                st.load_failures = MAX_LOAD_FAILURES
+                self._lookup(st)  # a miss from now on
+            return False
+        below = [st.keys[i] for i in range(first, st.hit_blocks) if st.hit_tiers[i] not in (self._landing, PENDING)]
+        if not below or st.staging_tried or st.staging_losses >= MAX_STAGING_LOSSES:
+            return False
+        st.staging_tried = True
+        handle = self._ask("prefetch", None, self._cache.prefetch, below)
+        if handle is None or policy == "best_effort":
+            return False
+        wait = self.settings.load_timeout_s
+        if policy == "timeout":
+            hit_tokens = (st.hit_blocks - first) * self.block_tokens
+            wait = min(wait, self.settings.prefetch_timeout_s
+                       + self.settings.prefetch_timeout_per_1k_tokens_s * hit_tokens / 1000)
+        st.staging = handle
+        st.staging_deadline = time.monotonic() + wait
+        return True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -320,6 +374,7 @@ class UCMSchedulerSide:
             if st is not None:  # its pages are gone; look up again when it resumes
                 st.page_ids = []
                 st.looked_up = False
+                st.staging, st.staging_tried = None, False
                 # Its saves not yet copied were dropped (handle_preemptions):
                 # save again what the next lookup does not find.
                 st.next_store = 0
@@ -362,6 +417,7 @@ class UCMSchedulerSide:
                     # be asked to load the same blocks forever.
                     st.next_store = min(st.next_store, p // self.pages_per_block)
                     st.looked_up = False
+                    st.staging, st.staging_tried = None, False
                     st.load_failures += 1
                     self._unpin(st)
                     break

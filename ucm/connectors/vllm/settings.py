@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 LOAD_MODES = ("auto", "sync", "async")
+PREFETCH_POLICIES = ("off", "best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +29,31 @@ class ConnectorSettings:
     # Bytes that requests still waiting for vLLM's pages may keep pinned;
     # hits beyond it are misses. None: a quarter of the landing tier.
     max_waiting_pin_bytes: Optional[int] = None
+    # A hit below the landing tier: "off" loads it asynchronously (the
+    # request holds its pages while the worker stages); otherwise the
+    # scheduler stages it first (`CacheAPI.prefetch`) while the request
+    # waits without pages, and then loads from the landing tier:
+    # "best_effort" answers at once with what is there (the rest is
+    # computed; the staging serves later requests), "wait_complete" waits
+    # for the staging (at most load_timeout_s), "timeout" at most
+    # prefetch_timeout_s + prefetch_timeout_per_1k_tokens_s per 1,000 hit tokens.
+    prefetch_policy: str = "off"
+    prefetch_timeout_s: float = 0.5
+    prefetch_timeout_per_1k_tokens_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.ucm_load_mode: {self.load_mode!r} not one of "
                               f"{list(LOAD_MODES)}")
-        t = self.load_timeout_s
-        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0):
-            raise ConfigError(f"kv_connector_extra_config.ucm_load_timeout_s must be > 0, got {t!r}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ConfigError(f"kv_connector_extra_config.ucm_prefetch_policy: {self.prefetch_policy!r} not one of "
+                              f"{list(PREFETCH_POLICIES)}")
+        for name in ("load_timeout_s", "prefetch_timeout_s", "prefetch_timeout_per_1k_tokens_s"):
+            t = getattr(self, name)
+            number = isinstance(t, (int, float)) and not isinstance(t, bool)
+            if not (number and (t > 0 if name == "load_timeout_s" else t >= 0)):
+                bound = "> 0" if name == "load_timeout_s" else ">= 0"
+                raise ConfigError(f"kv_connector_extra_config.ucm_{name} must be a number {bound}, got {t!r}")
         cap = self.max_waiting_pin_bytes
         if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap > 0):
             raise ConfigError(f"kv_connector_extra_config.ucm_max_waiting_pin_bytes must be a positive int "

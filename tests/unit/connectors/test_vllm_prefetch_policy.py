@@ -1,0 +1,118 @@
+"""The scheduler's prefetch policies (`ucm_prefetch_policy`): a hit below
+DRAM is staged first while the request waits without pages (vLLM asks
+again next step), then loaded synchronously from DRAM; a staging that
+comes back short or late is a shorter hit, never a stall, and after two
+losses the request goes without ucm. Same fakes and geometry as
+test_vllm_scheduler.py (256-token blocks of two 128-token pages)."""
+import pytest
+
+pytest.importorskip("vllm")
+from test_vllm_scheduler import _blocks, _cache, _output, _request, _side  # noqa: E402
+
+TOKENS = list(range(3 * 256 + 10))  # three full blocks and a partial one
+
+
+def test_off_keeps_the_asynchronous_load_and_stages_nothing():
+    side, cache = _side()
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    assert side.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (768, True)
+    assert cache.prefetches == []
+
+
+def test_wait_complete_waits_without_pages_then_loads_everything_from_dram():
+    side, cache = _side(prefetch_policy="wait_complete")
+    keys = _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert cache.prefetches[0][0] == keys[1:3]  # only the blocks below DRAM
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # still staging: ask again
+    assert len(cache.prefetches) == 1  # issued once
+    cache.stage(0)
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)  # a synchronous DRAM load
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
+    [job] = side.build_connector_meta(_output()).loads
+    assert not job.is_async and job.page_ids == [[1, 2], [3, 4], [5, 6]]
+
+
+def test_a_staging_that_comes_back_short_loads_what_reached_dram():
+    side, cache = _side(prefetch_policy="wait_complete")
+    keys = _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    cache.stage(0, refuse={keys[1]})  # block 1 found no room in DRAM; block 2 did
+    assert side.get_num_new_matched_tokens(req, 0) == (256, False)  # the hit stops at block 1
+    assert side._reqs["r"].staging_losses == 1
+
+
+def test_timeout_answers_with_what_is_in_dram_when_the_staging_is_late():
+    side, cache = _side(prefetch_policy="timeout", prefetch_timeout_s=0, prefetch_timeout_per_1k_tokens_s=0)
+    keys = _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (256, False)  # late: block 0 only, synchronously
+    cache.stage(0)  # it goes on and serves the next request over the same prompt
+    assert cache.tiers[keys[2]] == "dram"
+    assert side.get_num_new_matched_tokens(_request("r2", TOKENS), 0) == (768, False)
+
+
+def test_the_timeout_grows_with_the_hit():
+    side, cache = _side(prefetch_policy="timeout", prefetch_timeout_s=0.25, prefetch_timeout_per_1k_tokens_s=1.0)
+    _cache(cache, TOKENS, ["nvme", "nvme", "nvme"])
+    import time
+    t0 = time.monotonic()
+    assert side.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (None, False)
+    wait = side._reqs["r"].staging_deadline - t0
+    assert 0.25 + 0.768 - 0.05 < wait < 0.25 + 0.768 + 0.05  # 768 hit tokens
+
+
+def test_best_effort_answers_at_once_and_stages_for_later_requests():
+    side, cache = _side(prefetch_policy="best_effort")
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    assert side.get_num_new_matched_tokens(req, 0) == (256, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (256, False)
+    assert len(cache.prefetches) == 1
+    cache.stage(0)
+    assert side.get_num_new_matched_tokens(_request("r2", TOKENS), 0) == (768, False)
+
+
+def test_blocks_vllm_holds_are_not_staged():
+    side, cache = _side(prefetch_policy="wait_complete")
+    _cache(cache, TOKENS, ["nvme", "dram", "dram"])
+    assert side.get_num_new_matched_tokens(_request("r", TOKENS), 256) == (512, False)
+    assert cache.prefetches == []
+
+
+def test_a_prefetch_fault_is_a_shorter_hit_never_an_exception():
+    side, cache = _side(prefetch_policy="wait_complete")
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    cache.broken.add("prefetch")
+    assert side.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (256, False)
+
+
+def test_two_lost_stagings_and_the_request_goes_without_ucm():
+    side, cache = _side(prefetch_policy="timeout", prefetch_timeout_s=0, prefetch_timeout_per_1k_tokens_s=0)
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (256, False)  # lost once
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 256)
+    side.build_connector_meta(_output(new=[("r", [1, 2, 3, 4, 5, 6, 7], 256, 32)]))
+    side.build_connector_meta(_output(preempted={"r"}))  # resumed later: a fresh lookup, a fresh staging
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # lost twice: computed without ucm
+    assert len(cache.prefetches) == 2
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # and stays so, without staging again
+    assert len(cache.prefetches) == 2
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"ucm_prefetch_policy": "eager"}, r"ucm_prefetch_policy: 'eager' not one of \['off', 'best_effort'"),
+    ({"ucm_prefetch_timeout_s": -1}, r"ucm_prefetch_timeout_s must be a number >= 0"),
+])
+def test_bad_prefetch_settings_name_the_key(extra, match):
+    from ucm.connectors.vllm.settings import ConnectorSettings
+    from ucm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        ConnectorSettings.from_extra(extra)
