@@ -95,9 +95,13 @@ def model_identity(model: Any) -> str:
     a local directory, or a hub id found in the local Hugging Face cache)
     with its effective config and dtype; the path itself is a label."""
     cfg = model.config
+    path = getattr(model, "name_or_path", None) or getattr(cfg, "_name_or_path", None)
+    if not path:
+        raise ConfigError("transformers connector: the model names no weights (name_or_path is empty: built from a "
+                          "config?); give model_id")
     extra = {"engine": "transformers", "class": type(model).__name__, "dtype": kv_dtype(model),
              "quantization": (cfg.to_dict().get("quantization_config") or None)}
-    fp = model_fingerprint(getattr(model, "name_or_path", None) or cfg._name_or_path,
+    fp = model_fingerprint(path,
                            revision=getattr(cfg, "_commit_hash", None), config=cfg.to_dict(), extra=extra)
     return f"weights:{fp.digest}"
 
