@@ -12,12 +12,13 @@ hit all of them alike:
 
 - no cache: plain `generate` of the pass-1 prompt (a full prefill);
 - ucm cold: the pass-1 prompt through the connector on a cache that misses
-  (every round its own namespace salt), stores after prefill included as
+  (a fresh DRAM-only cache every round), stores after prefill included as
   they run (asynchronously);
 - transformers' own prefix reuse (the reference): a DynamicCache of the
   pass-1 prompt kept by the caller, a copy of it cropped to the length ucm
   restores (made before the clock starts), then `generate` of pass 2;
-- ucm DRAM hit: pass 2 through the connector, its blocks in DRAM;
+- ucm DRAM hit: pass 2 through the connector, its blocks in DRAM (staged
+  back with `prefetch` after an NVMe round; `tiers_before_dram_phase`);
 - ucm NVMe-only hit: the same after filler blocks pushed every document
   block out of DRAM (`locate` says nvme), so the hit is staged from NVMe.
 
@@ -60,7 +61,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document (default 2048)")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per ucm block (default 256)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes (default float32,bfloat16)")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of every measurement (default 3)")
+    p.add_argument("--repeat", type=int, default=2, help="rounds of every measurement (default 2)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
     p.add_argument("--quick", action="store_true", help="1 document of 192 tokens, 64-token blocks, 1 round")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -77,11 +78,12 @@ def _prompts(tok, docs: int, doc_tokens: int) -> tuple[list[list[int]], list[lis
 
 def _cache_config(work: Path, block_bytes: int, blocks: int, block_tokens: int) -> dict:
     dram = max(8 << 20, (blocks + 2) * block_bytes * 3 // 2)
+    region = max(16 << 20, -(-4 * block_bytes // (1 << 20)) << 20)  # a few blocks per region, MiB-aligned
     return {
         "block_tokens": block_tokens,
         "tiers": [{"adapter": "dram", "capacity": dram, "headroom": 0.2, "options": {"prefault": False}},
-                  {"adapter": "nvme", "capacity": max(256 << 20, 8 * dram),
-                   "options": {"path": str(work), "region_size": "4MiB", "direct_io": True}}],
+                  {"adapter": "nvme", "capacity": max(256 << 20, 8 * dram, 16 * region),
+                   "options": {"path": str(work), "region_size": region, "direct_io": True}}],
         "policy": {"name": "lru"},
     }
 
@@ -124,7 +126,7 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
     samples: dict[str, list[float]] = {k: [] for k in ("no_cache", "ucm_cold", "reference_reuse", "ucm_dram_hit",
                                                         "ucm_nvme_hit")}
     eq: dict[str, bool] = {"cold": True, "dram_hit": True, "nvme_hit": True, f"dram_hit_{CHECK_TOKENS}_tokens": True}
-    restored, tiers_before_nvme = [], []
+    restored, tiers_before_dram, tiers_before_nvme = [], [], []
     try:
         block_bytes = build_namespace(model, block_tokens)[1].block_bytes
         blocks = sum(len(p) // block_tokens for p in pass1)
@@ -143,7 +145,12 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
             keys = [k for p in pass2 for k in block_keys(conn.namespace, p)]
             for rnd in range(repeat):
                 log(f"[bench transformers] {dtype_name} round {rnd + 1}/{repeat}")
-                cold = TransformersConnector(model, cache, block_tokens=block_tokens, salt=f"bench-cold-{rnd}")
+                # Cold runs on a cache of their own (a fresh one each round: every lookup misses), so their
+                # stores never push the documents out of the hit phases' DRAM.
+                cold_cache = UnifiedCache({"block_tokens": block_tokens, "tiers": [
+                    {"adapter": "dram", "capacity": max(8 << 20, (blocks + 2) * block_bytes * 2),
+                     "options": {"prefault": False}}]})
+                cold = TransformersConnector(model, cold_cache, block_tokens=block_tokens)
                 for a in ids1:
                     t, plain = _timed(lambda: model.generate(a, **gen))
                     samples["no_cache"].append(t)
@@ -152,6 +159,10 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
                     eq["cold"] &= torch.equal(out, plain)
                     cold.wait_stores()
                 cold.close()
+                cold_cache.close()
+                cache.prefetch(keys).wait(120)  # the DRAM round hits DRAM (the NVMe round left them below)
+                cache.flush()
+                tiers_before_dram.append(_count(cache.locate(keys)))
                 firsts = []
                 for d, b in enumerate(ids2):
                     probe = conn.cache_for(b)  # the length ucm restores, for the reference's crop
@@ -168,6 +179,7 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
                     firsts.append(ref_out)
                 conn.wait_stores()
                 tiers_before_nvme.append(_count(_evict_to_nvme(cache, keys, block_bytes)))
+                cache.flush()
                 for d, b in enumerate(ids2):
                     t, out = _timed(lambda: conn.generate(b, **gen))
                     samples["ucm_nvme_hit"].append(t)
@@ -195,7 +207,7 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
             "reference_over_no_cache": round(med["reference_reuse"] / med["no_cache"], 3),
         },
         "outputs_equal": all(eq.values()), "outputs_equal_detail": eq,
-        "tiers_before_nvme_phase": tiers_before_nvme,
+        "tiers_before_dram_phase": tiers_before_dram, "tiers_before_nvme_phase": tiers_before_nvme,
         "samples_ttft_s": {k: [round(x, 4) for x in v] for k, v in samples.items()},
         "connector": connector_stats, "cache": cache_stats,
     }

@@ -234,8 +234,12 @@ class TransformersConnector:
         lay, bt = self.layout, self.layout.block_tokens
         shape = (len(rows), lay.num_kv_heads, target, lay.head_dim)
         try:
-            ks = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
-            vs = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
+            ks = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
+            vs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
+            for b, r in enumerate(rows):  # padding as zeros (masked; never NaN); the rest is filled or cut off
+                if r.pad:
+                    for t in (*ks, *vs):
+                        t[b, :, :min(r.pad, target)].zero_()
             delivered = []  # per row: real tokens restored
             for b, r in enumerate(rows):
                 want = max(0, target - r.pad)
