@@ -1,0 +1,511 @@
+"""TransformersConnector and UCMCache: `model.generate()` whose prompt prefix
+comes from ucm.
+
+    connector = TransformersConnector(model, ucm.connect())     # or a UnifiedCache
+    out = connector.generate(input_ids, max_new_tokens=64)       # the cached prefix is not recomputed
+
+or, for a forward loop or a generate call of one's own,
+
+    cache = connector.cache_for(input_ids, attention_mask)       # a transformers DynamicCache
+    model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, ...)
+    cache.finish()
+
+`cache_for` runs before prefill, in the caller's thread: it keys the full
+blocks of every row's prompt (`ucm.keys.block_keys` over the row's real
+tokens, after its left padding), counts the request once per row
+(`begin_request`), finds the longest cached prefix and copies it into the
+layers; `generate` then sees a non-empty cache and computes only the rest
+(it slices the input ids by `get_seq_length()`, as with any cache). After
+the forward that completes a prompt block (the prefill, or a chunk of it),
+the new full blocks are gathered and stored on one background thread; the
+first token never waits for a store (`wait_stores` does, for tests and
+benchmarks). `finish` tells the cache how many tokens were generated.
+
+Batches. A DynamicCache has one length for every row, and row `b` of a
+left-padded batch begins its real tokens after `pad_b` positions, so the
+restored length is the common one: `min(pad_b + cached_tokens_b)` (and at
+most the prompt length - 1, so the last position is computed and gives the
+first token). Each row gets its padding as zeros (masked) and the first
+`length - pad_b` tokens of its cached blocks, the last block possibly in
+part: the first tokens of a block are exactly what a cropped cache holds.
+A row that is not left-padded restores and stores nothing (and the batch
+restores nothing). The attention mask given to `cache_for` must be the one
+given to `generate` (`connector.generate` passes it).
+
+Faults. Any exception from the cache (lookup, load, store, finish), a load
+that misses or times out, or a copy that fails is logged and becomes a
+shorter hit or a miss: the model recomputes; nothing raises into
+`generate` for a cache fault. Misuse (a cache given to generate with other
+input ids, a batch whose size changed) is logged and stops that request's
+stores, so wrong KV is never stored.
+
+Threads: `cache_for`, `generate` and the model's forward run in the
+caller's thread; stores and finishes run in that order on the connector's
+one store thread. `_lock` guards the in-flight store list and counters.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from ucm.api import CacheAPI, Handle, Key, Outcome
+from ucm.connectors.transformers import front as fronts
+from ucm.connectors.transformers.kv_copy import gather_blocks, scatter_block, scatter_blocks
+from ucm.connectors.transformers.namespace import BlockLayout, build_namespace
+from ucm.errors import ArgumentError, ConfigError
+from ucm.keys import block_keys
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_TOKENS = 256
+_ids = itertools.count()
+
+
+class _Row:
+    """One prompt of a batch: its padding, keys, hit and store progress."""
+
+    __slots__ = ("pad", "keys", "request_id", "hit", "valid", "stored")
+
+    def __init__(self, pad: int, keys: list[Key], request_id: str, valid: bool) -> None:
+        self.pad, self.keys, self.request_id, self.valid = pad, keys, request_id, valid
+        self.hit = 0  # blocks the cache holds (front or shared)
+        self.stored = 0  # blocks below which nothing is left to store
+
+
+class UCMCache(DynamicCache):
+    """A DynamicCache of one request (a batch of prompts) whose prefix came
+    from ucm and whose new full prompt blocks go back to it. Made by
+    `TransformersConnector.cache_for`."""
+
+    def __init__(self, connector: "TransformersConnector", rows: list[_Row], prompt_len: int) -> None:
+        Cache.__init__(self, layers=[DynamicLayer() for _ in range(connector.layout.num_layers)])
+        self._connector = connector
+        self._rows = rows
+        self._prompt_len = prompt_len
+        self.restored_tokens = 0  # sequence positions restored from ucm (padding included)
+        self.restored_blocks = 0
+        self._expect_new: Optional[int] = None  # tokens the first forward must bring
+        self._storing = any(r.valid for r in rows)
+        self._finished = False
+
+    @property
+    def prompt_len(self) -> int:
+        return self._prompt_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0 and self._expect_new is not None:
+            self._check_first_forward(key_states)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self._storing and layer_idx == len(self.layers) - 1:
+            self._connector._after_forward(self)
+        return out
+
+    def _check_first_forward(self, key_states: torch.Tensor) -> None:
+        expect, self._expect_new = self._expect_new, None
+        if key_states.shape[0] != len(self._rows) or key_states.shape[-2] != expect:
+            log.error("ucm: the cache made for %d prompts of %d tokens (%d restored) was given %d rows of %d new "
+                      "tokens; pass generate the input ids and mask given to cache_for. Nothing of this request "
+                      "is stored.", len(self._rows), self._prompt_len, self.restored_tokens, key_states.shape[0],
+                      key_states.shape[-2])
+            self._storing = False
+
+    def finish(self, output_tokens: Optional[int] = None) -> None:
+        """The request is over (`output_tokens` generated; default: what the
+        cache saw). Idempotent; runs after this request's stores."""
+        if self._finished:
+            return
+        self._finished = True
+        if output_tokens is None:
+            output_tokens = max(0, self.get_seq_length() - self._prompt_len + 1)
+        self._connector._finish(self, int(output_tokens))
+
+
+class TransformersConnector:
+    """Restores cached prompt prefixes into transformers caches and stores
+    new blocks; see the module docstring."""
+
+    def __init__(self, model: Any, cache: CacheAPI, *, block_tokens: Optional[int] = None,
+                 model_id: Optional[str] = None, salt: str = "", hbm_bytes: Optional[int] = None,
+                 timeout_s: float = 30.0) -> None:
+        """`model`: a transformers causal LM (every layer full attention).
+        `cache`: any CacheAPI (UnifiedCache, or `ucm.connect(...)`).
+        `block_tokens`: tokens per block (default the cache's config, else
+        256). `model_id`: the model part of the namespace (default a
+        fingerprint of the weights). `salt`: kept apart from other tenants.
+        `hbm_bytes`: the process-local hbm front (front.py); None: 1 GiB on
+        an accelerator and none on the CPU, or none when `cache` has an hbm
+        tier itself; 0: none. `timeout_s`: the longest a load is waited for
+        before the prefix is recomputed."""
+        if not isinstance(cache, CacheAPI):
+            raise ArgumentError(f"cache must implement ucm.api.CacheAPI, got {type(cache).__name__}")
+        self.model = model
+        self._cache = cache
+        bt = block_tokens or getattr(getattr(cache, "config", None), "block_tokens", None) or DEFAULT_BLOCK_TOKENS
+        self.namespace, self.layout = build_namespace(model, int(bt), model_id, salt)
+        self.device = torch.device(model.device)
+        self.dtype = model.dtype
+        self._timeout_s = float(timeout_s)
+        nbytes = fronts.front_bytes(hbm_bytes, self.device.type)
+        if nbytes and fronts.has_hbm_tier(cache):
+            if hbm_bytes:
+                raise ConfigError("hbm_bytes: the cache has an hbm tier already; give hbm_bytes=0 or a cache "
+                                  "without one")
+            nbytes = 0
+        self.front = (fronts.make_front(nbytes, self.device, self.layout.block_tokens, fronts.policy_of(cache))
+                      if nbytes else None)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucm-hf-store")
+        self._lock = threading.Lock()
+        self._inflight: list[tuple[Handle, Any]] = []  # store handles and the sources they read
+        self._jobs: list[Any] = []  # futures of store jobs not yet done
+        self._warned: set[str] = set()
+        self.counters = {"requests": 0, "lookup_blocks": 0, "hit_blocks": 0, "front_hit_blocks": 0,
+                         "restored_tokens": 0, "load_failed_blocks": 0, "stored_blocks": 0,
+                         "store_failed_blocks": 0, "faults": 0}
+
+    # ---- before prefill -------------------------------------------------------
+    def cache_for(self, input_ids: Any, attention_mask: Any = None) -> UCMCache:
+        """A UCMCache for `input_ids` (`[batch, seq]`, left-padded as the
+        `attention_mask` says; default no padding) holding the longest
+        cached prefix every row shares."""
+        ids = torch.as_tensor(input_ids)
+        if ids.ndim == 1:
+            ids = ids.unsqueeze(0)
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ArgumentError(f"input_ids must be [batch, seq] with seq > 0, got shape {tuple(ids.shape)}")
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        if mask.shape != ids.shape:
+            raise ArgumentError(f"attention_mask shape {tuple(mask.shape)} is not input_ids' {tuple(ids.shape)}")
+        ids_np, mask_np = ids.cpu().numpy(), mask.cpu().numpy().astype(bool)
+        batch, length = ids_np.shape
+        bt = self.layout.block_tokens
+        rows = []
+        req = next(_ids)
+        for b in range(batch):
+            real = int(mask_np[b].sum())
+            pad = length - real
+            valid = real > 0 and bool(mask_np[b, pad:].all())
+            if not valid:
+                self._warn_once("padding", "ucm: a prompt that is not left-padded is neither restored nor stored")
+            keys = block_keys(self.namespace, ids_np[b, pad:]) if valid else []
+            rows.append(_Row(pad, keys, f"hf-{os.getpid()}-{req}-{b}", valid))
+        cache = UCMCache(self, rows, length)
+        with self._lock:
+            self.counters["requests"] += 1
+        for r in rows:
+            if r.valid and r.keys:
+                self._call("begin_request", lambda r=r: self._cache.begin_request(r.request_id, r.keys))
+                if self.front is not None:
+                    self._call("begin_request", lambda r=r: self.front.begin_request(r.request_id, r.keys))
+        front_hits = [self._lookup(self.front, r) for r in rows]
+        for r, fh in zip(rows, front_hits):
+            r.hit = max(fh, self._lookup(self._cache, r))
+            r.stored = r.hit
+        # The common restored length: every row's padding plus at most its cached tokens.
+        target = min(length - 1, min((r.pad + r.hit * bt) if r.valid else 0 for r in rows))
+        if target > 0:
+            target = self._restore(cache, rows, front_hits, target)
+        cache._expect_new = length - target
+        with self._lock:
+            self.counters["lookup_blocks"] += sum(len(r.keys) for r in rows)
+            self.counters["hit_blocks"] += sum(r.hit for r in rows)
+            self.counters["restored_tokens"] += sum(max(0, target - r.pad) for r in rows)
+        return cache
+
+    def _lookup(self, source: Optional[CacheAPI], row: _Row) -> int:
+        if source is None or not row.valid or not row.keys:
+            return 0
+        n = self._call("lookup", lambda: source.lookup(row.keys), default=0)
+        return n if isinstance(n, int) and 0 <= n <= len(row.keys) else 0
+
+    def _restore(self, cache: UCMCache, rows: list[_Row], front_hits: list[int], target: int) -> int:
+        """Fills the layers of `cache` with the first `target` positions;
+        returns the length actually restored (shorter where blocks did not
+        come back; 0 on a fault)."""
+        lay, bt = self.layout, self.layout.block_tokens
+        shape = (len(rows), lay.num_kv_heads, target, lay.head_dim)
+        try:
+            ks = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
+            vs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
+            for b, r in enumerate(rows):  # padding as zeros (masked; never NaN); the rest is filled or cut off
+                if r.pad:
+                    for t in (*ks, *vs):
+                        t[b, :, :min(r.pad, target)].zero_()
+            delivered = []  # per row: real tokens restored
+            for b, r in enumerate(rows):
+                want = max(0, target - r.pad)
+                need = -(-want // bt)
+                got = self._restore_row(r, b, front_hits[b], need, want, ks, vs) if need else 0
+                delivered.append(min(want, got * bt))
+            if self.device.type != "cpu":
+                torch.cuda.current_stream(self.device).synchronize()
+        except Exception:
+            self._fault("restore", "ucm: restoring a prefix failed; it is recomputed")
+            return 0
+        length = min(target, min(r.pad + d if r.valid else 0 for r, d in zip(rows, delivered)))
+        if length <= 0:
+            return 0
+        for layer, k, v in zip(cache.layers, ks, vs):
+            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+            layer.keys, layer.values = (k, v) if length == target else (k[:, :, :length], v[:, :, :length])
+        cache.restored_tokens = length
+        cache.restored_blocks = sum(-(-max(0, length - r.pad) // bt) for r in rows)
+        return length
+
+    def _restore_row(self, r: _Row, b: int, front_hit: int, need: int, want: int, ks: list, vs: list) -> int:
+        """Copies blocks [0, need) of row `r` into row `b` of the layers (the
+        first `want` tokens); returns how many consecutive blocks came."""
+        bt = self.layout.block_tokens
+        got = 0
+        n_front = min(front_hit, need)
+        if n_front:
+            got = self._load_into(self.front, r, 0, n_front, b, want, ks, vs, promote=False)
+            with self._lock:
+                self.counters["front_hit_blocks"] += got
+            if got < n_front:
+                return got
+        if got < need:
+            if self.front is None and self.device.type == "cpu":
+                got += self._read_into(r, got, need, b, want, ks, vs)
+            else:
+                got += self._load_into(self._cache, r, got, need, b, want, ks, vs, promote=self.front is not None)
+        with self._lock:
+            self.counters["load_failed_blocks"] += need - got
+        return got
+
+    def _read_into(self, r: _Row, first: int, last: int, b: int, want: int, ks: list, vs: list) -> int:
+        """Blocks [first, last) of row `r` straight from the cache's slots
+        into the layers (read_slots: one copy); returns the blocks copied."""
+        lay, bt = self.layout, self.layout.block_tokens
+        copied = [False] * (last - first)
+        torch_dtype = self.dtype
+
+        def fill(start: int, slots: list, arena: Any) -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only arena is only read
+                buf = torch.frombuffer(arena, dtype=torch.uint8)
+            for i, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                off, n = slot
+                raw = buf[off:off + n]
+                if off % torch_dtype.itemsize:
+                    raw = raw.clone()
+                blob = raw.view(torch_dtype).view(lay.shape)
+                j = first + start + i
+                tokens = min(bt, want - j * bt)
+                scatter_block(blob, ks, vs, b, r.pad + j * bt, tokens)
+                copied[start + i] = True
+
+        sizes = [lay.block_bytes] * (last - first)
+        out = self._call("read_slots", lambda: self._cache.read_slots(r.keys[first:last], sizes, fill,
+                                                                      request_id=r.request_id), default=None)
+        if out is None:
+            return 0
+        n = 0
+        while n < len(out) and out[n] is Outcome.DONE and copied[n]:
+            n += 1
+        return n
+
+    def _load_into(self, source: CacheAPI, r: _Row, first: int, last: int, b: int, want: int, ks: list,
+                   vs: list, promote: bool) -> int:
+        """Blocks [first, last) of row `r` loaded from `source` into a
+        payload buffer (on the device for the hbm front, else host memory),
+        then into the layers; with `promote`, also stored into the front."""
+        lay, bt = self.layout, self.layout.block_tokens
+        n = last - first
+        on_device = source is self.front
+        dev = self.device if on_device else torch.device("cpu")
+        payload = torch.empty((n, *lay.shape), dtype=self.dtype, device=dev,
+                              pin_memory=(dev.type == "cpu" and self.device.type == "cuda"))
+        keys = r.keys[first:last]
+        handle = self._call("load", lambda: source.load(keys, [payload[i] for i in range(n)],
+                                                        request_id=r.request_id), default=None)
+        out = handle.wait(self._timeout_s) if handle is not None else None
+        if out is None:
+            if handle is not None:
+                self._warn_once("load-timeout", f"ucm: a load took longer than {self._timeout_s:g} s; recomputed")
+            return 0
+        got = 0
+        while got < n and out[got] is Outcome.DONE:
+            got += 1
+        if not got:
+            return 0
+        src = payload[:got].to(self.device, non_blocking=True) if dev != self.device else payload[:got]
+        tokens = min(got * bt, want - first * bt)
+        scatter_blocks(src, ks, vs, b, r.pad + first * bt, tokens)
+        if promote and self.front is not None:
+            parent = r.keys[first - 1] if first else None
+            self._call("store", lambda: self.front.store(keys[:got], [src[i] for i in range(got)], parent=parent,
+                                                         request_id=r.request_id))
+        return got
+
+    # ---- after a forward --------------------------------------------------------
+    def _after_forward(self, cache: UCMCache) -> None:
+        """Schedules the store of every prompt block the layers now hold
+        completely and that is not cached yet (called after the last
+        layer's update of each forward)."""
+        bt = self.layout.block_tokens
+        seq = cache.layers[0].get_seq_length()
+        jobs = []
+        for b, r in enumerate(cache._rows):
+            if not r.valid:
+                continue
+            full = min(len(r.keys), max(0, seq - r.pad) // bt)
+            if full > r.stored:
+                jobs.append((b, r.stored, full))
+                r.stored = full
+        if all(not r.valid or r.stored >= len(r.keys) for r in cache._rows):
+            cache._storing = False
+        if not jobs:
+            return
+        ks = [layer.keys for layer in cache.layers]
+        vs = [layer.values for layer in cache.layers]
+        if ks[0].shape[0] != len(cache._rows):
+            log.error("ucm: the batch changed size (%d rows, made for %d); nothing more of it is stored",
+                      ks[0].shape[0], len(cache._rows))
+            cache._storing = False
+            return
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        fut = self._pool.submit(self._store_job, cache._rows, jobs, ks, vs, event)
+        with self._lock:
+            self._jobs = [f for f in self._jobs if not f.done()] + [fut]
+
+    def _store_job(self, rows: list[_Row], jobs: list, ks: list, vs: list, event: Any) -> None:
+        """On the store thread: gathers blocks into payloads and stores them
+        (front first, then the shared cache). The layer tensors are never
+        written again (DynamicLayer grows by concatenation into new ones)."""
+        lay, bt = self.layout, self.layout.block_tokens
+        try:
+            if event is not None:
+                event.synchronize()
+            for b, first, last in jobs:
+                r, n = rows[b], last - first
+                payload = torch.empty((n, *lay.shape), dtype=self.dtype, device=self.device)
+                with torch.no_grad():
+                    gather_blocks(ks, vs, b, r.pad + first * bt, n, bt, payload)
+                keys, parent = r.keys[first:last], (r.keys[first - 1] if first else None)
+                if self.front is not None:
+                    self._call("store", lambda: self.front.store(keys, [payload[i] for i in range(n)], parent=parent,
+                                                                 request_id=r.request_id))
+                host = payload if self.device.type == "cpu" else payload.to("cpu")
+                handle = self._call("store", lambda: self._cache.store(keys, [host[i] for i in range(n)],
+                                                                       parent=parent, request_id=r.request_id))
+                if handle is not None:
+                    handle.add_done_callback(self._stored)
+                    with self._lock:
+                        self._inflight = [(h, s) for h, s in self._inflight if not h.done()] + [(handle, host)]
+        except Exception:
+            self._fault("store", "ucm: storing blocks failed; they are not cached")
+
+    def _stored(self, handle: Handle) -> None:
+        out = handle.results
+        ok = sum(1 for o in out if o is Outcome.DONE)
+        with self._lock:
+            self.counters["stored_blocks"] += ok
+            self.counters["store_failed_blocks"] += len(out) - ok
+
+    def _finish(self, cache: UCMCache, output_tokens: int) -> None:
+        def job() -> None:
+            for r in cache._rows:
+                if r.valid and r.keys:
+                    self._call("finish", lambda r=r: self._cache.finish(r.keys, output_tokens, r.request_id))
+                    if self.front is not None:
+                        self._call("finish", lambda r=r: self.front.finish(r.keys, output_tokens, r.request_id))
+
+        try:
+            fut = self._pool.submit(job)
+        except RuntimeError:  # closed
+            return
+        with self._lock:
+            self._jobs = [f for f in self._jobs if not f.done()] + [fut]
+
+    # ---- the convenience call and the rest -----------------------------------
+    def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+        """`model.generate(input_ids, attention_mask=..., past_key_values=
+        self.cache_for(...), **kwargs)`, then `finish`. Returns what generate
+        returns."""
+        if "past_key_values" in kwargs:
+            raise ArgumentError("generate: past_key_values is the connector's; use cache_for for a cache of your own")
+        ids = torch.as_tensor(input_ids)
+        if ids.ndim == 1:
+            ids = ids.unsqueeze(0)
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        cache = self.cache_for(ids, mask)
+        out = None
+        try:
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      past_key_values=cache, **kwargs)
+        finally:
+            seqs = getattr(out, "sequences", out)
+            cache.finish(int(seqs.shape[1] - ids.shape[1]) if isinstance(seqs, torch.Tensor) else None)
+        return out
+
+    def wait_stores(self, timeout_s: float = 60.0) -> bool:
+        """Waits until every store and finish submitted so far is done."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            jobs = list(self._jobs)
+        for f in jobs:
+            try:
+                f.result(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                return False
+        with self._lock:
+            handles = [h for h, _ in self._inflight]
+        for h in handles:
+            if h.wait(max(0.001, deadline - time.monotonic())) is None:
+                return False
+        with self._lock:
+            self._inflight = [(h, s) for h, s in self._inflight if not h.done()]
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.counters)
+
+    def close(self) -> None:
+        """Waits for the stores in flight and closes the hbm front (never the
+        cache it was given)."""
+        self.wait_stores()
+        self._pool.shutdown(wait=True)
+        if self.front is not None:
+            self.front.close()
+
+    # ---- faults ---------------------------------------------------------------
+    def _call(self, what: str, fn: Any, default: Any = None) -> Any:
+        """`fn()`, or `default` after logging when it raises: a cache fault
+        is a miss, never an exception in generate."""
+        try:
+            return fn()
+        except Exception:
+            self._fault(what, f"ucm: {what} raised; treated as a miss")
+            return default
+
+    def _fault(self, what: str, message: str) -> None:
+        with self._lock:
+            self.counters["faults"] += 1
+        if what in self._warned:
+            log.debug(message, exc_info=True)
+        else:
+            self._warned.add(what)
+            log.warning(message, exc_info=True)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
