@@ -116,3 +116,34 @@ def test_bad_prefetch_settings_name_the_key(extra, match):
 
     with pytest.raises(ConfigError, match=match):
         ConnectorSettings.from_extra(extra)
+
+
+def test_a_new_request_is_begun_and_staged_on_arrival_while_it_queues():
+    side, cache = _side(prefetch_policy="wait_complete")
+    keys = _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    side.on_new_request(req)  # vLLM added it; it may wait behind others
+    assert cache.events == [("begin", "r", 3)] and cache.prefetches[0][0] == keys[1:3]
+    cache.stage(0)  # staged while it queued
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)  # no wait left when it is scheduled
+    assert cache.events == [("begin", "r", 3)] and len(cache.prefetches) == 1  # begun and staged once
+
+
+def test_without_a_policy_arrival_only_begins_the_request():
+    side, cache = _side()
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    side.on_new_request(req)
+    assert cache.events == [("begin", "r", 3)] and cache.prefetches == [] and cache.pinned() == 0
+    assert side.get_num_new_matched_tokens(req, 0) == (768, True)
+    assert cache.events == [("begin", "r", 3)]
+
+
+def test_a_cache_fault_on_arrival_never_reaches_vllm():
+    side, cache = _side(prefetch_policy="wait_complete")
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    cache.broken.update({"begin_request", "lookup", "prefetch"})
+    req = _request("r", TOKENS)
+    side.on_new_request(req)
+    cache.broken.clear()
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # the lookup at arrival was a miss

@@ -150,6 +150,9 @@ class UCMConnector(KVConnectorBase_V1):
         return False  # a dropped save is a later miss, nothing more
 
     # ---- scheduler side (engine-core process) --------------------------------------
+    def on_new_request(self, request: "Request") -> None:
+        self.scheduler_side.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 

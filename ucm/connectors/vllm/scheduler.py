@@ -11,8 +11,11 @@ payload copies; any exception from the cache is logged and answered as a
 miss, never raised into vLLM.
 
 The state machine of one request (`_ReqState`):
-- first `get_num_new_matched_tokens`: keys, `cache.begin_request` (the
-  access the placement policy counts, once), lookup and pins; the answer is
+- `on_new_request` (vLLM added it; it may queue): keys and
+  `cache.begin_request` (the access the placement policy counts, once);
+  with a prefetch policy, lookup, pins and the staging of its hit below
+  the landing tier start here, while it waits;
+- first `get_num_new_matched_tokens`: the same if not done yet; the answer is
   memoised (vLLM asks repeatedly and expects no side effects). A request
   still waiting for vLLM's pages pins at most what is left of the
   waiting-pin cap (the only waiting request pins its whole hit); a capped
@@ -241,6 +244,21 @@ class UCMSchedulerSide:
                             for k, t in zip(st.keys, st.hit_tiers + [PENDING] * (n - len(st.hit_tiers)))]
         st.hit_blocks = n
         st.next_store = max(st.next_store, n)
+
+    def on_new_request(self, request: "Request") -> None:
+        """vLLM added the request; it may wait in the queue for long. It is
+        begun in the cache now (a prefetch accelerator there stages on first
+        sight), and with a prefetch policy on, its hit below the landing tier
+        is looked up, pinned and staged while it waits."""
+        try:
+            st = self._begin(request)
+            if st is None or not st.keys or self.settings.prefetch_policy == "off" or not self.can_load:
+                return
+            self._lookup(st)
+            if st.hit_blocks:
+                self._staging(st, 0)
+        except Exception:  # never into vLLM: the request is then looked up as usual
+            log.warning("UCMConnector: staging a new request failed", exc_info=True)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens ucm can load beyond vLLM's own `num_computed_tokens`, and
