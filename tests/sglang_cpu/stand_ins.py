@@ -18,6 +18,9 @@ import sys
 import types
 
 STANDS_IN_FOR = ("torchvision", "vllm")
+# Of vllm only these: any other vllm module stays an ImportError (SGLang
+# probes `vllm.logger` and others to learn whether vLLM is installed).
+VLLM_MODULES = ("vllm", "vllm._custom_ops")
 
 
 class _Placeholder:
@@ -47,6 +50,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] not in STANDS_IN_FOR:
             return None
+        if name.startswith("vllm") and name not in VLLM_MODULES:
+            return None
         for finder in sys.meta_path:  # a real installation wins
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -58,7 +63,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec):
-        m = _StandInModule(spec.name)
+        m = types.ModuleType(spec.name) if spec.name == "vllm" else _StandInModule(spec.name)
         m.__path__ = []
         m.__ucm_stand_in__ = True
         return m
