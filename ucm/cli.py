@@ -18,6 +18,7 @@ from ucm.errors import UcmError
 # `ucm bench NAME` -> the module that registers it
 BENCHES = {name: f"ucm.bench.{name}" for name in ("io", "placement", "service", "soak", "trace", "tracegen")}
 BENCHES["vllm"] = "ucm.apps.vllm_bench"
+BENCHES["sglang"] = "ucm.apps.sglang_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
