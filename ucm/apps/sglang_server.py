@@ -106,10 +106,19 @@ class SGLangServer:
         out["ttft_s"] = time.perf_counter() - t
         return out
 
-    def flush_cache(self) -> None:
-        """Empties SGLang's device and host tiers (POST /flush_cache); waits
-        until the server takes requests again."""
-        self._post("/flush_cache", None)
+    def flush_cache(self, timeout_s: float = 120.0) -> None:
+        """Empties SGLang's device and host tiers (POST /flush_cache). SGLang
+        refuses (400) while requests or HiCache transfers (a write-through
+        backup) are in flight: retried until `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._post("/flush_cache", None)
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
