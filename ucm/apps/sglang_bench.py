@@ -1,0 +1,250 @@
+"""`ucm bench sglang`: time to first token in SGLang (CPU) with ucm as its
+HiCache storage backend, against SGLang's own device-cache hit, in one run.
+
+Workload: `--docs` documents of `--doc-tokens` deterministic pseudo-random
+token ids, each asked twice (pass 1 the document and one question, pass 2
+the document and another), max_new_tokens=1 (TTFT = the request's wall
+time), greedy, one request at a time, SmolLM2-135M-Instruct, `--page-size`
+64 (pass 2 reuses the document's full pages). One SGLang server with
+`--enable-hierarchical-cache` and ucm as its storage (`page_first`, write
+through, prefetch `wait_complete`); one `ucm serve` (DRAM + NVMe, LRU) for
+the whole run. Per document:
+
+- cold: pass 1 (a full prefill; its pages are written through to ucm);
+- device hit: pass 2 at once (SGLang's radix cache on the device holds the
+  document: the control);
+- ucm DRAM hit: `/flush_cache` (device and host tiers emptied), pass 2:
+  the document's pages come from ucm's DRAM arena;
+- ucm NVMe-only hit: one-shot filler blocks push every page down to NVMe
+  (`locate` checked), `/flush_cache`, pass 2: staged NVMe -> DRAM by the
+  service, then copied into SGLang's host pool;
+- after a server restart (a fresh SGLang process on the same ucm service):
+  pass 2 again, served from ucm.
+
+Each hit is asked `--repeat` times (fresh flush each time; the NVMe rounds
+push the pages down again); `*_ttft_s` are medians over documents x rounds.
+`outputs_equal`: every hit's first token equals the cold run's answer to
+the same prompt computed on the device (the device-hit run).
+`copy`: the host pool <-> arena copy through `UCMStorage.batch_set_v1` /
+`batch_get_v1` (SGLang's real MHATokenToKVPoolHost, page_first, the
+document's pages) against one `memcpy` of the same bytes (`_native.copy`).
+
+On CPU the server needs SGLang's HiCache CPU shim of the test tree
+(`--cpu-shim`, default tests/sglang_cpu of this checkout): SGLang binds its
+device<->host copies only for CUDA/HIP/XPU. Runs in SGLang's venv
+(`.venv-sglang/bin/ucm bench sglang`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+PAGE = 64
+QUESTIONS = ((1, 3000, 17), (2, 3100, 23))  # pseudo-random question tails of 17 and 23 tokens
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sglang", help="TTFT in SGLang: cold, device hit, ucm DRAM / NVMe hits, restart",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", type=int, default=2, help="documents (default 2)")
+    p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
+    p.add_argument("--repeat", type=int, default=2, help="rounds of every hit measurement (default 2)")
+    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    p.add_argument("--cpu-shim", default=None, help="directory with SGLang's HiCache CPU shim (default: "
+                   "tests/sglang_cpu of this checkout)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(100, 40000) for _ in range(n)]
+
+
+def _prompts(docs: int, doc_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    pass1, pass2 = [], []
+    for d in range(docs):
+        doc = _tokens(1000 + d, doc_tokens)
+        (s1, _, n1), (s2, _, n2) = QUESTIONS
+        pass1.append(doc + _tokens(s1 * 7 + d, n1))
+        pass2.append(doc + _tokens(s2 * 7 + d, n2))
+    return pass1, pass2
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def _copy_bench(pages: int, cfg: str) -> dict:
+    """batch_set_v1 / batch_get_v1 of `pages` pages against one memcpy."""
+    import numpy as np
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from ucm import _native
+    from ucm.connectors.sglang import UCMStorage
+
+    tokens = pages * PAGE
+    kv = MHATokenToKVPool(tokens * 2, PAGE, torch.bfloat16, 3, 64, 30, device="cpu", enable_memory_saver=False,
+                          start_layer=0, end_layer=30)
+    host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+                                pin_memory=False, device_capacity_tokens=kv.size, start_layer=0, end_layer=30,
+                                write_back_staging=kv.hicache_write_back_staging)
+    sc = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                              is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                              model_name="copy-bench", extra_config={"interface_v1": 1, "ucm_config": cfg,
+                                                                     "ucm_model_id": "copy-bench"})
+    backend = UCMStorage(sc, {})
+    backend.register_mem_pool_host(host)
+    idx = host.alloc(tokens)
+    host.kv_buffer.view(-1).view(torch.int16).random_(-1000, 1000)
+    nbytes = pages * backend._copier.page_bytes
+    a, b = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    out: dict[str, list[float]] = {"set_s": [], "get_s": [], "memcpy_s": []}
+    try:
+        for r in range(3):
+            keys = [f"{r:04d}{i:060d}" for i in range(pages)]
+            t = time.perf_counter()
+            ok = backend.batch_set_v1(keys, idx)
+            out["set_s"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ok2 = backend.batch_get_v1(keys, idx)
+            out["get_s"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            _native.copy(b, a)
+            out["memcpy_s"].append(time.perf_counter() - t)
+            if not (all(ok) and all(ok2)):
+                return {"error": "a copy round did not store or load every page"}
+    finally:
+        backend.close()
+    best = {k: min(v) for k, v in out.items()}
+    gbps = {k.replace("_s", "_gb_s"): round(nbytes / v / 1e9, 2) for k, v in best.items()}
+    return {"pages": pages, "bytes": nbytes, **gbps,
+            "set_over_memcpy": round(best["memcpy_s"] / best["set_s"], 3),
+            "get_over_memcpy": round(best["memcpy_s"] / best["get_s"], 3)}
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import yaml
+
+    import ucm
+    from ucm.apps.model import prepare
+    from ucm.apps.sglang_server import SGLangServer, hicache_args
+
+    shim = Path(args.cpu_shim or Path(__file__).resolve().parents[2] / "tests" / "sglang_cpu")
+    if not (shim / "sitecustomize.py").is_file():
+        print(f"ucm bench sglang: no SGLang CPU shim at {shim} (--cpu-shim)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(shim))
+    import stand_ins  # the import-only stand-ins SGLang needs in this process too
+
+    stand_ins.install()
+    model = str(prepare(args.model))
+    work = Path(tempfile.mkdtemp(prefix="ucm-bench-sglang-"))
+    (work / "nvme").mkdir()
+    page_bytes = 30 * 3 * 64 * 2 * 2 * PAGE
+    doc_pages = args.doc_tokens // PAGE
+    dram_bytes = max(64 << 20, 4 * args.docs * (doc_pages + 1) * page_bytes)
+    cfg = {"block_tokens": PAGE,
+           "tiers": [{"adapter": "dram", "capacity": f"{dram_bytes >> 20}MiB", "headroom": 0.2,
+                      "options": {"prefault": False}},
+                     {"adapter": "nvme", "capacity": f"{max(1024, 4 * dram_bytes >> 20)}MiB",
+                      "options": {"path": str(work / "nvme"), "region_size": "16MiB"}}],
+           "policy": {"name": "lru"},
+           "service": {"name": f"bench-sglang-{os.getpid()}", "socket": str(work / "ucm.sock")}}
+    cfg_path = work / "ucm.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    service = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", str(cfg_path)], cwd=str(work),
+                               stdout=open(work / "serve.log", "ab"), stderr=subprocess.STDOUT)
+    client = ucm.connect(str(cfg_path), start=False)
+    deadline = time.monotonic() + 60
+    while not client.try_connect() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pass1, pass2 = _prompts(args.docs, args.doc_tokens)
+    flags = hicache_args(str(cfg_path), "page_first", PAGE) + [
+        "--max-total-tokens", str(max(16384, 2 * (args.doc_tokens + 64)))]
+
+    def server(tag: str) -> SGLangServer:
+        return SGLangServer(sys.executable, model, flags, pythonpath=[str(shim)], log_path=str(work / f"{tag}.log"))
+
+    def ask(srv: SGLangServer, prompt: list[int]) -> dict:
+        r = srv.generate(prompt, 1)
+        m = r["meta_info"]
+        return {"ttft_s": r["ttft_s"], "id": r["output_ids"][0], "details": m.get("cached_tokens_details") or {}}
+
+    def to_nvme() -> dict:
+        fill = np.zeros(page_bytes, dtype=np.uint8)
+        for _ in range(dram_bytes // page_bytes + 8):
+            client.store([os.urandom(16)], [fill]).wait(60)
+        client.flush(60)
+        st = client.stats()["tiers"]
+        return {name: t.get("blocks", 0) for name, t in st.items()}
+
+    res: dict[str, Any] = {"docs": args.docs, "doc_tokens": args.doc_tokens, "page_size": PAGE,
+                           "reused_tokens_per_doc": doc_pages * PAGE, "repeat": args.repeat}
+    samples: dict[str, list] = {k: [] for k in ("cold", "device_hit", "ucm_dram_hit", "ucm_nvme_hit",
+                                                "ucm_after_restart")}
+    equal = True
+    try:
+        with server("a") as srv:
+            srv.generate(_tokens(9, 64), 1)  # one-time costs of the first forward
+            device_ids = []
+            for p1, p2 in zip(pass1, pass2):
+                samples["cold"].append(ask(srv, p1))
+                r = ask(srv, p2)
+                samples["device_hit"].append(r)
+                device_ids.append(r["id"])
+            for _ in range(args.repeat):
+                for i, p2 in enumerate(pass2):
+                    srv.flush_cache()
+                    r = ask(srv, p2)
+                    samples["ucm_dram_hit"].append(r)
+                    equal &= r["id"] == device_ids[i]
+            res["tiers_before_nvme_phase"] = []
+            for _ in range(args.repeat):
+                res["tiers_before_nvme_phase"].append(to_nvme())
+                for i, p2 in enumerate(pass2):
+                    srv.flush_cache()
+                    r = ask(srv, p2)
+                    samples["ucm_nvme_hit"].append(r)
+                    equal &= r["id"] == device_ids[i]
+        with server("b") as srv:
+            srv.generate(_tokens(9, 64), 1)
+            for i, p2 in enumerate(pass2):
+                r = ask(srv, p2)
+                samples["ucm_after_restart"].append(r)
+                equal &= r["id"] == device_ids[i]
+        res["copy"] = _copy_bench(doc_pages, str(cfg_path))
+        res["ucm_stats"] = {k: client.stats().get(k) for k in ("stored_blocks", "loaded_blocks", "corrupt")}
+    finally:
+        client.close()
+        service.terminate()
+        service.wait(30)
+    for k, v in samples.items():
+        res[f"{k}_ttft_s"] = _median([s["ttft_s"] for s in v])
+        res[f"{k}_cached"] = [s["details"] for s in v]
+    dev = res["device_hit_ttft_s"]
+    res["ucm_dram_hit_over_device_hit"] = round(res["ucm_dram_hit_ttft_s"] / dev, 3)
+    res["ucm_nvme_hit_over_device_hit"] = round(res["ucm_nvme_hit_ttft_s"] / dev, 3)
+    res["cold_over_ucm_dram_hit"] = round(res["cold_ttft_s"] / res["ucm_dram_hit_ttft_s"], 3)
+    res["outputs_equal"] = bool(equal)
+    res["sglang_version"] = _sglang_version()
+    print(json.dumps(res, indent=None if args.json else 2))
+    return 0
+
+
+def _sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
