@@ -34,7 +34,7 @@ SGL_VENV  := .venv-sglang
 SGL_BIN   := $(SGL_VENV)/bin
 SGL_STAMP := $(SGL_VENV)/.installed
 SGL_PINS  := -c requirements/sglang-cpu-constraints.txt
-SGL_TESTS := tests/unit/connectors/sglang tests/e2e/test_sglang_connector.py
+SGL_TESTS := tests/unit/connectors/hicache tests/e2e/test_sglang_connector.py
 
 $(SGL_BIN)/python:
 	$(PYTHON) -m venv $(SGL_VENV)
