@@ -42,6 +42,9 @@ def test_a_staging_that_comes_back_short_loads_what_reached_dram():
     cache.stage(0, refuse={keys[1]})  # block 1 found no room in DRAM; block 2 did
     assert side.get_num_new_matched_tokens(req, 0) == (256, False)  # the hit stops at block 1
     assert side._reqs["r"].staging_losses == 1
+    stats = side.staging_stats()
+    assert (stats["stagings"], stats["blocks_staged"], stats["short"], stats["late"]) == (1, 2, 1, 0)
+    assert stats["wait_s"] >= 0
 
 
 def test_timeout_answers_with_what_is_in_dram_when_the_staging_is_late():
@@ -104,6 +107,7 @@ def test_two_lost_stagings_and_the_request_goes_without_ucm():
     assert len(cache.prefetches) == 2
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # and stays so, without staging again
     assert len(cache.prefetches) == 2
+    assert side.staging_stats()["late"] == 2 and side.staging_stats()["gave_up"] == 1
 
 
 @pytest.mark.parametrize("extra, match", [

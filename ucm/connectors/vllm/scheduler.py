@@ -84,6 +84,7 @@ class _ReqState:
     stores_issued: bool = False
     load_failures: int = 0  # loads of this request that lost blocks
     staging: Optional[Handle] = None  # the prefetch of its blocks below the landing tier, in flight
+    staging_since: float = 0.0  # monotonic time the staging was issued
     staging_deadline: float = 0.0  # monotonic time after which it is answered without waiting
     staging_losses: int = 0  # stagings that came back short or late
     staging_tried: bool = False  # a staging was issued since the last fresh lookup
@@ -123,6 +124,11 @@ class UCMSchedulerSide:
         # the pages vLLM gave it.
         self.max_waiting_pin_blocks = max_waiting_pin_blocks
         self.waiting_pinned_blocks = 0
+        # The prefetch policy's figures (`staging_stats`): stagings issued and
+        # their blocks, those that came back short or late, the requests then
+        # computed without ucm, and the seconds requests waited for staging.
+        self.staging_counts = {"stagings": 0, "blocks_staged": 0, "short": 0, "late": 0, "gave_up": 0}
+        self.staging_wait_s = 0.0
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: "UcmConfig",
@@ -302,20 +308,26 @@ class UCMSchedulerSide:
         stops at the first block still below); after MAX_STAGING_LOSSES the
         request is computed without ucm."""
         policy = self.settings.prefetch_policy
+        counts = self.staging_counts
         if st.staging is not None:
+            now = time.monotonic()
             if st.staging.done():
                 st.staging = None
                 self._lookup(st)  # where the blocks are now
                 if any(t not in (self._landing, PENDING) for t in st.hit_tiers[first:st.hit_blocks]):
                     st.staging_losses += 1
-            elif time.monotonic() >= st.staging_deadline:
+                    counts["short"] += 1
+            elif now >= st.staging_deadline:
                 st.staging = None  # late: it goes on for later requests; this one stops waiting
                 st.staging_losses += 1
+                counts["late"] += 1
                 self._lookup(st)
             else:
                 return True
+            self.staging_wait_s += now - st.staging_since
             if st.staging_losses >= MAX_STAGING_LOSSES:
                 st.load_failures = MAX_LOAD_FAILURES
+                counts["gave_up"] += 1
                 self._lookup(st)  # a miss from now on
             return False
         below = [st.keys[i] for i in range(first, st.hit_blocks) if st.hit_tiers[i] not in (self._landing, PENDING)]
@@ -323,7 +335,11 @@ class UCMSchedulerSide:
             return False
         st.staging_tried = True
         handle = self._ask("prefetch", None, self._cache.prefetch, below)
-        if handle is None or policy == "best_effort":
+        if handle is None:
+            return False
+        counts["stagings"] += 1
+        counts["blocks_staged"] += len(below)
+        if policy == "best_effort":
             return False
         wait = self.settings.load_timeout_s
         if policy == "timeout":
@@ -331,7 +347,8 @@ class UCMSchedulerSide:
             wait = min(wait, self.settings.prefetch_timeout_s
                        + self.settings.prefetch_timeout_per_1k_tokens_s * hit_tokens / 1000)
         st.staging = handle
-        st.staging_deadline = time.monotonic() + wait
+        st.staging_since = time.monotonic()
+        st.staging_deadline = st.staging_since + wait
         return True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -463,9 +480,17 @@ class UCMSchedulerSide:
         below = any(t not in (self._landing, PENDING) for t in st.hit_tiers)
         return {CacheHitSource.DISK if below else CacheHitSource.HOST: num_external_tokens}
 
+    def staging_stats(self) -> dict[str, float]:
+        """The prefetch policy's figures (a snapshot): stagings and blocks
+        issued, stagings that came back short or late, requests given up,
+        and `wait_s`, the seconds requests waited for staging in all."""
+        return {**self.staging_counts, "wait_s": round(self.staging_wait_s, 6)}
+
     def shutdown(self) -> None:
         """Releases the pins of every request still known (an engine that
         stops with requests in flight)."""
+        if self.staging_counts["stagings"]:
+            log.info("UCMConnector: prefetch policy %s: %s", self.settings.prefetch_policy, self.staging_stats())
         for st in self._reqs.values():
             self._unpin(st)
         self._reqs.clear()
