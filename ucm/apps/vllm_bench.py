@@ -266,6 +266,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
 
     import ucm
     from ucm.apps.model import prepare
+    from ucm.progress import bar
 
     os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
     model = str(prepare(model_name))
@@ -301,12 +302,17 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
         client = ucm.connect(str(cfg_path))  # the private service outlives the engine
         if not client.connected:
             raise RuntimeError("could not start the ucm service")
-        log("[bench vllm] ucm ...")
-        res["ucm"] = _subprocess({**base, "config": "ucm", "ucm_config": str(cfg_path)}, work)
-        service = client.stats()
-        for name in ("none", "apc", "example"):
-            log(f"[bench vllm] {name} ...")
-            res[name] = _subprocess({**base, "config": name, "example_dir": str(work / "example")}, work)
+        with bar(total=4, desc="bench vllm", unit="config") as configs:
+            log("[bench vllm] ucm ...")
+            configs.set_postfix_str("ucm")
+            res["ucm"] = _subprocess({**base, "config": "ucm", "ucm_config": str(cfg_path)}, work)
+            configs.update(1)
+            service = client.stats()
+            for name in ("none", "apc", "example"):
+                log(f"[bench vllm] {name} ...")
+                configs.set_postfix_str(name)
+                res[name] = _subprocess({**base, "config": name, "example_dir": str(work / "example")}, work)
+                configs.update(1)
     finally:
         if client is not None:
             client.close()
