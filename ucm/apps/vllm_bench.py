@@ -1,6 +1,6 @@
 """`ucm bench vllm`: time to first token in vLLM (CPU) with and without ucm.
 
-The workload of docs/PEERS: `--docs` documents of exactly `--doc-tokens`
+The workload: `--docs` documents of exactly `--doc-tokens`
 token ids (deterministic pseudo-random ids, fed as token ids), each asked
 twice: pass 1 with one question, pass 2 with another, so pass 2 can reuse
 the document's full blocks (2,944 of 3,000 tokens with 128-token blocks).
@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=4, help="documents (default 4; PEERS used 8)")
+    p.add_argument("--docs", type=int, default=4, help="documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every hit measurement (default 3)")
