@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from ucm.errors import ModelError
+from ucm.progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,6 @@ def _build(spec: ModelSpec, source: Path, out: Path) -> None:
         import gguf  # noqa: F401  (transformers reads GGUF files with it)
     except ImportError:
         raise ModelError("preparing a model from GGUF needs the 'gguf' package: pip install gguf") from None
-
-    from ucm.progress import bar
 
     with bar(total=3, desc=f"preparing {spec.dir_name}", unit="step") as steps:
         _convert(spec, source, out, torch, AutoModelForCausalLM, AutoTokenizer, steps)

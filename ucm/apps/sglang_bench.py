@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.progress import bar
+
 PAGE = 64
 QUESTIONS = ((1, 3000, 17), (2, 3100, 23))  # pseudo-random question tails of 17 and 23 tokens
 
@@ -196,8 +198,6 @@ def run(args: argparse.Namespace) -> int:
     samples: dict[str, list] = {k: [] for k in ("cold", "device_hit", "ucm_dram_hit", "ucm_nvme_hit",
                                                 "ucm_after_restart")}
     equal = True
-    from ucm.progress import bar
-
     phases = bar(total=5, desc="bench sglang", unit="phase")
     try:
         with server("a") as srv:

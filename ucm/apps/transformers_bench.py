@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ucm.progress import bar
+
 CHECK_TOKENS = 8
 QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
              "\n\nQuestion: Which three names appear most often in the document above? List them.\nAnswer:")
@@ -237,8 +239,6 @@ def measure(docs: int, doc_tokens: int, block_tokens: int, dtypes: list[str], re
     out: dict[str, Any] = {"docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": len(pass1[0]),
                            "pass2_tokens": len(pass2[0]), "block_tokens": block_tokens, "repeat": repeat,
                            "statistic": "median", "torch_threads": torch.get_num_threads(), "by_dtype": {}}
-    from ucm.progress import bar
-
     for name in bar(dtypes, desc="bench transformers", unit="dtype"):
         log(f"[bench transformers] {name} ...")
         out["by_dtype"][name] = measure_dtype(model_dir, name, pass1, pass2, block_tokens, repeat, log)

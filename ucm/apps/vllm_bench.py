@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.progress import bar
+
 BLOCK_TOKENS = 128
 CHECK_TOKENS = 8
 QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
@@ -266,8 +268,6 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
 
     import ucm
     from ucm.apps.model import prepare
-    from ucm.progress import bar
-
     os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
     model = str(prepare(model_name))
     pass1, pass2, warm = _prompts(model, docs, doc_tokens)

@@ -48,6 +48,7 @@ from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
 from ucm.placement import Placement, TierSpec
 from ucm.policy.base import load_policy, policy_names
+from ucm.progress import bar
 
 BLOCK_BYTES = 1 << 20  # nominal; only the ratio to the capacities matters
 DRAM_REQUESTS = 2  # DRAM capacity, in requests' blocks
@@ -135,8 +136,6 @@ def run(policies: Sequence[str], sizes: Sequence[int], blocks: int, repeat: int,
         seed: int = 0) -> dict:
     """The bench's JSON document."""
     rows = []
-    from ucm.progress import bar
-
     steps = bar(total=len(policies) * len(sizes), desc="bench placement", unit="step")
     for policy in policies:
         for bpr in sizes:

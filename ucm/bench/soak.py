@@ -44,6 +44,8 @@ from typing import Any, Optional
 
 import yaml
 
+from ucm.progress import bar
+
 KEY_SALT = b"ucm-soak-v1"
 
 
@@ -253,8 +255,6 @@ def soak(minutes: float, clients: int = 4, kill_every_s: float = 3.0, dram_mb: i
         end = t0 + minutes * 60
         next_kill = t0 + rnd.uniform(0.5, 1.5) * kill_every_s if kill_every_s > 0 else float("inf")
         crashed = 0
-        from ucm.progress import bar
-
         clock = bar(total=round(minutes * 60), desc="bench soak", unit="s")
         shown = 0
         while time.monotonic() < end:

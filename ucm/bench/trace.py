@@ -32,6 +32,7 @@ from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker
 from ucm.placement import Placement, TierSpec
 from ucm.policy.base import POLICY_NAMESPACE, load_policy
+from ucm.progress import bar
 from ucm.sizes import parse_size
 from ucm.trace import BLOCK_TOKENS, TraceRequest, read_trace
 
@@ -250,8 +251,6 @@ def handle(args: argparse.Namespace) -> int:
     if args.limit is not None:
         requests = requests[:args.limit]
     results: list[ReplayResult] = []
-    from ucm.progress import bar
-
     steps = bar(total=len(configs) * len(policies), desc="bench trace", unit="replay")
     for tiers in configs:
         for name in policies:
