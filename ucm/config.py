@@ -5,7 +5,9 @@ allowed. Sizes are written like `4GiB`. Environment variables override
 single keys: `UCM_<KEY>` with `__` between levels and tiers addressed by
 adapter name or index, e.g. `UCM_BLOCK_TOKENS=128`,
 `UCM_TIERS__NVME__CAPACITY=8GiB`, `UCM_POLICY__NAME=lru`; values are read as
-YAML scalars. `UCM_CONFIG` names the file used when none is given.
+YAML scalars. `UCM_CONFIG` names the file used when none is given;
+`UCM_MODEL_CACHE` and `UCM_PROGRESS` belong to other parts of ucm (the model
+directories, the progress bars) and are not read as keys.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from ucm.sizes import parse_size
 
 ENV_PREFIX = "UCM_"
 ENV_CONFIG = "UCM_CONFIG"
+# UCM_ variables that are not config keys (ucm.apps.model, ucm.progress)
+ENV_NOT_KEYS = frozenset({ENV_CONFIG, "UCM_MODEL_CACHE", "UCM_PROGRESS"})
 
 
 class _Strict(BaseModel):
@@ -183,7 +187,7 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel], pref
 def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     data = yaml.safe_load(yaml.safe_dump(raw)) or {}  # deep copy of plain data
     for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG:
+        if not var.startswith(ENV_PREFIX) or var in ENV_NOT_KEYS:
             continue
         path = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
         try:

@@ -25,3 +25,20 @@ def test_bench_io_range_reads_measure_and_verify(tmp_path):
     for c in (c32, c64):
         for k in ("whole_mbps", "range_mbps", "range_p50_us", "whole_p50_ms"):
             assert 0 < c[k] < float("inf"), k
+
+
+def test_bench_io_interleaves_nvme_and_fio_on_one_file_in_rounds(tmp_path):
+    import shutil
+
+    import pytest
+
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed (make system-deps)")
+    r = measure(str(tmp_path), size_mb=8, block_bytes=64 * 1024, batch=4, io_threads=4, fio=True, repeats=3)
+    assert r["nvme_ok"] and r["repeats"] == 3
+    rounds = r["rounds"]
+    assert rounds["order"] == ["ucm+fio", "fio+ucm", "ucm+fio"]
+    for k in ("nvme_store_gbps", "nvme_load_gbps", "fio_write_gbps", "fio_read_gbps"):
+        assert len(rounds[k]) == 3 and all(x and x > 0 for x in rounds[k]), (k, rounds[k])
+        assert r[k] == sorted(rounds[k])[1]  # the median of the rounds
+    assert r["fio_bytes"] == 8 << 20 and r["nvme_store_vs_fio"] > 0 and r["nvme_load_vs_fio"] > 0

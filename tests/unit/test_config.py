@@ -125,3 +125,13 @@ def test_an_impossible_date_in_yaml_is_a_config_error(tmp_path):
     path.write_text("policy:\n  name: 2001-13-45\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(path, environ={})
+
+
+def test_ucm_variables_of_other_parts_are_not_config_keys():
+    """UCM_MODEL_CACHE (model directories) and UCM_PROGRESS (progress bars)
+    set in a shell must not break every config load, e.g. the service that
+    `ucm bench service` starts."""
+    env = {"UCM_MODEL_CACHE": "/tmp/models", "UCM_PROGRESS": "1", "UCM_BLOCK_TOKENS": "128"}
+    assert load_config({}, environ=env).block_tokens == 128
+    with pytest.raises(ConfigError, match="UCM_MODEL_CACHES: unknown key"):
+        load_config({}, environ={"UCM_MODEL_CACHES": "x"})

@@ -34,7 +34,7 @@ def _torch():
     try:
         import torch
     except ImportError as exc:
-        raise AdapterError("hbm: needs torch; install ucm[torch] (torch==2.13.0)") from exc
+        raise AdapterError("hbm: needs torch (the engine's own build: pip install torch)") from exc
     return torch
 
 

@@ -22,9 +22,10 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 from ucm.errors import ModelError
+from ucm.progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +135,20 @@ def _build(spec: ModelSpec, source: Path, out: Path) -> None:
     except ImportError:
         raise ModelError("preparing a model from GGUF needs the 'gguf' package: pip install gguf") from None
 
+    with bar(total=3, desc=f"preparing {spec.dir_name}", unit="step") as steps:
+        _convert(spec, source, out, torch, AutoModelForCausalLM, AutoTokenizer, steps)
+
+
+def _convert(spec: ModelSpec, source: Path, out: Path, torch: Any, auto_model: Any, auto_tokenizer: Any,
+             steps: Any) -> None:
     started = time.monotonic()
     log.info("dequantizing %s into %s", source, out)
     kwargs = dict(gguf_file=source.name, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), **kwargs)
+    steps.set_postfix_str("reading the GGUF file")
+    tokenizer = auto_tokenizer.from_pretrained(str(source.parent), **kwargs)
+    model = auto_model.from_pretrained(str(source.parent), **kwargs)
+    steps.update(1)
+    steps.set_postfix_str(f"converting to {spec.dtype}")
     dtype = getattr(torch, spec.dtype)
     model = model.to(dtype)
     # The weights are now plain tensors: drop every trace of the GGUF quantizer
@@ -156,9 +166,12 @@ def _build(spec: ModelSpec, source: Path, out: Path) -> None:
             pass
     model.config.dtype = spec.dtype
     model.config._name_or_path = spec.dir_name
+    steps.update(1)
+    steps.set_postfix_str("writing safetensors")
     out.mkdir(parents=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    steps.update(1)
     config = json.loads((out / "config.json").read_text())
     if "quantization_config" in config:
         raise ModelError(f"saved config of {spec.dir_name} still has a quantization_config: {config}")

@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.progress import bar
+
 PAGE = 64
 QUESTIONS = ((1, 3000, 17), (2, 3100, 23))  # pseudo-random question tails of 17 and 23 tokens
 
@@ -196,8 +198,10 @@ def run(args: argparse.Namespace) -> int:
     samples: dict[str, list] = {k: [] for k in ("cold", "device_hit", "ucm_dram_hit", "ucm_nvme_hit",
                                                 "ucm_after_restart")}
     equal = True
+    phases = bar(total=5, desc="bench sglang", unit="phase")
     try:
         with server("a") as srv:
+            phases.set_postfix_str("cold and device hits")
             srv.generate(_tokens(9, 64), 1)  # one-time costs of the first forward
             device_ids = []
             for p1, p2 in zip(pass1, pass2):
@@ -205,12 +209,16 @@ def run(args: argparse.Namespace) -> int:
                 r = ask(srv, p2)
                 samples["device_hit"].append(r)
                 device_ids.append(r["id"])
+            phases.update(1)
+            phases.set_postfix_str("ucm DRAM hits")
             for _ in range(args.repeat):
                 for i, p2 in enumerate(pass2):
                     srv.flush_cache()
                     r = ask(srv, p2)
                     samples["ucm_dram_hit"].append(r)
                     equal &= r["id"] == device_ids[i]
+            phases.update(1)
+            phases.set_postfix_str("ucm NVMe hits")
             res["tiers_before_nvme_phase"] = []
             for _ in range(args.repeat):
                 res["tiers_before_nvme_phase"].append(to_nvme())
@@ -219,15 +227,21 @@ def run(args: argparse.Namespace) -> int:
                     r = ask(srv, p2)
                     samples["ucm_nvme_hit"].append(r)
                     equal &= r["id"] == device_ids[i]
+            phases.update(1)
+        phases.set_postfix_str("fresh server")
         with server("b") as srv:
             srv.generate(_tokens(9, 64), 1)
             for i, p2 in enumerate(pass2):
                 r = ask(srv, p2)
                 samples["ucm_after_restart"].append(r)
                 equal &= r["id"] == device_ids[i]
+        phases.update(1)
+        phases.set_postfix_str("copy set / get")
         res["copy"] = _copy_bench(doc_pages, str(cfg_path))
+        phases.update(1)
         res["ucm_stats"] = {k: client.stats().get(k) for k in ("stored_blocks", "loaded_blocks", "corrupt")}
     finally:
+        phases.close()
         client.close()
         service.terminate()
         service.wait(30)

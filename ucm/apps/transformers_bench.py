@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ucm.progress import bar
+
 CHECK_TOKENS = 8
 QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
              "\n\nQuestion: Which three names appear most often in the document above? List them.\nAnswer:")
@@ -143,7 +145,7 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
                 conn.generate(a, **gen)
             conn.wait_stores()
             keys = [k for p in pass2 for k in block_keys(conn.namespace, p)]
-            for rnd in range(repeat):
+            for rnd in bar(range(repeat), desc=f"{dtype_name} rounds", unit="round"):
                 log(f"[bench transformers] {dtype_name} round {rnd + 1}/{repeat}")
                 # Cold runs on a cache of their own (a fresh one each round: every lookup misses), so their
                 # stores never push the documents out of the hit phases' DRAM.
@@ -237,7 +239,7 @@ def measure(docs: int, doc_tokens: int, block_tokens: int, dtypes: list[str], re
     out: dict[str, Any] = {"docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": len(pass1[0]),
                            "pass2_tokens": len(pass2[0]), "block_tokens": block_tokens, "repeat": repeat,
                            "statistic": "median", "torch_threads": torch.get_num_threads(), "by_dtype": {}}
-    for name in dtypes:
+    for name in bar(dtypes, desc="bench transformers", unit="dtype"):
         log(f"[bench transformers] {name} ...")
         out["by_dtype"][name] = measure_dtype(model_dir, name, pass1, pass2, block_tokens, repeat, log)
     out["outputs_equal"] = all(r["outputs_equal"] for r in out["by_dtype"].values())

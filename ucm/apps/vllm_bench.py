@@ -1,6 +1,6 @@
 """`ucm bench vllm`: time to first token in vLLM (CPU) with and without ucm.
 
-The workload of docs/PEERS: `--docs` documents of exactly `--doc-tokens`
+The workload: `--docs` documents of exactly `--doc-tokens`
 token ids (deterministic pseudo-random ids, fed as token ids), each asked
 twice: pass 1 with one question, pass 2 with another, so pass 2 can reuse
 the document's full blocks (2,944 of 3,000 tokens with 128-token blocks).
@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.progress import bar
+
 BLOCK_TOKENS = 128
 CHECK_TOKENS = 8
 QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
@@ -67,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=4, help="documents (default 4; PEERS used 8)")
+    p.add_argument("--docs", type=int, default=4, help="documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every hit measurement (default 3)")
@@ -266,7 +268,6 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
 
     import ucm
     from ucm.apps.model import prepare
-
     os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
     model = str(prepare(model_name))
     pass1, pass2, warm = _prompts(model, docs, doc_tokens)
@@ -301,12 +302,17 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
         client = ucm.connect(str(cfg_path))  # the private service outlives the engine
         if not client.connected:
             raise RuntimeError("could not start the ucm service")
-        log("[bench vllm] ucm ...")
-        res["ucm"] = _subprocess({**base, "config": "ucm", "ucm_config": str(cfg_path)}, work)
-        service = client.stats()
-        for name in ("none", "apc", "example"):
-            log(f"[bench vllm] {name} ...")
-            res[name] = _subprocess({**base, "config": name, "example_dir": str(work / "example")}, work)
+        with bar(total=4, desc="bench vllm", unit="config") as configs:
+            log("[bench vllm] ucm ...")
+            configs.set_postfix_str("ucm")
+            res["ucm"] = _subprocess({**base, "config": "ucm", "ucm_config": str(cfg_path)}, work)
+            configs.update(1)
+            service = client.stats()
+            for name in ("none", "apc", "example"):
+                log(f"[bench vllm] {name} ...")
+                configs.set_postfix_str(name)
+                res[name] = _subprocess({**base, "config": name, "example_dir": str(work / "example")}, work)
+                configs.update(1)
     finally:
         if client is not None:
             client.close()

@@ -48,6 +48,7 @@ from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
 from ucm.placement import Placement, TierSpec
 from ucm.policy.base import load_policy, policy_names
+from ucm.progress import bar
 
 BLOCK_BYTES = 1 << 20  # nominal; only the ratio to the capacities matters
 DRAM_REQUESTS = 2  # DRAM capacity, in requests' blocks
@@ -135,9 +136,12 @@ def run(policies: Sequence[str], sizes: Sequence[int], blocks: int, repeat: int,
         seed: int = 0) -> dict:
     """The bench's JSON document."""
     rows = []
+    steps = bar(total=len(policies) * len(sizes), desc="bench placement", unit="step")
     for policy in policies:
         for bpr in sizes:
+            steps.set_postfix_str(f"{policy}, {bpr} blocks/request")
             runs = [measure(policy, bpr, blocks, seed) for _ in range(repeat)]
+            steps.update(1)
             native = "native_batched" in runs[0]
             row = {"policy": policy, "blocks_per_request": bpr,
                    "timed_requests": max(1, blocks // bpr),
@@ -157,6 +161,7 @@ def run(policies: Sequence[str], sizes: Sequence[int], blocks: int, repeat: int,
             row["evictions"] = runs[0][f"{default}_batched_evictions"]
             row["same_decisions"] = all(r["same_decisions"] for r in runs)
             rows.append(row)
+    steps.close()
     return {"bench": "placement", "unit": "us_per_block", "repeat": repeat,
             "blocks_timed": blocks, "results": rows}
 

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from ucm import _native
+from ucm.progress import bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -100,7 +101,9 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
     proc = subprocess.Popen([sys.executable, "-m", "ucm.cli", "serve", "--config", cfg_path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     res: dict[str, Any] = {"block_bytes": block_bytes, "lookup_keys": n_keys}
+    steps = bar(total=3, desc="bench service", unit="phase")
     try:
+        steps.set_postfix_str("lookups from the key index")
         deadline = time.time() + 120
         while time.time() < deadline:  # ready when a client gets its hello answered
             probe = CacheClient(sock)
@@ -114,13 +117,16 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
         res.update({"lookup_1client_ops_per_s": one["ops_per_s"], "lookup_1client_p50_us": one["p50_us"],
                     "lookup_1client_p99_us": one["p99_us"], "lookup_ops_per_s": two["ops_per_s"],
                     "lookup_p50_us": two["p50_us"], "lookup_p99_us": two["p99_us"]})
+        steps.update(1)
+        steps.set_postfix_str("lookups over the socket")
         s_one = _lookups(sock, 1, lookups, n_keys, use_index=False)
         s_two = _lookups(sock, 2, lookups, n_keys, use_index=False)
         res.update({"lookup_socket_1client_ops_per_s": s_one["ops_per_s"],
                     "lookup_socket_1client_p99_us": s_one["p99_us"],
                     "lookup_socket_ops_per_s": s_two["ops_per_s"], "lookup_socket_p50_us": s_two["p50_us"],
                     "lookup_socket_p99_us": s_two["p99_us"]})
-
+        steps.update(1)
+        steps.set_postfix_str("data plane")
         srcs, dsts = [], []
         for _ in range(n_blocks):
             s, d = mmap.mmap(-1, block_bytes), mmap.mmap(-1, block_bytes)
@@ -150,7 +156,9 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
                      and all(d[:] == s[:] for d, s in zip(dsts, srcs)))
         res["store_vs_memcpy"] = round(res["store_gbps"] / res["memcpy_gbps"], 3)
         res["load_vs_memcpy"] = round(res["load_gbps"] / res["memcpy_gbps"], 3)
+        steps.update(1)
     finally:
+        steps.close()
         proc.terminate()
         proc.wait(30)
         shutil.rmtree(work, ignore_errors=True)

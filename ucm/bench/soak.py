@@ -44,6 +44,8 @@ from typing import Any, Optional
 
 import yaml
 
+from ucm.progress import bar
+
 KEY_SALT = b"ucm-soak-v1"
 
 
@@ -253,8 +255,15 @@ def soak(minutes: float, clients: int = 4, kill_every_s: float = 3.0, dram_mb: i
         end = t0 + minutes * 60
         next_kill = t0 + rnd.uniform(0.5, 1.5) * kill_every_s if kill_every_s > 0 else float("inf")
         crashed = 0
+        clock = bar(total=round(minutes * 60), desc="bench soak", unit="s")
+        shown = 0
         while time.monotonic() < end:
             time.sleep(0.2)
+            elapsed = min(round(minutes * 60), int(time.monotonic() - t0))
+            if elapsed > shown:
+                clock.update(elapsed - shown)
+                clock.set_postfix_str(f"{len(killed)} clients killed")
+                shown = elapsed
             rss.append(_rss_kib(svc.pid))
             shm_max = max(shm_max, len(_files(shm)))
             if svc.poll() is not None:
@@ -273,6 +282,7 @@ def soak(minutes: float, clients: int = 4, kill_every_s: float = 3.0, dram_mb: i
                     killed.add(victim)
                     start_client()
                 next_kill = now + rnd.uniform(0.5, 1.5) * kill_every_s
+        clock.close()
         res["run_s"] = round(time.monotonic() - t0, 1)
         with open(os.path.join(work, "stop"), "w"):
             pass

@@ -32,6 +32,7 @@ from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker
 from ucm.placement import Placement, TierSpec
 from ucm.policy.base import POLICY_NAMESPACE, load_policy
+from ucm.progress import bar
 from ucm.sizes import parse_size
 from ucm.trace import BLOCK_TOKENS, TraceRequest, read_trace
 
@@ -250,8 +251,10 @@ def handle(args: argparse.Namespace) -> int:
     if args.limit is not None:
         requests = requests[:args.limit]
     results: list[ReplayResult] = []
+    steps = bar(total=len(configs) * len(policies), desc="bench trace", unit="replay")
     for tiers in configs:
         for name in policies:
+            steps.set_postfix_str(name)
             extra: dict = {}
             if payload_bytes is None:
                 r = run_one(requests, name, tiers, cost, block_tokens)
@@ -270,11 +273,13 @@ def handle(args: argparse.Namespace) -> int:
             log.info("%s %s: hit ratio %.4f in %.1f s", name, _capacity_label(r), r.hit_ratio,
                      r.elapsed_s)
             results.append(r)
+            steps.update(1)
             if args.json:
                 print(json.dumps({**r.to_dict(), **extra}), flush=True)
             elif extra:
                 print(f"{name} {_capacity_label(r)}: " + ", ".join(
                     f"{k} {v}" for k, v in extra.items()), flush=True)
+    steps.close()
     if not args.json:
         print(format_table(results))
     if args.plot:

@@ -13,7 +13,7 @@ order, that layer's K then V of the block's tokens, each `[kv_heads,
 block_tokens, head_dim]` contiguous in the model's dtype: a
 `[layers, 2, kv_heads, block_tokens, head_dim]` tensor viewed as bytes. One
 layer of a block is one contiguous range (`layer_bytes` at
-`layer * layer_bytes`), as `../shared/DESIGN.md` asks.
+`layer * layer_bytes`), as the design asks of every layout.
 
 Only models whose every layer is full attention with a `DynamicLayer`-style
 cache are supported (sliding windows and linear attention keep state that
