@@ -47,11 +47,11 @@ std::uint64_t probe(const Entry* e, std::uint64_t mask, std::uint64_t k0, std::u
   for (std::uint64_t step = 0; step <= mask; ++step, i = (i + 1) & mask) {
     const std::uint64_t a = e[i].k0.load(std::memory_order_relaxed);
     const std::uint64_t b = e[i].k1.load(std::memory_order_relaxed);
+    if (a == 0 && b == 0) break;  // empty (first: the all-zero key is never in the table)
     if (a == k0 && b == k1) {
       found = true;
       return i;
     }
-    if (a == 0 && b == 0) break;
   }
   found = false;
   return i;

@@ -230,6 +230,8 @@ static void test_index() {
   for (int j = 0; j < 5; ++j) run.insert(run.end(), keys[j].begin(), keys[j].end());
   for (int j : {0, 1, 2, 4}) CHECK(ucm::index_insert(mem.data(), keys[j].data()));
   CHECK(ucm::index_prefix(mem.data(), run.data(), 5) == 3);
+  const std::vector<std::uint8_t> zero(16, 0);  // the empty marker is never found (it matched an empty slot)
+  CHECK(ucm::index_prefix(mem.data(), zero.data(), 1) == 0);
   for (std::size_t j = 5; j < keys.size(); ++j) ucm::index_insert(mem.data(), keys[j].data());
   CHECK(ucm::index_prefix(mem.data(), run.data(), 5) == -1);
 }

@@ -138,3 +138,18 @@ def test_chunk_checksums_are_each_pieces_checksum_little_endian():
     assert _native.chunk_checksums(memoryview(data)[4096:8192], 4096) == sums[8:16]
     with pytest.raises(ArgumentError, match="chunk_bytes must be > 0"):
         _native.chunk_checksums(data, 0)
+
+
+def test_the_key_index_never_finds_the_all_zero_key():
+    """The all-zero key is the index's empty marker: it matched the first
+    empty slot of its probe, so a lookup of it through the service was a
+    hit on a key never stored."""
+    from ucm import _native
+
+    slots = 64
+    mem = bytearray(_native.index_bytes(slots))
+    _native.index_init(mem, slots)
+    zero, one = bytes(16), (1).to_bytes(16, "little")
+    assert _native.index_prefix(mem, zero) == 0
+    assert _native.index_insert(mem, one)
+    assert _native.index_prefix(mem, one + zero) == 1
