@@ -151,3 +151,16 @@ def test_a_cache_fault_on_arrival_never_reaches_vllm():
     side.on_new_request(req)
     cache.broken.clear()
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # the lookup at arrival was a miss
+
+
+def test_best_effort_loads_what_a_staging_begun_on_arrival_brought_to_dram():
+    """Review of ucm bench prefetch: best_effort kept the tiers it saw on
+    arrival (all NVMe), so a request staged while it queued was computed
+    cold anyway."""
+    side, cache = _side(prefetch_policy="best_effort")
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _request("r", TOKENS)
+    side.on_new_request(req)
+    cache.stage(0)  # done while it queued
+    assert side.get_num_new_matched_tokens(req, 0) == (768, False)
+    assert side.staging_stats()["short"] == 0 and side.staging_stats()["late"] == 0

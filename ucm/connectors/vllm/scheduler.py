@@ -314,9 +314,14 @@ class UCMSchedulerSide:
             if st.staging.done():
                 st.staging = None
                 self._lookup(st)  # where the blocks are now
-                if any(t not in (self._landing, PENDING) for t in st.hit_tiers[first:st.hit_blocks]):
+                short = any(t not in (self._landing, PENDING) for t in st.hit_tiers[first:st.hit_blocks])
+                if policy == "best_effort":
+                    return False  # what reached DRAM is loaded; nothing was waited for
+                if short:
                     st.staging_losses += 1
                     counts["short"] += 1
+            elif policy == "best_effort":
+                return False  # still staging: what is in DRAM now; a later ask looks again
             elif now >= st.staging_deadline:
                 st.staging = None  # late: it goes on for later requests; this one stops waiting
                 st.staging_losses += 1
@@ -339,15 +344,15 @@ class UCMSchedulerSide:
             return False
         counts["stagings"] += 1
         counts["blocks_staged"] += len(below)
+        st.staging = handle
+        st.staging_since = time.monotonic()
         if policy == "best_effort":
-            return False
+            return False  # the tiers are looked at again once it is done
         wait = self.settings.load_timeout_s
         if policy == "timeout":
             hit_tokens = (st.hit_blocks - first) * self.block_tokens
             wait = min(wait, self.settings.prefetch_timeout_s
                        + self.settings.prefetch_timeout_per_1k_tokens_s * hit_tokens / 1000)
-        st.staging = handle
-        st.staging_since = time.monotonic()
         st.staging_deadline = st.staging_since + wait
         return True
 
