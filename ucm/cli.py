@@ -19,6 +19,7 @@ from ucm.errors import UcmError
 BENCHES = {name: f"ucm.bench.{name}" for name in ("io", "placement", "service", "soak", "trace", "tracegen")}
 BENCHES["vllm"] = "ucm.apps.vllm_bench"
 BENCHES["transformers"] = "ucm.apps.transformers_bench"
+BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
