@@ -23,12 +23,16 @@ Variants, each in a fresh engine in its own subprocess, same thread binding:
   copied into the small-DRAM service of the other variants;
 - `ucm_off`, `best_effort`, `wait_complete`, `timeout`: ucm, small DRAM,
   `ucm_prefetch_policy` as named; documents pushed back to NVMe only before
-  every pattern.
+  every pattern;
+- `accelerator`: policy `off` with the YAML `prefetch` accelerator on (its
+  own service, same sizes, the blocks copied in): the service stages every
+  request's NVMe blocks on first sight (`begin_request`), unbounded by the
+  connector's waiting-pin cap; its counters give `prefetch_wasted_bytes`.
 vLLM's prefix cache is off in the ucm variants (every reused token comes
-from ucm). The YAML `prefetch` accelerator is off everywhere: the policies'
-own staging (the connector's `CacheAPI.prefetch` of a waiting request's
-pinned hit) is what is measured, so `prefetch_wasted_bytes` is reported
-as null.
+from ucm). The accelerator is off in the policy variants: their own
+staging (the connector's `CacheAPI.prefetch` of a waiting request's pinned
+hit) is what they measure, and the two would stage the same blocks twice;
+their `prefetch_wasted_bytes` is null (no counter sees it).
 
 Per variant and pattern: TTFT p50/p90/p99 and mean; `io_blocked_s` (sum
 over requests, measured in the connector by ucm.apps.prefetch_probe: the
@@ -63,12 +67,13 @@ from ucm.apps.vllm_bench import BLOCK_TOKENS, _count, _env, _evict_to_nvme
 
 GEN_TOKENS = 8
 QUESTION = "\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:"
-VARIANTS = ("no_ucm", "all_in_dram", "ucm_off", "best_effort", "wait_complete", "timeout")
-POLICY = {"all_in_dram": "off", "ucm_off": "off", "best_effort": "best_effort", "wait_complete": "wait_complete",
+VARIANTS = ("no_ucm", "all_in_dram", "ucm_off", "accelerator", "best_effort", "wait_complete", "timeout")
+POLICY = {"all_in_dram": "off", "ucm_off": "off", "accelerator": "off", "best_effort": "best_effort", "wait_complete": "wait_complete",
           "timeout": "timeout"}
 PATTERNS = ("burst", "poisson")
 BLOCK_BYTES = 30 * 3 * 128 * 2 * 64 * 2  # SmolLM2 bf16, one 128-token block, all 30 layers
 DRAM_SHARE = 0.4
+CONFIG_TAG = {"all_in_dram": "big", "accelerator": "accel"}  # the service of each ucm variant (else "small")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -83,7 +88,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests, one document each (default 16)")
     p.add_argument("--doc-tokens", default="3000,6000", help="document length range LO,HI (default 3000,6000)")
     p.add_argument("--max-num-seqs", type=int, default=2, help="vLLM max_num_seqs (default 2)")
-    p.add_argument("--rate", type=float, default=3.0, help="Poisson arrivals per second (default 3.0)")
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (default 4.0)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
     p.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of burst,poisson")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
@@ -163,7 +168,9 @@ def _stats_delta(s0: dict, s1: dict) -> dict[str, Any]:
     return {"nvme_bytes_read": nv1.get("adapter", {}).get("bytes_read", 0) - nv0.get("adapter", {}).get("bytes_read", 0),
             "dram_promotions_in": dr1.get("promotions_in", 0) - dr0.get("promotions_in", 0),
             "bytes_loaded": s1.get("bytes_loaded", 0) - s0.get("bytes_loaded", 0),
-            "missing_blocks": s1.get("missing_blocks", 0) - s0.get("missing_blocks", 0)}
+            "missing_blocks": s1.get("missing_blocks", 0) - s0.get("missing_blocks", 0),
+            "accelerator": {k: round(v - (s0.get("accelerators") or {}).get("prefetch", {}).get(k, 0), 6)
+                            for k, v in ((s1.get("accelerators") or {}).get("prefetch") or {}).items()}}
 
 
 async def _run_variant_async(spec: dict) -> dict:
@@ -258,7 +265,7 @@ def _subprocess(spec: dict, work: Path) -> dict:
     return json.loads(out_path.read_text())
 
 
-def _ucm_config(work: Path, tag: str, dram_bytes: int, nvme_bytes: int) -> Path:
+def _ucm_config(work: Path, tag: str, dram_bytes: int, nvme_bytes: int, accelerator: bool = False) -> Path:
     import yaml
 
     (work / f"nvme-{tag}").mkdir()
@@ -271,6 +278,8 @@ def _ucm_config(work: Path, tag: str, dram_bytes: int, nvme_bytes: int) -> Path:
         "policy": {"name": "lru"},
         "service": {"name": f"bench-prefetch-{tag}-{os.getpid()}", "socket": str(work / f"ucm-{tag}.sock")},
     }
+    if accelerator:
+        cfg["accelerators"] = [{"name": "prefetch"}]
     path = work / f"ucm-{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -337,6 +346,8 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     work = Path(tempfile.mkdtemp(prefix="ucm-bench-prefetch-"))
     small = _ucm_config(work, "small", dram_small, max(1 << 30, 4 * (total + dram_small)))
     big = _ucm_config(work, "big", 2 * total + (64 << 20), 1 << 30)
+    accel = _ucm_config(work, "accel", dram_small, max(1 << 30, 4 * (total + dram_small)), accelerator=True)
+    configs = {"small": small, "big": big, "accel": accel}
     arr = {p: arrivals(p, requests, rate) for p in patterns}
     base = {"model": model, "prompts": prompts, "warm": warm, "max_num_seqs": max_num_seqs, "patterns": patterns,
             "arrivals": arr, "work": str(work)}
@@ -344,29 +355,28 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     clients: dict[str, Any] = {}
     cwd = os.getcwd()
     os.chdir(work)  # private services are spawned as `python -m ucm.cli` here, away from a source checkout
-    stored = False
+    source: Optional[str] = None  # the service whose engine made the store pass
     try:
         for v in variants:
             log(f"[bench prefetch] {v} ...")
             spec = {**base, "variant": v}
             if v != "no_ucm":
-                cfg = big if v == "all_in_dram" else small
-                tag = "big" if v == "all_in_dram" else "small"
+                tag = CONFIG_TAG.get(v, "small")
                 if tag not in clients:
-                    clients[tag] = ucm.connect(str(cfg))  # the private service outlives the engines
+                    clients[tag] = ucm.connect(str(configs[tag]))  # the private service outlives the engines
                     if not clients[tag].connected:
                         raise RuntimeError(f"could not start the ucm service ({tag})")
-                spec.update(ucm_config=str(cfg), push_to_nvme=(v != "all_in_dram"),
-                            store_pass=(v == "all_in_dram" or not stored))
+                    if source is not None:  # this service gets the documents' blocks from the first one
+                        doc_keys = [[bytes.fromhex(k) for k in ks] for ks in res["_store"]["doc_keys"]]
+                        res["_store"]["copied_blocks"][tag] = _copy_blocks(clients[source], clients[tag], doc_keys)
+                spec.update(ucm_config=str(configs[tag]), push_to_nvme=(v != "all_in_dram"),
+                            store_pass=source is None)
             res[v] = _subprocess(spec, work)
-            if v != "no_ucm" and not stored:
-                stored = True
+            if v != "no_ucm" and source is None:
+                source = CONFIG_TAG.get(v, "small")
                 res["_store"] = {"variant": v, "requests": res[v].get("store_pass"),
-                                 "tiers": res[v].get("stored_tiers")}
-                if v == "all_in_dram" and any(x not in ("no_ucm", "all_in_dram") for x in variants):
-                    clients["small"] = ucm.connect(str(small))
-                    doc_keys = [[bytes.fromhex(k) for k in ks] for ks in res[v]["doc_keys"]]
-                    res["_store"]["copied_blocks"] = _copy_blocks(clients["big"], clients["small"], doc_keys)
+                                 "tiers": res[v].get("stored_tiers"), "doc_keys": res[v]["doc_keys"],
+                                 "copied_blocks": {}}
     finally:
         for c in clients.values():
             c.close()
@@ -385,8 +395,9 @@ def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list
         "requests": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_num_seqs": max_num_seqs,
         "rate_per_s": rate, "arrivals_s": arr, "gen_tokens": GEN_TOKENS,
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        "dram_tier_bytes": dram_bytes, "doc_bytes": doc_bytes, "prefetch_accelerator": False,
-        "store_pass": res.get("_store", {}).get("tiers"), "copied_blocks": res.get("_store", {}).get("copied_blocks"),
+        "dram_tier_bytes": dram_bytes, "doc_bytes": doc_bytes,
+        "prefetch_accelerator": [v for v in variants if v == "accelerator"],
+        "store_pass_variant": res.get("_store", {}).get("variant"), "store_pass": res.get("_store", {}).get("tiers"), "copied_blocks": res.get("_store", {}).get("copied_blocks") or None,
         "variants": {},
     }
     all_eq = True
@@ -421,7 +432,8 @@ def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list
                 "async_load_s": round(sum(x["async_load_s"] for x in probe.values()), 4) if probe else None,
                 "nvme_bytes_read": rec.get("service", {}).get("nvme_bytes_read"),
                 "dram_promotions_in": rec.get("service", {}).get("dram_promotions_in"),
-                "prefetch_wasted_bytes": None,
+                "prefetch_wasted_bytes": (rec.get("service", {}).get("accelerator") or {}).get("bytes_wasted"),
+                "accelerator": (rec.get("service", {}).get("accelerator") or None),
                 "tiers_before": vr.get("tiers_before", {}).get(p),
                 "cached_tokens": [r["cached"] for r in reqs],
                 "outputs_equal": eq, "checked": checked, "unchecked": unchecked, "wrong": wrong,
