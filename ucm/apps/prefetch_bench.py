@@ -419,7 +419,9 @@ def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list
                     continue
                 checked += 1
                 if r["tokens"] != want:
-                    wrong.append(i)
+                    k = next((j for j, (x, y) in enumerate(zip(r["tokens"], want)) if x != y), len(want))
+                    wrong.append({"request": i, "cached": r["cached"], "first_diff": k, "tokens": r["tokens"],
+                                  "reference": want})
             eq = not wrong and checked > 0
             all_eq = all_eq and eq
             probe = rec.get("probe") or {}
