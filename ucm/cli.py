@@ -20,6 +20,7 @@ BENCHES = {name: f"ucm.bench.{name}" for name in ("io", "placement", "service", 
 BENCHES["vllm"] = "ucm.apps.vllm_bench"
 BENCHES["transformers"] = "ucm.apps.transformers_bench"
 BENCHES["sglang"] = "ucm.apps.sglang_bench"
+BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
