@@ -239,15 +239,7 @@ class FsAdapter(BudgetedAdapter, RangeReads):
             if st is Status.OK:
                 self._budget.touch(key, len(v))
         self._budget.gone(k for k, st in zip(keys, out) if st is Status.NOT_FOUND)
-        with self._lock:
-            for v, st in zip(views, out):
-                if st is Status.OK:
-                    self._stats["hits"] += 1
-                    self._stats["bytes_out"] += len(v)
-                elif st is Status.NOT_FOUND:
-                    self._stats["misses"] += 1
-                else:
-                    self._stats["corrupt" if st is Status.CORRUPT else "failed"] += 1
+        self._count_reads(views, out, "hits")
         return out
 
     def _read_one(self, key: Key, path: str, dst: memoryview) -> Status:
@@ -285,16 +277,20 @@ class FsAdapter(BudgetedAdapter, RangeReads):
             if st is Status.OK:
                 self._budget.touch(key, size)
         self._budget.gone(k for k, st in zip(keys, out) if st is Status.NOT_FOUND)
+        self._count_reads(views, out, "range_hits")
+        return out
+
+    def _count_reads(self, views: Sequence[Any], out: Sequence[Status], hit: str) -> None:
+        """The read counters of one batch (`hit`: the counter of an OK read)."""
         with self._lock:
             for v, st in zip(views, out):
                 if st is Status.OK:
-                    self._stats["range_hits"] += 1
+                    self._stats[hit] += 1
                     self._stats["bytes_out"] += len(v)
                 elif st is Status.NOT_FOUND:
                     self._stats["misses"] += 1
                 else:
                     self._stats["corrupt" if st is Status.CORRUPT else "failed"] += 1
-        return out
 
     def _read_range(self, key: Key, path: str, offset: int, dst: memoryview) -> tuple[Status, int]:
         """(status, payload bytes of the file) of one range read."""
