@@ -44,11 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ucm.apps.vllm_bench import CHECK_TOKENS, QUESTIONS  # the same workload as ucm bench vllm
 from ucm.progress import bar
-
-CHECK_TOKENS = 8
-QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
-             "\n\nQuestion: Which three names appear most often in the document above? List them.\nAnswer:")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
