@@ -60,17 +60,17 @@ def page_bytes(model_dir: Path, dtype: str, page_tokens: int = BLOCK_TOKENS) -> 
     return c["num_hidden_layers"] * 2 * heads * head * DTYPE_BYTES[dtype] * page_tokens
 
 
-def service_config(base: Path, work: Path, dram_bytes: int, nvme_bytes: int) -> dict[str, Any]:
+def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, nvme_bytes: int) -> dict[str, Any]:
     """`base` (configs/default.yaml) resized for the demo: 128-token blocks,
-    DRAM and NVMe sizes of the demo, NVMe under `work`, a private socket, no
-    metrics port."""
+    a DRAM tier of exactly `dram_blocks` blocks (one block per arena extent),
+    NVMe of `nvme_bytes` under `work`, a private socket, no metrics port."""
     cfg = yaml.safe_load(base.read_text())
     cfg["block_tokens"] = BLOCK_TOKENS
     for tier in cfg["tiers"]:
         if tier["adapter"] == "dram":
-            tier["capacity"] = f"{dram_bytes >> 20}MiB"
+            tier["capacity"] = dram_blocks * block_bytes
             tier["headroom"] = "15%"  # a small tier: room for a document staged back from NVMe
-            tier.setdefault("options", {})["prefault"] = False
+            tier.setdefault("options", {}).update({"prefault": False, "extent_bytes": block_bytes})
         elif tier["adapter"] == "nvme":
             tier["capacity"] = f"{nvme_bytes >> 20}MiB"
             tier.setdefault("options", {})["path"] = str(work / "nvme")
@@ -137,14 +137,16 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
                     help="model and KV dtype (default float32: faster than bf16 with vLLM for CPU here, "
                          "and a hit's numerics equal a cold prefill's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per request (default 8; quick 4)")
-    ap.add_argument("--engine-kv-prompts", type=float, default=2.5,
-                    help="vLLM's KV space in longest prompts of the workload (default 2.5)")
+    ap.add_argument("--engine-kv-prompts", type=float, default=None,
+                    help="vLLM's KV space in longest prompts of the workload (default 2.5; quick 1.5)")
     ap.add_argument("--dram-fraction", type=float, default=0.6,
                     help="ucm's DRAM tier as a fraction of the workload's distinct blocks (default 0.6)")
     ap.add_argument("--config", default=None, help="base YAML of the service (default: configs/default.yaml)")
     ap.add_argument("--plot", default="out/demo_ttft.png", help="PNG written here (default out/demo_ttft.png)")
     ap.add_argument("--json", default=None, help="also write every row and the summary to this JSON file")
     a = ap.parse_args(argv)
+    if a.engine_kv_prompts is None:
+        a.engine_kv_prompts = 1.5 if a.quick else 2.5
     if a.engine_kv_prompts < 1:
         ap.error(f"--engine-kv-prompts must be >= 1 (one prompt must fit), got {a.engine_kv_prompts}")
     if not 0 < a.dram_fraction <= 4:
@@ -182,7 +184,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     kv_pages = max(math.ceil(a.engine_kv_prompts * longest / BLOCK_TOKENS),
                    math.ceil((longest + a.max_tokens) / BLOCK_TOKENS) + 1)
     blocks = distinct_blocks(requests, BLOCK_TOKENS)
-    dram_bytes = max(64 << 20, math.ceil(a.dram_fraction * blocks * page / (1 << 20)) << 20)
+    dram_blocks = max(8, math.ceil(a.dram_fraction * blocks))  # 8: the fewest extents of an arena
+    dram_bytes = dram_blocks * page
     nvme_bytes = max(512 << 20, (4 * blocks * page >> 20) << 20)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     print(f"workload: {len(requests)} requests from {spec.docs} documents asked {spec.asks} times and {spec.chats} "
@@ -190,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{blocks} distinct {BLOCK_TOKENS}-token blocks ({blocks * page / (1 << 20):,.0f} MiB of {a.dtype} KV)")
     print(f"vLLM: prefix cache on, KV space {kv_pages} pages = {kv_pages * BLOCK_TOKENS:,} tokens "
           f"({kv_pages * page / (1 << 20):,.0f} MiB, {kv_pages * BLOCK_TOKENS / longest:.1f}x the longest prompt); "
-          f"ucm: DRAM {dram_bytes >> 20} MiB ({dram_bytes / (blocks * page):.0%} of the working set), NVMe in a "
+          f"ucm: DRAM {dram_blocks} blocks = {dram_bytes >> 20} MiB ({dram_blocks / blocks:.0%} of the working set), NVMe in a "
           f"temporary directory; {a.max_tokens} greedy tokens per request", flush=True)
     engine = {"model": str(model), "dtype": a.dtype, "kv_bytes": kv_pages * page, "max_tokens": a.max_tokens,
               "max_model_len": min(kv_pages * BLOCK_TOKENS, longest + a.max_tokens + 16),
@@ -198,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ucm-demo-"))
     (work / "nvme").mkdir()
     cfg_path = work / "ucm.yaml"
-    cfg_path.write_text(yaml.safe_dump(service_config(base, work, dram_bytes, nvme_bytes)))
+    cfg_path.write_text(yaml.safe_dump(service_config(base, work, dram_blocks, page, nvme_bytes)))
     runs: list[dict[str, Any]] = []
     service: list[dict[str, Any]] = []
     cwd, client = os.getcwd(), None
