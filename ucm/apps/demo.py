@@ -79,9 +79,10 @@ def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, n
     return cfg
 
 
-def _run_engine(spec: dict, work: Path, name: str, progress) -> dict:
+def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict:
     """Runs `ucm.apps.demo_engine` on `spec` in a new process, advancing
-    `progress` as it reports; its output goes to a log in `work`."""
+    `progress` (its step named `label`) as it reports; its output goes to a
+    log in `work`."""
     spec_path, out_path, log_path = work / f"spec-{name}.json", work / f"out-{name}.json", work / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
@@ -109,14 +110,14 @@ def _run_engine(spec: dict, work: Path, name: str, progress) -> dict:
             *lines, buf = buf.split(b"\n")
             for line in lines:
                 if line == b"ready":
-                    progress.set_postfix_str(f"{name}: replaying")
+                    progress.set_postfix_str(f"{label}: replaying")
                 elif line.startswith(b"done "):
                     progress.update(1)
     rc = proc.wait()
     if rc != 0 or not out_path.exists():
         text = log_path.read_text(errors="replace")
         causes = [ln for ln in text.splitlines() if "Error" in ln and "Traceback" not in ln][:8]
-        raise RuntimeError(f"run {name!r} failed (exit {rc}); first errors:\n" + "\n".join(causes) +
+        raise RuntimeError(f"run {label!r} failed (exit {rc}); first errors:\n" + "\n".join(causes) +
                            f"\n... last lines of its log:\n{text[-3000:]}")
     return json.loads(out_path.read_text())
 
@@ -218,9 +219,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         if not client.connected:
                             raise RuntimeError("the ucm service did not start")
                     run_spec["ucm_config"] = str(cfg_path)
-                say(f"ucm demo: run {i + 1}/{len(RUN_NAMES)}: {name} (a new engine process, ~1 min to start) ...")
+                say(f"ucm demo: run {i + 1}/{len(RUN_NAMES)}: {name} (a new engine process) ...")
                 progress.set_postfix_str(f"{name}: starting the engine")
-                result = _run_engine(run_spec, work, f"run{i + 1}", progress)
+                result = _run_engine(run_spec, work, f"run{i + 1}", name, progress)
                 runs.append({"name": name, **result})
                 if client is not None:
                     service.append(_tier_counts(client.stats()))
