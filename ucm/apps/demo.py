@@ -122,7 +122,13 @@ def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict
     return json.loads(out_path.read_text())
 
 
-def _tier_counts(stats: dict) -> dict[str, Any]:
+def _tier_counts(client) -> dict[str, Any]:
+    """The service's block counts now ({} when it cannot answer: the figures
+    are then missing from the report, nothing else)."""
+    try:
+        stats = client.stats()
+    except Exception:
+        return {}
     t = stats.get("tiers", {})
     return {"stored_blocks": stats.get("stored_blocks", 0), "loaded_blocks": stats.get("loaded_blocks", 0),
             **{f"{name}_{k}": v.get(k, 0) for name, v in t.items() for k in ("blocks", "demotions_in",
@@ -224,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 result = _run_engine(run_spec, work, f"run{i + 1}", name, progress)
                 runs.append({"name": name, **result})
                 if client is not None:
-                    service.append(_tier_counts(client.stats()))
+                    service.append(_tier_counts(client))
     except (RuntimeError, OSError) as e:
         print(f"ucm demo: {e}", file=sys.stderr)
         return 1
@@ -238,9 +244,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(table(summary))
     s2, s3 = service[0], service[-1]
-    print(f"\nucm service after run 2: {s2['stored_blocks']} blocks stored, {s2.get('nvme_demotions_in', 0)} "
-          f"demoted to NVMe; after run 3: {s3['loaded_blocks']} loaded in all, "
-          f"{s3.get('dram_promotions_in', 0)} staged back from NVMe. Engines started in "
+    print(f"\nucm service after run 2: {s2.get('stored_blocks', '?')} blocks stored, "
+          f"{s2.get('nvme_demotions_in', '?')} demoted to NVMe; after run 3: {s3.get('loaded_blocks', '?')} "
+          f"loaded in all, "
+          f"{s3.get('dram_promotions_in', '?')} staged back from NVMe. Engines started in "
           + ", ".join(f"{r['engine_start_s']:.0f}" for r in runs) + f" s; the runs took {elapsed:.0f} s.")
     unequal = [(s["name"], s["unequal"]) for s in summary["runs"][1:] if s["unequal"]]
     if unequal:
