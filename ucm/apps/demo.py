@@ -200,8 +200,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{blocks} distinct {BLOCK_TOKENS}-token blocks ({blocks * page / (1 << 20):,.0f} MiB of {a.dtype} KV)")
     print(f"vLLM: prefix cache on, KV space {kv_pages} pages = {kv_pages * BLOCK_TOKENS:,} tokens "
           f"({kv_pages * page / (1 << 20):,.0f} MiB, {kv_pages * BLOCK_TOKENS / longest:.1f}x the longest prompt); "
-          f"ucm: DRAM {dram_blocks} blocks = {dram_bytes >> 20} MiB ({dram_blocks / blocks:.0%} of the working set), NVMe in a "
-          f"temporary directory; {a.max_tokens} greedy tokens per request", flush=True)
+          f"ucm: DRAM {dram_blocks} blocks = {dram_bytes >> 20} MiB ({dram_blocks / blocks:.0%} of the working set), "
+          f"NVMe in a temporary directory; {a.max_tokens} greedy tokens per request", flush=True)
     engine = {"model": str(model), "dtype": a.dtype, "kv_bytes": kv_pages * page, "max_tokens": a.max_tokens,
               "max_model_len": min(kv_pages * BLOCK_TOKENS, longest + a.max_tokens + 16),
               "requests": [r.to_json() for r in requests]}
