@@ -80,8 +80,10 @@ test-sglang: $(SGL_STAMP)
 
 test: test-native test-python test-sglang
 
-# The main job: a multi-turn chat replayed through vLLM for CPU without and
-# with ucm (TTFT per turn, hits per tier, out/demo_ttft.png).
+# The main job: vLLM for CPU with its prefix cache on and a KV space smaller
+# than the working set, serving interleaved documents and chats three times:
+# alone, with ucm, and restarted with ucm (TTFT per request class, prompt
+# tokens by source, outputs checked, out/demo_ttft.png). About 4 min here.
 demo: install
 	$(BIN)/ucm model prepare smollm2
 	$(BIN)/python -m ucm.apps.demo

@@ -1,29 +1,37 @@
-"""`python -m ucm.apps.demo`: a multi-turn chat replayed through vLLM, without and with ucm.
+"""`python -m ucm.apps.demo` (`make demo`): what ucm gives a vLLM user that
+vLLM's own prefix cache cannot.
 
-Starts a ucm service from `configs/default.yaml` resized for a demo (DRAM
-2GiB, NVMe under a temporary directory, 128-token blocks, no metrics port),
-then replays `--conversations` chats of `--turns` turns each, turn by turn
-across the chats (turn 1 of every chat, then turn 2, ...), as vLLM would see
-them from a chat front end: every turn's prompt is the whole history so far
-plus the new user message, in the model's chat template; the assistant
-replies of the history are scripted, so both runs see the same prompts.
-Each turn generates `--max-tokens` greedy tokens.
+vLLM for CPU serves SmolLM2-135M-Instruct with its prefix cache on and a KV
+space of about `--engine-kv-prompts` of the workload's longest prompts (as
+on any busy GPU: the KV memory is smaller than the working set), sized from
+the model's geometry (layers x 2 x KV heads x head size x dtype bytes x
+128-token pages). The workload (`ucm.apps.demo_workload`) is several users
+interleaved: documents asked about again and again, chats growing turn by
+turn, two shared system prompts; the engine's own cache evicts what comes
+back. It runs three times, each in a new engine process
+(`ucm.apps.demo_engine`):
 
-The replay runs twice, each in a fresh engine in its own subprocess (vLLM
-prefix caching off in both, so every reused token comes from ucm):
-- without ucm: plain vLLM, every turn prefills its whole history;
-- with ucm: UCMConnector; a turn loads its history's full blocks from ucm.
+1. vLLM alone (prefix cache on): the reference outputs;
+2. vLLM + ucm: UCMConnector and a ucm service started by the demo, its
+   DRAM tier about `--dram-fraction` of the working set, NVMe under a
+   temporary directory; what the engine evicted comes back from ucm;
+3. a restarted engine + ucm: a new engine process, the same service still
+   running; the new engine finds the previous engine's blocks.
 
-Prints per turn the time to first token (vLLM's own per-request
-first-token latency) without and with ucm, the tokens ucm served, whether
-the outputs were equal, and the service's hits per tier; writes a plot to
-`--plot` (default out/demo_ttft.png; needs matplotlib).
+Prints the machine, TTFT p50/p90 per request class for each run, prompt
+tokens by source (vLLM's prefix cache, ucm DRAM, ucm NVMe, computed) and
+whether every output equals run 1's; writes a plot (`--plot`, default
+out/demo_ttft.png) and, with `--json`, every row. `--quick` runs a reduced
+demo (few short requests, a tiny KV space: the end-to-end test).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -34,221 +42,231 @@ from typing import Any, Optional
 
 import yaml
 
-BLOCK_TOKENS = 128
-SYSTEM = "You are a helpful, concise assistant."
-TOPICS = [
-    ("the water cycle", ["evaporation", "condensation", "precipitation", "groundwater"]),
-    ("how a bicycle gear system works", ["chainrings", "cassette", "derailleur", "gear ratios"]),
-    ("the history of the printing press", ["Gutenberg", "movable type", "paper", "literacy"]),
-    ("baking sourdough bread", ["starter", "hydration", "proofing", "scoring"]),
-    ("how vaccines train the immune system", ["antigens", "antibodies", "memory cells", "boosters"]),
-]
+from ucm.apps.demo_engine import BLOCK_TOKENS, PROGRESS_FD
+from ucm.apps.demo_report import machine_line, plot, summarize, table
+from ucm.apps.demo_workload import QUICK, WorkloadSpec, build_workload, distinct_blocks
+from ucm.progress import bar, enabled
+
+RUN_NAMES = ("vLLM alone", "vLLM + ucm", "restarted + ucm")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _conversations(n_conv: int, turns: int) -> list[list[tuple[str, str]]]:
-    """Scripted (user, assistant) pairs per conversation; long-ish replies so
-    the history grows by several hundred tokens per turn."""
-    convs = []
-    for c in range(n_conv):
-        topic, parts = TOPICS[c % len(TOPICS)]
-        conv = []
-        for t in range(turns):
-            part = parts[t % len(parts)]
-            user = (f"Turn {t + 1}. I am learning about {topic}. Please explain {part} in detail, "
-                    f"how it relates to what we discussed, and give one everyday example.")
-            reply = " ".join(
-                f"Regarding {part} in {topic}: point {k + 1} is that it connects to the earlier steps, "
-                f"matters for the overall process, and can be observed in daily life in simple ways."
-                for k in range(3))
-            conv.append((user, reply))
-        convs.append(conv)
-    return convs
+def page_bytes(model_dir: Path, dtype: str, page_tokens: int = BLOCK_TOKENS) -> int:
+    """KV bytes of one `page_tokens` page over all layers, from the model's
+    config.json: layers x (K, V) x KV heads x head size x dtype bytes x tokens."""
+    c = json.loads((model_dir / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return c["num_hidden_layers"] * 2 * heads * head * DTYPE_BYTES[dtype] * page_tokens
 
 
-def _turn_prompts(tokenizer, convs: list[list[tuple[str, str]]]) -> list[tuple[int, int, list[int]]]:
-    """(conversation, turn, prompt token ids), turn-major order."""
-    out = []
-    turns = len(convs[0])
-    for t in range(turns):
-        for c, conv in enumerate(convs):
-            msgs = [{"role": "system", "content": SYSTEM}]
-            for user, reply in conv[:t]:
-                msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-            msgs.append({"role": "user", "content": conv[t][0]})
-            ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            out.append((c, t, [int(i) for i in ids]))
-    return out
-
-
-# ---- one replay in one engine (subprocess) -------------------------------------
-def _replay(spec: dict) -> list[dict]:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    kw: dict[str, Any] = {}
-    if spec.get("ucm_config"):
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"ucm_config": spec["ucm_config"]})
-    prompts = spec["prompts"]
-    max_len = max(len(p[2]) for p in prompts) + spec["max_tokens"] + 64
-    llm = LLM(model=spec["model"], max_model_len=max_len, enforce_eager=True, enable_prefix_caching=False,
-              seed=0, disable_log_stats=False, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    llm.generate([{"prompt_token_ids": list(range(1000, 1100))}], SamplingParams(max_tokens=1), use_tqdm=False)
-    rows = []
-    for c, t, ids in prompts:
-        t0 = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        wall = time.perf_counter() - t0
-        m = getattr(o, "metrics", None)
-        ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-        rows.append({"conv": c, "turn": t, "prompt_tokens": len(ids), "ttft_s": ttft or None, "wall_s": wall,
-                     "cached": int(o.num_cached_tokens or 0), "tokens": list(o.outputs[0].token_ids)})
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    return rows
-
-
-def _subprocess(spec: dict, work: Path, name: str) -> list[dict]:
-    spec_path, out_path = work / f"spec-{name}.json", work / f"out-{name}.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    proc = subprocess.run([sys.executable, "-m", "ucm.apps.demo", "--run-config", str(spec_path), str(out_path)],
-                          env=env, cwd=str(work), capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0 or not out_path.exists():
-        raise RuntimeError(f"replay {name!r} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out_path.read_text())
-
-
-def _demo_config(base: Path, work: Path, dram: str) -> dict:
+def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, nvme_bytes: int) -> dict[str, Any]:
+    """`base` (configs/default.yaml) resized for the demo: 128-token blocks,
+    a DRAM tier of exactly `dram_blocks` blocks (one block per arena extent),
+    NVMe of `nvme_bytes` under `work`, a private socket, no metrics port."""
     cfg = yaml.safe_load(base.read_text())
     cfg["block_tokens"] = BLOCK_TOKENS
     for tier in cfg["tiers"]:
         if tier["adapter"] == "dram":
-            tier["capacity"] = dram
-            tier.setdefault("options", {})["prefault"] = False
+            tier["capacity"] = dram_blocks * block_bytes
+            tier["headroom"] = "15%"  # a small tier: room for a document staged back from NVMe
+            tier.setdefault("options", {}).update({"prefault": False, "extent_bytes": block_bytes})
         elif tier["adapter"] == "nvme":
-            tier["capacity"] = "4GiB"
+            tier["capacity"] = f"{nvme_bytes >> 20}MiB"
             tier.setdefault("options", {})["path"] = str(work / "nvme")
     cfg.setdefault("service", {})
     cfg["service"].update({"name": f"demo-{os.getpid()}", "socket": str(work / "ucm.sock"), "metrics_port": None})
     return cfg
 
 
-def _plot(rows_off: list[dict], rows_on: list[dict], path: Path) -> Optional[str]:
-    try:
-        import matplotlib
+def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict:
+    """Runs `ucm.apps.demo_engine` on `spec` in a new process, advancing
+    `progress` (its step named `label`) as it reports; its output goes to a
+    log in `work`."""
+    spec_path, out_path, log_path = work / f"spec-{name}.json", work / f"out-{name}.json", work / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes with whole GiB
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    rfd, wfd = os.pipe()
+    env[PROGRESS_FD] = str(wfd)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ucm.apps.demo_engine", str(spec_path), str(out_path)],
+                                env=env, cwd=str(work), stdout=log, stderr=subprocess.STDOUT, pass_fds=(wfd,))
+    os.close(wfd)
+    buf = b""
+    with os.fdopen(rfd, "rb", buffering=0) as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            chunk = pipe.read(4096)
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if line == b"ready":
+                    progress.set_postfix_str(f"{label}: replaying")
+                elif line.startswith(b"done "):
+                    progress.update(1)
+    rc = proc.wait()
+    if rc != 0 or not out_path.exists():
+        text = log_path.read_text(errors="replace")
+        causes = [ln for ln in text.splitlines() if "Error" in ln and "Traceback" not in ln][:8]
+        raise RuntimeError(f"run {label!r} failed (exit {rc}); first errors:\n" + "\n".join(causes) +
+                           f"\n... last lines of its log:\n{text[-3000:]}")
+    return json.loads(out_path.read_text())
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
-    labels = [f"c{r['conv'] + 1}t{r['turn'] + 1}" for r in rows_off]
-    x = range(len(labels))
-    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.6), 4))
-    ax.bar([i - 0.2 for i in x], [r["ttft_s"] * 1000 for r in rows_off], width=0.4, label="vLLM without ucm")
-    ax.bar([i + 0.2 for i in x], [r["ttft_s"] * 1000 for r in rows_on], width=0.4, label="vLLM with ucm")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, rotation=45, ha="right")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("Multi-turn chat replay (SmolLM2-135M, vLLM for CPU)")
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+
+def _tier_counts(client) -> dict[str, Any]:
+    """The service's block counts now ({} when it cannot answer: the figures
+    are then missing from the report, nothing else)."""
+    try:
+        stats = client.stats()
+    except Exception:
+        return {}
+    t = stats.get("tiers", {})
+    return {"stored_blocks": stats.get("stored_blocks", 0), "loaded_blocks": stats.get("loaded_blocks", 0),
+            **{f"{name}_{k}": v.get(k, 0) for name, v in t.items() for k in ("blocks", "demotions_in",
+                                                                               "promotions_in")}}
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m ucm.apps.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a reduced demo: few short requests, a tiny KV space")
+    ap.add_argument("--seed", type=int, default=19, help="seed of the workload (default 19)")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32",
+                    help="model and KV dtype (default float32: faster than bf16 with vLLM for CPU here, "
+                         "and a hit's numerics equal a cold prefill's)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per request (default 8; quick 4)")
+    ap.add_argument("--engine-kv-prompts", type=float, default=None,
+                    help="vLLM's KV space in longest prompts of the workload (default 2.5; quick 1.5)")
+    ap.add_argument("--dram-fraction", type=float, default=0.6,
+                    help="ucm's DRAM tier as a fraction of the workload's distinct blocks (default 0.6)")
+    ap.add_argument("--config", default=None, help="base YAML of the service (default: configs/default.yaml)")
+    ap.add_argument("--plot", default="out/demo_ttft.png", help="PNG written here (default out/demo_ttft.png)")
+    ap.add_argument("--json", default=None, help="also write every row and the summary to this JSON file")
+    a = ap.parse_args(argv)
+    if a.engine_kv_prompts is None:
+        a.engine_kv_prompts = 1.5 if a.quick else 2.5
+    if a.engine_kv_prompts < 1:
+        ap.error(f"--engine-kv-prompts must be >= 1 (one prompt must fit), got {a.engine_kv_prompts}")
+    if not 0 < a.dram_fraction <= 4:
+        ap.error(f"--dram-fraction must be in (0, 4], got {a.dram_fraction}")
+    if a.max_tokens is None:
+        a.max_tokens = 4 if a.quick else 8
+    if a.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    return a
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ucm.apps.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=None, help="base YAML (default: configs/default.yaml of this checkout)")
-    ap.add_argument("--conversations", type=int, default=3)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--dram", default="2GiB", help="DRAM tier of the demo service (default 2GiB)")
-    ap.add_argument("--plot", default="out/demo_ttft.png")
-    ap.add_argument("--json", default=None, help="also write the rows and stats to this JSON file")
-    a = ap.parse_args(argv)
-
+    a = _parse(argv)
     import ucm
     from ucm.apps.model import prepare
 
-    base = Path(a.config) if a.config else Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-    plot_path = Path(a.plot).resolve()
-    json_path = Path(a.json).resolve() if a.json else None
-    print("ucm demo: preparing the model ...", flush=True)
-    model = str(prepare("smollm2"))
+    say = print if not enabled() else (lambda *x: None)  # with a bar on the terminal, its postfix says it
+    base = Path(a.config) if a.config else Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    if not base.is_file():
+        print(f"ucm demo: no service config at {base}; pass --config configs/default.yaml of a clone",
+              file=sys.stderr)
+        return 2
+    plot_path, json_path = Path(a.plot).resolve(), Path(a.json).resolve() if a.json else None
+    machine = machine_line()
+    print(f"machine: {machine}", flush=True)
+    model = Path(prepare("smollm2"))
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = _turn_prompts(tok, _conversations(a.conversations, a.turns))
+    spec = QUICK if a.quick else WorkloadSpec()
+    spec = dataclasses.replace(spec, seed=a.seed)
+    requests = build_workload(AutoTokenizer.from_pretrained(str(model)), spec)
+    classes = {r.index: r.cls for r in requests}
+    longest = max(len(r.prompt) for r in requests)
+    page = page_bytes(model, a.dtype)
+    kv_pages = max(math.ceil(a.engine_kv_prompts * longest / BLOCK_TOKENS),
+                   math.ceil((longest + a.max_tokens) / BLOCK_TOKENS) + 1)
+    blocks = distinct_blocks(requests, BLOCK_TOKENS)
+    dram_blocks = max(8, math.ceil(a.dram_fraction * blocks))  # 8: the fewest extents of an arena
+    dram_bytes = dram_blocks * page
+    nvme_bytes = max(512 << 20, (4 * blocks * page >> 20) << 20)
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    print(f"workload: {len(requests)} requests from {spec.docs} documents asked {spec.asks} times and {spec.chats} "
+          f"chats of {spec.turns} turns, interleaved (seed {spec.seed}); {prompt_tokens:,} prompt tokens, "
+          f"{blocks} distinct {BLOCK_TOKENS}-token blocks ({blocks * page / (1 << 20):,.0f} MiB of {a.dtype} KV)")
+    print(f"vLLM: prefix cache on, KV space {kv_pages} pages = {kv_pages * BLOCK_TOKENS:,} tokens "
+          f"({kv_pages * page / (1 << 20):,.0f} MiB, {kv_pages * BLOCK_TOKENS / longest:.1f}x the longest prompt); "
+          f"ucm: DRAM {dram_blocks} blocks = {dram_bytes >> 20} MiB ({dram_blocks / blocks:.0%} of the working set), "
+          f"NVMe in a temporary directory; {a.max_tokens} greedy tokens per request", flush=True)
+    engine = {"model": str(model), "dtype": a.dtype, "kv_bytes": kv_pages * page, "max_tokens": a.max_tokens,
+              "max_model_len": min(kv_pages * BLOCK_TOKENS, longest + a.max_tokens + 16),
+              "requests": [r.to_json() for r in requests]}
     work = Path(tempfile.mkdtemp(prefix="ucm-demo-"))
     (work / "nvme").mkdir()
     cfg_path = work / "ucm.yaml"
-    cfg_path.write_text(yaml.safe_dump(_demo_config(base, work, a.dram)))
-    cwd = os.getcwd()
-    os.chdir(work)  # the service is spawned here, away from a source checkout
-    client = None
+    cfg_path.write_text(yaml.safe_dump(service_config(base, work, dram_blocks, page, nvme_bytes)))
+    runs: list[dict[str, Any]] = []
+    service: list[dict[str, Any]] = []
+    cwd, client = os.getcwd(), None
+    t0 = time.monotonic()
+    os.chdir(work)  # processes are spawned here, away from a source checkout
     try:
-        spec = {"model": model, "prompts": prompts, "max_tokens": a.max_tokens}
-        print(f"ucm demo: {len(prompts)} turns without ucm (fresh vLLM engine, ~1 min to start) ...", flush=True)
-        off = _subprocess(spec, work, "without")
-        print(f"ucm demo: starting the ucm service ({base.name}, DRAM {a.dram}, NVMe in {work / 'nvme'}) ...",
-              flush=True)
-        client = ucm.connect(str(cfg_path))
-        if not client.connected:
-            print("ucm demo: the ucm service did not start", file=sys.stderr)
-            return 1
-        print(f"ucm demo: {len(prompts)} turns with ucm ...", flush=True)
-        on = _subprocess({**spec, "ucm_config": str(cfg_path)}, work, "with")
-        stats = client.stats()
+        with bar(total=len(RUN_NAMES) * len(requests), desc="ucm demo", unit="req") as progress:
+            for i, name in enumerate(RUN_NAMES):
+                run_spec = dict(engine)
+                if i > 0:
+                    if client is None:
+                        progress.set_postfix_str("starting the ucm service")
+                        client = ucm.connect(str(cfg_path))  # the service outlives the engines
+                        if not client.connected:
+                            raise RuntimeError("the ucm service did not start")
+                    run_spec["ucm_config"] = str(cfg_path)
+                say(f"ucm demo: run {i + 1}/{len(RUN_NAMES)}: {name} (a new engine process) ...")
+                progress.set_postfix_str(f"{name}: starting the engine")
+                result = _run_engine(run_spec, work, f"run{i + 1}", name, progress)
+                runs.append({"name": name, **result})
+                if client is not None:
+                    service.append(_tier_counts(client))
+    except (RuntimeError, OSError) as e:
+        print(f"ucm demo: {e}", file=sys.stderr)
+        return 1
     finally:
         if client is not None:
             client.close()
         os.chdir(cwd)
         shutil.rmtree(work, ignore_errors=True)
-    for rows in (off, on):
-        for r in rows:
-            if r["ttft_s"] is None:
-                r["ttft_s"] = r["wall_s"]  # no per-request metrics: the whole call
+    elapsed = time.monotonic() - t0
+    summary = summarize(runs, classes)
     print()
-    print(f"{'conv':>4} {'turn':>4} {'prompt':>7} {'TTFT no ucm':>12} {'TTFT ucm':>10} {'speedup':>8} "
-          f"{'from ucm':>9} {'same output':>11}")
-    for r0, r1 in zip(off, on):
-        print(f"{r0['conv'] + 1:>4} {r0['turn'] + 1:>4} {r0['prompt_tokens']:>7} {r0['ttft_s'] * 1000:>10.0f}ms "
-              f"{r1['ttft_s'] * 1000:>8.0f}ms {r0['ttft_s'] / r1['ttft_s']:>7.2f}x {r1['cached']:>9} "
-              f"{str(r0['tokens'] == r1['tokens']):>11}")
-    tot0, tot1 = sum(r["ttft_s"] for r in off), sum(r["ttft_s"] for r in on)
-    print(f"{'all':>9} {'':>7} {tot0 * 1000:>10.0f}ms {tot1 * 1000:>8.0f}ms {tot0 / tot1:>7.2f}x")
-    print("\nucm hits per tier (blocks):")
-    for name, t in stats.get("tiers", {}).items():
-        print(f"  {name:6s} hits {t.get('hits', 0):>6}  blocks {t.get('blocks', 0):>6}  inserts {t.get('inserts', 0):>6}"
-              f"  promotions in {t.get('promotions_in', 0):>4}  demotions in {t.get('demotions_in', 0):>4}")
-    # (lookups are answered by the clients from the shared key index, not counted here)
-    top = {k: v for k, v in stats.items() if not isinstance(v, dict) and k != "lookups"}
-    if top:
-        print("  service: " + ", ".join(f"{k} {v}" for k, v in top.items()))
-    note = _plot(off, on, plot_path)
+    print(table(summary))
+    s2, s3 = service[0], service[-1]
+    print(f"\nucm service after run 2: {s2.get('stored_blocks', '?')} blocks stored, "
+          f"{s2.get('nvme_demotions_in', '?')} demoted to NVMe; after run 3: {s3.get('loaded_blocks', '?')} "
+          f"loaded in all, "
+          f"{s3.get('dram_promotions_in', '?')} staged back from NVMe. Engines started in "
+          + ", ".join(f"{r['engine_start_s']:.0f}" for r in runs) + f" s; the runs took {elapsed:.0f} s.")
+    unequal = [(s["name"], s["unequal"]) for s in summary["runs"][1:] if s["unequal"]]
+    if unequal:
+        print("outputs NOT equal to run 1 for requests: " + "; ".join(f"{n}: {u}" for n, u in unequal))
+    title = (f"ucm demo: SmolLM2-135M on vLLM for CPU, prefix cache on, KV space {kv_pages * BLOCK_TOKENS:,} "
+             f"tokens; {len(requests)} interleaved requests\n{machine}")
+    note = plot(runs, classes, summary, plot_path, title)
     print(f"\n{note}" if note else f"\nplot written to {plot_path}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"without": off, "with": on, "stats": stats}, indent=1))
-    return 0
+        json_path.write_text(json.dumps({
+            "machine": machine, "workload": {**dataclasses.asdict(spec),
+                                             "requests": len(requests), "prompt_tokens": prompt_tokens,
+                                             "distinct_blocks": blocks},
+            "engine_kv_pages": kv_pages, "dram_bytes": dram_bytes, "dtype": a.dtype, "max_tokens": a.max_tokens,
+            "classes": {str(k): v for k, v in classes.items()}, "summary": summary, "service": service,
+            "runs": runs}, indent=1))
+    return 0 if not unequal else 3
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--run-config":
-        Path(sys.argv[3]).write_text(json.dumps(_replay(json.loads(Path(sys.argv[2]).read_text()))))
-        sys.exit(0)
     sys.exit(main())
