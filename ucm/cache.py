@@ -49,7 +49,7 @@ from ucm.execution import PlanExecutor
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer
 from ucm.slot_access import SlotAccess
-from ucm.tiers import TierStack
+from ucm.tiers import BatchRead, TierStack
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ _FROM_STATUS = {Status.OK: Outcome.DONE, Status.NOT_FOUND: Outcome.MISSING, Stat
 # Request ids remembered (begun, not finished yet): a bound, so that ids
 # never finished (a crashed engine) cannot grow the cache's memory.
 MAX_OPEN_REQUESTS = 65536
+
+# How long a staging waits for another staging's copy of a block it needs.
+STAGE_JOIN_TIMEOUT_S = 30.0
 
 # tier_factory(index, adapter class, capacity_bytes, validated options) -> adapter
 TierFactory = Callable[[int, type, int, Any], StorageAdapter]
@@ -99,6 +102,7 @@ class UnifiedCache(SlotAccess):
         self._closed = False
         self._pool: Optional[ThreadPoolExecutor] = None
         self._reclaimer: Optional[HeadroomReclaimer] = None
+        self._streamer: Optional[Any] = None  # the LayerStreamer, made by the first stream_slots
         try:
             self._open(cfg)
         except BaseException:
@@ -117,6 +121,7 @@ class UnifiedCache(SlotAccess):
         self._meta = threading.Lock()
         self.plans = PlanExecutor(self.placement, self.tiers, self._meta, self._count, self._footprint)
         self._requests: OrderedDict[str, None] = OrderedDict()
+        self._staging: dict[Key, threading.Event] = {}  # block -> the staging copying it now (under _meta)
         self._requests_counted = 0  # request events the policy saw (ticks of the heat clock)
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
         self._counts: Counter = Counter()
@@ -311,6 +316,8 @@ class UnifiedCache(SlotAccess):
             return
         self._closed = True
         self.accelerators.close()
+        if self._streamer is not None:
+            self._streamer.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._reclaimer is not None:
@@ -468,38 +475,66 @@ class UnifiedCache(SlotAccess):
         self._stage(keys, force=False)
         with self._meta:
             landing = self.placement.landing
-            out = [Outcome.DONE if self.placement.where(k) == landing else Outcome.MISSING for k in keys]
+            out = [Outcome.DONE if self.placement.where(k) == landing and k not in self._staging
+                   else Outcome.MISSING for k in keys]
         self.plans.drain_dropped()
         self._wake_reclaim()
         return out
 
-    def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None) -> None:
+    def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None,
+               read: Optional[BatchRead] = None) -> None:
         """Copies the blocks of `keys` held only below the landing tier up
         into it (`force`: without asking the policy, for a reader). Every
         promotion is planned first under one hold of `_meta`, so that the
         evictions they need run before, and the reads as one batch per
         source tier (in parallel on the adapter's I/O threads) instead of
         one block at a time. The staged blocks are held until `then()` ran
-        (a reader leases them there), so nothing evicts them before."""
+        (a reader leases them there), so nothing evicts them before.
+        `read` replaces the batched read (a streamed load's layer reads).
+
+        A block another staging is copying right now (placed in the landing
+        tier, its copy not landed) is joined, not skipped: this call returns
+        only once that copy ended too (at most STAGE_JOIN_TIMEOUT_S), so a
+        second prefetch of a block never reports it DONE before its bytes
+        are there. A staging marks its copies landed as soon as its run
+        ends, before it joins others, so two stagings never wait on each
+        other."""
         landing = self.placement.landing
         plan: Plan = []
         staged: list[Key] = []
+        joined: list[threading.Event] = []
+        landed = threading.Event()
         with self._meta:
             for key in keys:
                 src = self.placement.where(key)
                 if src is None or src <= landing:
+                    ev = self._staging.get(key)
+                    if ev is not None and ev not in joined:
+                        joined.append(ev)
                     continue
                 d = self.placement.promote(key, force=force)
                 plan.extend(d.plan)
                 if d.placed:  # later promotions must not pick it as a victim before its copy
                     self.placement.hold([key])
                     staged.append(key)
+                    self._staging[key] = landed
             # The evictions first, then the copies as one run (one batched read
             # per source tier); the staged blocks are held, so no eviction names one.
             plan = [s for s in plan if s.op is not Op.COPY] + [s for s in plan if s.op is Op.COPY]
             ticket = self.plans.admit(plan)
         try:
-            self.plans.run(ticket, {})
+            try:
+                self.plans.run(ticket, {}, read)
+            finally:
+                with self._meta:
+                    for key in staged:
+                        if self._staging.get(key) is landed:
+                            del self._staging[key]
+                landed.set()
+            for ev in joined:
+                if not ev.wait(STAGE_JOIN_TIMEOUT_S):
+                    log.warning("ucm: a staging joined by another took over %.0f s", STAGE_JOIN_TIMEOUT_S)
+                    break
             if then is not None:
                 then()
         finally:
