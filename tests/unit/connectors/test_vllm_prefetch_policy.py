@@ -13,7 +13,7 @@ TOKENS = list(range(3 * 256 + 10))  # three full blocks and a partial one
 
 
 def test_off_keeps_the_asynchronous_load_and_stages_nothing():
-    side, cache = _side()
+    side, cache = _side(load_streaming="off")
     _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
     assert side.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (768, True)
     assert cache.prefetches == []
@@ -134,7 +134,7 @@ def test_a_new_request_is_begun_and_staged_on_arrival_while_it_queues():
 
 
 def test_without_a_policy_arrival_only_begins_the_request():
-    side, cache = _side()
+    side, cache = _side(load_streaming="off")
     _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
     req = _request("r", TOKENS)
     side.on_new_request(req)

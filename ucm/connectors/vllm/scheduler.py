@@ -44,6 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
+from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PENDING = "pending"  # hit tier of a block whose save is still in flight
 MAX_LOAD_FAILURES = 2  # lost loads after which a request is computed without ucm
 MAX_STAGING_LOSSES = 2  # short or late stagings after which a request is computed without ucm
 T = TypeVar("T")
@@ -79,6 +79,7 @@ class _ReqState:
     capped: bool = False  # its hit was cut at the waiting-pin cap: look up again when there is room
     local_tokens: int = 0  # vLLM's own (page-aligned) hit at the last lookup
     load_async: bool = False  # what the last lookup answered vLLM: both sides must agree
+    load_stream: bool = False  # a synchronous load streamed layer by layer (load_choice)
     page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
     next_store: int = 0  # first block neither cached nor planned for saving
     stores_issued: bool = False
@@ -293,10 +294,8 @@ class UCMSchedulerSide:
         if hit <= num_computed_tokens:
             return 0, False
         first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
-        if mode == "auto":
-            is_async = any(t != self._landing for t in st.hit_tiers[first:last])
-        else:
-            is_async = mode == "async"
+        is_async, st.load_stream = choose_load(st.hit_tiers[first:last], self._landing, mode,
+                                               self.settings.load_streaming)
         st.load_async = is_async
         return hit - num_computed_tokens, is_async
 
@@ -383,7 +382,8 @@ class UCMSchedulerSide:
             pages.append(row)
         # An async load is reported through get_finished; it must be async
         # exactly when get_num_new_matched_tokens said so.
-        self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async))
+        self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async,
+                                           st.load_stream and not st.load_async))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> UCMConnectorMetadata:
         """This step's plan: the loads planned since the last step, the saves
