@@ -5,7 +5,9 @@ returning Handles with one Outcome per block, `pin` / `unpin`, `stats`, the
 request events (`begin_request`, `request_id`) and the placement hint
 `finish`; the slot API (zero-copy `write_slots` / `read_slots`, and the
 `reserve` / `commit` / `abort`, `acquire` / `release` the service serves to
-other processes) is in ucm/slot_access.py.
+other processes) is in ucm/slot_access.py; staging (and joining another
+staging of the same block) in ucm/staging.py; streamed loads in
+ucm/streaming.py.
 
 Layers. `ucm.placement.Placement` decides (admission, eviction, demotion,
 promotion) with the configured policy and returns Plans; `ucm.execution.
@@ -49,7 +51,8 @@ from ucm.execution import PlanExecutor
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer
 from ucm.slot_access import SlotAccess
-from ucm.tiers import BatchRead, TierStack
+from ucm.staging import Staging
+from ucm.tiers import TierStack
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,6 @@ _FROM_STATUS = {Status.OK: Outcome.DONE, Status.NOT_FOUND: Outcome.MISSING, Stat
 # never finished (a crashed engine) cannot grow the cache's memory.
 MAX_OPEN_REQUESTS = 65536
 
-# How long a staging waits for another staging's copy of a block it needs.
-STAGE_JOIN_TIMEOUT_S = 30.0
 
 # tier_factory(index, adapter class, capacity_bytes, validated options) -> adapter
 TierFactory = Callable[[int, type, int, Any], StorageAdapter]
@@ -73,7 +74,7 @@ def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> S
     return cls(capacity_bytes=capacity_bytes, config=options)
 
 
-class UnifiedCache(SlotAccess):
+class UnifiedCache(SlotAccess, Staging):
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
     def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None, replay: bool = False,
@@ -469,77 +470,6 @@ class UnifiedCache(SlotAccess):
                 tuple(keys), tuple(done), tuple(None if t is None else self.tier_names[t] for t in served),
                 request_id))
         return done
-
-    def _prefetch(self, keys: list[Key]) -> list[Outcome]:
-        self.plans.adopt_shared(keys, range(len(keys)))
-        self._stage(keys, force=False)
-        with self._meta:
-            landing = self.placement.landing
-            out = [Outcome.DONE if self.placement.where(k) == landing and k not in self._staging
-                   else Outcome.MISSING for k in keys]
-        self.plans.drain_dropped()
-        self._wake_reclaim()
-        return out
-
-    def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None,
-               read: Optional[BatchRead] = None) -> None:
-        """Copies the blocks of `keys` held only below the landing tier up
-        into it (`force`: without asking the policy, for a reader). Every
-        promotion is planned first under one hold of `_meta`, so that the
-        evictions they need run before, and the reads as one batch per
-        source tier (in parallel on the adapter's I/O threads) instead of
-        one block at a time. The staged blocks are held until `then()` ran
-        (a reader leases them there), so nothing evicts them before.
-        `read` replaces the batched read (a streamed load's layer reads).
-
-        A block another staging is copying right now (placed in the landing
-        tier, its copy not landed) is joined, not skipped: this call returns
-        only once that copy ended too (at most STAGE_JOIN_TIMEOUT_S), so a
-        second prefetch of a block never reports it DONE before its bytes
-        are there. A staging marks its copies landed as soon as its run
-        ends, before it joins others, so two stagings never wait on each
-        other."""
-        landing = self.placement.landing
-        plan: Plan = []
-        staged: list[Key] = []
-        joined: list[threading.Event] = []
-        landed = threading.Event()
-        with self._meta:
-            for key in keys:
-                src = self.placement.where(key)
-                if src is None or src <= landing:
-                    ev = self._staging.get(key)
-                    if ev is not None and ev not in joined:
-                        joined.append(ev)
-                    continue
-                d = self.placement.promote(key, force=force)
-                plan.extend(d.plan)
-                if d.placed:  # later promotions must not pick it as a victim before its copy
-                    self.placement.hold([key])
-                    staged.append(key)
-                    self._staging[key] = landed
-            # The evictions first, then the copies as one run (one batched read
-            # per source tier); the staged blocks are held, so no eviction names one.
-            plan = [s for s in plan if s.op is not Op.COPY] + [s for s in plan if s.op is Op.COPY]
-            ticket = self.plans.admit(plan)
-        try:
-            try:
-                self.plans.run(ticket, {}, read)
-            finally:
-                with self._meta:
-                    for key in staged:
-                        if self._staging.get(key) is landed:
-                            del self._staging[key]
-                landed.set()
-            for ev in joined:
-                if not ev.wait(STAGE_JOIN_TIMEOUT_S):
-                    log.warning("ucm: a staging joined by another took over %.0f s", STAGE_JOIN_TIMEOUT_S)
-                    break
-            if then is not None:
-                then()
-        finally:
-            with self._meta:
-                self.placement.unhold(staged)
 
     def _wake_reclaim(self) -> None:
         if self._reclaimer is not None:
