@@ -9,7 +9,9 @@ slots is replaced by one range read per layer (`read_range`: verified per
 32 KiB chunk on nvme, per chunk table on fs, whole-blob fallback elsewhere),
 every layer submitted at once to a pool of `threads` threads in layer
 order, so that layer 0 lands first while later layers are still being
-read. Each landed layer advances its block's progress word; a layer that
+read (two layers per read for SmolLM2's block: `SPAN_BYTES`). A tier
+without range reads (redis, mooncake) is read a whole block at a time, as
+a staging reads it: a range from it would cost a whole-blob read each. Each landed layer advances its block's progress word; a layer that
 fails (missing, corrupt, I/O error) makes its block FAILED at once (the
 reads of its later layers are skipped) and the staging step fails as a
 whole read would (the slot is aborted, a corrupt copy forgotten). A block
@@ -31,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ucm.accelerators.base import BlocksLoaded
-from ucm.adapters.base import Status, StorageAdapter, read_range
+from ucm.adapters.base import RangeReads, Status, StorageAdapter, read_range
 from ucm.api import Key, Outcome
 from ucm.layer_stream import LayerStream, StreamProgress, word_count
 
@@ -242,6 +244,18 @@ class LayerStreamer:
         large enough), every span submitted at once (layer order); returns
         per block OK when all its layers landed, else its first failure."""
         layers = progress.layers
+        if not isinstance(adapter, RangeReads):  # a range would cost a whole-blob read: read each block once
+            try:
+                got = adapter.get(keys, views)
+            except Exception:
+                log.exception("ucm: a streamed whole-block read failed")
+                got = [Status.FAILED] * len(keys)
+            for j, s in enumerate(got):
+                if s is Status.OK:
+                    progress.all_landed(idx[j])
+                else:
+                    progress.fail(idx[j])
+            return list(got)
         status = [Status.OK if len(v) % layers == 0 else Status.CORRUPT for v in views]
         for j, s in enumerate(status):
             if s is not Status.OK:

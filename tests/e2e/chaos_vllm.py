@@ -311,7 +311,7 @@ class Killer(threading.Thread):
             self.error = repr(e)
 
 
-def _engine(model: str, cfg_path: Optional[Path]):
+def _engine(model: str, cfg_path: Optional[Path], streaming: str = "auto"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -319,7 +319,9 @@ def _engine(model: str, cfg_path: Optional[Path]):
     if cfg_path is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="RecordingConnector", kv_connector_module_path="chaos_vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"ucm_config": str(cfg_path)})
+            kv_load_failure_policy="recompute",
+            # Hits below DRAM streamed layer by layer: the service dies under streamed loads too.
+            kv_connector_extra_config={"ucm_config": str(cfg_path), "ucm_load_streaming": streaming})
     # One forward per prefill (max_num_batched_tokens >= any prompt): a
     # block's bytes depend on the forward that computed it.
     return LLM(model=model, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096, enforce_eager=True,

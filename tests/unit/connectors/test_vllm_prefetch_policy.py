@@ -171,7 +171,7 @@ def test_stagings_stay_within_the_budget_and_a_request_beyond_it_loads_without_w
     request whose staging would pass the bound is not staged (counted) and
     loads its hit as without a policy (here streamed under the forward),
     instead of evicting another waiting request's staged blocks."""
-    side, cache = _side(prefetch_policy="wait_complete")
+    side, cache = _side(prefetch_policy="wait_complete", load_streaming="auto")
     side.staging_budget.max_blocks = 3
     other = [t + 100_000 for t in TOKENS]
     _cache(cache, TOKENS, ["dram", "nvme", "nvme"])

@@ -42,8 +42,9 @@ class ConnectorSettings:
     # Layer-wise streaming of loads (load_mode "auto" only): "auto" streams
     # hits below the landing tier under the forward (each layer waited for
     # in wait_for_layer_load) instead of loading them asynchronously; "on"
-    # streams landing-tier hits too; "off" never streams.
-    load_streaming: str = "auto"
+    # streams landing-tier hits too; "off" (default: what `ucm bench vllm`
+    # measured faster for NVMe-only hits on vLLM for CPU) never streams.
+    load_streaming: str = "off"
     prefetch_timeout_s: float = 0.5
     prefetch_timeout_per_1k_tokens_s: float = 0.05
 
