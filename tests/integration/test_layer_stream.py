@@ -137,3 +137,27 @@ def test_two_prefetches_of_one_block_report_done_only_once_its_bytes_landed(nvme
         finally:
             c.release(leases)
         assert first.wait(30) == [Outcome.DONE] * 6
+
+
+def test_a_tier_without_range_reads_is_streamed_a_whole_block_at_a_time(nvme_dir):
+    """FaultyAdapter declares no RangeReads over nvme (as redis and mooncake
+    have none): each block is read once, whole, and lands all at once."""
+    from ucm.adapters.faults import FaultyAdapter
+
+    keys, data = on_nvme(nvme_dir, 3, 5)
+
+    def wrap(index, cls, capacity, options):
+        a = cls(capacity_bytes=capacity, config=options)
+        return FaultyAdapter(a) if cls is NvmeAdapter else a
+
+    with UnifiedCache(cfg(nvme_dir), tier_factory=wrap) as c:
+        s = c.stream_slots(keys, [SIZE] * 3, LAYERS)
+        try:
+            assert s.wait_layer(LAYERS - 1, 10.0) == [True] * 3
+            assert s.outcomes(10.0) == [Outcome.DONE] * 3
+            for i in range(3):
+                assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[i]
+        finally:
+            s.release()
+        nvme = c.stats()["tiers"]["nvme"]["adapter"]
+        assert nvme.get("range_reads", 0) == 0 and nvme["bytes_read"] == 3 * SIZE  # each block once
