@@ -5,7 +5,9 @@ returning Handles with one Outcome per block, `pin` / `unpin`, `stats`, the
 request events (`begin_request`, `request_id`) and the placement hint
 `finish`; the slot API (zero-copy `write_slots` / `read_slots`, and the
 `reserve` / `commit` / `abort`, `acquire` / `release` the service serves to
-other processes) is in ucm/slot_access.py.
+other processes) is in ucm/slot_access.py; staging (and joining another
+staging of the same block) in ucm/staging.py; streamed loads in
+ucm/streaming.py.
 
 Layers. `ucm.placement.Placement` decides (admission, eviction, demotion,
 promotion) with the configured policy and returns Plans; `ucm.execution.
@@ -49,6 +51,7 @@ from ucm.execution import PlanExecutor
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer
 from ucm.slot_access import SlotAccess
+from ucm.staging import Staging
 from ucm.tiers import TierStack
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ _FROM_STATUS = {Status.OK: Outcome.DONE, Status.NOT_FOUND: Outcome.MISSING, Stat
 # never finished (a crashed engine) cannot grow the cache's memory.
 MAX_OPEN_REQUESTS = 65536
 
+
 # tier_factory(index, adapter class, capacity_bytes, validated options) -> adapter
 TierFactory = Callable[[int, type, int, Any], StorageAdapter]
 
@@ -70,7 +74,7 @@ def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> S
     return cls(capacity_bytes=capacity_bytes, config=options)
 
 
-class UnifiedCache(SlotAccess):
+class UnifiedCache(SlotAccess, Staging):
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
     def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None, replay: bool = False,
@@ -99,6 +103,7 @@ class UnifiedCache(SlotAccess):
         self._closed = False
         self._pool: Optional[ThreadPoolExecutor] = None
         self._reclaimer: Optional[HeadroomReclaimer] = None
+        self._streamer: Optional[Any] = None  # the LayerStreamer, made by the first stream_slots
         try:
             self._open(cfg)
         except BaseException:
@@ -117,6 +122,7 @@ class UnifiedCache(SlotAccess):
         self._meta = threading.Lock()
         self.plans = PlanExecutor(self.placement, self.tiers, self._meta, self._count, self._footprint)
         self._requests: OrderedDict[str, None] = OrderedDict()
+        self._staging: dict[Key, threading.Event] = {}  # block -> the staging copying it now (under _meta)
         self._requests_counted = 0  # request events the policy saw (ticks of the heat clock)
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_workers, thread_name_prefix="ucm-io")
         self._counts: Counter = Counter()
@@ -311,6 +317,8 @@ class UnifiedCache(SlotAccess):
             return
         self._closed = True
         self.accelerators.close()
+        if self._streamer is not None:
+            self._streamer.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._reclaimer is not None:
@@ -462,49 +470,6 @@ class UnifiedCache(SlotAccess):
                 tuple(keys), tuple(done), tuple(None if t is None else self.tier_names[t] for t in served),
                 request_id))
         return done
-
-    def _prefetch(self, keys: list[Key]) -> list[Outcome]:
-        self.plans.adopt_shared(keys, range(len(keys)))
-        self._stage(keys, force=False)
-        with self._meta:
-            landing = self.placement.landing
-            out = [Outcome.DONE if self.placement.where(k) == landing else Outcome.MISSING for k in keys]
-        self.plans.drain_dropped()
-        self._wake_reclaim()
-        return out
-
-    def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None) -> None:
-        """Copies the blocks of `keys` held only below the landing tier up
-        into it (`force`: without asking the policy, for a reader). Every
-        promotion is planned first under one hold of `_meta`, so that the
-        evictions they need run before, and the reads as one batch per
-        source tier (in parallel on the adapter's I/O threads) instead of
-        one block at a time. The staged blocks are held until `then()` ran
-        (a reader leases them there), so nothing evicts them before."""
-        landing = self.placement.landing
-        plan: Plan = []
-        staged: list[Key] = []
-        with self._meta:
-            for key in keys:
-                src = self.placement.where(key)
-                if src is None or src <= landing:
-                    continue
-                d = self.placement.promote(key, force=force)
-                plan.extend(d.plan)
-                if d.placed:  # later promotions must not pick it as a victim before its copy
-                    self.placement.hold([key])
-                    staged.append(key)
-            # The evictions first, then the copies as one run (one batched read
-            # per source tier); the staged blocks are held, so no eviction names one.
-            plan = [s for s in plan if s.op is not Op.COPY] + [s for s in plan if s.op is Op.COPY]
-            ticket = self.plans.admit(plan)
-        try:
-            self.plans.run(ticket, {})
-            if then is not None:
-                then()
-        finally:
-            with self._meta:
-                self.placement.unhold(staged)
 
     def _wake_reclaim(self) -> None:
         if self._reclaimer is not None:

@@ -47,9 +47,10 @@ class PlanExecutor:
         the plan was made."""
         return self.tiers.admit(plan, self.placement.parent_of)
 
-    def run(self, ticket: Ticket, sources: Mapping[Key, Any]) -> bool:
-        """Runs an admitted plan (no lock held) and settles its failures."""
-        return self.tiers.run_through(ticket, sources)
+    def run(self, ticket: Ticket, sources: Mapping[Key, Any], read: Optional[BatchRead] = None) -> bool:
+        """Runs an admitted plan (no lock held) and settles its failures;
+        `read` replaces the batched reads into slots (TierStack.run)."""
+        return self.tiers.run_through(ticket, sources, read)
 
     def run_plan(self, plan: Plan, sources: Mapping[Key, Any]) -> bool:
         """Admits a plan just made by the placement (call right after making

@@ -291,6 +291,30 @@ class SlotAccess:
         finally:
             self.release(leases)
 
+    def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
+                     request_id: Optional[str] = None, words: Optional[memoryview] = None,
+                     on_done: Optional[Any] = None) -> Any:
+        """The streamed load (ucm.layer_stream.LayerStreams): slots now,
+        bytes layer by layer (ucm/streaming.py). `words` and `on_done` are
+        the service's: progress words in its shared file, and a callback
+        once they are final."""
+        keys = check_keys(keys)
+        sizes = check_sizes(keys, sizes)
+        request_id = check_request_id(request_id)
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ArgumentError(f"stream_slots: layers must be an int >= 1, got {layers!r}")
+        bad = [s for s in sizes if s % layers]
+        if bad:
+            raise ArgumentError(f"stream_slots: block sizes must be multiples of layers={layers}, got {bad[0]}")
+        self._check_open()
+        with self._meta:
+            if self._streamer is None:
+                from ucm.streaming import LayerStreamer
+
+                self._streamer = LayerStreamer(self)
+            streamer = self._streamer
+        return streamer.start(keys, sizes, layers, request_id, words, on_done)
+
     @staticmethod
     def _fill_out(slots: list, out: list[Outcome], arena: Any, fill: SlotFn) -> list[Outcome]:
         if any(s is not None for s in slots):

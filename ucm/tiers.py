@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 # size in the tier (admitted already), or None: the owner's hook for an
 # adapter with size classes (ucm.adapters.slab), planned under its lock.
 MakeSlot = Callable[[int, Key, int], Optional["Ticket"]]
+# read(adapter, keys, views) -> one Status per key: a batched read into reserved slots
+BatchRead = Callable[[StorageAdapter, list, list], list]
+
+
+def _get(adapter: StorageAdapter, keys: list, views: list) -> list:
+    return adapter.get(keys, views)
 
 
 @dataclass(slots=True)
@@ -153,7 +159,7 @@ class TierStack:
         return self._order.pending()
 
     # ---- run ---------------------------------------------------------------
-    def run(self, ticket: Ticket, sources: Mapping[Key, Any]) -> list[Failure]:
+    def run(self, ticket: Ticket, sources: Mapping[Key, Any], read: Optional[BatchRead] = None) -> list[Failure]:
         """Executes the admitted steps in order, no lock held. COPY steps in a
         row from one tier to a slot tier are read as one batch (in parallel on
         the adapter's I/O threads). Returns the failed steps, still queued
@@ -161,7 +167,9 @@ class TierStack:
         once, so that the later step can run, and returned all the same).
         Steps never plan anything themselves: a slot tier without a slot of
         the size asked is a NO_SPACE failure the owner answers (`reconcile`
-        makes the slot and retries the step)."""
+        makes the slot and retries the step). `read(adapter, keys, views)`
+        replaces the adapter's `get` in those batched reads (a streamed
+        load reads them layer by layer, ucm/streaming.py)."""
         failures: list[Failure] = []
         steps = ticket.steps
         last = {s.key: i for i, (s, _) in enumerate(steps)}
@@ -183,7 +191,7 @@ class TierStack:
                 while j < len(steps) and steps[j][0].op is Op.COPY and (steps[j][0].src, steps[j][0].dst) == (
                         step.src, step.dst) and sources.get(steps[j][0].key) is None:
                     j += 1
-                for k, st in self._copy_batch(steps[i:j]):
+                for k, st in self._copy_batch(steps[i:j], read):
                     failed(k + i, *steps[k + i], st)
                 i = j
                 continue
@@ -217,7 +225,7 @@ class TierStack:
     def _batchable(self, step: Step) -> bool:
         return has_slots(self.adapters[step.dst]) and not has_slots(self.adapters[step.src])
 
-    def _copy_batch(self, group: Sequence[tuple[Step, int]]) -> list[tuple[int, Status]]:
+    def _copy_batch(self, group: Sequence[tuple[Step, int]], read: Optional[BatchRead] = None) -> list[tuple[int, Status]]:
         """COPY steps from one tier into a slot tier: one adapter read into
         the reserved slots. Returns (index in group, status) per failure;
         the successful steps are dequeued."""
@@ -240,7 +248,7 @@ class TierStack:
                 views.append(view)
                 taken.append(n)
         try:
-            statuses = a.get(keys, views) if keys else []
+            statuses = ((read or _get)(a, keys, views)) if keys else []
         except Exception:  # a fault is a miss; the reserved slots are given back below
             log.exception("ucm: reading %d blocks from tier %s failed", len(keys), self.names[src])
             statuses = [Status.FAILED] * len(keys)
@@ -288,11 +296,11 @@ class TierStack:
     # ticket (undo and retries) is run next.
     reconcile: Optional[Callable[[list[Failure], set], Optional[Ticket]]] = None
 
-    def run_through(self, ticket: Ticket, sources: Mapping[Key, Any]) -> bool:
+    def run_through(self, ticket: Ticket, sources: Mapping[Key, Any], read: Optional[BatchRead] = None) -> bool:
         """`run`, then the owner's reconciliation of the failures and the
         plan it makes, until nothing is left. Returns whether every step of
         `ticket` succeeded (retried steps that then succeeded count)."""
-        failures = self.run(ticket, sources)
+        failures = self.run(ticket, sources, read)
         retried: set = set()
         ok = True
         while failures:
@@ -310,7 +318,7 @@ class TierStack:
                 return False
             if len(retried) - before < len(failures):  # some were taken back, not retried
                 ok = False
-            failures = self.run(undo, sources) if undo is not None else []
+            failures = self.run(undo, sources, read) if undo is not None else []
         return ok
 
     def delete(self, t: int, key: Key) -> None:

@@ -112,9 +112,12 @@ class RecordingConnector(UCMConnector):
         super().start_load_kv(forward_context, **kwargs)
         if not isinstance(meta, UCMConnectorMetadata) or not hasattr(self, "_rec_file"):
             return
+        self._rec_streamed = []
         for job in meta.loads:
             if job.is_async:  # digested once get_finished reports it loaded
                 self._rec_async.setdefault(job.req_id, []).append(job)
+            elif getattr(job, "stream", False):  # filled layer by layer during the forward: digested after it
+                self._rec_streamed.append(job)
             else:
                 self._job("load", job)
 
@@ -123,7 +126,10 @@ class RecordingConnector(UCMConnector):
         if isinstance(meta, UCMConnectorMetadata) and hasattr(self, "_rec_file"):
             for job in meta.stores:  # the forward has written these pages; the save copies them later
                 self._job("save", job)
-        super().wait_for_save()
+        super().wait_for_save()  # ends this step's streamed loads
+        for job in getattr(self, "_rec_streamed", ()):
+            self._job("load", job)
+        self._rec_streamed = []
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         sending, recving = super().get_finished(finished_req_ids)
@@ -305,7 +311,7 @@ class Killer(threading.Thread):
             self.error = repr(e)
 
 
-def _engine(model: str, cfg_path: Optional[Path]):
+def _engine(model: str, cfg_path: Optional[Path], streaming: str = "auto"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -313,7 +319,9 @@ def _engine(model: str, cfg_path: Optional[Path]):
     if cfg_path is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="RecordingConnector", kv_connector_module_path="chaos_vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"ucm_config": str(cfg_path)})
+            kv_load_failure_policy="recompute",
+            # Hits below DRAM streamed layer by layer: the service dies under streamed loads too.
+            kv_connector_extra_config={"ucm_config": str(cfg_path), "ucm_load_streaming": streaming})
     # One forward per prefill (max_num_batched_tokens >= any prompt): a
     # block's bytes depend on the forward that computed it.
     return LLM(model=model, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096, enforce_eager=True,

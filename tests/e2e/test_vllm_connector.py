@@ -14,7 +14,9 @@ private ucm service so the cache outlives each engine:
   vLLM's prefix cache too);
 - ucm nvme: the driver stores filler blocks until P1's blocks are demoted
   from DRAM to NVMe (LRU policy, 16 MiB of DRAM); a new engine then finds
-  them below DRAM and loads them through the asynchronous path;
+  them below DRAM and streams them layer by layer under the forward
+  (`ucm_load_streaming` auto), then once more with streaming off (the
+  asynchronous path);
 - prefetch: the same again for each `ucm_prefetch_policy` (wait_complete,
   timeout, best_effort): the scheduler stages first, then loads from DRAM.
 
@@ -109,11 +111,18 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
     assert hit["p1"]["cached"] == 256 and hit["p2"]["cached"] == 256
     assert hit["p1"]["tokens"] == ref["p1_hit"]["tokens"]
     assert hit["p2"]["tokens"] == ref["p2_hit"]["tokens"]
-    # The same blocks, now only on NVMe: staged asynchronously, same tokens.
+    # The same blocks, now only on NVMe: streamed layer by layer under the
+    # forward (ucm_load_streaming auto), same tokens.
     assert nvme["p1"]["cached"] == 256
     assert nvme["p1"]["tokens"] == ref["p1_hit"]["tokens"]
-    assert r["p1_tiers"] == ["nvme", "nvme"]  # so the connector chose an asynchronous load
+    assert r["p1_tiers"] == ["nvme", "nvme"]  # so the connector streamed them
+    assert r["streamed"] == 2  # both blocks came through the streamed path
     assert r["promoted_after"] - r["promoted_before"] >= 2  # staged NVMe -> DRAM
+    # Streaming off: the asynchronous whole-block load, same tokens.
+    assert r["ucm_nvme_async"]["tiers_before"] == ["nvme", "nvme"]
+    assert r["ucm_nvme_async"]["p1"]["cached"] == 256
+    assert r["ucm_nvme_async"]["p1"]["tokens"] == ref["p1_hit"]["tokens"]
+    assert r["streamed_off"] == 0
     # The prefetch policies (ucm_prefetch_policy): P1 on NVMe only each time;
     # wait_complete stages it and loads all 256 tokens from DRAM; timeout
     # loads what reached DRAM in time; best_effort answers at once with what
@@ -212,7 +221,7 @@ def _run_many(llm, prompts: list[list[int]]) -> list[dict]:
 
 
 def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode: str = "auto",
-            prefetch: str = "off"):
+            prefetch: str = "off", streaming: str = "auto"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -222,7 +231,7 @@ def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode:
             kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"ucm_config": ucm_config, "ucm_load_mode": load_mode,
-                                       "ucm_prefetch_policy": prefetch})
+                                       "ucm_prefetch_policy": prefetch, "ucm_load_streaming": streaming})
     return LLM(model=model, max_model_len=1024, enforce_eager=True, enable_prefix_caching=prefix_caching,
                seed=0, **kw)
 
@@ -281,10 +290,20 @@ def _driver(out: Path, work: Path) -> int:
         ns = Namespace(model=_model_id(model), kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
                        block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")  # as UCMConnector names them
         result["p1_tiers"] = client.locate(block_keys(ns, p1))
-        llm = _engine(model, str(cfg_path), prefix_caching=True)
+        streamed_before = client.stats().get("streamed_blocks", 0)
+        llm = _engine(model, str(cfg_path), prefix_caching=True)  # ucm_load_streaming auto: streamed
         result["ucm_nvme"] = {"p1": _run(llm, p1)}
         close_engine(llm)
         result["promoted_after"] = client.stats()["tiers"]["dram"]["promotions_in"]
+        result["streamed"] = client.stats().get("streamed_blocks", 0) - streamed_before
+        # The same on NVMe only again, with streaming off: the asynchronous load.
+        for i in range(8):
+            client.store([os.urandom(16)], [fill]).wait(30)
+        tiers = client.locate(block_keys(ns, p1))
+        llm = _engine(model, str(cfg_path), prefix_caching=True, streaming="off")
+        result["ucm_nvme_async"] = {"p1": _run(llm, p1), "tiers_before": tiers}
+        close_engine(llm)
+        result["streamed_off"] = client.stats().get("streamed_blocks", 0) - streamed_before - result["streamed"]
         # Each prefetch policy: P1 pushed back to NVMe only, then a new engine
         # stages it before loading it from DRAM (or answers without it).
         for policy in ("wait_complete", "timeout", "best_effort"):

@@ -83,3 +83,23 @@ def test_prefetch_stops_at_the_end_of_the_cached_prefix(nvme_dir):
         more, _ = chain(2, 5)
         cache.begin_request("r5", [more[0]] + keys)  # the first block is not cached: no hit at all
         assert counters(cache)["blocks_issued"] == 0
+
+
+def test_stagings_beyond_the_staged_bytes_budget_are_skipped_not_thrashed(nvme_dir):
+    """Half of the 512 KiB DRAM tier by default: 4 staged-but-unread blocks
+    of 64 KiB. A second request whose 3 blocks would pass it is not staged
+    (counted), so it cannot evict the first request's staged blocks."""
+    with UnifiedCache(cfg(nvme_dir)) as cache:
+        a, _ = on_nvme_only(cache, 11, 3)
+        b, _ = on_nvme_only(cache, 12, 3)
+        assert cache.locate(a + b) == ["nvme"] * 6
+        cache.begin_request("ra", a)
+        wait_for(cache, "blocks_staged", 3)
+        cache.begin_request("rb", b)
+        c = counters(cache)
+        assert c["requests_staged"] == 1 and c["requests_over_budget"] == 1 and c["blocks_issued"] == 3
+        assert cache.locate(a) == ["dram"] * 3 and cache.locate(b) == ["nvme"] * 3
+        got = [bytearray(SIZE) for _ in a]
+        assert cache.load(a, got, request_id="ra").wait(30) == [Outcome.DONE] * 3  # read: budget back
+        cache.begin_request("rb2", b)
+        assert counters(cache)["requests_staged"] == 2

@@ -20,6 +20,9 @@ Counters:
 - `blocks_failed`: blocks whose staging failed (not room, not admitted, a
   bad copy below);
 - `requests_skipped`: requests not staged (too many blocks in flight);
+- `requests_over_budget`: requests not staged because their blocks would
+  pass `max_staged_bytes` of staged blocks not yet read (by default half
+  the landing tier: stagings then never evict each other's unused blocks);
 - `staging_s`: seconds of staging, summed over requests (issue to done).
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import Field
 
@@ -42,6 +45,9 @@ class PrefetchOptions(AcceleratorOptions):
     max_inflight_blocks: int = Field(default=4096, ge=1)
     # Staged blocks remembered for `blocks_used` / `blocks_wasted` (oldest forgotten first).
     track_blocks: int = Field(default=1 << 16, ge=1)
+    # Bytes of staged blocks not yet read (or still being staged), all
+    # requests together; None: half of the landing tier's capacity.
+    max_staged_bytes: Optional[int] = Field(default=None, ge=1)
 
 
 class Prefetch(Accelerator):
@@ -54,6 +60,8 @@ class Prefetch(Accelerator):
         landing = names.index(config.landing_tier)
         self._landing = config.landing_tier
         self._below = frozenset(names[landing + 1:])
+        self._budget = self.options.max_staged_bytes or config.tiers[landing].capacity // 2
+        self._unused = 0  # bytes of the blocks in _staged
         self._lock = threading.Lock()
         self._inflight = 0
         # staged key -> [request id (None once it finished), bytes, reached the
@@ -61,7 +69,7 @@ class Prefetch(Accelerator):
         self._staged: OrderedDict[bytes, list] = OrderedDict()
         self._counts = {k: 0 for k in ("requests_staged", "blocks_issued", "bytes_issued", "blocks_staged",
                                        "blocks_used", "blocks_wasted", "bytes_wasted", "blocks_failed",
-                                       "requests_skipped")}
+                                       "requests_skipped", "requests_over_budget")}
         self._staging_s = 0.0
 
     def request_seen(self, event: RequestSeen) -> None:
@@ -79,6 +87,9 @@ class Prefetch(Accelerator):
         with self._lock:
             if self._inflight + len(below) > self.options.max_inflight_blocks:
                 self._counts["requests_skipped"] += 1
+                return
+            if self._unused + sum(sizes) > self._budget:
+                self._counts["requests_over_budget"] += 1
                 return
             self._inflight += len(below)
             self._counts["requests_staged"] += 1
@@ -98,16 +109,24 @@ class Prefetch(Accelerator):
                 for key in below:
                     entry = self._staged.get(key)
                     if entry is not None and entry[0] == event.request_id:
-                        del self._staged[key]
+                        self._forget(key)
             raise
         handle.add_done_callback(lambda h: self._staged_done(below, h, start))
 
     def _track(self, key: bytes, request_id: str, size: int) -> None:
         staged = self._staged
+        self._forget(key)
         staged[key] = [request_id, size, False]
-        staged.move_to_end(key)
+        self._unused += size
         while len(staged) > self.options.track_blocks:
-            staged.popitem(last=False)
+            self._forget(next(iter(staged)))
+
+    def _forget(self, key: bytes) -> list | None:
+        """Drops a staged block from the books (under _lock); its entry."""
+        entry = self._staged.pop(key, None)
+        if entry is not None:
+            self._unused -= entry[1]
+        return entry
 
     def _staged_done(self, keys: list[bytes], handle: Handle, start: float) -> None:
         results = handle.results
@@ -119,7 +138,7 @@ class Prefetch(Accelerator):
                 if outcome is Outcome.DONE:
                     self._counts["blocks_staged"] += 1
                     if entry is not None and entry[0] is None:  # its request finished meanwhile
-                        del self._staged[key]
+                        self._forget(key)
                         self._counts["blocks_wasted"] += 1
                         self._counts["bytes_wasted"] += entry[1]
                     elif entry is not None:
@@ -127,14 +146,14 @@ class Prefetch(Accelerator):
                 else:
                     self._counts["blocks_failed"] += 1
                     if entry is not None and not entry[2]:
-                        del self._staged[key]
+                        self._forget(key)
 
     def blocks_loaded(self, event: BlocksLoaded) -> None:
         with self._lock:
             staged = self._staged
             for key, outcome, tier in zip(event.keys, event.outcomes, event.tiers):
                 if outcome is Outcome.DONE and tier == self._landing and key in staged:
-                    entry = staged.pop(key)
+                    entry = self._forget(key)
                     if entry[2]:
                         self._counts["blocks_used"] += 1
 
@@ -148,7 +167,7 @@ class Prefetch(Accelerator):
                 if entry is None or entry[0] != event.request_id:
                     continue
                 if entry[2]:
-                    del staged[key]
+                    self._forget(key)
                     self._counts["blocks_wasted"] += 1
                     self._counts["bytes_wasted"] += entry[1]
                 else:

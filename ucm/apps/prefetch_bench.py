@@ -22,8 +22,11 @@ Variants, each in a fresh engine in its own subprocess, same thread binding:
   (the bound); its engine makes the cold store pass, whose blocks are then
   copied into the small-DRAM service of the other variants;
 - `ucm_off`, `best_effort`, `wait_complete`, `timeout`: ucm, small DRAM,
-  `ucm_prefetch_policy` as named; documents pushed back to NVMe only before
-  every pattern;
+  `ucm_prefetch_policy` as named, `ucm_load_streaming` off; documents pushed
+  back to NVMe only before every pattern;
+- `streaming`: as `ucm_off` with `ucm_load_streaming` auto: the NVMe hits
+  are streamed layer by layer under the forward instead of loaded
+  asynchronously;
 - `accelerator`: policy `off` with the YAML `prefetch` accelerator on (its
   own service, same sizes, the blocks copied in): the service stages every
   request's NVMe blocks on first sight (`begin_request`), unbounded by the
@@ -67,9 +70,13 @@ from ucm.apps.vllm_bench import BLOCK_TOKENS, _count, _env, _evict_to_nvme
 
 GEN_TOKENS = 8
 QUESTION = "\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:"
-VARIANTS = ("no_ucm", "all_in_dram", "ucm_off", "accelerator", "best_effort", "wait_complete", "timeout")
-POLICY = {"all_in_dram": "off", "ucm_off": "off", "accelerator": "off", "best_effort": "best_effort", "wait_complete": "wait_complete",
-          "timeout": "timeout"}
+VARIANTS = ("no_ucm", "all_in_dram", "ucm_off", "streaming", "accelerator", "best_effort", "wait_complete",
+            "timeout")
+POLICY = {"all_in_dram": "off", "ucm_off": "off", "streaming": "off", "accelerator": "off",
+          "best_effort": "best_effort", "wait_complete": "wait_complete", "timeout": "timeout"}
+# `ucm_load_streaming` per variant: only `streaming` streams its NVMe hits
+# under the forward; the others load them asynchronously (or stage them).
+STREAMING = {"streaming": "auto"}
 PATTERNS = ("burst", "poisson")
 BLOCK_BYTES = 30 * 3 * 128 * 2 * 64 * 2  # SmolLM2 bf16, one 128-token block, all 30 layers
 DRAM_SHARE = 0.4
@@ -186,6 +193,7 @@ async def _run_variant_async(spec: dict) -> dict:
             kv_connector="UCMConnector", kv_connector_module_path="ucm.apps.prefetch_probe", kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"ucm_config": spec["ucm_config"], "ucm_prefetch_policy": POLICY[name],
+                                       "ucm_load_streaming": STREAMING.get(name, "off"),
                                        "bench_probe_path": str(probe)})
     args = AsyncEngineArgs(model=spec["model"], max_model_len=max(len(p) for p in prompts) + 2 * GEN_TOKENS,
                            enforce_eager=True, enable_prefix_caching=(name == "no_ucm"), seed=0,

@@ -22,6 +22,14 @@ warm-up request:
   (staged NVMe -> DRAM by the service, then copied into vLLM's pages).
   The DRAM tier keeps 20 % headroom (one document), made in the background
   between requests, so staging reads NVMe without first writing victims.
+  This engine runs with `ucm_load_streaming` auto: the NVMe-only hits are
+  streamed layer by layer under the forward, the DRAM hits copied whole;
+- ucm, streaming off: a second engine over the same service; NVMe-only
+  hits again (pushed back first), loaded asynchronously as whole blocks
+  (the path before streaming);
+- ucm, streaming on: a third engine; its hits are in DRAM (the previous
+  engine staged them) and are streamed too, to compare with the whole-block
+  copy of DRAM hits.
 
 Every hit is measured `--repeat` times over all the documents (pass 2 again;
 before each NVMe-only round the filler pushes the documents out of DRAM
@@ -57,12 +65,15 @@ from ucm.progress import bar
 
 BLOCK_TOKENS = 128
 CHECK_TOKENS = 8
+# The ucm engines and their `ucm_load_streaming`.
+UCM_STREAMING = {"ucm": "auto", "ucm_stream_off": "off", "ucm_stream_on": "on"}
 QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
              "\n\nQuestion: Which three names appear most often in the document above? List them.\nAnswer:")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("vllm", help="TTFT in vLLM: no connector, APC, ExampleConnector, ucm cold/DRAM/NVMe",
+    p = sub.add_parser("vllm", help="TTFT in vLLM: no connector, APC, ExampleConnector, ucm cold/DRAM/NVMe "
+                                    "(streamed and not)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)
     p.set_defaults(handler=run)
@@ -168,13 +179,18 @@ def _run_config(spec: dict) -> dict:
     if name == "example":
         kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"shared_storage_path": spec["example_dir"]}}
-    elif name == "ucm":
+    elif name in UCM_STREAMING:
         kv = {"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.connectors.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"ucm_config": spec["ucm_config"]}}
+              "kv_connector_extra_config": {"ucm_config": spec["ucm_config"],
+                                            "ucm_load_streaming": UCM_STREAMING[name]}}
     llm = _engine(spec["model"], max_len, prefix_caching=(name == "apc"), kv=kv)
     _timed(llm, [warm])  # first forward pays one-time costs in every configuration
     out: dict[str, Any] = {}
+    if name in ("ucm_stream_off", "ucm_stream_on"):
+        out.update(_other_streaming(llm, spec, name, pass2, rounds))
+        _shutdown(llm)
+        return out
     out["pass1"] = _phase(llm, pass1)
     if name != "none":  # without a connector pass 2 is another full prefill: pass 1 measures it
         out["pass2"] = _rounds(llm, pass2, rounds)
@@ -203,10 +219,37 @@ def _run_config(spec: dict) -> dict:
         out["promotions"] = stats1["tiers"]["dram"].get("promotions_in", 0) - stats0["tiers"]["dram"].get(
             "promotions_in", 0)
         client.close()
+    _shutdown(llm)
+    return out
+
+
+def _shutdown(llm) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
+
+
+def _other_streaming(llm, spec: dict, name: str, pass2: list[list[int]], rounds: int) -> dict[str, Any]:
+    """The second and third ucm engines: NVMe-only hits with streaming off,
+    or DRAM hits streamed (on)."""
+    import ucm
+    from ucm.keys import block_keys
+
+    client = ucm.connect(spec["ucm_config"], start=False)
+    keys = [k for p in pass2 for k in block_keys(_namespace(llm), p, BLOCK_TOKENS)]
+    out: dict[str, Any] = {"tiers_before": []}
+    try:
+        if name == "ucm_stream_off":
+            def before() -> None:
+                out["tiers_before"].append(_count(_evict_to_nvme(client, keys, spec["block_bytes"], limit=200)))
+        else:
+            def before() -> None:
+                out["tiers_before"].append(_count(client.locate(keys)))
+        out["hit"] = _rounds(llm, pass2, rounds, before=before)
+        out["streamed_blocks"] = client.stats().get("streamed_blocks", 0)
+    finally:
+        client.close()
     return out
 
 
@@ -302,12 +345,14 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
         client = ucm.connect(str(cfg_path))  # the private service outlives the engine
         if not client.connected:
             raise RuntimeError("could not start the ucm service")
-        with bar(total=4, desc="bench vllm", unit="config") as configs:
-            log("[bench vllm] ucm ...")
-            configs.set_postfix_str("ucm")
-            res["ucm"] = _subprocess({**base, "config": "ucm", "ucm_config": str(cfg_path)}, work)
-            configs.update(1)
-            service = client.stats()
+        with bar(total=6, desc="bench vllm", unit="config") as configs:
+            for name in UCM_STREAMING:
+                log(f"[bench vllm] {name} ...")
+                configs.set_postfix_str(name)
+                res[name] = _subprocess({**base, "config": name, "ucm_config": str(cfg_path)}, work)
+                configs.update(1)
+                if name == "ucm":
+                    service = client.stats()
             for name in ("none", "apc", "example"):
                 log(f"[bench vllm] {name} ...")
                 configs.set_postfix_str(name)
@@ -325,6 +370,7 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
               repeat: int, service: dict) -> dict[str, Any]:
     """The JSON of the bench from what each configuration's subprocess returned."""
     none, apc, ex, u = res["none"], res["apc"], res["example"], res["ucm"]
+    off, on = res["ucm_stream_off"], res["ucm_stream_on"]
     first = lambda ph: [t[0] for t in ph["tokens"]]  # noqa: E731
     ref = first(apc["pass2"])[:docs]  # APC's first round; every round of every hit must give the same
     hit_eq = lambda ph: len(ref) == docs and first(ph) == ref * repeat  # noqa: E731
@@ -333,13 +379,16 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
         "apc_rounds_agree": hit_eq(apc["pass2"]),
         "ucm_dram_hit_vs_apc_first_token": hit_eq(u["pass2"]),
         "ucm_nvme_hit_vs_apc_first_token": hit_eq(u["nvme"]),
+        "ucm_nvme_hit_stream_off_vs_apc_first_token": hit_eq(off["hit"]),
+        "ucm_dram_hit_streamed_vs_apc_first_token": hit_eq(on["hit"]),
         f"ucm_hit_vs_apc_{CHECK_TOKENS}_tokens": u["check"]["tokens"] == apc["check"]["tokens"],
         "example_hit_vs_apc_first_token": hit_eq(ex["pass2"]),
         "example_disk_hit_vs_apc_first_token": hit_eq(ex["disk"]),
     }
     samples = {"no_connector": none["pass1"], "apc_hit": apc["pass2"], "example_connector_hit": ex["pass2"],
                "example_connector_disk_hit": ex["disk"], "ucm_cold": u["pass1"], "ucm_dram_hit": u["pass2"],
-               "ucm_nvme_hit": u["nvme"], "apc_cold": apc["pass1"], "example_connector_cold": ex["pass1"]}
+               "ucm_nvme_hit": u["nvme"], "ucm_nvme_hit_stream_off": off["hit"],
+               "ucm_dram_hit_streamed": on["hit"], "apc_cold": apc["pass1"], "example_connector_cold": ex["pass1"]}
     r = {
         "docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": pass1_tokens, "pass2_tokens": pass2_tokens,
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "repeat": repeat, "statistic": "median",
@@ -347,8 +396,12 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
         "mean_ttft_s": {k: _mean(ph["ttft_s"]) for k, ph in samples.items()},
         "cached_tokens": {"apc_hit": apc["pass2"]["cached"], "example_hit": ex["pass2"]["cached"],
                           "ucm_cold": u["pass1"]["cached"], "ucm_dram_hit": u["pass2"]["cached"],
-                          "ucm_nvme_hit": u["nvme"]["cached"]},
+                          "ucm_nvme_hit": u["nvme"]["cached"], "ucm_nvme_hit_stream_off": off["hit"]["cached"],
+                          "ucm_dram_hit_streamed": on["hit"]["cached"]},
         "ucm_tiers_before_nvme_phase": u["tiers_nvme_phase"],
+        "ucm_tiers_before_stream_off_phase": off["tiers_before"],
+        "ucm_tiers_before_streamed_dram_phase": on["tiers_before"],
+        "ucm_streamed_blocks": {"stream_off": off["streamed_blocks"], "stream_on": on["streamed_blocks"]},
         "ucm_promotions_nvme_phase": u["promotions"],
         "outputs_equal": all(eq.values()),
         "outputs_equal_detail": eq,
@@ -360,6 +413,11 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
         "ucm_cold_over_no_connector": round(r["ucm_cold_ttft_s"] / nc, 3),
         "ucm_dram_hit_over_apc_hit": round(r["ucm_dram_hit_ttft_s"] / apc_hit, 3),
         "ucm_nvme_hit_over_apc_hit": round(r["ucm_nvme_hit_ttft_s"] / apc_hit, 3),
+        "ucm_nvme_hit_over_dram_hit": round(r["ucm_nvme_hit_ttft_s"] / r["ucm_dram_hit_ttft_s"], 3),
+        "ucm_nvme_hit_stream_off_over_apc_hit": round(r["ucm_nvme_hit_stream_off_ttft_s"] / apc_hit, 3),
+        "ucm_nvme_hit_stream_off_over_dram_hit": round(r["ucm_nvme_hit_stream_off_ttft_s"] / r["ucm_dram_hit_ttft_s"],
+                                                       3),
+        "ucm_dram_hit_streamed_over_dram_hit": round(r["ucm_dram_hit_streamed_ttft_s"] / r["ucm_dram_hit_ttft_s"], 3),
         "ucm_dram_hit_over_example_hit": round(r["ucm_dram_hit_ttft_s"] / r["example_connector_hit_ttft_s"], 3),
         "ucm_nvme_hit_over_example_hit": round(r["ucm_nvme_hit_ttft_s"] / r["example_connector_hit_ttft_s"], 3),
         "ucm_nvme_hit_over_example_disk_hit": round(r["ucm_nvme_hit_ttft_s"] / r["example_connector_disk_hit_ttft_s"],
@@ -379,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(r))
         return 0
     for k in ("no_connector_ttft_s", "apc_hit_ttft_s", "example_connector_hit_ttft_s",
-              "example_connector_disk_hit_ttft_s", "ucm_cold_ttft_s", "ucm_dram_hit_ttft_s", "ucm_nvme_hit_ttft_s"):
+              "example_connector_disk_hit_ttft_s", "ucm_cold_ttft_s", "ucm_dram_hit_ttft_s", "ucm_nvme_hit_ttft_s",
+              "ucm_nvme_hit_stream_off_ttft_s", "ucm_dram_hit_streamed_ttft_s"):
         print(f"{k:32s} {r[k]:8.3f}")
     for k, v in r["ratios"].items():
         print(f"{k:32s} {v:8.3f}")

@@ -124,12 +124,14 @@ class PageCopier(Protocol):
     called from several threads at once."""
 
     def copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], arena: Any,
-             ready: Optional[Any] = None, threads: int = 1) -> None:
+             ready: Optional[Any] = None, threads: int = 1, layers: Optional[Sequence[int]] = None) -> None:
         """Copies `blocks` — (payload offset in `arena`, the block's page ids,
         SKIP for pages left alone) — out of (`to_arena`) or into the layer
         tensors, after `ready` (from `record_ready`) where the device orders
-        work. `threads`: CPU threads a host copy may use. Returns once the
-        bytes are in place (the slot may be committed or released then)."""
+        work. `threads`: CPU threads a host copy may use. `layers`: only
+        those layers (a streamed load copies each as it lands); None: all.
+        Returns once the bytes are in place (the slot may be committed or
+        released then)."""
 
     def record_ready(self) -> Optional[Any]:
         """A mark after the work queued so far on the engine's stream, for a

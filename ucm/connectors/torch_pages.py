@@ -135,17 +135,18 @@ class TorchPageCopier:
 
     # ---- copies --------------------------------------------------------------------
     def copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], arena: Any,
-             ready: Optional[Any] = None, threads: int = 1) -> None:
+             ready: Optional[Any] = None, threads: int = 1, layers: Optional[Sequence[int]] = None) -> None:
         """Copies `blocks` — (payload offset in the arena, the block's page ids,
         SKIP for pages left alone) — out of (`to_arena`) or into the layer
-        tensors. Returns once the bytes are in place. `threads` is unused
-        (torch copies run on the device or in torch's own threads)."""
+        tensors (`layers`: only those; None: all). Returns once the bytes
+        are in place. `threads` is unused (torch copies run on the device or
+        in torch's own threads)."""
         if not blocks:
             return
         host = self._acquire(arena)
         try:
             if not self.cuda:
-                self._copy(to_arena, blocks, host)
+                self._copy(to_arena, blocks, host, layers)
                 return
             with torch.cuda.device(self.device):
                 stream = self._stream()
@@ -153,17 +154,19 @@ class TorchPageCopier:
                     if ready is not None:
                         stream.wait_event(ready)
                     try:
-                        self._copy(to_arena, blocks, host)
+                        self._copy(to_arena, blocks, host, layers)
                     finally:
                         stream.synchronize()  # the slot is committed / released when we return
         finally:
             self._release(arena)
 
-    def _copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], host: torch.Tensor) -> None:
+    def _copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], host: torch.Tensor,
+              layers: Optional[Sequence[int]] = None) -> None:
         for i in range(0, len(blocks), self.batch_blocks):
-            self._copy_batch(to_arena, blocks[i:i + self.batch_blocks], host)
+            self._copy_batch(to_arena, blocks[i:i + self.batch_blocks], host, layers)
 
-    def _copy_batch(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], host: torch.Tensor) -> None:
+    def _copy_batch(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], host: torch.Tensor,
+                    layers: Optional[Sequence[int]] = None) -> None:
         dev, nb, bb = self.device, len(blocks), self.block_bytes
         bi, ji, pages = [], [], []
         for b, (_, page_ids) in enumerate(blocks):
@@ -179,10 +182,18 @@ class TorchPageCopier:
         bi_t = torch.tensor(bi, dtype=torch.long, device=dev)
         ji_t = torch.tensor(ji, dtype=torch.long, device=dev)
         pages_t = torch.tensor(pages, dtype=torch.long, device=dev)
+        lb = self.ppb * self.page_bytes  # one layer's part of a block
         if not to_arena:
             for b, (off, _) in enumerate(blocks):
-                flat[b].copy_(host[off:off + bb], non_blocking=True)
+                if layers is None:
+                    flat[b].copy_(host[off:off + bb], non_blocking=True)
+                else:
+                    for layer in layers:
+                        flat[b, layer * lb:(layer + 1) * lb].copy_(host[off + layer * lb:off + (layer + 1) * lb],
+                                                                   non_blocking=True)
         for layer, (views, pos) in enumerate(zip(self.views, self.payload_offsets)):
+            if layers is not None and layer not in layers:
+                continue
             if to_arena:
                 rows = torch.empty((len(pages), self.page_bytes), dtype=torch.uint8, device=dev)
                 for view, at in zip(views, pos):

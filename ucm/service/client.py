@@ -461,6 +461,14 @@ class CacheClient:
             out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill, rid, counted=i == 0))
         return out
 
+    def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
+                     request_id: Optional[str] = None) -> Any:
+        """The streamed load (ucm.layer_stream.LayerStreams) through the
+        service: ucm/service/client_stream.py."""
+        from ucm.service.client_stream import stream_slots
+
+        return stream_slots(self, keys, sizes, layers, request_id)
+
     def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
                     parent: Optional[Key] = None, request_id: Optional[str] = None) -> list[Outcome]:
         """Reserves slots for `keys` and calls `fill(first, slots, arena)`:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from ucm import __version__
 from ucm.api import check_timeout
 from ucm.errors import ArgumentError, UcmError
+from ucm.layer_stream import word_count
 from ucm.service import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def op(name: str, *, blocking: bool) -> Callable[[Callable], Callable]:
 class ConnState:
     """What one connection owns; given back when it drops."""
 
-    __slots__ = ("id", "leases", "reserved", "pins", "next_lease")
+    __slots__ = ("id", "leases", "reserved", "pins", "next_lease", "streams")
 
     def __init__(self, cid: int) -> None:
         self.id = cid
@@ -63,6 +64,20 @@ class ConnState:
         self.reserved: set[bytes] = set()
         self.pins: Counter = Counter()
         self.next_lease = 1
+        self.streams: dict[int, "_StreamRecord"] = {}  # stream id (a lease id) -> its record
+
+
+class _StreamRecord:
+    """A streamed load handed to a connection, and its progress words: given
+    back once the client released it and the cache finished writing them."""
+
+    __slots__ = ("stream", "at", "n", "released", "finished", "lock")
+
+    def __init__(self, at: int, n: int) -> None:
+        self.stream: Any = None
+        self.at, self.n = at, n
+        self.released = self.finished = False
+        self.lock = threading.Lock()
 
 
 class ServiceHandlers:
@@ -76,7 +91,7 @@ class ServiceHandlers:
 
     def __init__(self, cache: Any, arena: Any, *, landing_tier: str, epoch: int, arena_inode: int,
                  block_tokens: int, max_keys: int, prefetch_timeout_s: float, socket: str, index: Any = None,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, progress: Any = None) -> None:
         self.cache = cache
         self.arena = arena
         self.landing_tier = landing_tier
@@ -91,6 +106,7 @@ class ServiceHandlers:
         self.socket = socket
         self.index = index
         self.metrics = metrics
+        self.progress = progress  # ucm.service.progress.ProgressArea, or None: no streamed loads
         self.shared_tiers = any(a.shared for a in cache.adapters)
         self._states: dict[int, ConnState] = {}
         self._lock = threading.Lock()
@@ -132,6 +148,9 @@ class ServiceHandlers:
         with self._lock:
             self._states.pop(state.id, None)
         leases, reserved, pins = list(state.leases.values()), list(state.reserved), list(state.pins.elements())
+        for rec in list(state.streams.values()):
+            self._release_stream(rec)
+        state.streams.clear()
         state.leases.clear()
         state.reserved.clear()
         state.pins.clear()
@@ -161,6 +180,8 @@ class ServiceHandlers:
                 "landing_tier": self.landing_tier,
                 "index_path": self.index.path if self.index else None,
                 "index_bytes": self.index.nbytes if self.index else 0,
+                "progress_path": self.progress.path if self.progress else None,
+                "progress_bytes": self.progress.nbytes if self.progress else 0,
                 "shared_tiers": self.shared_tiers}
 
     @op("begin", blocking=False)  # the placement policy's clock, under the cache's metadata lock only
@@ -235,6 +256,57 @@ class ServiceHandlers:
         if not isinstance(ids, list) or len(ids) > self.max_keys:
             raise proto.ProtocolError("leases: expected a list of lease ids")
         self.cache.release([conn.leases.pop(i) for i in ids if type(i) is int and i in conn.leases])
+
+    @op("stream", blocking=True)  # stages from NVMe: evictions, reservations (the layer reads run on)
+    def _stream(self, conn: ConnState, args: Any) -> dict:
+        """A streamed load: slots now, progress in the shared words at
+        `words` (ucm.layer_stream); `stream_release` gives it back."""
+        keys = self._keys(args, {"keys", "sizes", "layers", "request_id"})
+        sizes = proto.ints_arg(args, "sizes", len(keys), 1, self.arena_bytes)
+        layers = proto.int_arg(args, "layers", 1, 1 << 16)
+        rid = proto.request_id_arg(args)
+        if self.progress is None:
+            raise proto.ProtocolError("stream: this service keeps no progress words")
+        n = word_count(len(keys))
+        at = self.progress.alloc(n)
+        if at is None:
+            raise UcmError(f"stream: no room for {n} progress words (all taken by streams in flight)")
+        rec = _StreamRecord(at, n)
+        try:
+            rec.stream = self.cache.stream_slots(keys, sizes, layers, request_id=rid,
+                                                 words=self.progress.view(at, n),
+                                                 on_done=lambda _s: self._stream_finished(rec))
+        except ArgumentError as exc:
+            self.progress.free(at, n)
+            raise proto.ProtocolError(str(exc)) from None
+        sid = conn.next_lease
+        conn.next_lease += 1
+        conn.streams[sid] = rec
+        return {"epoch": self.epoch, "sid": sid, "words": at,
+                "slots": [list(s) if s is not None else None for s in rec.stream.slots]}
+
+    @op("stream_release", blocking=False)  # leases given back in memory, as release
+    def _stream_release(self, conn: ConnState, args: Any) -> None:
+        proto.check_args(args, {"sid"})
+        sid = args.get("sid")
+        rec = conn.streams.pop(sid, None) if type(sid) is int else None
+        if rec is not None:
+            self._release_stream(rec)
+
+    def _release_stream(self, rec: _StreamRecord) -> None:
+        rec.stream.release()
+        with rec.lock:
+            rec.released = True
+            free = rec.finished
+        if free:
+            self.progress.free(rec.at, rec.n)
+
+    def _stream_finished(self, rec: _StreamRecord) -> None:  # on a cache thread, once the words are final
+        with rec.lock:
+            rec.finished = True
+            free = rec.released
+        if free:
+            self.progress.free(rec.at, rec.n)
 
     @op("prefetch", blocking=True)  # NVMe or cluster reads
     def _prefetch(self, conn: ConnState, args: Any) -> list:

@@ -37,6 +37,11 @@ from ucm.config import UcmConfig
 from ucm.errors import ConfigError, UcmError
 from ucm.service.handlers import ServiceHandlers
 from ucm.service.index import KeyIndex
+from ucm.service.progress import ProgressArea
+
+# Progress words of streamed loads in flight, all connections together
+# (a stream of n blocks takes n + 1): 256 KiB.
+PROGRESS_WORDS = 65536
 from ucm.service.loop import EventLoop
 from ucm.service.metrics import Metrics
 from ucm.service.paths import (record_segment_dir, recorded_segment_dir, remove_stale_segments, runtime_dir,
@@ -72,6 +77,7 @@ class CacheService:
         self.path = socket_path(config)
         self.cache: Optional[UnifiedCache] = None
         self.index: Optional[KeyIndex] = None
+        self.progress: Optional[ProgressArea] = None
         self.metrics: Optional[Metrics] = None
         self.handlers: Optional[ServiceHandlers] = None
         self._sock: Optional[socket.socket] = None
@@ -105,11 +111,12 @@ class CacheService:
             if self.config.service.metrics_port is not None:
                 self.metrics = Metrics(self.cache, self.config.service.metrics_host,
                                        self.config.service.metrics_port)
+            self.progress = ProgressArea(segments, PROGRESS_WORDS)
             self.handlers = ServiceHandlers(
                 self.cache, arena, landing_tier=self.config.landing_tier, epoch=self.epoch, arena_inode=os.stat(arena.segment_path).st_ino,
                 block_tokens=self.config.block_tokens, max_keys=self.config.service.max_keys,
                 prefetch_timeout_s=self.config.service.request_timeout_s, socket=self.path,
-                index=self.index, metrics=self.metrics)
+                index=self.index, metrics=self.metrics, progress=self.progress)
         except BaseException:
             self.close()
             raise
@@ -186,6 +193,9 @@ class CacheService:
         if self.index is not None:
             self.index.close()
             self.index = None
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
 
     def _unlink_socket(self) -> None:
         try:

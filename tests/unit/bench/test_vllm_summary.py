@@ -21,6 +21,10 @@ def _results(docs=2, rounds=3):
         "ucm": {"pass1": _phase([8.0, 7.4], [5, 6], 0), "pass2": _phase([0.33, 0.31, 0.32, 0.34, 0.31, 2.0], hit),
                 "nvme": _phase([0.44, 0.42, 0.43, 0.41, 0.40, 0.45], hit), "check": {"tokens": [[11, 1], [22, 2]]},
                 "tiers_nvme_phase": [{"nvme": 46}] * rounds, "promotions": 46 * rounds},
+        "ucm_stream_off": {"hit": _phase([0.50, 0.52, 0.51, 0.55, 0.50, 0.53], hit),
+                           "tiers_before": [{"nvme": 46}] * rounds, "streamed_blocks": 0},
+        "ucm_stream_on": {"hit": _phase([0.34] * 6, hit), "tiers_before": [{"dram": 46}] * rounds,
+                          "streamed_blocks": 276},
     }
 
 
@@ -36,6 +40,13 @@ def test_summary_is_medians_over_documents_and_rounds():
     assert r["outputs_equal"] is True
     assert len(r["per_doc_ttft_s"]["ucm_nvme_hit"]) == 6
     assert r["ucm_service"] == {"lookups": 1}
+    # Streaming on and off side by side: the NVMe-only hit streamed (the ucm
+    # engine, 0.425) and loaded asynchronously (0.515), the DRAM hit streamed.
+    assert r["ucm_nvme_hit_stream_off_ttft_s"] == 0.515 and r["ucm_dram_hit_streamed_ttft_s"] == 0.34
+    assert r["ratios"]["ucm_nvme_hit_over_dram_hit"] == round(0.425 / 0.325, 3)
+    assert r["ratios"]["ucm_nvme_hit_stream_off_over_apc_hit"] == round(0.515 / 0.315, 3)
+    assert r["ratios"]["ucm_dram_hit_streamed_over_dram_hit"] == round(0.34 / 0.325, 3)
+    assert r["ucm_streamed_blocks"] == {"stream_off": 0, "stream_on": 276}
 
 
 def test_one_wrong_token_in_any_round_is_not_equal():

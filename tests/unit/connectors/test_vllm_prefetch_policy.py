@@ -13,7 +13,7 @@ TOKENS = list(range(3 * 256 + 10))  # three full blocks and a partial one
 
 
 def test_off_keeps_the_asynchronous_load_and_stages_nothing():
-    side, cache = _side()
+    side, cache = _side(load_streaming="off")
     _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
     assert side.get_num_new_matched_tokens(_request("r", TOKENS), 0) == (768, True)
     assert cache.prefetches == []
@@ -134,7 +134,7 @@ def test_a_new_request_is_begun_and_staged_on_arrival_while_it_queues():
 
 
 def test_without_a_policy_arrival_only_begins_the_request():
-    side, cache = _side()
+    side, cache = _side(load_streaming="off")
     _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
     req = _request("r", TOKENS)
     side.on_new_request(req)
@@ -164,3 +164,27 @@ def test_best_effort_loads_what_a_staging_begun_on_arrival_brought_to_dram():
     cache.stage(0)  # done while it queued
     assert side.get_num_new_matched_tokens(req, 0) == (768, False)
     assert side.staging_stats()["short"] == 0 and side.staging_stats()["late"] == 0
+
+
+def test_stagings_stay_within_the_budget_and_a_request_beyond_it_loads_without_waiting():
+    """Staged-but-unloaded blocks are bounded (half of DRAM by default): a
+    request whose staging would pass the bound is not staged (counted) and
+    loads its hit as without a policy (here streamed under the forward),
+    instead of evicting another waiting request's staged blocks."""
+    side, cache = _side(prefetch_policy="wait_complete", load_streaming="auto")
+    side.staging_budget.max_blocks = 3
+    other = [t + 100_000 for t in TOKENS]
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    _cache(cache, other, ["nvme", "nvme", "nvme"])
+    a, b = _request("a", TOKENS), _request("b", other)
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)  # 2 blocks staged: within 3
+    assert side.get_num_new_matched_tokens(b, 0) == (768, False)  # 3 more would pass it: streamed at once
+    assert len(cache.prefetches) == 1 and side.staging_stats()["over_budget"] == 1
+    assert side.staging_budget.used == 2
+    side.update_state_after_alloc(b, _blocks([11, 12, 13, 14, 15, 16, 17]), 768)
+    [job] = side.build_connector_meta(_output()).loads
+    assert job.stream and not job.is_async
+    cache.stage(0)
+    assert side.get_num_new_matched_tokens(a, 0) == (768, False)
+    side.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
+    assert side.staging_budget.used == 0  # a's load is planned: its share is given back

@@ -184,7 +184,7 @@ def test_no_external_tokens_plans_no_load():
 
 
 def test_a_block_below_dram_makes_the_load_async_and_reports_a_disk_hit():
-    side, cache = _side()
+    side, cache = _side(load_streaming="off")
     tokens = list(range(600))
     _cache(cache, tokens, ["dram", "nvme"])
     req = _request("r1", tokens)
@@ -192,7 +192,31 @@ def test_a_block_below_dram_makes_the_load_async_and_reports_a_disk_hit():
     assert side.get_external_cache_hit_sources(req, 512) == {CacheHitSource.DISK: 512}
     side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 512)
     [job] = side.build_connector_meta(_output()).loads
-    assert job.is_async and job.page_ids == [[1, 2], [3, 4]]
+    assert job.is_async and not job.stream and job.page_ids == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("streaming,tiers,want", [
+    ("auto", ["dram", "nvme"], (False, True)),   # below DRAM: streamed under the forward
+    ("auto", ["dram", "dram"], (False, False)),  # all in DRAM: copied whole before it
+    ("on", ["dram", "dram"], (False, True)),
+    ("off", ["dram", "nvme"], (True, False)),
+])
+def test_load_streaming_decides_how_a_hit_is_loaded(streaming, tiers, want):
+    side, cache = _side(load_streaming=streaming)
+    tokens = list(range(600))
+    _cache(cache, tokens, tiers)
+    req = _request("r1", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, want[0])
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 512)
+    [job] = side.build_connector_meta(_output()).loads
+    assert (job.is_async, job.stream) == want and job.page_ids == [[1, 2], [3, 4]]
+
+
+def test_a_block_still_being_saved_is_never_streamed():
+    from ucm.connectors.vllm.load_choice import PENDING, choose_load
+
+    assert choose_load(["dram", PENDING], "dram", "auto", "on") == (True, False)
+    assert choose_load(["nvme"], "dram", "sync", "auto") == (False, False)
 
 
 def test_a_dram_hit_is_synchronous_and_a_host_hit():

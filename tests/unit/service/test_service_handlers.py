@@ -83,8 +83,9 @@ def handlers(cache):
 
 def test_ops_that_may_touch_an_adapter_are_blocking():
     blocking = {name for name, spec in OPS.items() if spec.blocking}
-    assert blocking == {"lookup", "locate", "reserve", "commit", "abort", "acquire", "prefetch", "stats", "flush"}
-    assert set(OPS) - blocking == {"hello", "begin", "release", "pin", "unpin", "finish"}
+    assert blocking == {"lookup", "locate", "reserve", "commit", "abort", "acquire", "prefetch", "stats", "flush",
+                        "stream"}
+    assert set(OPS) - blocking == {"hello", "begin", "release", "pin", "unpin", "finish", "stream_release"}
 
 
 @pytest.fixture

@@ -183,7 +183,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.worker_side.start_load_kv(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads finish in start_load_kv
+        self.worker_side.wait_for_layer_load(layer_name)  # streamed loads; the others finish in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are saved after the forward, in wait_for_save

@@ -33,13 +33,14 @@ class NativePageCopier:
         return None  # CPU copies run in program order: nothing to wait for
 
     def copy(self, to_arena: bool, blocks: Sequence[tuple[int, Sequence[int]]], arena: Any,
-             ready: Optional[Any] = None, threads: int = 1) -> None:
+             ready: Optional[Any] = None, threads: int = 1, layers: Optional[Sequence[int]] = None) -> None:
         pb = self._page_bytes
         pages = [(a + j * pb, p) for a, ids in blocks for j, p in enumerate(ids) if p != SKIP]
         if not pages:
             return
         step = self._pages_per_block * pb  # one layer's part of a block's payload
-        for layer, (buf, lay) in enumerate(zip(self._buffers, self._layouts)):
+        for layer in (range(len(self._layouts)) if layers is None else layers):
+            buf, lay = self._buffers[layer], self._layouts[layer]
             for (off, n), pos in zip(lay.chunks, lay.payload_offsets):
                 at = [a + layer * step + pos for a, _ in pages]
                 kv = [lay.base + p * lay.page_stride + off for _, p in pages]

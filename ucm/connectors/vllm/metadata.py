@@ -20,12 +20,15 @@ class LoadJob:
     """Copy `keys` into the request's pages. `page_ids[i]` lists the vLLM
     pages of block i in order; SKIP marks pages vLLM already computed.
     `is_async`: run in the background and report the request through
-    get_finished (what get_num_new_matched_tokens told vLLM)."""
+    get_finished (what get_num_new_matched_tokens told vLLM). `stream`
+    (synchronous loads only): streamed layer by layer under the forward
+    (`wait_for_layer_load`), not copied whole before it."""
 
     req_id: str
     keys: list[Key]
     page_ids: list[list[int]]
     is_async: bool
+    stream: bool = False
 
 
 @dataclass(slots=True)

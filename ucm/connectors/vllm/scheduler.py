@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -44,9 +43,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
+from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
+from ucm.connectors.vllm.staging import MAX_LOAD_FAILURES, StagingBudget, stage
 from ucm.errors import ConfigError
 from ucm.keys import Namespace, block_keys
 
@@ -62,9 +63,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PENDING = "pending"  # hit tier of a block whose save is still in flight
-MAX_LOAD_FAILURES = 2  # lost loads after which a request is computed without ucm
-MAX_STAGING_LOSSES = 2  # short or late stagings after which a request is computed without ucm
 T = TypeVar("T")
 
 
@@ -79,6 +77,7 @@ class _ReqState:
     capped: bool = False  # its hit was cut at the waiting-pin cap: look up again when there is room
     local_tokens: int = 0  # vLLM's own (page-aligned) hit at the last lookup
     load_async: bool = False  # what the last lookup answered vLLM: both sides must agree
+    load_stream: bool = False  # a synchronous load streamed layer by layer (load_choice)
     page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
     next_store: int = 0  # first block neither cached nor planned for saving
     stores_issued: bool = False
@@ -88,6 +87,7 @@ class _ReqState:
     staging_deadline: float = 0.0  # monotonic time after which it is answered without waiting
     staging_losses: int = 0  # stagings that came back short or late
     staging_tried: bool = False  # a staging was issued since the last fresh lookup
+    unstaged: bool = False  # over the staging budget: loaded as without a prefetch policy
 
 
 class UCMSchedulerSide:
@@ -96,7 +96,7 @@ class UCMSchedulerSide:
 
     def __init__(self, cache: CacheAPI, namespace: Namespace, *, page_tokens: int, landing_tier: str,
                  max_waiting_pin_blocks: int, settings: ConnectorSettings = ConnectorSettings(),
-                 can_load: bool = True, can_save: bool = True) -> None:
+                 can_load: bool = True, can_save: bool = True, max_staging_blocks: Optional[int] = None) -> None:
         """`namespace.block_tokens` tokens per ucm block, a multiple of
         vLLM's `page_tokens`; `landing_tier`: the tier whose hits load
         synchronously in "auto" mode; `max_waiting_pin_blocks`: the blocks
@@ -127,7 +127,9 @@ class UCMSchedulerSide:
         # The prefetch policy's figures (`staging_stats`): stagings issued and
         # their blocks, those that came back short or late, the requests then
         # computed without ucm, and the seconds requests waited for staging.
-        self.staging_counts = {"stagings": 0, "blocks_staged": 0, "short": 0, "late": 0, "gave_up": 0}
+        self.staging_counts = {"stagings": 0, "blocks_staged": 0, "short": 0, "late": 0, "gave_up": 0,
+                               "over_budget": 0}
+        self.staging_budget = StagingBudget(max_staging_blocks)  # staged, not yet loaded (None: unbounded)
         self.staging_wait_s = 0.0
 
     @classmethod
@@ -147,9 +149,11 @@ class UCMSchedulerSide:
         cap = settings.max_waiting_pin_bytes
         if cap is None:
             cap = next(t.capacity for t in config.tiers if t.adapter == config.landing_tier) // 4
+        landing_bytes = next(t.capacity for t in config.tiers if t.adapter == config.landing_tier)
         side = cls(cache, namespace, page_tokens=page_tokens, landing_tier=config.landing_tier,
                    max_waiting_pin_blocks=cap // block_bytes, settings=settings,
-                   can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer)
+                   can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer,
+                   max_staging_blocks=max(1, landing_bytes // 2 // block_bytes))  # half of it: staging_budget
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
@@ -279,82 +283,29 @@ class UCMSchedulerSide:
         st.local_tokens = num_computed_tokens
         mode = self.settings.load_mode
         blocks = st.hit_blocks
-        if self.settings.prefetch_policy != "off" and blocks:
+        if self.settings.prefetch_policy != "off" and blocks and not st.unstaged:
             if self._staging(st, num_computed_tokens // self.block_tokens):
                 return None, False  # vLLM asks again next step; the request holds no pages meanwhile
             blocks = st.hit_blocks
             first = num_computed_tokens // self.block_tokens  # vLLM holds the blocks before it
-            # Loads only from the landing tier; the blocks from the first one still below are computed.
-            blocks = next((i for i in range(first, blocks) if st.hit_tiers[i] not in (self._landing, PENDING)),
-                          blocks)
+            # Loads only from the landing tier (unless over the staging budget);
+            # the blocks from the first one still below are computed.
+            blocks = blocks if st.unstaged else next(
+                (i for i in range(first, blocks) if st.hit_tiers[i] not in (self._landing, PENDING)), blocks)
         if mode == "sync":  # a synchronous load never waits for a save: stop at the first one in flight
             blocks = next((i for i, t in enumerate(st.hit_tiers[:blocks]) if t == PENDING), blocks)
         hit = min(blocks * self.block_tokens, request.num_tokens - 1)
         if hit <= num_computed_tokens:
             return 0, False
         first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
-        if mode == "auto":
-            is_async = any(t != self._landing for t in st.hit_tiers[first:last])
-        else:
-            is_async = mode == "async"
+        is_async, st.load_stream = choose_load(st.hit_tiers[first:last], self._landing, mode,
+                                               self.settings.load_streaming)
         st.load_async = is_async
         return hit - num_computed_tokens, is_async
 
     def _staging(self, st: _ReqState, first: int) -> bool:
-        """Stages the request's hit blocks that lie below the landing tier
-        (after vLLM's own `first` blocks) by the prefetch policy; True while
-        the request should wait for it (vLLM asks again next step). A
-        staging that comes back short or late counts as lost (the hit then
-        stops at the first block still below); after MAX_STAGING_LOSSES the
-        request is computed without ucm."""
-        policy = self.settings.prefetch_policy
-        counts = self.staging_counts
-        if st.staging is not None:
-            now = time.monotonic()
-            if st.staging.done():
-                st.staging = None
-                self._lookup(st)  # where the blocks are now
-                short = any(t not in (self._landing, PENDING) for t in st.hit_tiers[first:st.hit_blocks])
-                if policy == "best_effort":
-                    return False  # what reached DRAM is loaded; nothing was waited for
-                if short:
-                    st.staging_losses += 1
-                    counts["short"] += 1
-            elif policy == "best_effort":
-                return False  # still staging: what is in DRAM now; a later ask looks again
-            elif now >= st.staging_deadline:
-                st.staging = None  # late: it goes on for later requests; this one stops waiting
-                st.staging_losses += 1
-                counts["late"] += 1
-                self._lookup(st)
-            else:
-                return True
-            self.staging_wait_s += now - st.staging_since
-            if st.staging_losses >= MAX_STAGING_LOSSES:
-                st.load_failures = MAX_LOAD_FAILURES
-                counts["gave_up"] += 1
-                self._lookup(st)  # a miss from now on
-            return False
-        below = [st.keys[i] for i in range(first, st.hit_blocks) if st.hit_tiers[i] not in (self._landing, PENDING)]
-        if not below or st.staging_tried or st.staging_losses >= MAX_STAGING_LOSSES:
-            return False
-        st.staging_tried = True
-        handle = self._ask("prefetch", None, self._cache.prefetch, below)
-        if handle is None:
-            return False
-        counts["stagings"] += 1
-        counts["blocks_staged"] += len(below)
-        st.staging = handle
-        st.staging_since = time.monotonic()
-        if policy == "best_effort":
-            return False  # the tiers are looked at again once it is done
-        wait = self.settings.load_timeout_s
-        if policy == "timeout":
-            hit_tokens = (st.hit_blocks - first) * self.block_tokens
-            wait = min(wait, self.settings.prefetch_timeout_s
-                       + self.settings.prefetch_timeout_per_1k_tokens_s * hit_tokens / 1000)
-        st.staging_deadline = st.staging_since + wait
-        return True
+        """True while the request should wait for its staging (staging.stage)."""
+        return stage(self, st, first)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -364,9 +315,10 @@ class UCMSchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
-        if not st.allocated:  # running now: its pins leave the waiting budget
+        if not st.allocated:  # running now: its pins leave the waiting budget, its staging the staging one
             st.allocated = True
             self.waiting_pinned_blocks -= len(st.pinned)
+            self.staging_budget.give_back(id(st))
         st.page_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
@@ -383,7 +335,8 @@ class UCMSchedulerSide:
             pages.append(row)
         # An async load is reported through get_finished; it must be async
         # exactly when get_num_new_matched_tokens said so.
-        self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async))
+        self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async,
+                                           st.load_stream and not st.load_async))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> UCMConnectorMetadata:
         """This step's plan: the loads planned since the last step, the saves
@@ -414,7 +367,8 @@ class UCMSchedulerSide:
             if st is not None:  # its pages are gone; look up again when it resumes
                 st.page_ids = []
                 st.looked_up = False
-                st.staging, st.staging_tried = None, False
+                st.staging, st.staging_tried, st.unstaged = None, False, False
+                self.staging_budget.give_back(id(st))
                 # Its saves not yet copied were dropped (handle_preemptions):
                 # save again what the next lookup does not find.
                 st.next_store = 0
@@ -470,6 +424,7 @@ class UCMSchedulerSide:
         if st is None:
             return False, None
         self._unpin(st)
+        self.staging_budget.give_back(id(st))
         if st.keys:
             # A placement hint: how long an answer this prompt got (ucm/policy/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,

@@ -41,9 +41,11 @@ import torch
 
 from ucm.api import CacheAPI, Key, Outcome
 from ucm.connectors.kv_pages import SKIP, PageCopier, PageLayout, find_page_dim, page_layout
+from ucm.connectors.vllm.layer_loads import LayerLoads
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.settings import ConnectorSettings
 from ucm.errors import ConfigError, CopyAborted
+from ucm.layer_stream import LayerStreams
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -142,6 +144,9 @@ class UCMWorkerSide:
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._tainted: set[str] = set()  # requests whose synchronous load failed this step
+        self._layer_index: dict[str, int] = {}  # layer name -> its place in the payload
+        self._streams = LayerLoads(cache, self._copy_layer, self._blocks, lambda: self.block_bytes,
+                                   lambda: len(self._layouts), settings.load_timeout_s, self._copy_threads)
         self.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "abandoned_blocks": 0, "tainted_blocks": 0,
                          "load_s": 0.0, "store_s": 0.0}
@@ -195,6 +200,7 @@ class UCMWorkerSide:
             storages.append(flat)
         self._copier = self._copier_factory(storages, layouts, self.pages_per_block)
         self._layouts = layouts
+        self._layer_index = {name: i for i, name in enumerate(names)}
         self._page_bytes = layouts[0].page_bytes
         self._num_pages = min(lay.num_pages for lay in layouts)
         log.info("UCMConnector worker: %d layers on %s, %d pages of %d bytes in %d chunk(s) (layer tensor %s %s "
@@ -278,13 +284,17 @@ class UCMWorkerSide:
         """Before the forward: runs this step's synchronous loads, submits
         the asynchronous ones."""
         self._tainted = set()  # a step's mark, never the next step's
+        if self._streams:  # a step whose wait_for_save never came: its streams are not trusted
+            self._finish_streams()
         if not isinstance(meta, UCMConnectorMetadata) or not meta.loads or self._copier is None:
             return
         # Pages given to these requests may still be in use by kernels queued
         # earlier (a request that just finished): on CUDA, loads wait for them.
         ready = self._copier.record_ready()
         for job in meta.loads:
-            if job.is_async:
+            if job.stream and not job.is_async and isinstance(self._cache, LayerStreams):
+                self._streams.start(job)  # copied layer by layer in wait_for_layer_load
+            elif job.is_async:
                 guard = _PageGuard()
                 self._track(job.req_id, self._pool.submit(self._load_async, job, ready, guard), guard)
             elif not self._load(job, ready):
@@ -292,11 +302,35 @@ class UCMWorkerSide:
                 # whatever it computes for the request is not saved.
                 self._tainted.add(job.req_id)
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Inside attention layer `layer_name`: this step's streamed loads
+        of that layer landed and copied (LayerLoads)."""
+        if self._streams:
+            layer = self._layer_index.get(layer_name)
+            if layer is not None:
+                self._streams.wait_layer(layer)
+
+    def _copy_layer(self, blocks: list, arena: Any, layer: int) -> None:
+        self._copier.copy(False, blocks, arena, None, threads=self._copy_threads, layers=[layer])
+
+    def _finish_streams(self) -> None:
+        """After the forward: the streamed loads' lost pages become load
+        errors and their requests save nothing this step."""
+        started = time.perf_counter()
+        bad, tainted, loaded = self._streams.finish()
+        self._tainted |= tainted
+        with self._lock:
+            self._load_errors |= bad
+            self.counters["loaded_blocks"] += loaded
+            self.counters["load_s"] += time.perf_counter() - started
+
     # ---- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: Optional[UCMConnectorMetadata]) -> None:
-        """After the forward (it has written the pages): submits this step's
-        saves; they run in the background and hold the request's pages
-        until reported."""
+        """After the forward (it has written the pages): ends this step's
+        streamed loads, then submits its saves; they run in the background
+        and hold the request's pages until reported."""
+        if self._streams:
+            self._finish_streams()
         if not isinstance(meta, UCMConnectorMetadata) or not meta.stores or self._copier is None:
             return
         # On CUDA the forward may still be running: saves wait for this event.
@@ -421,7 +455,9 @@ class UCMWorkerSide:
     def shutdown(self) -> None:
         """Waits for the saves in flight (they finish before the engine
         goes), then lets the copier go."""
+        if self._streams:
+            self._finish_streams()
         self._pool.shutdown(wait=True)
-        log.info("UCMConnector worker: %s", self.counters)
+        log.info("UCMConnector worker: %s %s", self.counters, self._streams.counters)
         if self._copier is not None:
             self._copier.close()  # unregisters the pinned arena(s)

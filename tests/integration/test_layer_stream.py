@@ -1,0 +1,163 @@
+"""Streamed loads (UnifiedCache.stream_slots) over real dram and nvme
+tiers: blocks on NVMe only land in DRAM slots layer by layer, each landed
+layer holds exactly the stored bytes, a corrupted layer range makes its
+block a miss (and forgets it) without holding up the other blocks or the
+later layers' waits."""
+import os
+import time
+
+from support import chain
+from ucm import _native
+from ucm.adapters.faults import FaultyDevice
+from ucm.adapters.nvme import NvmeAdapter
+from ucm.api import Outcome
+from ucm.cache import UnifiedCache
+from ucm.layer_stream import LayerStreams
+
+LAYERS = 8
+LAYER = 32 * 1024
+SIZE = LAYERS * LAYER
+
+
+def cfg(nvme_dir):
+    return {"tiers": [{"adapter": "dram", "capacity": "4MiB"},
+                      {"adapter": "nvme", "capacity": "32MiB",
+                       "options": {"path": nvme_dir, "region_size": "1MiB", "io_chunk": "256KiB"}}],
+            "landing_tier": "dram", "policy": {"name": "lru"}}
+
+
+def on_nvme(nvme_dir, n, seed):
+    """n blocks stored and flushed; a fresh cache then holds them on NVMe only."""
+    keys, data = chain(n, seed, SIZE)
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * n
+        assert c.flush()
+        stuff, sdata = chain(16, seed + 50, SIZE)  # push them out of DRAM
+        assert c.store(stuff, sdata).wait(30) == [Outcome.DONE] * 16
+        assert c.flush()
+    return keys, data
+
+
+def layer_bytes(stream, i, layer):
+    off, _ = stream.slots[i]
+    return bytes(memoryview(stream.arena)[off + layer * LAYER:off + (layer + 1) * LAYER])
+
+
+def test_a_stream_from_nvme_lands_every_layer_with_the_stored_bytes(nvme_dir):
+    keys, data = on_nvme(nvme_dir, 4, 1)
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        assert isinstance(c, LayerStreams)
+        assert c.locate(keys) == ["nvme"] * 4
+        s = c.stream_slots(keys, [SIZE] * 4, LAYERS, request_id="r1")
+        try:
+            assert all(slot is not None for slot in s.slots)
+            for layer in range(LAYERS):
+                assert s.wait_layer(layer, 10.0) == [True] * 4
+                for i in range(4):
+                    assert layer_bytes(s, i, layer) == data[i][layer * LAYER:(layer + 1) * LAYER]
+            assert s.outcomes(10.0) == [Outcome.DONE] * 4
+        finally:
+            s.release()
+        assert c.locate(keys) == ["dram"] * 4  # staged: a later request reads DRAM
+        assert c.stats()["streamed_blocks"] == 4
+
+
+def test_a_stream_mixing_dram_and_nvme_blocks_and_a_miss(nvme_dir):
+    keys, data = on_nvme(nvme_dir, 3, 2)
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        got = [bytearray(SIZE)]
+        assert c.load(keys[:1], got).wait(30) == [Outcome.DONE]  # promoted: block 0 in DRAM
+        assert c.locate(keys)[0] == "dram"
+        missing = os.urandom(16)
+        s = c.stream_slots(keys + [missing], [SIZE] * 4, LAYERS)
+        try:
+            assert s.slots[3] is None
+            assert s.wait_layer(LAYERS - 1, 10.0) == [True, True, True, False]
+            assert s.outcomes(10.0) == [Outcome.DONE, Outcome.DONE, Outcome.DONE, Outcome.MISSING]
+            for i in range(3):
+                assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[i]
+        finally:
+            s.release()
+
+
+def test_a_corrupted_layer_range_is_a_miss_for_its_block_and_nothing_waits_long(nvme_dir):
+    keys, data = on_nvme(nvme_dir, 4, 3)
+    path = os.path.join(nvme_dir, "ucm-regions.dat")
+    raw = open(path, "rb").read()
+    bad_layer = 5
+    pos = raw.find(data[2][bad_layer * LAYER:bad_layer * LAYER + 4096]) + 100
+    assert pos > 100
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        f.write(bytes([raw[pos] ^ 1]))
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        s = c.stream_slots(keys, [SIZE] * 4, LAYERS)
+        try:
+            started = time.monotonic()
+            for layer in range(LAYERS):
+                ok = s.wait_layer(layer, 10.0)
+                assert ok[0] and ok[1]  # block 3 may go too: a child is forgotten with its parent
+                if layer >= bad_layer:
+                    assert not ok[2]
+                for i in range(4):
+                    if ok[i]:  # whatever is reported landed is the stored bytes, never others
+                        assert layer_bytes(s, i, layer) == data[i][layer * LAYER:(layer + 1) * LAYER]
+            assert time.monotonic() - started < 5.0  # no wait ran into its timeout
+            assert s.outcomes(10.0)[:3] == [Outcome.DONE, Outcome.DONE, Outcome.MISSING]
+        finally:
+            s.release()
+        assert c.stats()["corrupt"] >= 1
+        assert c.lookup(keys) == 2  # the bad block is forgotten (and its descendants with it)
+
+
+def slow_reads(delay_s):
+    """A tier factory whose nvme tier reads through a device that waits
+    `delay_s` before each read (a busy disk)."""
+    device = FaultyDevice(_native.IoEngine(2))
+    device.before = lambda op: time.sleep(delay_s) if op == "read" else None
+
+    def make(index, cls, capacity, options):
+        if cls is NvmeAdapter:
+            return cls(capacity_bytes=capacity, config=options, device=device)
+        return cls(capacity_bytes=capacity, config=options)
+    return make
+
+
+def test_two_prefetches_of_one_block_report_done_only_once_its_bytes_landed(nvme_dir):
+    keys, data = on_nvme(nvme_dir, 6, 4)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
+        first = c.prefetch(keys)
+        time.sleep(0.1)  # the first staging has planned its copies and is reading
+        second = c.prefetch(keys)  # joins the first staging's copies instead of skipping them
+        assert second.wait(30) == [Outcome.DONE] * 6
+        leases = c.acquire(keys)
+        try:
+            assert all(le is not None for le in leases)
+            assert [bytes(le.view) for le in leases] == data
+        finally:
+            c.release(leases)
+        assert first.wait(30) == [Outcome.DONE] * 6
+
+
+def test_a_tier_without_range_reads_is_streamed_a_whole_block_at_a_time(nvme_dir):
+    """FaultyAdapter declares no RangeReads over nvme (as redis and mooncake
+    have none): each block is read once, whole, and lands all at once."""
+    from ucm.adapters.faults import FaultyAdapter
+
+    keys, data = on_nvme(nvme_dir, 3, 5)
+
+    def wrap(index, cls, capacity, options):
+        a = cls(capacity_bytes=capacity, config=options)
+        return FaultyAdapter(a) if cls is NvmeAdapter else a
+
+    with UnifiedCache(cfg(nvme_dir), tier_factory=wrap) as c:
+        s = c.stream_slots(keys, [SIZE] * 3, LAYERS)
+        try:
+            assert s.wait_layer(LAYERS - 1, 10.0) == [True] * 3
+            assert s.outcomes(10.0) == [Outcome.DONE] * 3
+            for i in range(3):
+                assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[i]
+        finally:
+            s.release()
+        nvme = c.stats()["tiers"]["nvme"]["adapter"]
+        assert nvme.get("range_reads", 0) == 0 and nvme["bytes_read"] == 3 * SIZE  # each block once

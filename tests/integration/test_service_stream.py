@@ -1,0 +1,107 @@
+"""Streamed loads through `ucm serve`: the client polls the service's shared
+progress words; a killed service turns the unfinished blocks into misses
+at once, no wait runs into its timeout, and nothing reported landed is
+ever other bytes than the stored ones."""
+import signal
+import time
+
+import pytest
+import yaml
+
+from support import chain, start_service
+from ucm.api import Outcome
+from ucm.layer_stream import LayerStreams
+from ucm.service import CacheClient
+
+LAYERS = 8
+LAYER = 32 * 1024
+SIZE = LAYERS * LAYER
+
+
+def write_config(tmp_path):
+    sock = str(tmp_path / "ucm.sock")
+    cfg = {"tiers": [{"adapter": "dram", "capacity": "4MiB"},
+                     {"adapter": "nvme", "capacity": "64MiB",
+                      "options": {"path": str(tmp_path / "nvme"), "region_size": "1MiB", "io_chunk": "256KiB"}}],
+           "policy": {"name": "lru"}, "service": {"socket": sock}}
+    path = tmp_path / "ucm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), sock
+
+
+@pytest.fixture
+def served(tmp_path):
+    cfg_path, sock = write_config(tmp_path)
+    proc = start_service(cfg_path, sock)
+    client = CacheClient(sock)
+    try:
+        yield client, proc
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def on_nvme(client, n, seed):
+    keys, data = chain(n, seed, SIZE)
+    assert client.store(keys, data).wait(60) == [Outcome.DONE] * n
+    more, mdata = chain(16, seed + 50, SIZE)  # pushes the first ones out of the 4 MiB DRAM tier
+    assert client.store(more, mdata).wait(60) == [Outcome.DONE] * 16
+    assert client.flush()
+    assert client.locate(keys) == ["nvme"] * n
+    return keys, data
+
+
+def layer_bytes(s, i, layer):
+    off, _ = s.slots[i]
+    return bytes(memoryview(s.arena)[off + layer * LAYER:off + (layer + 1) * LAYER])
+
+
+def test_a_stream_through_the_service_lands_every_layer(served):
+    client, _ = served
+    assert isinstance(client, LayerStreams)
+    keys, data = on_nvme(client, 6, 1)
+    s = client.stream_slots(keys, [SIZE] * 6, LAYERS, request_id="s1")
+    try:
+        for layer in range(LAYERS):
+            assert s.wait_layer(layer, 10.0) == [True] * 6
+            for i in range(6):
+                assert layer_bytes(s, i, layer) == data[i][layer * LAYER:(layer + 1) * LAYER]
+        assert s.outcomes(10.0) == [Outcome.DONE] * 6
+    finally:
+        s.release()
+    assert client.locate(keys) == ["dram"] * 6
+    again = client.stream_slots(keys, [SIZE] * 6, LAYERS)  # DRAM hits: every layer there at once
+    try:
+        assert again.wait_layer(LAYERS - 1, 1.0) == [True] * 6
+        assert again.outcomes(1.0) == [Outcome.DONE] * 6
+    finally:
+        again.release()
+    assert client.stats()["streamed_blocks"] == 6
+
+
+def test_the_service_killed_during_a_stream_is_a_miss_and_nothing_hangs(served):
+    client, proc = served
+    keys, data = on_nvme(client, 12, 2)
+    s = client.stream_slots(keys, [SIZE] * 12, LAYERS)
+    proc.send_signal(signal.SIGKILL)  # mid-stream or just after it: either way no wait may hang
+    proc.wait()
+    started = time.monotonic()
+    try:
+        for layer in range(LAYERS):
+            ok = s.wait_layer(layer, 10.0)
+            for i, landed in enumerate(ok):
+                if landed:
+                    assert layer_bytes(s, i, layer) == data[i][layer * LAYER:(layer + 1) * LAYER]
+        out = s.outcomes(10.0)
+        assert set(out) <= {Outcome.DONE, Outcome.FAILED, Outcome.MISSING}
+    finally:
+        s.release()
+    assert time.monotonic() - started < 5.0
+    later = client.stream_slots(keys, [SIZE] * 12, LAYERS)  # no service: every block a miss at once
+    try:
+        assert later.wait_layer(0, 1.0) == [False] * 12
+        assert set(later.outcomes(1.0)) == {Outcome.FAILED}
+    finally:
+        later.release()
