@@ -193,6 +193,16 @@ class LayerStreamer:
                 st.publish(i, arena.slot_offset(k))
             return self._read_layers(adapter, keys, views, idx, progress)
 
+        def planned(others: list[Key]) -> None:
+            # Blocks this staging does not copy: a slot another staging is
+            # filling (joined: landed once that staging ends, in
+            # lease_staged) or none (a miss, or placed since: found there at
+            # the end). `start` then need not wait for the whole staging.
+            for k in others:
+                i = st.index.get(k)
+                if i is not None and i in st.pending:
+                    st.publish(i, arena.slot_offset(k))
+
         def lease_staged() -> None:  # still held: nothing evicted them since their commit
             for i in need:
                 key = st.keys[i]
@@ -200,8 +210,12 @@ class LayerStreamer:
                 if lease is None:
                     continue
                 slot = st.slots[i]
-                if slot is None and progress.words[i] == 0 and lease.length == st.sizes[i]:
-                    st.publish(i, (lease.offset, lease.length))  # staged whole by another path
+                if (slot is None or slot == (lease.offset, lease.length)) and progress.words[i] == 0 \
+                        and lease.length == st.sizes[i]:
+                    # staged whole by another path (joined): committed in that
+                    # slot, so its bytes are the block's; nothing was reported
+                    # landed before (word 0), so the reader copied none of it
+                    st.publish(i, (lease.offset, lease.length))
                     progress.all_landed(i)
                     slot = st.slots[i]
                 if slot is None or slot != (lease.offset, lease.length) or progress.words[i] != st.layers:
@@ -210,7 +224,7 @@ class LayerStreamer:
                 st.leases[i] = lease
 
         try:
-            cache._stage([st.keys[i] for i in need], force=True, then=lease_staged, read=read)
+            cache._stage([st.keys[i] for i in need], force=True, then=lease_staged, read=read, planned=planned)
         except Exception:
             log.exception("ucm: a streamed staging failed; its blocks are misses")
         cache.plans.drain_dropped()

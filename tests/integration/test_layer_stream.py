@@ -161,3 +161,26 @@ def test_a_tier_without_range_reads_is_streamed_a_whole_block_at_a_time(nvme_dir
             s.release()
         nvme = c.stats()["tiers"]["nvme"]["adapter"]
         assert nvme.get("range_reads", 0) == 0 and nvme["bytes_read"] == 3 * SIZE  # each block once
+
+
+def test_a_stream_of_blocks_another_staging_is_copying_returns_its_slots_at_once(nvme_dir):
+    """A prefetch is staging the blocks (slow disk) when the stream starts:
+    the stream joins that staging; `stream_slots` hands the slots out at
+    once (it must not block vLLM's worker thread until the whole staging
+    ends) and the blocks land, with the stored bytes, once it has."""
+    keys, data = on_nvme(nvme_dir, 3, 6)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(2.0)) as c:
+        pre = c.prefetch(keys)
+        time.sleep(0.3)  # the prefetch has planned its copies and is reading
+        started = time.monotonic()
+        s = c.stream_slots(keys, [SIZE] * 3, LAYERS)
+        try:
+            assert time.monotonic() - started < 1.0  # not the prefetch's 2 s read
+            assert all(slot is not None for slot in s.slots)
+            assert s.wait_layer(LAYERS - 1, 20.0) == [True] * 3
+            assert s.outcomes(20.0) == [Outcome.DONE] * 3
+            for i in range(3):
+                assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[i]
+        finally:
+            s.release()
+        assert pre.wait(30) == [Outcome.DONE] * 3
