@@ -22,8 +22,9 @@ earlier layer of it out: those bytes go only into pages the reader reports
 as load errors (vLLM recomputes them), never into a block reported DONE.
 
 Threads: `start` runs on the caller's thread and returns once every block
-has its slot (or failed), at most `slots_timeout_s`; the staging runs on a
-job pool of two threads, the layer reads on the layer pool.
+has its slot (or failed), at most `SLOTS_TIMEOUT_S`; the staging runs on a
+job pool of `JOB_THREADS` threads (one per stream in flight), the layer
+reads on the layer pool.
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SLOTS_TIMEOUT_S = 30.0
+# Streams staged at once. A staging job holds its thread until every layer
+# of its blocks was read (and any staging it joined ended), and `start`
+# waits for its job to begin: with fewer threads than streams in flight (a
+# step of several requests, several engines on one service) a stream's
+# `start` waited for an earlier stream's whole load.
+JOB_THREADS = 16
 # Bytes of each block one range read covers at least (whole layers): small
 # reads cost more per byte on the medium and in Python than they gain.
 SPAN_BYTES = 192 * 1024  # two layers of SmolLM2's block: measured as fast as a whole-block read, first layer ~8 ms
@@ -123,7 +130,7 @@ class LayerStreamer:
     def __init__(self, cache: "UnifiedCache", threads: int = 4, span_bytes: Optional[int] = None) -> None:
         self._cache = cache
         self.span_bytes = span_bytes or SPAN_BYTES
-        self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-stream")
+        self._jobs = ThreadPoolExecutor(max_workers=JOB_THREADS, thread_name_prefix="ucm-stream")
         self._layer_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucm-layer")
 
     def close(self) -> None:

@@ -184,3 +184,26 @@ def test_a_stream_of_blocks_another_staging_is_copying_returns_its_slots_at_once
         finally:
             s.release()
         assert pre.wait(30) == [Outcome.DONE] * 3
+
+
+def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(nvme_dir):
+    """Three requests of one step stream at once (start_load_kv starts them
+    one after another): each `stream_slots` returns once its own reads are
+    issued, not once an earlier stream's reads all ended."""
+    keys, data = on_nvme(nvme_dir, 6, 7)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
+        streams, took = [], []
+        try:
+            for j in range(3):
+                started = time.monotonic()
+                streams.append(c.stream_slots(keys[2 * j:2 * j + 2], [SIZE] * 2, LAYERS))
+                took.append(time.monotonic() - started)
+            assert max(took) < 0.4, took  # a slow read is 0.5 s: nobody waited for another's
+            for j, s in enumerate(streams):
+                assert s.wait_layer(LAYERS - 1, 20.0) == [True] * 2
+                assert s.outcomes(20.0) == [Outcome.DONE] * 2
+                for i in range(2):
+                    assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[2 * j + i]
+        finally:
+            for s in streams:
+                s.release()
