@@ -152,34 +152,40 @@ class LayerStreamer:
         arena = cache.shared_arena()
         segment = arena.segment_view() if arena is not None else bytearray(sum(sizes))
         st = CacheStream(keys, sizes, layers, segment, progress, on_done)
-        with cache._meta:
-            cache._record_locked(keys, None, request_id)
-        if arena is None:  # no shared slots: whole blocks into a scratch buffer, then every layer at once
-            self._jobs.submit(self._scratch_job, st, request_id)
+        try:
+            with cache._meta:
+                cache._record_locked(keys, None, request_id)
+            if arena is None:  # no shared slots: whole blocks into a scratch buffer, then every layer at once
+                self._jobs.submit(self._scratch_job, st, request_id)
+                return st
+            st._release_leases = lambda leases: [arena.release(le) for le in leases]
+            need: list[int] = []
+            for i, key in enumerate(keys):
+                try:
+                    lease = arena.lease(key)
+                except Exception:
+                    log.exception("ucm: leasing a slot for a stream failed")
+                    lease = None
+                if lease is None:
+                    need.append(i)
+                elif lease.length != sizes[i]:
+                    arena.release(lease)
+                    progress.fail(i)
+                else:
+                    st.leases[i] = lease
+                    st.slots[i] = (lease.offset, lease.length)
+                    progress.all_landed(i)
+            if need:
+                st.pending = set(need)
+                cache.plans.adopt_shared(keys, need)
+                self._jobs.submit(self._stage_job, st, need, arena, request_id)
+        except Exception:  # a cache fault is a miss, never an exception (LayerStreams)
+            log.exception("ucm: starting a streamed load failed; its blocks are misses")
+            self._abandon(st)
             return st
-        st._release_leases = lambda leases: [arena.release(le) for le in leases]
-        need: list[int] = []
-        for i, key in enumerate(keys):
-            try:
-                lease = arena.lease(key)
-            except Exception:
-                log.exception("ucm: leasing a slot for a stream failed")
-                lease = None
-            if lease is None:
-                need.append(i)
-            elif lease.length != sizes[i]:
-                arena.release(lease)
-                progress.fail(i)
-            else:
-                st.leases[i] = lease
-                st.slots[i] = (lease.offset, lease.length)
-                progress.all_landed(i)
         if not need:
             self._settle(st, request_id, staged=0)
             return st
-        st.pending = set(need)
-        cache.plans.adopt_shared(keys, need)
-        self._jobs.submit(self._stage_job, st, need, arena, request_id)
         if not st.slots_known.wait(SLOTS_TIMEOUT_S):
             log.warning("ucm: a stream's slots took over %.0f s; its unplaced blocks are misses", SLOTS_TIMEOUT_S)
         with st._lock:
@@ -188,6 +194,20 @@ class LayerStreamer:
             st.pending.clear()
             st.slots = list(st.slots)  # what the reader sees from now on
         return st
+
+    def _abandon(self, st: CacheStream) -> None:
+        """A stream that failed to start (no job runs for it): the leases it
+        took go back, every block is a miss, the words are final."""
+        with st._lock:
+            leases, st.leases = [le for le in st.leases if le is not None], [None] * len(st.keys)
+            st.slots = [None] * len(st.keys)
+            st.pending.clear()
+        try:
+            st._release_leases(leases)
+        except Exception:
+            log.exception("ucm: giving back a failed stream's leases failed")
+        st.progress.finish([False] * len(st.keys))
+        st.finished()
 
     # ---- jobs -----------------------------------------------------------------
     def _stage_job(self, st: CacheStream, need: list[int], arena: Any, request_id: Optional[str]) -> None:

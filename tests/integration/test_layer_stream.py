@@ -207,3 +207,24 @@ def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(n
         finally:
             for s in streams:
                 s.release()
+
+
+def test_a_fault_while_a_stream_starts_is_a_miss_and_leaks_no_lease(nvme_dir):
+    """`stream_slots` never raises for a cache fault (LayerStreams): a fault
+    after the DRAM blocks were leased (here in adopt_shared) gives those
+    leases back and makes every block a miss."""
+    keys, data = on_nvme(nvme_dir, 2, 8)
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        assert c.load(keys[:1], [bytearray(SIZE)]).wait(30) == [Outcome.DONE]  # block 0 in DRAM
+        dram = c.adapters[0]
+
+        def boom(*a, **kw):
+            raise RuntimeError("injected")
+        c.plans.adopt_shared = boom
+        s = c.stream_slots(keys, [SIZE] * 2, LAYERS)
+        try:
+            assert s.wait_layer(0, 1.0) == [False, False]
+            assert s.outcomes(1.0) == [Outcome.MISSING] * 2
+        finally:
+            s.release()
+        assert dram._slots._index[keys[0]].leases == 0
