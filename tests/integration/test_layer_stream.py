@@ -228,3 +228,19 @@ def test_a_fault_while_a_stream_starts_is_a_miss_and_leaks_no_lease(nvme_dir):
         finally:
             s.release()
         assert dram._slots._index[keys[0]].leases == 0
+
+
+def test_a_stream_with_a_missing_block_returns_its_slots_before_the_reads_end(nvme_dir):
+    """A block found nowhere (evicted since the lookup) is a miss at once:
+    `stream_slots` does not wait for the other blocks' reads to end."""
+    keys, data = on_nvme(nvme_dir, 2, 9)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
+        started = time.monotonic()
+        s = c.stream_slots(keys + [os.urandom(16)], [SIZE] * 3, LAYERS)
+        try:
+            assert time.monotonic() - started < 0.4
+            assert s.slots[2] is None
+            assert s.wait_layer(LAYERS - 1, 20.0) == [True, True, False]
+            assert s.outcomes(20.0) == [Outcome.DONE, Outcome.DONE, Outcome.MISSING]
+        finally:
+            s.release()
