@@ -37,7 +37,8 @@ class Staging:
         return out
 
     def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None,
-               read: Optional[BatchRead] = None) -> None:
+               read: Optional[BatchRead] = None,
+               planned: Optional[Callable[[list[Key]], Any]] = None) -> None:
         """Copies the blocks of `keys` held only below the landing tier up
         into it (`force`: without asking the policy, for a reader). Every
         promotion is planned first under one hold of `_meta`, so that the
@@ -46,6 +47,10 @@ class Staging:
         one block at a time. The staged blocks are held until `then()` ran
         (a reader leases them there), so nothing evicts them before.
         `read` replaces the batched read (a streamed load's layer reads).
+        `planned(others)`, once the copies are planned and before they run:
+        the keys this call does not copy itself (joined, in the landing
+        tier already, or nowhere), so a streamed load need not wait for
+        the whole run to learn their slots.
 
         A block another staging is copying right now (placed in the landing
         tier, its copy not landed) is joined, not skipped: this call returns
@@ -79,6 +84,9 @@ class Staging:
             ticket = self.plans.admit(plan)
         try:
             try:
+                if planned is not None:
+                    mine = set(staged)
+                    planned([k for k in keys if k not in mine])
                 self.plans.run(ticket, {}, read)
             finally:
                 with self._meta:

@@ -22,8 +22,9 @@ earlier layer of it out: those bytes go only into pages the reader reports
 as load errors (vLLM recomputes them), never into a block reported DONE.
 
 Threads: `start` runs on the caller's thread and returns once every block
-has its slot (or failed), at most `slots_timeout_s`; the staging runs on a
-job pool of two threads, the layer reads on the layer pool.
+has its slot (or failed), at most `SLOTS_TIMEOUT_S`; the staging runs on a
+job pool of `JOB_THREADS` threads (one per stream in flight), the layer
+reads on the layer pool.
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SLOTS_TIMEOUT_S = 30.0
+# Streams staged at once. A staging job holds its thread until every layer
+# of its blocks was read (and any staging it joined ended), and `start`
+# waits for its job to begin: with fewer threads than streams in flight (a
+# step of several requests, several engines on one service) a stream's
+# `start` waited for an earlier stream's whole load.
+JOB_THREADS = 16
 # Bytes of each block one range read covers at least (whole layers): small
 # reads cost more per byte on the medium and in Python than they gain.
 SPAN_BYTES = 192 * 1024  # two layers of SmolLM2's block: measured as fast as a whole-block read, first layer ~8 ms
@@ -123,7 +130,7 @@ class LayerStreamer:
     def __init__(self, cache: "UnifiedCache", threads: int = 4, span_bytes: Optional[int] = None) -> None:
         self._cache = cache
         self.span_bytes = span_bytes or SPAN_BYTES
-        self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-stream")
+        self._jobs = ThreadPoolExecutor(max_workers=JOB_THREADS, thread_name_prefix="ucm-stream")
         self._layer_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucm-layer")
 
     def close(self) -> None:
@@ -145,34 +152,40 @@ class LayerStreamer:
         arena = cache.shared_arena()
         segment = arena.segment_view() if arena is not None else bytearray(sum(sizes))
         st = CacheStream(keys, sizes, layers, segment, progress, on_done)
-        with cache._meta:
-            cache._record_locked(keys, None, request_id)
-        if arena is None:  # no shared slots: whole blocks into a scratch buffer, then every layer at once
-            self._jobs.submit(self._scratch_job, st, request_id)
+        try:
+            with cache._meta:
+                cache._record_locked(keys, None, request_id)
+            if arena is None:  # no shared slots: whole blocks into a scratch buffer, then every layer at once
+                self._jobs.submit(self._scratch_job, st, request_id)
+                return st
+            st._release_leases = lambda leases: [arena.release(le) for le in leases]
+            need: list[int] = []
+            for i, key in enumerate(keys):
+                try:
+                    lease = arena.lease(key)
+                except Exception:
+                    log.exception("ucm: leasing a slot for a stream failed")
+                    lease = None
+                if lease is None:
+                    need.append(i)
+                elif lease.length != sizes[i]:
+                    arena.release(lease)
+                    progress.fail(i)
+                else:
+                    st.leases[i] = lease
+                    st.slots[i] = (lease.offset, lease.length)
+                    progress.all_landed(i)
+            if need:
+                st.pending = set(need)
+                cache.plans.adopt_shared(keys, need)
+                self._jobs.submit(self._stage_job, st, need, arena, request_id)
+        except Exception:  # a cache fault is a miss, never an exception (LayerStreams)
+            log.exception("ucm: starting a streamed load failed; its blocks are misses")
+            self._abandon(st)
             return st
-        st._release_leases = lambda leases: [arena.release(le) for le in leases]
-        need: list[int] = []
-        for i, key in enumerate(keys):
-            try:
-                lease = arena.lease(key)
-            except Exception:
-                log.exception("ucm: leasing a slot for a stream failed")
-                lease = None
-            if lease is None:
-                need.append(i)
-            elif lease.length != sizes[i]:
-                arena.release(lease)
-                progress.fail(i)
-            else:
-                st.leases[i] = lease
-                st.slots[i] = (lease.offset, lease.length)
-                progress.all_landed(i)
         if not need:
             self._settle(st, request_id, staged=0)
             return st
-        st.pending = set(need)
-        cache.plans.adopt_shared(keys, need)
-        self._jobs.submit(self._stage_job, st, need, arena, request_id)
         if not st.slots_known.wait(SLOTS_TIMEOUT_S):
             log.warning("ucm: a stream's slots took over %.0f s; its unplaced blocks are misses", SLOTS_TIMEOUT_S)
         with st._lock:
@@ -181,6 +194,20 @@ class LayerStreamer:
             st.pending.clear()
             st.slots = list(st.slots)  # what the reader sees from now on
         return st
+
+    def _abandon(self, st: CacheStream) -> None:
+        """A stream that failed to start (no job runs for it): the leases it
+        took go back, every block is a miss, the words are final."""
+        with st._lock:
+            leases, st.leases = [le for le in st.leases if le is not None], [None] * len(st.keys)
+            st.slots = [None] * len(st.keys)
+            st.pending.clear()
+        try:
+            st._release_leases(leases)
+        except Exception:
+            log.exception("ucm: giving back a failed stream's leases failed")
+        st.progress.finish([False] * len(st.keys))
+        st.finished()
 
     # ---- jobs -----------------------------------------------------------------
     def _stage_job(self, st: CacheStream, need: list[int], arena: Any, request_id: Optional[str]) -> None:
@@ -193,6 +220,16 @@ class LayerStreamer:
                 st.publish(i, arena.slot_offset(k))
             return self._read_layers(adapter, keys, views, idx, progress)
 
+        def planned(others: list[Key]) -> None:
+            # Blocks this staging does not copy: a slot another staging is
+            # filling (joined: landed once that staging ends, in
+            # lease_staged) or none (a miss, or placed since: found there at
+            # the end). `start` then need not wait for the whole staging.
+            for k in others:
+                i = st.index.get(k)
+                if i is not None and i in st.pending:
+                    st.publish(i, arena.slot_offset(k))
+
         def lease_staged() -> None:  # still held: nothing evicted them since their commit
             for i in need:
                 key = st.keys[i]
@@ -200,8 +237,12 @@ class LayerStreamer:
                 if lease is None:
                     continue
                 slot = st.slots[i]
-                if slot is None and progress.words[i] == 0 and lease.length == st.sizes[i]:
-                    st.publish(i, (lease.offset, lease.length))  # staged whole by another path
+                if (slot is None or slot == (lease.offset, lease.length)) and progress.words[i] == 0 \
+                        and lease.length == st.sizes[i]:
+                    # staged whole by another path (joined): committed in that
+                    # slot, so its bytes are the block's; nothing was reported
+                    # landed before (word 0), so the reader copied none of it
+                    st.publish(i, (lease.offset, lease.length))
                     progress.all_landed(i)
                     slot = st.slots[i]
                 if slot is None or slot != (lease.offset, lease.length) or progress.words[i] != st.layers:
@@ -210,7 +251,7 @@ class LayerStreamer:
                 st.leases[i] = lease
 
         try:
-            cache._stage([st.keys[i] for i in need], force=True, then=lease_staged, read=read)
+            cache._stage([st.keys[i] for i in need], force=True, then=lease_staged, read=read, planned=planned)
         except Exception:
             log.exception("ucm: a streamed staging failed; its blocks are misses")
         cache.plans.drain_dropped()

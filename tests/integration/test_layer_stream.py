@@ -161,3 +161,86 @@ def test_a_tier_without_range_reads_is_streamed_a_whole_block_at_a_time(nvme_dir
             s.release()
         nvme = c.stats()["tiers"]["nvme"]["adapter"]
         assert nvme.get("range_reads", 0) == 0 and nvme["bytes_read"] == 3 * SIZE  # each block once
+
+
+def test_a_stream_of_blocks_another_staging_is_copying_returns_its_slots_at_once(nvme_dir):
+    """A prefetch is staging the blocks (slow disk) when the stream starts:
+    the stream joins that staging; `stream_slots` hands the slots out at
+    once (it must not block vLLM's worker thread until the whole staging
+    ends) and the blocks land, with the stored bytes, once it has."""
+    keys, data = on_nvme(nvme_dir, 3, 6)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(2.0)) as c:
+        pre = c.prefetch(keys)
+        time.sleep(0.3)  # the prefetch has planned its copies and is reading
+        started = time.monotonic()
+        s = c.stream_slots(keys, [SIZE] * 3, LAYERS)
+        try:
+            assert time.monotonic() - started < 1.0  # not the prefetch's 2 s read
+            assert all(slot is not None for slot in s.slots)
+            assert s.wait_layer(LAYERS - 1, 20.0) == [True] * 3
+            assert s.outcomes(20.0) == [Outcome.DONE] * 3
+            for i in range(3):
+                assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[i]
+        finally:
+            s.release()
+        assert pre.wait(30) == [Outcome.DONE] * 3
+
+
+def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(nvme_dir):
+    """Three requests of one step stream at once (start_load_kv starts them
+    one after another): each `stream_slots` returns once its own reads are
+    issued, not once an earlier stream's reads all ended."""
+    keys, data = on_nvme(nvme_dir, 6, 7)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
+        streams, took = [], []
+        try:
+            for j in range(3):
+                started = time.monotonic()
+                streams.append(c.stream_slots(keys[2 * j:2 * j + 2], [SIZE] * 2, LAYERS))
+                took.append(time.monotonic() - started)
+            assert max(took) < 0.4, took  # a slow read is 0.5 s: nobody waited for another's
+            for j, s in enumerate(streams):
+                assert s.wait_layer(LAYERS - 1, 20.0) == [True] * 2
+                assert s.outcomes(20.0) == [Outcome.DONE] * 2
+                for i in range(2):
+                    assert b"".join(layer_bytes(s, i, lay) for lay in range(LAYERS)) == data[2 * j + i]
+        finally:
+            for s in streams:
+                s.release()
+
+
+def test_a_fault_while_a_stream_starts_is_a_miss_and_leaks_no_lease(nvme_dir):
+    """`stream_slots` never raises for a cache fault (LayerStreams): a fault
+    after the DRAM blocks were leased (here in adopt_shared) gives those
+    leases back and makes every block a miss."""
+    keys, data = on_nvme(nvme_dir, 2, 8)
+    with UnifiedCache(cfg(nvme_dir)) as c:
+        assert c.load(keys[:1], [bytearray(SIZE)]).wait(30) == [Outcome.DONE]  # block 0 in DRAM
+        dram = c.adapters[0]
+
+        def boom(*a, **kw):
+            raise RuntimeError("injected")
+        c.plans.adopt_shared = boom
+        s = c.stream_slots(keys, [SIZE] * 2, LAYERS)
+        try:
+            assert s.wait_layer(0, 1.0) == [False, False]
+            assert s.outcomes(1.0) == [Outcome.MISSING] * 2
+        finally:
+            s.release()
+        assert dram._slots._index[keys[0]].leases == 0
+
+
+def test_a_stream_with_a_missing_block_returns_its_slots_before_the_reads_end(nvme_dir):
+    """A block found nowhere (evicted since the lookup) is a miss at once:
+    `stream_slots` does not wait for the other blocks' reads to end."""
+    keys, data = on_nvme(nvme_dir, 2, 9)
+    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
+        started = time.monotonic()
+        s = c.stream_slots(keys + [os.urandom(16)], [SIZE] * 3, LAYERS)
+        try:
+            assert time.monotonic() - started < 0.4
+            assert s.slots[2] is None
+            assert s.wait_layer(LAYERS - 1, 20.0) == [True, True, False]
+            assert s.outcomes(20.0) == [Outcome.DONE, Outcome.DONE, Outcome.MISSING]
+        finally:
+            s.release()

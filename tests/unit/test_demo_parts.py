@@ -125,3 +125,15 @@ def test_the_machine_line_reads_proc(tmp_path):
     assert line.startswith("Test CPU 9000, ") and "(AVX2, no AVX-512), 2.0 GiB RAM, no GPU" in line
     (tmp_path / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
     assert machine_line(str(tmp_path)).endswith("1 NVIDIA GPU(s)")
+
+
+def test_the_nvme_share_of_a_hit_counts_a_partial_last_block_by_its_tokens():
+    from ucm.apps.demo_engine import BLOCK_TOKENS as B, nvme_share
+
+    # a DRAM block then a partial NVMe block (100 of its tokens served)
+    assert nvme_share(0, B + 100, ["dram", "nvme"]) == 100
+    # an NVMe block then a partial DRAM block: only the full block is NVMe
+    assert nvme_share(0, B + 100, ["nvme", "dram"]) == B
+    # vLLM's own blocks first; a block still being saved (None) counts as DRAM
+    assert nvme_share(B, 2 * B, ["nvme", "nvme", None]) == B
+    assert nvme_share(0, 0, ["nvme"]) == 0

@@ -108,10 +108,7 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
         ttft = getattr(m, "first_token_latency", None) if m is not None else None
         engine_tokens = int(after["engine"] - before["engine"])
         ucm_tokens = int(after["ucm"] - before["ucm"])
-        first, last = engine_tokens // BLOCK_TOKENS, -(-(engine_tokens + ucm_tokens) // BLOCK_TOKENS)
-        served = tiers[first:last]
-        nvme_blocks = sum(1 for t in served if t is not None and t != "dram")
-        nvme_tokens = min(ucm_tokens, nvme_blocks * BLOCK_TOKENS)
+        nvme_tokens = nvme_share(engine_tokens, ucm_tokens, tiers)
         rows.append({
             "index": req["index"], "prompt_tokens": len(prompt), "ttft_s": ttft if ttft else wall, "wall_s": wall,
             "cached_tokens": int(o.num_cached_tokens or 0), "engine_tokens": engine_tokens,
@@ -131,6 +128,21 @@ def replay(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception:
         pass
     return {"rows": rows, "engine_start_s": start_s, "engine_kv_pages": kv_pages}
+
+
+def nvme_share(engine_tokens: int, ucm_tokens: int, tiers: list[Optional[str]]) -> int:
+    """Of the `ucm_tokens` the connector served after vLLM's own
+    `engine_tokens`, those in blocks held below DRAM (`tiers`: per block,
+    from `_tiers`), counted per token: a hit's last block is often partial
+    (vLLM computes the prompt's last token at least), so it counts only
+    the tokens it served."""
+    end = engine_tokens + ucm_tokens
+    out = 0
+    for b in range(engine_tokens // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)):
+        t = tiers[b] if b < len(tiers) else None
+        if t is not None and t != "dram":
+            out += min((b + 1) * BLOCK_TOKENS, end) - max(b * BLOCK_TOKENS, engine_tokens)
+    return out
 
 
 def _tiers(client, ns, prompt: list[int]) -> list[Optional[str]]:

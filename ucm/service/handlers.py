@@ -279,6 +279,9 @@ class ServiceHandlers:
         except ArgumentError as exc:
             self.progress.free(at, n)
             raise proto.ProtocolError(str(exc)) from None
+        except BaseException:  # refused (a closing cache, a bug): its words are not the stream's
+            self.progress.free(at, n)
+            raise
         sid = conn.next_lease
         conn.next_lease += 1
         conn.streams[sid] = rec
