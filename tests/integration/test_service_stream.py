@@ -105,3 +105,29 @@ def test_the_service_killed_during_a_stream_is_a_miss_and_nothing_hangs(served):
         assert set(later.outcomes(1.0)) == {Outcome.FAILED}
     finally:
         later.release()
+
+
+def test_a_refused_first_chunk_leaves_the_later_chunks_served(served, monkeypatch):
+    client, _ = served
+    keys, data = on_nvme(client, 6, 3)
+    monkeypatch.setattr(client, "_chunks", lambda sizes: [(0, 2), (2, len(sizes))])
+    real = client._begin_fill
+    calls = []
+
+    def refuse_first(op, args):
+        calls.append(op)
+        if len(calls) == 1:
+            from ucm.service.client import ServiceUnavailable
+            raise ServiceUnavailable("refused for the test")
+        return real(op, args)
+
+    monkeypatch.setattr(client, "_begin_fill", refuse_first)
+    s = client.stream_slots(keys, [SIZE] * 6, LAYERS)
+    try:
+        assert s.wait_layer(LAYERS - 1, 10.0) == [False, False] + [True] * 4
+        for i in range(2, 6):
+            for layer in range(LAYERS):
+                assert layer_bytes(s, i, layer) == data[i][layer * LAYER:(layer + 1) * LAYER]
+        assert s.outcomes(10.0)[2:] == [Outcome.DONE] * 4
+    finally:
+        s.release()

@@ -146,6 +146,8 @@ def stream_slots(client: "CacheClient", keys: Sequence[Key], sizes: Sequence[int
             continue
         if stream is None:
             stream = ClientStream(client, link.arena.m, len(keys), layers)
+        elif stream.arena is None:  # the chunks before were refused: this one's arena serves
+            stream.arena = link.arena.m
         part = _Part(link, reply.get("sid") if isinstance(reply, dict) else None, i, n, None, None)
         stream.parts.append(part)
         try:
