@@ -79,6 +79,9 @@ def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, n
     return cfg
 
 
+ENGINE_EXIT_S = 120  # from the end of its reports to its exit
+
+
 def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict:
     """Runs `ucm.apps.demo_engine` on `spec` in a new process, advancing
     `progress` (its step named `label`) as it reports; its output goes to a
@@ -95,25 +98,30 @@ def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict
         proc = subprocess.Popen([sys.executable, "-m", "ucm.apps.demo_engine", str(spec_path), str(out_path)],
                                 env=env, cwd=str(work), stdout=log, stderr=subprocess.STDOUT, pass_fds=(wfd,))
     os.close(wfd)
-    buf = b""
-    with os.fdopen(rfd, "rb", buffering=0) as pipe:
-        while True:
-            ready, _, _ = select.select([pipe], [], [], 1.0)
-            if not ready:
-                if proc.poll() is not None:
+    try:
+        buf = b""
+        with os.fdopen(rfd, "rb", buffering=0) as pipe:
+            while True:
+                ready, _, _ = select.select([pipe], [], [], 1.0)
+                if not ready:
+                    if proc.poll() is not None:
+                        break
+                    continue
+                chunk = pipe.read(4096)
+                if not chunk:
                     break
-                continue
-            chunk = pipe.read(4096)
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if line == b"ready":
-                    progress.set_postfix_str(f"{label}: replaying")
-                elif line.startswith(b"done "):
-                    progress.update(1)
-    rc = proc.wait()
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line == b"ready":
+                        progress.set_postfix_str(f"{label}: replaying")
+                    elif line.startswith(b"done "):
+                        progress.update(1)
+        rc = proc.wait(timeout=ENGINE_EXIT_S)
+    finally:  # an interrupt or a hung engine: the engine process does not outlive the demo
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if rc != 0 or not out_path.exists():
         text = log_path.read_text(errors="replace")
         causes = [ln for ln in text.splitlines() if "Error" in ln and "Traceback" not in ln][:8]
