@@ -48,6 +48,10 @@ class PrefetchOptions(AcceleratorOptions):
     # Bytes of staged blocks not yet read (or still being staged), all
     # requests together; None: half of the landing tier's capacity.
     max_staged_bytes: Optional[int] = Field(default=None, ge=1)
+    # A landed block not read this many seconds after its staging was issued
+    # leaves the budget (counted wasted): a request that never finishes (an
+    # engine that died on a shared service) cannot hold the budget forever.
+    stale_after_s: float = Field(default=120.0, gt=0)
 
 
 class Prefetch(Accelerator):
@@ -65,7 +69,8 @@ class Prefetch(Accelerator):
         self._lock = threading.Lock()
         self._inflight = 0
         # staged key -> [request id (None once it finished), bytes, reached the
-        # landing tier]: staged for a request that has not read it yet
+        # landing tier, when issued (monotonic)]: staged for a request that has
+        # not read it yet; oldest first
         self._staged: OrderedDict[bytes, list] = OrderedDict()
         self._counts = {k: 0 for k in ("requests_staged", "blocks_issued", "bytes_issued", "blocks_staged",
                                        "blocks_used", "blocks_wasted", "bytes_wasted", "blocks_failed",
@@ -85,6 +90,7 @@ class Prefetch(Accelerator):
         if not below:
             return
         with self._lock:
+            self._expire(time.monotonic())
             if self._inflight + len(below) > self.options.max_inflight_blocks:
                 self._counts["requests_skipped"] += 1
                 return
@@ -116,10 +122,26 @@ class Prefetch(Accelerator):
     def _track(self, key: bytes, request_id: str, size: int) -> None:
         staged = self._staged
         self._forget(key)
-        staged[key] = [request_id, size, False]
+        staged[key] = [request_id, size, False, time.monotonic()]
         self._unused += size
         while len(staged) > self.options.track_blocks:
             self._forget(next(iter(staged)))
+
+    def _expire(self, now: float) -> None:
+        """Forgets landed blocks older than stale_after_s (under _lock);
+        blocks still being staged wait for their outcome."""
+        limit = now - self.options.stale_after_s
+        staged = self._staged
+        old = []
+        for key, e in staged.items():  # oldest first: stops at the first young one
+            if e[3] >= limit:
+                break
+            if e[2]:
+                old.append(key)
+        for key in old:
+            entry = self._forget(key)
+            self._counts["blocks_wasted"] += 1
+            self._counts["bytes_wasted"] += entry[1]
 
     def _forget(self, key: bytes) -> list | None:
         """Drops a staged block from the books (under _lock); its entry."""

@@ -105,7 +105,7 @@ def test_an_unknown_accelerator_is_a_config_error_listing_the_installed(tmp_path
 
 def test_an_unknown_option_is_a_config_error_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.depth: unknown key; allowed: "
-                                          r"\['max_inflight_blocks', 'max_staged_bytes', 'track_blocks'\]"):
+                                          r"\['max_inflight_blocks', 'max_staged_bytes', 'stale_after_s', 'track_blocks'\]"):
         load_config(conf(tmp_path, [{"name": "prefetch", "options": {"depth": 2}}]), environ={})
     with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.max_inflight_blocks"):
         load_config(conf(tmp_path, [{"name": "prefetch", "options": {"max_inflight_blocks": 0}}]), environ={})

@@ -76,3 +76,37 @@ def test_a_staged_block_read_from_dram_is_used_once():
     c = acc.counters()
     # The second block was read from NVMe (it left DRAM before the read): its staging was wasted.
     assert (c["blocks_used"], c["blocks_wasted"]) == (1, 1)
+
+
+def test_landed_blocks_of_a_request_that_never_finishes_leave_the_budget_once_stale(monkeypatch):
+    import ucm.accelerators.prefetch as prefetch
+
+    now = [1000.0]
+    monkeypatch.setattr(prefetch.time, "monotonic", lambda: now[0])
+    cache = FakeCache()
+    acc = Prefetch(cache, CONFIG, max_staged_bytes=300, stale_after_s=60)
+    acc.request_seen(seen("lost", 3))  # 300 bytes: the whole budget; its engine dies, it never finishes
+    cache.handles[0].resolve([Outcome.DONE] * 3)
+    other = RequestSeen("next", tuple(key(100 + i) for i in range(2)), None, ("nvme",) * 2, (100,) * 2)
+    now[0] += 30
+    acc.request_seen(other)
+    assert acc.counters()["requests_over_budget"] == 1  # not stale yet
+    now[0] += 31
+    acc.request_seen(other)
+    c = acc.counters()
+    assert (c["requests_over_budget"], c["blocks_wasted"], c["bytes_wasted"]) == (1, 3, 300)
+    assert c["blocks_issued"] == 5
+
+
+def test_blocks_still_being_staged_never_expire(monkeypatch):
+    import ucm.accelerators.prefetch as prefetch
+
+    now = [1000.0]
+    monkeypatch.setattr(prefetch.time, "monotonic", lambda: now[0])
+    cache = FakeCache()
+    acc = Prefetch(cache, CONFIG, max_staged_bytes=300, stale_after_s=60)
+    acc.request_seen(seen("slow", 3))  # its staging has not completed
+    now[0] += 600
+    acc.request_seen(RequestSeen("next", (key(100),), None, ("nvme",), (100,)))
+    c = acc.counters()
+    assert (c["requests_over_budget"], c["blocks_wasted"]) == (1, 0)
