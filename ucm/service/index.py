@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import secrets
 from typing import Optional
 
 from ucm import _native
+from ucm.service.paths import create_segment
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +27,8 @@ class KeyIndex:
     def __init__(self, directory: str, slots: int) -> None:
         self.slots = slots
         self.nbytes = _native.index_bytes(slots)
-        self.path = os.path.join(directory, f"ucm-{os.getuid()}-{os.getpid()}-index-{secrets.token_hex(4)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.nbytes)
-            self._map: Optional[mmap.mmap] = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED,
-                                                       mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
+        self.path, m = create_segment(directory, "index", self.nbytes)
+        self._map: Optional[mmap.mmap] = m
         _native.index_init(self._map, slots)
         self._full_warned = False
 

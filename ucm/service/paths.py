@@ -8,6 +8,8 @@ segments of dead pids). Imports nothing of the cache or the server.
 - `socket_path(config)`: `service.socket`, else `<runtime dir>/<name>.sock`.
 - `remove_stale_segments(directory)`: unlinks `ucm-<uid>-<pid>-...` files of
   dead pids in a segment directory (a tmpfs such as /dev/shm).
+- `create_segment(directory, kind, nbytes)`: a new private file of `nbytes`
+  named for this pid (so the cleanup above finds it), mapped shared.
 - `record_segment_dir(sock)` / `recorded_segment_dir(sock)`: the segment
   directory of the service on `sock`, kept beside the socket, so that the
   next service on that socket removes a killed one's segments before it
@@ -15,7 +17,9 @@ segments of dead pids). Imports nothing of the cache or the server.
 """
 from __future__ import annotations
 
+import mmap
 import os
+import secrets
 from typing import Optional
 
 from ucm.config import UcmConfig
@@ -73,6 +77,21 @@ def remove_stale_segments(directory: str) -> int:
         except OSError:
             pass
     return removed
+
+
+def create_segment(directory: str, kind: str, nbytes: int) -> tuple[str, mmap.mmap]:
+    """(path, shared read-write mapping) of a new file `ucm-<uid>-<pid>-<kind>-<hex>`
+    of `nbytes` in `directory`, created 0600; nothing is left behind when it fails."""
+    path = os.path.join(directory, f"{segment_prefix()}{os.getpid()}-{kind}-{secrets.token_hex(4)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return path, mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _record_path(sock: str) -> str:

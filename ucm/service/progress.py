@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import threading
 from typing import Optional
+
+from ucm.service.paths import create_segment
 
 WORD = 4
 
@@ -29,17 +30,8 @@ class ProgressArea:
     def __init__(self, directory: str, words: int) -> None:
         self.words = words
         self.nbytes = words * WORD
-        self.path = os.path.join(directory, f"ucm-{os.getuid()}-{os.getpid()}-progress-{secrets.token_hex(4)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.nbytes)
-            self._map: Optional[mmap.mmap] = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED,
-                                                       mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
+        self.path, m = create_segment(directory, "progress", self.nbytes)
+        self._map: Optional[mmap.mmap] = m
         self._view = memoryview(self._map).cast("I")
         self._free: list[tuple[int, int]] = [(0, words)]  # (first word, count), sorted
         self._lock = threading.Lock()
