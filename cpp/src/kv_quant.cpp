@@ -70,6 +70,7 @@ UCM_CLONES void absmax_acc(const float* x, float* acc, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], std::fabs(x[i]));
 }
 
+// NaN (an outlier's place) leaves lo and hi as they are.
 UCM_CLONES void minmax_acc(const float* x, float* lo, float* hi, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) {
     lo[i] = std::min(lo[i], x[i]);
@@ -254,7 +255,6 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
         mean[b * p.n_tc + c] = std::accumulate(sum.begin() + c * tc, sum.begin() + (c + 1) * tc, 0.0f) /
                                static_cast<float>(tr * tc);
     }
-    auto tile_of = [&](std::int64_t i) { return (i / D) / tr * p.n_tc + (i % D) / tc; };
     // The `outliers` elements farthest from their tile's mean (ties: lowest index).
     const std::int64_t n = s.rows * D;
     std::vector<float> dev(static_cast<std::size_t>(n));
@@ -278,7 +278,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
       std::uint32_t i = idx[k];
       store_le<std::uint32_t>(out + p.idx + 4 * k, i);
       std::memcpy(out + p.raw + eb * k, src + row_offsets[i / D] + (i % D) * eb, eb);
-      x[i] = mean[tile_of(i)];
+      x[i] = NAN;  // left out of its tile's range (min/max keep the other operand); decoded exactly
     }
   }
   // Per tile: the step each needs, then the base and the codes.
@@ -291,6 +291,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     for (std::int64_t c = 0; c < p.n_tc; ++c) {
       float mn = *std::min_element(lo.begin() + c * tc, lo.begin() + (c + 1) * tc);
       float mx = *std::max_element(hi.begin() + c * tc, hi.begin() + (c + 1) * tc);
+      if (!(mn <= mx)) mn = mx = 0.0f;  // every element of the tile is an outlier
       float n = std::max((mx - mn) / 14.0f, std::fabs(mn) / 127.0f);
       need[b * p.n_tc + c] = n;
       lo_t[b * p.n_tc + c] = mn;

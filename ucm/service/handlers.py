@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ucm import __version__
 from ucm.api import check_timeout
+from ucm.codecs.layout import KvLayout
 from ucm.errors import ArgumentError, UcmError
 from ucm.service import protocol as proto
 
@@ -162,6 +163,18 @@ class ServiceHandlers:
                 "index_path": self.index.path if self.index else None,
                 "index_bytes": self.index.nbytes if self.index else 0,
                 "shared_tiers": self.shared_tiers}
+
+    @op("layout", blocking=False)  # the codec tiers' layout book, in memory only
+    def _layout(self, conn: ConnState, args: Any) -> None:
+        proto.check_args(args, {"layout"})
+        data = args.get("layout")
+        if not isinstance(data, bytes) or len(data) > 1 << 16:
+            raise proto.ProtocolError("layout: expected the bytes of a KvLayout (at most 64 KiB)")
+        try:
+            layout = KvLayout.from_bytes(data)
+        except ArgumentError as exc:
+            raise proto.ProtocolError(f"layout: {exc}") from None
+        self.cache.register_layout(layout)
 
     @op("begin", blocking=False)  # the placement policy's clock, under the cache's metadata lock only
     def _begin(self, conn: ConnState, args: Any) -> None:
