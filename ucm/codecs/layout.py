@@ -153,8 +153,15 @@ class KvLayout:
             raise ArgumentError(f"bad KV layout bytes: {exc}") from None
         return cls(dtype, layers, layer_bytes, tuple(segs))
 
+    def layout_bytes(self) -> bytes:
+        """`to_bytes`, computed once."""
+        got = self._cache.get("bytes")
+        if got is None:
+            got = self._cache["bytes"] = self.to_bytes()
+        return got
+
     def digest(self) -> bytes:
-        return _native.digest128(self.to_bytes())
+        return _native.digest128(self.layout_bytes())
 
     def block_rows(self) -> np.ndarray:
         """Row offsets in the block of every segment of every layer, layer by

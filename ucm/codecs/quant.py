@@ -82,6 +82,7 @@ class QuantCodec(Codec):
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads
         self._plans: dict[tuple[bytes, tuple[int, ...]], _Plan] = {}
+        self._metas: dict[bytes, tuple[KvLayout, tuple[int, int, int, int, int]]] = {}
 
     def params(self, layout: KvLayout) -> Optional[tuple[int, int, int, int, int]]:
         """Tile sizes for this layout, or None when it cannot be encoded."""
@@ -99,7 +100,7 @@ class QuantCodec(Codec):
         return (GROUP if t % GROUP == 0 else t, 1, 1, GROUP if c % GROUP == 0 else c, OUTLIER_PER_MILLE)
 
     def _plan(self, layout: KvLayout, params: tuple[int, int, int, int, int]) -> _Plan:
-        key = (layout.to_bytes(), params)
+        key = (layout.layout_bytes(), params)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _Plan(layout, self.bits, params)
@@ -125,16 +126,25 @@ class QuantCodec(Codec):
         body = np.empty(plan.body_bytes, dtype=np.uint8)
         if not _native.kv_encode(raw, plan.row_offsets, plan.table, plan.elem, body, self.threads):
             return None  # non-finite values, or beyond half precision
-        return Encoded(layout.to_bytes() + _PARAMS.pack(*params), body)
+        return Encoded(layout.layout_bytes() + _PARAMS.pack(*params), body)
 
     def split_meta(self, meta: memoryview) -> Optional[tuple[KvLayout, tuple[int, int, int, int, int]]]:
+        """(layout, parameters) of a block's meta; parsed once per distinct
+        meta (a handful: one per namespace layout)."""
+        key = bytes(meta)
+        got = self._metas.get(key)
+        if got is not None:
+            return got
         if len(meta) < _PARAMS.size:
             return None
         try:
-            layout = KvLayout.from_bytes(bytes(meta[:-_PARAMS.size]))
+            layout = KvLayout.from_bytes(key[:-_PARAMS.size])
         except ValueError:  # ArgumentError is a ValueError
             return None
-        return layout, _PARAMS.unpack(meta[-_PARAMS.size:])
+        got = (layout, _PARAMS.unpack(key[-_PARAMS.size:]))
+        if len(self._metas) < 64:
+            self._metas[key] = got
+        return got
 
     def decode(self, meta: memoryview, body: memoryview, out: memoryview) -> bool:
         got = self.split_meta(meta)
