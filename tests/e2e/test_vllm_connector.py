@@ -313,7 +313,7 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
         result["promoted_after"] = client.stats()["tiers"]["dram"]["promotions_in"]
         # Each prefetch policy: P1 pushed back to NVMe only, then a new engine
         # stages it before loading it from DRAM (or answers without it).
-        for policy in ("wait_complete", "timeout", "best_effort"):
+        for policy in ("wait_complete", "timeout", "best_effort") if codec == "none" else ():  # codec runs: CI time
             for i in range(8):
                 client.store([os.urandom(16)], [fill]).wait(30)
             tiers = client.locate(block_keys(ns, p1))
