@@ -282,7 +282,7 @@ def measure_passkey(model, tok, text_ids, runs, args, log) -> dict[str, dict[str
             needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ",
                                 add_special_tokens=False)
             start = rng.randrange(0, len(text_ids) - L)
-            filler = text_ids[start:start + L - len(needle) - len(question)]
+            filler = text_ids[start:start + L - len(needle) - len(question) - 8]  # room for the answer
             at = rng.randrange(0, len(filler))
             ids = torch.tensor([filler[:at] + needle + filler[at:] + question])
             body = ids.shape[1] - len(question)
