@@ -86,15 +86,15 @@ UCM_CLONES void quant8_row(const float* x, const float* inv, std::int8_t* q, std
   }
 }
 
-// q = clamp(round(x / s) - z, 0, 15), two per byte (even element low).
+// q = clamp(round(x / s) - z, 0, 15), two per byte (even element low);
+// rounding half away from zero, written without floor() so that the
+// baseline build (no SSE4.1 rounding instruction) vectorises it too.
 UCM_CLONES void quant4_row(const float* x, const float* inv, const float* z, std::uint8_t* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n / 2; ++i) {
-    float a = x[2 * i] * inv[2 * i], b = x[2 * i + 1] * inv[2 * i + 1];
-    a = std::floor(a + 0.5f) - z[2 * i];
-    b = std::floor(b + 0.5f) - z[2 * i + 1];
-    int qa = static_cast<int>(std::min(15.0f, std::max(0.0f, a)));
-    int qb = static_cast<int>(std::min(15.0f, std::max(0.0f, b)));
-    out[i] = static_cast<std::uint8_t>(qa | (qb << 4));
+    float a = x[2 * i] * inv[2 * i] - z[2 * i], b = x[2 * i + 1] * inv[2 * i + 1] - z[2 * i + 1];
+    a = std::min(15.0f, std::max(0.0f, a)) + 0.5f;  // z is an integer: round(x / s) - z == round(x / s - z)
+    b = std::min(15.0f, std::max(0.0f, b)) + 0.5f;
+    out[i] = static_cast<std::uint8_t>(static_cast<int>(a) | (static_cast<int>(b) << 4));
   }
 }
 
@@ -258,9 +258,11 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     // The `outliers` elements farthest from their tile's mean (ties: lowest index).
     const std::int64_t n = s.rows * D;
     std::vector<float> dev(static_cast<std::size_t>(n));
-    for (std::int64_t r = 0; r < s.rows; ++r) {
-      const float* m = mean.data() + (r / tr) * p.n_tc;
-      for (std::int64_t d = 0; d < D; ++d) dev[r * D + d] = std::fabs(x[r * D + d] - m[d / tc]);
+    std::vector<float> mcol(D);
+    for (std::int64_t b = 0; b < nb; ++b) {
+      for (std::int64_t d = 0; d < D; ++d) mcol[d] = mean[b * p.n_tc + d / tc];
+      for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
+        for (std::int64_t d = 0; d < D; ++d) dev[r * D + d] = std::fabs(x[r * D + d] - mcol[d]);
     }
     std::vector<float> order(dev);
     std::nth_element(order.begin(), order.begin() + (s.outliers - 1), order.end(), std::greater<float>());
