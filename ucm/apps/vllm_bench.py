@@ -29,7 +29,10 @@ warm-up request:
   (the path before streaming);
 - ucm, streaming on: a third engine; its hits are in DRAM (the previous
   engine staged them) and are streamed too, to compare with the whole-block
-  copy of DRAM hits.
+  copy of DRAM hits;
+- ucm with a codec on the NVMe tier (`--codecs`, default lossless,int8): per
+  codec a private service and an engine, NVMe-only hits decoded on staging
+  (ucm/apps/vllm_bench_codec.py); lossless must equal vLLM's own hit.
 
 Every hit is measured `--repeat` times over all the documents (pass 2 again;
 before each NVMe-only round the filler pushes the documents out of DRAM
@@ -84,6 +87,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every hit measurement (default 3)")
+    p.add_argument("--codecs", default="lossless,int8",
+                   help="codecs of the NVMe tier to measure NVMe-only hits with, comma-separated "
+                        "(default lossless,int8; '' for none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -179,14 +185,20 @@ def _run_config(spec: dict) -> dict:
     if name == "example":
         kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"shared_storage_path": spec["example_dir"]}}
-    elif name in UCM_STREAMING:
+    elif name in UCM_STREAMING or name == "ucm_codec":
         kv = {"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.connectors.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"ucm_config": spec["ucm_config"],
-                                            "ucm_load_streaming": UCM_STREAMING[name]}}
+                                            "ucm_load_streaming": UCM_STREAMING.get(name, "off")}}
     llm = _engine(spec["model"], max_len, prefix_caching=(name == "apc"), kv=kv)
     _timed(llm, [warm])  # first forward pays one-time costs in every configuration
     out: dict[str, Any] = {}
+    if name == "ucm_codec":
+        from ucm.apps.vllm_bench_codec import run_codec_config
+
+        out = run_codec_config(llm, spec, _phase, _rounds, _evict_to_nvme, CHECK_TOKENS)
+        _shutdown(llm)
+        return out
     if name in ("ucm_stream_off", "ucm_stream_on"):
         out.update(_other_streaming(llm, spec, name, pass2, rounds))
         _shutdown(llm)
@@ -304,9 +316,14 @@ def _median(xs: list[float]) -> float:
 
 
 def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
-            repeat: int = 3) -> dict[str, Any]:
+            repeat: int = 3, codecs: tuple[str, ...] = ()) -> dict[str, Any]:
     if repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {repeat}")
+    from ucm.codecs import codec_names
+
+    unknown = [c for c in codecs if c not in codec_names()]
+    if unknown:
+        raise ValueError(f"--codecs: unknown codec(s) {unknown}; allowed: {codec_names()}")
     import yaml
 
     import ucm
@@ -345,7 +362,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
         client = ucm.connect(str(cfg_path))  # the private service outlives the engine
         if not client.connected:
             raise RuntimeError("could not start the ucm service")
-        with bar(total=6, desc="bench vllm", unit="config") as configs:
+        with bar(total=6 + len(codecs), desc="bench vllm", unit="config") as configs:
             for name in UCM_STREAMING:
                 log(f"[bench vllm] {name} ...")
                 configs.set_postfix_str(name)
@@ -358,6 +375,17 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
                 configs.set_postfix_str(name)
                 res[name] = _subprocess({**base, "config": name, "example_dir": str(work / "example")}, work)
                 configs.update(1)
+            if codecs:
+                from ucm.apps.vllm_bench_codec import run_codecs
+
+                configs.set_postfix_str("codecs")
+
+                def one(spec: dict) -> dict:
+                    out = _subprocess(spec, work)
+                    configs.update(1)
+                    return out
+
+                res["codecs"] = run_codecs(list(codecs), cfg, work, base, one, log)
     finally:
         if client is not None:
             client.close()
@@ -408,6 +436,13 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
         "per_doc_ttft_s": {k: ph["ttft_s"] for k, ph in samples.items()},
         "ucm_service": {k: v for k, v in service.items() if not isinstance(v, dict)},
     }
+    if res.get("codecs"):
+        from ucm.apps.vllm_bench_codec import codec_outputs_equal, summarize_codecs
+
+        r["ucm_nvme_codecs"] = summarize_codecs(res["codecs"], apc, ref, repeat, r["ucm_dram_hit_ttft_s"],
+                                                r["apc_hit_ttft_s"], _median)
+        eq["ucm_nvme_hit_lossless_codecs_vs_apc"] = codec_outputs_equal(r["ucm_nvme_codecs"])
+        r["outputs_equal"] = all(eq.values())
     nc, apc_hit = r["no_connector_ttft_s"], r["apc_hit_ttft_s"]
     r["ratios"] = {
         "ucm_cold_over_no_connector": round(r["ucm_cold_ttft_s"] / nc, 3),
@@ -429,7 +464,8 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     try:
-        r = measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat)
+        codecs = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
+        r = measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat, codecs=codecs)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
         print(f"ucm bench vllm: {e}", file=sys.stderr)
         return 1
@@ -442,6 +478,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{k:32s} {r[k]:8.3f}")
     for k, v in r["ratios"].items():
         print(f"{k:32s} {v:8.3f}")
+    for codec, c in r.get("ucm_nvme_codecs", {}).items():
+        print(f"{'ucm_nvme_hit_' + codec + '_ttft_s':32s} {c['nvme_hit_ttft_s']:8.3f}  (over DRAM hit "
+              f"{c['nvme_hit_over_dram_hit']:.3f}, first tokens agree {c['first_token_agreement']:.3f}, "
+              f"checks equal {c['check_tokens_equal']}/{c['check_prompts']})")
     print(f"{'outputs_equal':32s} {r['outputs_equal']}")
     return 0
 

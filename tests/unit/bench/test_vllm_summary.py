@@ -75,3 +75,51 @@ def test_rounds_run_before_each_and_keep_every_sample(monkeypatch):
     assert calls == ["before", "phase", "before", "phase"]
     assert out["ttft_s"] == [2.0, 2.0, 4.0, 4.0]
     assert out["tokens"] == [[2], [2], [4], [4]]
+
+
+def _codec_run(first_tokens, check, ttft=(0.40, 0.42, 0.41, 0.43, 0.40, 0.44)):
+    return {"pass1": _phase([8.0, 7.0], [5, 6], 0), "nvme": _phase(ttft, first_tokens),
+            "check": {"tokens": check}, "tiers_before": [{"nvme": 46}] * 4,
+            "codec_stats": {"codec_fallback": 0}, "nvme_stats": {"bytes_used": 1}}
+
+
+def test_codec_hits_are_summarized_and_only_lossless_codecs_must_equal():
+    res = _results()
+    hit = [11, 22] * 3
+    res["codecs"] = {"lossless": _codec_run(hit, [[11, 1], [22, 2]]),
+                     "int8": _codec_run([11, 23] * 3, [[11, 1], [22, 3]], ttft=[0.33] * 6)}
+    r = bv.summarize(res, 2, 3000, 3020, 3021, 3, {})
+    c = r["ucm_nvme_codecs"]
+    assert c["lossless"]["nvme_hit_ttft_s"] == 0.415
+    assert c["lossless"]["nvme_hit_over_dram_hit"] == round(0.415 / 0.325, 3)
+    assert (c["lossless"]["first_token_agreement"], c["lossless"]["check_tokens_equal"]) == (1.0, 2)
+    assert (c["int8"]["first_token_agreement"], c["int8"]["check_tokens_equal"]) == (0.5, 1)
+    assert r["outputs_equal"] is True  # int8 disagreeing is reported, not an error
+    res["codecs"]["lossless"]["check"]["tokens"][1] = [22, 9]
+    r = bv.summarize(res, 2, 3000, 3020, 3021, 3, {})
+    assert r["outputs_equal"] is False
+    assert r["outputs_equal_detail"]["ucm_nvme_hit_lossless_codecs_vs_apc"] is False
+
+
+def test_a_codec_config_has_its_own_socket_and_nvme_directory(tmp_path):
+    import yaml
+
+    from ucm.apps.vllm_bench_codec import codec_config
+    from ucm.config import load_config
+
+    cfg = {"block_tokens": 128,
+           "tiers": [{"adapter": "dram", "capacity": "64MiB"},
+                     {"adapter": "nvme", "capacity": "1024MiB", "options": {"path": str(tmp_path / "nvme")}}],
+           "service": {"name": "b", "socket": str(tmp_path / "ucm.sock")}}
+    path = codec_config(cfg, tmp_path, "int8")
+    got = yaml.safe_load(path.read_text())
+    assert got["tiers"][1]["codec"] == "int8" and got["tiers"][1]["options"]["path"] == str(tmp_path / "nvme-int8")
+    assert got["service"]["socket"] == str(tmp_path / "ucm-int8.sock") and cfg["service"]["socket"].endswith("ucm.sock")
+    assert load_config(str(path)).tiers[1].codec == "int8"
+
+
+def test_an_unknown_codec_is_refused_before_any_engine_starts():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"--codecs: unknown codec\(s\) \['zip'\]; allowed: "):
+        bv.measure(1, 256, codecs=("zip",))
