@@ -54,9 +54,8 @@ def run_codecs(codecs: list[str], cfg: dict, work: Path, base: dict, run: Callab
             if not client.connected:
                 raise RuntimeError(f"could not start the ucm service for codec {codec}")
             res = run({**base, "config": "ucm_codec", "ucm_config": str(path), "codec": codec})
-            stats = client.stats()
-            res["codec_stats"] = {k: v for k, v in stats.items() if "codec" in k and not isinstance(v, dict)}
-            nvme = stats.get("tiers", {}).get("nvme", {})
+            nvme = client.stats().get("tiers", {}).get("nvme", {})
+            res["codec_stats"] = {k: v for k, v in nvme.get("adapter", {}).items() if "codec" in k}
             res["nvme_stats"] = {k: v for k, v in nvme.items() if not isinstance(v, dict)}
             out[codec] = res
         finally:
