@@ -10,7 +10,7 @@ HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp" / "include" / "
 
 native = Pybind11Extension(
     "ucm._native",
-    ["cpp/bindings/module.cpp", *SOURCES],
+    sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp" / "bindings").glob("*.cpp")) + SOURCES,
     include_dirs=["cpp/include", "cpp/third_party/xxhash"],
     depends=HEADERS,  # an edited header rebuilds every source
     cxx_std=17,

@@ -225,6 +225,11 @@ class CacheAPI(Protocol):
         or where the stored size is not sizes[i]: CORRUPT) while they are
         held. A `fill` that raises makes its DONE blocks FAILED. Synchronous."""
 
+    def register_layout(self, layout: Any) -> None:
+        """The `ucm.codecs.layout.KvLayout` of a namespace's blocks, which
+        the codecs of the tiers below the landing tier encode with (a
+        connector calls it once per namespace; idempotent)."""
+
     def pin(self, keys: Sequence[Key]) -> None:
         """Keeps the blocks cached until `unpin` (counted)."""
 

@@ -43,6 +43,8 @@ from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
 from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, check_parent,
                      check_request_id, check_timeout, submit)
 from ucm.buffers import byte_view
+from ucm.codecs.layout import KvLayout
+from ucm.codecs.tier import LayoutBook, with_codec
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker
@@ -111,9 +113,12 @@ class UnifiedCache(SlotAccess, Staging):
             raise
 
     def _open(self, cfg: UcmConfig) -> None:
+        self.layouts = LayoutBook()
         for i, tier in enumerate(cfg.tiers):
             cls = load_adapter_class(tier.adapter)
             self.adapters.append(self._tier_factory(i, cls, tier.capacity, adapter_options(tier, i)))
+            if tier.codec != "none":  # the codec's tier: encoded below, raw above (ucm/codecs/tier.py)
+                self.adapters[i] = with_codec(self.adapters[i], tier.codec, i, self.layouts)
         self.tiers = TierStack(self.adapters, self.tier_names)
         self.heat = HeatTracker(half_life=cfg.heat.half_life_requests, history_bytes=cfg.heat.history_bytes)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
@@ -175,6 +180,14 @@ class UnifiedCache(SlotAccess, Staging):
                     out[i] = self.tier_names[t]
                     missing.remove(i)
         return out
+
+    def register_layout(self, layout: KvLayout) -> None:
+        """The KV layout of a namespace's blocks, which the codecs of the
+        tiers below the landing tier encode with (ucm/codecs/layout.py).
+        Idempotent; blocks of a size no layout (or more than one) was
+        registered for are stored without a codec."""
+        self._check_open()
+        self.layouts.register(layout)
 
     # ---- requests ------------------------------------------------------------
     def begin_request(self, request_id: str, keys: Sequence[Key], parent: Optional[Key] = None) -> None:

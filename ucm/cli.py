@@ -21,6 +21,7 @@ BENCHES["vllm"] = "ucm.apps.vllm_bench"
 BENCHES["transformers"] = "ucm.apps.transformers_bench"
 BENCHES["sglang"] = "ucm.apps.sglang_bench"
 BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
+BENCHES["codec"] = "ucm.apps.codec_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:

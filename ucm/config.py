@@ -39,6 +39,10 @@ class TierConfig(_Strict):
     # the background (write-on-evict, ahead of need), so that stores and
     # staged hits find free room without waiting for the tier below.
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0)
+    # How blocks are stored in this tier (ucm.codecs): none (as the engine
+    # wrote them), lossless, int8, int4, or an installed `ucm.codecs` entry
+    # point. Only tiers below the landing tier take one.
+    codec: str = "none"
 
     @field_validator("headroom", mode="before")
     @classmethod
@@ -138,6 +142,15 @@ class UcmConfig(_Strict):
                 raise ValueError(f"tiers.{i}.adapter: unknown adapter {n!r}; installed: {known}")
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: each adapter may appear once, got {names}")
+        from ucm.codecs import codec_names
+
+        allowed = codec_names()
+        for i, t in enumerate(self.tiers):
+            if t.codec not in allowed:
+                raise ValueError(f"tiers.{i}.codec: unknown codec {t.codec!r}; allowed: {allowed}")
+            if t.codec != "none" and t.adapter == self.landing_tier:
+                raise ValueError(f"tiers.{i}.codec: the landing tier ({t.adapter}) keeps blocks as the engine "
+                                 f"wrote them; a codec applies to the tiers below it, got {t.codec!r}")
         accs = [a.name for a in self.accelerators]
         if len(set(accs)) != len(accs):
             raise ValueError(f"accelerators: each accelerator may appear once, got {accs}")

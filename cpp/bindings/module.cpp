@@ -27,6 +27,8 @@
 
 namespace py = pybind11;
 
+void bind_kv_quant(py::module_& m);  // kv_quant.cpp
+
 namespace {
 
 // Thrown for a bad argument; translated to ucm.errors.ArgumentError.
@@ -184,6 +186,7 @@ std::vector<std::vector<double>> reuse_rows(const double* cells) {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "ucm native core: block keys, checksums, copies, positional I/O threads";
   m.attr("KEY_BYTES") = ucm::kKeyBytes;
+  bind_kv_quant(m);
 
   argument_error_type = py::object(py::module_::import("ucm.errors").attr("ArgumentError")).release().ptr();
   py::register_exception_translator([](std::exception_ptr p) {

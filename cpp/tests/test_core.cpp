@@ -2,15 +2,18 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <array>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "ucm/copy.hpp"
+#include "ucm/kv_quant.hpp"
 #include "ucm/index.hpp"
 #include "ucm/hash.hpp"
 #include "ucm/io_engine.hpp"
@@ -458,7 +461,47 @@ static void test_placement_invariants() {
   }
 }
 
+static void test_kv_quant() {
+  // Half-precision conversions: golden bit patterns.
+  const std::pair<float, std::uint16_t> golden[] = {{0.0f, 0x0000}, {1.0f, 0x3C00}, {-2.0f, 0xC000},
+                                                     {65504.0f, 0x7BFF}, {6.103515625e-05f, 0x0400},
+                                                     {5.9604644775390625e-08f, 0x0001}, {1e6f, 0x7C00},
+                                                     {0.333251953125f, 0x3555}, {1.00048828125f, 0x3C00}};
+  for (auto [f, h] : golden) {
+    CHECK(ucm::kv_f32_to_f16(f) == h);
+    if (h != 0x7C00 && f != 1.00048828125f) CHECK(ucm::kv_f16_to_f32(h) == f);
+  }
+  // int8 and int4 of a ramp with a spike: every element within half its tile's step, the spike exact.
+  const std::int64_t R = 64, D = 64;
+  std::vector<float> x(R * D);
+  for (std::int64_t i = 0; i < R * D; ++i) x[i] = std::sin(0.01f * static_cast<float>(i)) * (1 + i % D);
+  x[77] = 5000.0f;
+  std::vector<std::int64_t> rows(R);
+  for (std::int64_t r = 0; r < R; ++r) rows[r] = r * D * 4;
+  for (int bits : {8, 4}) {
+    ucm::KvSegment s{R, D, bits == 8 ? R : 32, 1, bits, bits == 8 ? 0 : 4};
+    std::vector<std::uint8_t> enc(ucm::kv_encoded_bytes(s, ucm::KvElem::F32));
+    CHECK(ucm::kv_encode(reinterpret_cast<const std::uint8_t*>(x.data()), rows.data(), s, ucm::KvElem::F32,
+                         enc.data()));
+    std::vector<float> y(R * D), steps(R / s.tile_rows * D);
+    CHECK(ucm::kv_decode(enc.data(), s, ucm::KvElem::F32, reinterpret_cast<std::uint8_t*>(y.data()), rows.data()));
+    ucm::kv_tile_steps(enc.data(), s, ucm::KvElem::F32, steps.data());
+    for (std::int64_t i = 0; i < R * D; ++i) {
+      float bound = steps[(i / D) / s.tile_rows * D + i % D] / 2 * 1.0001f;
+      CHECK(std::fabs(x[i] - y[i]) <= bound || (bits == 4 && x[i] == y[i]));
+    }
+    if (bits == 4) CHECK(y[77] == 5000.0f);
+    // An outlier index out of range is refused by decode.
+    if (bits == 4) {
+      std::size_t idx_at = 4 + 2 * static_cast<std::size_t>(R / 32 * D);
+      std::memset(enc.data() + idx_at, 0xFF, 4);  // an outlier index past the segment
+      CHECK(!ucm::kv_decode(enc.data(), s, ucm::KvElem::F32, reinterpret_cast<std::uint8_t*>(y.data()), rows.data()));
+    }
+  }
+}
+
 int main() {
+  test_kv_quant();
   test_chain_keys();
   test_key_vectors();
   test_copy();

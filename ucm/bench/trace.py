@@ -233,8 +233,18 @@ def handle(args: argparse.Namespace) -> int:
         if dram[1] <= 0 or nvme[1] <= 0:
             raise ArgumentError(f"--dram {args.dram!r} and --nvme {args.nvme!r} must each hold "
                                 f"at least one {block_bytes}-byte block")
+        ratio = args.codec_ratio
+        if ratio != 1.0:  # the NVMe tier's codec: its bytes hold ratio x more blocks, each hit moves 1/ratio
+            blocks = int(nvme[1] // block_bytes * ratio)
+            nvme = (blocks * block_tokens, blocks * block_bytes)
         configs.append([("dram", *dram), ("nvme", *nvme)])
+    if args.codec_ratio != 1.0 and args.dram is None:
+        raise ArgumentError("--codec-ratio applies to the NVMe tier: give --dram and --nvme")
+    if not 1.0 <= args.codec_ratio <= 64.0:
+        raise ArgumentError(f"--codec-ratio must be in [1, 64], got {args.codec_ratio}")
     gbps = bandwidths(args)
+    if args.codec_ratio != 1.0:
+        gbps = (gbps[0], gbps[1] * args.codec_ratio)  # decode time not counted (ucm bench codec measures it)
     cost = CostModel(args.prefill_ms_per_token, block_bytes, gbps[:len(configs[0])])
     if payload_bytes is not None:
         # Each tier keeps its number of blocks; blocks shrink to the payload
@@ -322,6 +332,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="two tiers: DRAM size in tokens (e.g. 1M) or, ending in B, in bytes "
                         "(e.g. 64GiB)")
     p.add_argument("--nvme", metavar="SIZE", help="two tiers: NVMe size, as --dram")
+    p.add_argument("--codec-ratio", type=float, default=1.0, metavar="R",
+                   help="two tiers: the NVMe tier stores blocks R x smaller (a codec; ucm bench codec reports "
+                        "R): equal bytes hold R x more blocks and a hit reads 1/R of the bytes (default 1)")
     p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, metavar="B",
                    help=f"nominal KV bytes of one block (default {DEFAULT_BLOCK_BYTES} = 64 MiB: "
                         "512 tokens of a Llama-3-8B-class model, fp16)")

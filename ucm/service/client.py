@@ -53,6 +53,7 @@ from ucm import _native
 from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
                      check_request_id, check_sizes, check_timeout, submit)
 from ucm.buffers import byte_view
+from ucm.codecs.layout import KvLayout
 from ucm.config import UcmConfig
 from ucm.errors import ArgumentError, ClosedError, CopyAborted, UcmError
 from ucm.service import protocol as proto
@@ -146,6 +147,7 @@ class CacheClient:
         self.service_info: dict[str, Any] = {}
         self._use_index = use_index  # False: every lookup is a request over the socket
         self._rid = 0
+        self._layouts: list[bytes] = []  # registered KV layouts, sent again on every new connection
         self._next_try = 0.0
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ucm-client")
@@ -198,6 +200,8 @@ class CacheClient:
             epoch, size, inode = info["epoch"], info["arena_bytes"], info["arena_inode"]
             if not all(isinstance(v, int) for v in (epoch, size, inode)):
                 raise ServiceUnavailable("hello: epoch, arena_bytes and arena_inode must be integers")
+            for layout in list(self._layouts):  # a restarted service learns them again
+                self._exchange(sock, reader, "layout", {"layout": layout})
             arena_id = ("arena", info["arena_path"], inode, epoch)
             arena = self._map_locked(arena_id, lambda: map_arena(info["arena_path"], size, inode))
             held.append(arena_id)
@@ -399,6 +403,18 @@ class CacheClient:
 
     def unpin(self, keys: Sequence[Key]) -> None:
         self._try("unpin", {"keys": _keys(keys)}, None)
+
+    def register_layout(self, layout: KvLayout) -> None:
+        """The KV layout of a namespace's blocks, for the service's codec
+        tiers; kept and sent again whenever the client connects anew."""
+        if not isinstance(layout, KvLayout):
+            raise ArgumentError(f"register_layout: expected a KvLayout, got {type(layout).__name__}")
+        data = layout.to_bytes()
+        with self._lock:
+            if data in self._layouts:
+                return
+            self._layouts.append(data)
+        self._try("layout", {"layout": data}, None)
 
     def begin_request(self, request_id: str, keys: Sequence[Key], parent: Optional[Key] = None) -> None:
         rid = check_request_id(request_id)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ucm import __version__
 from ucm.api import check_timeout
+from ucm.codecs.layout import KvLayout
 from ucm.errors import ArgumentError, UcmError
 from ucm.layer_stream import word_count
 from ucm.service import protocol as proto
@@ -183,6 +184,18 @@ class ServiceHandlers:
                 "progress_path": self.progress.path if self.progress else None,
                 "progress_bytes": self.progress.nbytes if self.progress else 0,
                 "shared_tiers": self.shared_tiers}
+
+    @op("layout", blocking=False)  # the codec tiers' layout book, in memory only
+    def _layout(self, conn: ConnState, args: Any) -> None:
+        proto.check_args(args, {"layout"})
+        data = args.get("layout")
+        if not isinstance(data, bytes) or len(data) > 1 << 16:
+            raise proto.ProtocolError("layout: expected the bytes of a KvLayout (at most 64 KiB)")
+        try:
+            layout = KvLayout.from_bytes(data)
+        except ArgumentError as exc:
+            raise proto.ProtocolError(f"layout: {exc}") from None
+        self.cache.register_layout(layout)
 
     @op("begin", blocking=False)  # the placement policy's clock, under the cache's metadata lock only
     def _begin(self, conn: ConnState, args: Any) -> None:

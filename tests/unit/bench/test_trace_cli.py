@@ -103,3 +103,18 @@ def test_sizes():
     assert parse_tier_size("64KiB", 1000, 512) == (65 * 512, 65 * 1000)
     with pytest.raises(ArgumentError):
         parse_tier_size("12 parsecs", 1000, 512)
+
+
+def test_a_codec_ratio_gives_the_nvme_tier_more_blocks_at_equal_bytes(capsys, trace):
+    rows = {}
+    for ratio in ("1", "2"):
+        status, out, _ = run(capsys, "--trace", str(trace), "--policy", "lru", "--dram", "2K", "--nvme", "64KiB",
+                             "--block-bytes", "4096", "--codec-ratio", ratio, "--json")
+        assert status == 0
+        rows[ratio] = json.loads(out.splitlines()[0])
+    blocks = {r: [t["capacity_blocks"] for t in row["tiers"]] for r, row in rows.items()}
+    assert blocks["1"][1] == 16 and blocks["2"] == [blocks["1"][0], 32]  # 64 KiB of 4 KiB blocks, then twice as many
+    assert rows["2"]["hit_ratio"] >= rows["1"]["hit_ratio"]
+    status, _, err = run(capsys, "--trace", str(trace), "--policy", "lru", "--capacity-tokens", "8K",
+                         "--codec-ratio", "2")
+    assert status == 2 and "--codec-ratio" in err

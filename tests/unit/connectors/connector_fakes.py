@@ -35,6 +35,7 @@ class FakeCache:
         self.prefetches = []  # (keys, Handle) per prefetch call, in order
         self.reserving = threading.Event()
         self.closed = False
+        self.layouts = []  # KvLayouts registered, in order
 
     def _check(self, name):
         if name in self.broken:
@@ -51,6 +52,10 @@ class FakeCache:
     def locate(self, keys):
         self._check("locate")
         return [self.tiers.get(k) for k in keys]
+
+    def register_layout(self, layout):
+        self._check("register_layout")
+        self.layouts.append(layout)
 
     def begin_request(self, request_id, keys, parent=None):
         self._check("begin_request")

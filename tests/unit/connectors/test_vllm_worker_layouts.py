@@ -195,3 +195,38 @@ def test_a_cache_that_raises_loses_blocks_and_never_raises_into_vllm(broken):
     assert w.counters["loaded_blocks"] == 0
     for n in NAMES:
         assert torch.equal(kv[n][0], before[n])
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_attn", "heads_outermost"])
+def test_the_cpu_backend_layout_is_registered_and_names_the_k_and_v_bytes(layout):
+    """On vLLM's CPU layout the worker registers a KvLayout whose K rows are
+    the first page_tokens rows of each head of each page and V the next
+    (the backend's view `[.., heads, 2 * page_tokens, head_size]`); other
+    layouts register none (their blocks are stored without a lossy codec)."""
+    import numpy as np
+
+    from ucm.codecs.layout import paged_head_major_layout
+
+    kv = _kv(layout)
+    w, cache = _worker(kv, "native")
+    if layout != "cpu":
+        assert cache.layouts == []
+        return
+    t = kv[NAMES[0]][0]  # [B, H, N, 2 * D]
+    _, H, N, D2 = t.shape
+    assert cache.layouts == [paged_head_major_layout("bfloat16", L, H, PPB, N, D2 // 2)]
+    kvl = cache.layouts[0]
+    assert kvl.block_bytes == w.block_bytes
+    pages = [3, 7]  # the block's pages, in order
+    payload = np.frombuffer(b"".join(kv[n][2](kv[n][0], p) for n in NAMES for p in pages), dtype=np.uint16)
+    rows = kvl.block_rows() // 2
+    k_seg, v_seg = kvl.segments
+    per_layer = k_seg.rows + v_seg.rows
+    k_rows = rows[:k_seg.rows]  # layer 0's K: head-major, tokens of page 3 then page 7
+    v_rows = rows[k_seg.rows:per_layer]
+    want_k = t[pages].view(PPB, H, 2 * N, D2 // 2)[:, :, :N].transpose(0, 1).reshape(-1, D2 // 2)
+    want_v = t[pages].view(PPB, H, 2 * N, D2 // 2)[:, :, N:].transpose(0, 1).reshape(-1, D2 // 2)
+    got_k = payload[k_rows[:, None] + np.arange(D2 // 2)]
+    got_v = payload[v_rows[:, None] + np.arange(D2 // 2)]
+    assert (got_k == want_k.contiguous().view(torch.uint16).numpy()).all()
+    assert (got_v == want_v.contiguous().view(torch.uint16).numpy()).all()

@@ -75,6 +75,9 @@ class StandInCache:
     def unpin(self, keys):
         self._enter("unpin", keys)
 
+    def register_layout(self, layout):
+        self._enter("register_layout", layout)
+
 
 def handlers(cache):
     return ServiceHandlers(cache, FakeArena(), landing_tier="dram", epoch=7, arena_inode=1, block_tokens=16, max_keys=64,
@@ -85,7 +88,7 @@ def test_ops_that_may_touch_an_adapter_are_blocking():
     blocking = {name for name, spec in OPS.items() if spec.blocking}
     assert blocking == {"lookup", "locate", "reserve", "commit", "abort", "acquire", "prefetch", "stats", "flush",
                         "stream"}
-    assert set(OPS) - blocking == {"hello", "begin", "release", "pin", "unpin", "finish", "stream_release"}
+    assert set(OPS) - blocking == {"hello", "layout", "begin", "release", "pin", "unpin", "finish", "stream_release"}
 
 
 @pytest.fixture
@@ -226,3 +229,20 @@ def test_an_unpin_naming_a_key_twice_releases_only_this_connections_pins():
     assert [c for c in cache.calls if c[0] == "unpin"] == [("unpin", ([K[0]],), {})]
     assert reply(a, "unpin", {"keys": [K[0]]})[1]  # nothing left to give back
     assert [c for c in cache.calls if c[0] == "unpin"][-1] == ("unpin", ([],), {})
+
+
+def test_layout_registers_a_kv_layout_and_refuses_other_bytes(served):
+    from ucm.codecs.layout import planar_layout
+
+    path, cache = served
+    w = Wire(path)
+    try:
+        lay = planar_layout("bfloat16", 2, 1, 32, 64)
+        ok = w.call("layout", {"layout": lay.to_bytes()})
+        assert ok[1] is True
+        bad = w.call("layout", {"layout": b"ucmkv\x09nonsense"})
+        assert bad[1] is False and "layout" in str(bad[2])
+        assert w.call("layout", {"layout": "text"})[1] is False
+    finally:
+        w.close()
+    assert [c for c in cache.calls if c[0] == "register_layout"] == [("register_layout", (lay,), {})]

@@ -171,6 +171,7 @@ class TransformersConnector:
         self.counters = {"requests": 0, "lookup_blocks": 0, "hit_blocks": 0, "front_hit_blocks": 0,
                          "restored_tokens": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "faults": 0}
+        self._call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
 
     # ---- before prefill -------------------------------------------------------
     def cache_for(self, input_ids: Any, attention_mask: Any = None) -> UCMCache:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ucm.codecs.layout import KvLayout, planar_layout
 from ucm.connectors.identity import model_fingerprint
 from ucm.errors import ConfigError
 from ucm.keys import Namespace
@@ -56,6 +57,10 @@ class BlockLayout:
     @property
     def block_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
+
+    def kv_layout(self) -> KvLayout:
+        """Which bytes are K and V, for the codecs of the tiers below DRAM."""
+        return planar_layout(self.dtype, self.num_layers, self.num_kv_heads, self.block_tokens, self.head_dim)
 
 
 def text_config(model: Any) -> Any:

@@ -13,7 +13,25 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ucm import _native
+from ucm.codecs.layout import ELEM_BYTES, KvLayout, paged_head_major_layout
 from ucm.connectors.kv_pages import SKIP, PageLayout
+
+
+def cpu_kv_layout(tensor: torch.Tensor, page_dim: int, page: PageLayout, num_layers: int,
+                  pages_per_block: int) -> Optional[KvLayout]:
+    """The KV layout of a block for vLLM's CPU backend (`LBHNC`: a layer
+    tensor `[num_blocks, kv_heads, page_tokens, 2 * head_size]`, read by the
+    backend as `[.., kv_heads, 2 * page_tokens, head_size]`: per head all K
+    of the page, then all V), or None for a tensor of another shape or a
+    dtype the codecs do not describe (its blocks are then stored without a
+    lossy codec)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.dim() != 4 or page_dim != 0 or len(page.chunks) != 1 or tensor.shape[3] % 2 or dtype not in ELEM_BYTES:
+        return None
+    _, heads, page_tokens, two_d = (int(n) for n in tensor.shape)
+    if page.page_bytes != heads * page_tokens * two_d * tensor.element_size():
+        return None
+    return paged_head_major_layout(dtype, num_layers, heads, pages_per_block, page_tokens, two_d // 2)
 
 
 class NativePageCopier:

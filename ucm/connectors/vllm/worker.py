@@ -178,13 +178,14 @@ class UCMWorkerSide:
         if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
             raise ConfigError(f"UCMConnector copies KV tensors on one CPU or CUDA device, "
                               f"got {sorted(map(str, devices))}")
-        layouts = []
+        layouts, page_dims = [], []
         for name in names:
             t = kv_caches[name]
             itemsize = t.element_size()
             dim = find_page_dim(name, t.shape, num_blocks, [s * itemsize for s in t.stride()],
                                 self._block_strides.get(name))
             layouts.append(page_layout(name, t.shape, t.stride(), itemsize, t.storage_offset(), dim))
+            page_dims.append(dim)
         sizes = {lay.page_bytes for lay in layouts}
         if len(sizes) != 1:
             raise ConfigError(f"UCMConnector needs equal page sizes in every layer, got {sorted(sizes)} bytes")
@@ -201,12 +202,25 @@ class UCMWorkerSide:
         self._copier = self._copier_factory(storages, layouts, self.pages_per_block)
         self._layouts = layouts
         self._layer_index = {name: i for i, name in enumerate(names)}
+        if first.device.type == "cpu":  # the codecs of the tiers below DRAM read K and V by it
+            self._register_kv_layout(first, page_dims[0], layouts[0], len(names))
         self._page_bytes = layouts[0].page_bytes
         self._num_pages = min(lay.num_pages for lay in layouts)
         log.info("UCMConnector worker: %d layers on %s, %d pages of %d bytes in %d chunk(s) (layer tensor %s %s "
                  "strides %s); block payload %d bytes; copies by %s", len(layouts), first.device, self._num_pages,
                  self._page_bytes, len(layouts[0].chunks), tuple(first.shape), first.dtype, first.stride(),
                  self.block_bytes, type(self._copier).__name__)
+
+    def _register_kv_layout(self, first: torch.Tensor, page_dim: int, page: PageLayout, num_layers: int) -> None:
+        from ucm.connectors.vllm.cpu_pages import cpu_kv_layout
+
+        kv = cpu_kv_layout(first, page_dim, page, num_layers, self.pages_per_block)
+        if kv is None:
+            return
+        try:
+            self._cache.register_layout(kv)
+        except Exception:  # a cache fault: blocks are stored without a lossy codec, never an engine error
+            log.warning("UCMConnector worker: registering the KV layout failed", exc_info=True)
 
     # ---- page copies ----------------------------------------------------------
     def _blocks(self, page_ids: list[list[int]], first: int, slots: list) -> list[tuple[int, list[int]]]:

@@ -1,0 +1,81 @@
+// KV quantisation kernels for the codecs of the tiers below DRAM (int8, int4).
+//
+// A segment is one K or V tensor of one layer of a block, seen as R rows of
+// D contiguous elements (one row = one token of one head, D = the channels);
+// row r starts `row_offsets[r]` bytes into the block. Tiles of
+// `tile_rows` x `tile_cols` elements share their quantisation parameters:
+// keys per channel (tile_rows = tokens of a head or a group of them,
+// tile_cols = 1), values per token (tile_rows = 1, tile_cols = D or a group
+// of channels). Rows are grouped into tiles in the order given, so the
+// caller lists the rows of one head consecutively.
+//
+// Encoded segment formats (little-endian, back to back; sizes in
+// `encoded_bytes`, n_tiles = R / tile_rows * D / tile_cols):
+//   bits 8 (symmetric):  n_tiles x fp16 scale s (rounded up, so |x| / s <= 127)
+//                        || R * D x int8 q;             x' = q * s
+//   bits 4 (asymmetric): f32 base || n_tiles x (u8 c, i8 z) || n_out x u32
+//                        index (r * D + d, ascending) || n_out x raw element
+//                        || R * D / 2 bytes of u4 q (element 2i in the low
+//                        nibble);  s = base * 2^(-c/16), x' = (q + z) * s,
+//                        outliers restored exactly.
+// Reconstruction error per element is at most s / 2 (plus the rounding of
+// x' to the element type); `outliers` elements per segment (those farthest
+// from their tile's mean) are kept exact.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ucm {
+
+enum class KvElem : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+struct KvSegment {
+  std::int64_t rows = 0;       // R
+  std::int64_t cols = 0;       // D (elements per row, contiguous)
+  std::int64_t tile_rows = 1;  // divides R
+  std::int64_t tile_cols = 1;  // divides D
+  int bits = 8;                // 8 or 4
+  std::int64_t outliers = 0;   // kept exact (bits 4 only)
+};
+
+std::size_t kv_elem_bytes(KvElem e);
+
+// Bytes of one encoded segment; throws std::invalid_argument for a bad spec.
+std::size_t kv_encoded_bytes(const KvSegment& s, KvElem e);
+
+// Encodes the segment whose rows start at src + row_offsets[r] into `out`
+// (kv_encoded_bytes(s, e) bytes). Non-finite inputs are refused (false).
+bool kv_encode(const std::uint8_t* src, const std::int64_t* row_offsets, const KvSegment& s, KvElem e,
+               std::uint8_t* out);
+
+// Decodes `enc` (exactly kv_encoded_bytes bytes) into dst + row_offsets[r].
+// Returns false for inconsistent bytes (an outlier index out of range or
+// not ascending, a zero-point that cannot hold); dst may be partly written.
+bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8_t* dst,
+               const std::int64_t* row_offsets);
+
+// The quantisation step s of each tile (n_tiles floats, row-major over the
+// tile grid) of an encoded segment: what the error bound is derived from.
+void kv_tile_steps(const std::uint8_t* enc, const KvSegment& s, KvElem e, float* steps);
+
+// One segment of a block: its spec, where its row offsets start in the
+// block's table and where its encoded bytes lie.
+struct KvSegmentAt {
+  KvSegment seg;
+  std::int64_t row_start = 0;
+  std::size_t enc_offset = 0;
+};
+
+// Encodes (raw -> enc) or decodes (enc_in -> raw_out) `n` segments of one
+// block on up to `threads` threads; false if any segment failed (specs are
+// checked by the caller with kv_encoded_bytes first).
+bool kv_run_segments(bool encode, const std::uint8_t* raw, std::uint8_t* raw_out, const std::int64_t* row_offsets,
+                     const KvSegmentAt* segs, std::size_t n, KvElem e, std::uint8_t* enc, const std::uint8_t* enc_in,
+                     int threads);
+
+// Half-precision conversions (round to nearest even), exposed for tests.
+std::uint16_t kv_f32_to_f16(float f);
+float kv_f16_to_f32(std::uint16_t h);
+
+}  // namespace ucm

@@ -1,0 +1,465 @@
+// KV quantisation kernels (formats in kv_quant.hpp). The row loops are
+// written so that the compiler vectorises them and are built twice on
+// x86-64 GCC (AVX2 and baseline, chosen at load time by the CPU); nothing
+// here needs AVX2 to be correct.
+#include "ucm/kv_quant.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define UCM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define UCM_CLONES
+#endif
+
+namespace ucm {
+namespace {
+
+// s(c) = base * 2^(-c/16): one table, so that encoder and decoder agree bit for bit.
+struct Pow2Table {
+  float v[256];
+  Pow2Table() {
+    for (int c = 0; c < 256; ++c) v[c] = std::exp2(-static_cast<float>(c) / 16.0f);
+  }
+};
+const Pow2Table kPow2;
+
+template <typename T>
+inline T load_le(const std::uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <typename T>
+inline void store_le(std::uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+
+// ---- row loops (vectorised) ------------------------------------------------
+UCM_CLONES void load_row_bf16(const std::uint8_t* src, float* x, std::int64_t n) {
+  const std::uint16_t* s = reinterpret_cast<const std::uint16_t*>(src);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint32_t u = static_cast<std::uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    x[i] = f;
+  }
+}
+
+void load_row(const std::uint8_t* src, float* x, std::int64_t n, KvElem e) {
+  if (e == KvElem::BF16) {
+    load_row_bf16(src, x, n);
+  } else if (e == KvElem::F32) {
+    std::memcpy(x, src, static_cast<std::size_t>(n) * 4);
+  } else {
+    for (std::int64_t i = 0; i < n; ++i) x[i] = kv_f16_to_f32(load_le<std::uint16_t>(src + 2 * i));
+  }
+}
+
+UCM_CLONES void absmax_acc(const float* x, float* acc, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], std::fabs(x[i]));
+}
+
+// NaN (an outlier's place) leaves lo and hi as they are.
+UCM_CLONES void minmax_acc(const float* x, float* lo, float* hi, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    lo[i] = std::min(lo[i], x[i]);
+    hi[i] = std::max(hi[i], x[i]);
+  }
+}
+
+UCM_CLONES void quant8_row(const float* x, const float* inv, std::int8_t* q, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    float v = x[i] * inv[i];
+    v = std::min(127.0f, std::max(-127.0f, v));
+    q[i] = static_cast<std::int8_t>(static_cast<int>(v + (v >= 0.0f ? 0.5f : -0.5f)));
+  }
+}
+
+// q = clamp(round(x / s) - z, 0, 15), two per byte (even element low);
+// rounding half away from zero, written without floor() so that the
+// baseline build (no SSE4.1 rounding instruction) vectorises it too.
+UCM_CLONES void quant4_row(const float* x, const float* inv, const float* z, std::uint8_t* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n / 2; ++i) {
+    float a = x[2 * i] * inv[2 * i] - z[2 * i], b = x[2 * i + 1] * inv[2 * i + 1] - z[2 * i + 1];
+    a = std::min(15.0f, std::max(0.0f, a)) + 0.5f;  // z is an integer: round(x / s) - z == round(x / s - z)
+    b = std::min(15.0f, std::max(0.0f, b)) + 0.5f;
+    out[i] = static_cast<std::uint8_t>(static_cast<int>(a) | (static_cast<int>(b) << 4));
+  }
+}
+
+// Fused dequantise-and-store row kernels: per-element steps (`v`, keys:
+// one step per channel) or one step for the run (`s`, values: one per
+// token or channel group), into bfloat16 or float32.
+inline std::uint16_t bf16_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+inline std::uint16_t put(float f, std::uint16_t*) { return bf16_bits(f); }
+inline float put(float f, float*) { return f; }
+
+#define UCM_DEQUANT_KERNELS(SUFFIX, OUT)                                                                       \
+  UCM_CLONES void dq8v_##SUFFIX(const std::int8_t* q, const float* s, OUT* o, std::int64_t n) {                \
+    for (std::int64_t i = 0; i < n; ++i) o[i] = put(static_cast<float>(q[i]) * s[i], o);                       \
+  }                                                                                                            \
+  UCM_CLONES void dq8s_##SUFFIX(const std::int8_t* q, float s, OUT* o, std::int64_t n) {                       \
+    for (std::int64_t i = 0; i < n; ++i) o[i] = put(static_cast<float>(q[i]) * s, o);                          \
+  }                                                                                                            \
+  UCM_CLONES void dq4v_##SUFFIX(const std::uint8_t* in, const float* s, const float* z, OUT* o, std::int64_t n) { \
+    for (std::int64_t i = 0; i < n / 2; ++i) {                                                                 \
+      o[2 * i] = put((static_cast<float>(in[i] & 0x0F) + z[2 * i]) * s[2 * i], o);                             \
+      o[2 * i + 1] = put((static_cast<float>(in[i] >> 4) + z[2 * i + 1]) * s[2 * i + 1], o);                   \
+    }                                                                                                          \
+  }                                                                                                            \
+  UCM_CLONES void dq4s_##SUFFIX(const std::uint8_t* in, float s, float z, OUT* o, std::int64_t n) {            \
+    for (std::int64_t i = 0; i < n / 2; ++i) {                                                                 \
+      o[2 * i] = put((static_cast<float>(in[i] & 0x0F) + z) * s, o);                                           \
+      o[2 * i + 1] = put((static_cast<float>(in[i] >> 4) + z) * s, o);                                         \
+    }                                                                                                          \
+  }
+
+UCM_DEQUANT_KERNELS(bf16, std::uint16_t)
+UCM_DEQUANT_KERNELS(f32, float)
+#undef UCM_DEQUANT_KERNELS
+
+// One row (n elements from column `at`) into dst: per-element steps/zeros
+// (`vs`, `vz`) or one (s, z) for the run.
+void dequant_run(const std::uint8_t* data, int bits, std::int64_t first, std::int64_t n, const float* vs,
+                 const float* vz, float s, float z, KvElem e, std::uint8_t* dst, float* tmp) {
+  const bool vec = vs != nullptr;
+  if (bits == 8) {
+    const auto* q = reinterpret_cast<const std::int8_t*>(data) + first;
+    if (e == KvElem::BF16) {
+      auto* o = reinterpret_cast<std::uint16_t*>(dst);
+      vec ? dq8v_bf16(q, vs, o, n) : dq8s_bf16(q, s, o, n);
+    } else {
+      float* o = e == KvElem::F32 ? reinterpret_cast<float*>(dst) : tmp;
+      vec ? dq8v_f32(q, vs, o, n) : dq8s_f32(q, s, o, n);
+    }
+  } else {
+    const std::uint8_t* q = data + first / 2;
+    if (e == KvElem::BF16) {
+      auto* o = reinterpret_cast<std::uint16_t*>(dst);
+      vec ? dq4v_bf16(q, vs, vz, o, n) : dq4s_bf16(q, s, z, o, n);
+    } else {
+      float* o = e == KvElem::F32 ? reinterpret_cast<float*>(dst) : tmp;
+      vec ? dq4v_f32(q, vs, vz, o, n) : dq4s_f32(q, s, z, o, n);
+    }
+  }
+  if (e == KvElem::F16) {
+    for (std::int64_t i = 0; i < n; ++i) store_le<std::uint16_t>(dst + 2 * i, kv_f32_to_f16(tmp[i]));
+  }
+}
+
+// ---- layout of an encoded segment --------------------------------------------
+struct Parts {
+  std::int64_t n_tiles, n_tc;
+  std::size_t params, idx, raw, data, total;  // offsets (total = size)
+};
+
+void check_spec(const KvSegment& s, KvElem e) {
+  auto bad = [](const std::string& why) { throw std::invalid_argument("kv segment: " + why); };
+  if (e != KvElem::F32 && e != KvElem::F16 && e != KvElem::BF16) bad("unknown element type");
+  if (s.rows <= 0 || s.cols <= 0) bad("rows and cols must be > 0");
+  if (s.bits != 8 && s.bits != 4) bad("bits must be 8 or 4, got " + std::to_string(s.bits));
+  if (s.tile_rows <= 0 || s.rows % s.tile_rows) bad("tile_rows must divide rows");
+  if (s.tile_cols <= 0 || s.cols % s.tile_cols) bad("tile_cols must divide cols");
+  if (s.bits == 4 && s.cols % 2) bad("4-bit segments need an even number of cols");
+  if (s.rows * s.cols > (std::int64_t{1} << 32)) bad("a segment holds at most 2^32 elements");
+  if (s.outliers < 0 || s.outliers > s.rows * s.cols) bad("outliers out of range");
+  if (s.bits == 8 && s.outliers) bad("8-bit segments keep no outliers");
+}
+
+Parts parts_of(const KvSegment& s, KvElem e) {
+  check_spec(s, e);
+  Parts p{};
+  p.n_tc = s.cols / s.tile_cols;
+  p.n_tiles = (s.rows / s.tile_rows) * p.n_tc;
+  const std::size_t n = static_cast<std::size_t>(s.rows * s.cols);
+  if (s.bits == 8) {
+    p.params = 0;
+    p.idx = p.raw = p.data = 2 * static_cast<std::size_t>(p.n_tiles);
+    p.total = p.data + n;
+  } else {
+    p.params = 4;
+    p.idx = p.params + 2 * static_cast<std::size_t>(p.n_tiles);
+    p.raw = p.idx + 4 * static_cast<std::size_t>(s.outliers);
+    p.data = p.raw + kv_elem_bytes(e) * static_cast<std::size_t>(s.outliers);
+    p.total = p.data + n / 2;
+  }
+  return p;
+}
+
+bool load_segment(const std::uint8_t* src, const std::int64_t* row_offsets, const KvSegment& s, KvElem e,
+                  std::vector<float>& x) {
+  x.resize(static_cast<std::size_t>(s.rows * s.cols));
+  for (std::int64_t r = 0; r < s.rows; ++r) load_row(src + row_offsets[r], x.data() + r * s.cols, s.cols, e);
+  for (float v : x) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+std::uint16_t f16_at_least(float v) {  // the smallest half >= v (v >= 0, finite)
+  std::uint16_t h = kv_f32_to_f16(v);
+  if (kv_f16_to_f32(h) < v) ++h;
+  return h;
+}
+
+bool encode8(const std::vector<float>& x, const KvSegment& s, const Parts& p, std::uint8_t* out) {
+  const std::int64_t D = s.cols, tr = s.tile_rows, tc = s.tile_cols;
+  std::vector<float> acc(D), inv(D);
+  auto* q = reinterpret_cast<std::int8_t*>(out + p.data);
+  for (std::int64_t b = 0; b < s.rows / tr; ++b) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r) absmax_acc(x.data() + r * D, acc.data(), D);
+    for (std::int64_t c = 0; c < p.n_tc; ++c) {
+      float amax = *std::max_element(acc.begin() + c * tc, acc.begin() + (c + 1) * tc);
+      float want = amax / 127.0f;
+      if (!(want <= 65504.0f)) return false;  // beyond half precision
+      std::uint16_t h = f16_at_least(want);
+      store_le<std::uint16_t>(out + 2 * (b * p.n_tc + c), h);
+      float sf = kv_f16_to_f32(h);
+      std::fill(inv.begin() + c * tc, inv.begin() + (c + 1) * tc, sf > 0.0f ? 1.0f / sf : 0.0f);
+    }
+    for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r) quant8_row(x.data() + r * D, inv.data(), q + r * D, D);
+  }
+  return true;
+}
+
+bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t* row_offsets, const KvSegment& s,
+             KvElem e, const Parts& p, std::uint8_t* out) {
+  const std::int64_t D = s.cols, tr = s.tile_rows, tc = s.tile_cols, nb = s.rows / tr;
+  const std::size_t eb = kv_elem_bytes(e);
+  // Tile means: the centre outliers are measured from and put back to.
+  std::vector<float> mean(static_cast<std::size_t>(p.n_tiles), 0.0f);
+  if (s.outliers) {
+    std::vector<float> sum(D);
+    for (std::int64_t b = 0; b < nb; ++b) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
+        for (std::int64_t d = 0; d < D; ++d) sum[d] += x[r * D + d];
+      for (std::int64_t c = 0; c < p.n_tc; ++c)
+        mean[b * p.n_tc + c] = std::accumulate(sum.begin() + c * tc, sum.begin() + (c + 1) * tc, 0.0f) /
+                               static_cast<float>(tr * tc);
+    }
+    // The `outliers` elements farthest from their tile's mean (ties: lowest index).
+    const std::int64_t n = s.rows * D;
+    std::vector<float> dev(static_cast<std::size_t>(n));
+    std::vector<float> mcol(D);
+    for (std::int64_t b = 0; b < nb; ++b) {
+      for (std::int64_t d = 0; d < D; ++d) mcol[d] = mean[b * p.n_tc + d / tc];
+      for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
+        for (std::int64_t d = 0; d < D; ++d) dev[r * D + d] = std::fabs(x[r * D + d] - mcol[d]);
+    }
+    std::vector<float> order(dev);
+    std::nth_element(order.begin(), order.begin() + (s.outliers - 1), order.end(), std::greater<float>());
+    const float thr = order[s.outliers - 1];
+    std::vector<std::uint32_t> idx;
+    idx.reserve(static_cast<std::size_t>(s.outliers));
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (dev[i] > thr) idx.push_back(static_cast<std::uint32_t>(i));
+    }
+    for (std::int64_t i = 0; i < n && static_cast<std::int64_t>(idx.size()) < s.outliers; ++i) {
+      if (dev[i] == thr) idx.push_back(static_cast<std::uint32_t>(i));
+    }
+    std::sort(idx.begin(), idx.begin() + s.outliers);
+    for (std::int64_t k = 0; k < s.outliers; ++k) {
+      std::uint32_t i = idx[k];
+      store_le<std::uint32_t>(out + p.idx + 4 * k, i);
+      std::memcpy(out + p.raw + eb * k, src + row_offsets[i / D] + (i % D) * eb, eb);
+      x[i] = NAN;  // left out of its tile's range (min/max keep the other operand); decoded exactly
+    }
+  }
+  // Per tile: the step each needs, then the base and the codes.
+  std::vector<float> need(static_cast<std::size_t>(p.n_tiles)), lo_t(need.size()), lo(D), hi(D);
+  float base = 0.0f;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    std::fill(lo.begin(), lo.end(), INFINITY);
+    std::fill(hi.begin(), hi.end(), -INFINITY);
+    for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r) minmax_acc(x.data() + r * D, lo.data(), hi.data(), D);
+    for (std::int64_t c = 0; c < p.n_tc; ++c) {
+      float mn = *std::min_element(lo.begin() + c * tc, lo.begin() + (c + 1) * tc);
+      float mx = *std::max_element(hi.begin() + c * tc, hi.begin() + (c + 1) * tc);
+      if (!(mn <= mx)) mn = mx = 0.0f;  // every element of the tile is an outlier
+      float n = std::max((mx - mn) / 14.0f, std::fabs(mn) / 127.0f);
+      need[b * p.n_tc + c] = n;
+      lo_t[b * p.n_tc + c] = mn;
+      base = std::max(base, n);
+    }
+  }
+  if (!std::isfinite(base)) return false;
+  store_le<float>(out, base);
+  std::vector<float> step(need.size()), zero(need.size());
+  for (std::size_t t = 0; t < need.size(); ++t) {
+    int c = 0;
+    if (base > 0.0f) {
+      c = need[t] > 0.0f ? static_cast<int>(std::floor(-16.0f * std::log2(need[t] / base))) : 255;
+      c = std::min(255, std::max(0, c));
+      while (c > 0 && base * kPow2.v[c] < need[t]) --c;
+    }
+    float st = base * kPow2.v[c];
+    float z = st > 0.0f ? std::floor(lo_t[t] / st) : 0.0f;
+    z = std::min(127.0f, std::max(-128.0f, z));
+    out[p.params + 2 * t] = static_cast<std::uint8_t>(c);
+    out[p.params + 2 * t + 1] = static_cast<std::uint8_t>(static_cast<std::int8_t>(z));
+    step[t] = st;
+    zero[t] = z;
+  }
+  std::vector<float> inv(D), zc(D);
+  for (std::int64_t b = 0; b < nb; ++b) {
+    for (std::int64_t d = 0; d < D; ++d) {
+      std::size_t t = static_cast<std::size_t>(b * p.n_tc + d / tc);
+      inv[d] = step[t] > 0.0f ? 1.0f / step[t] : 0.0f;
+      zc[d] = zero[t];
+    }
+    for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
+      quant4_row(x.data() + r * D, inv.data(), zc.data(), out + p.data + r * D / 2, D);
+  }
+  return true;
+}
+
+}  // namespace
+
+std::size_t kv_elem_bytes(KvElem e) { return e == KvElem::F32 ? 4 : 2; }
+
+std::size_t kv_encoded_bytes(const KvSegment& s, KvElem e) { return parts_of(s, e).total; }
+
+bool kv_encode(const std::uint8_t* src, const std::int64_t* row_offsets, const KvSegment& s, KvElem e,
+               std::uint8_t* out) {
+  Parts p = parts_of(s, e);
+  std::vector<float> x;
+  if (!load_segment(src, row_offsets, s, e, x)) return false;
+  return s.bits == 8 ? encode8(x, s, p, out) : encode4(x, src, row_offsets, s, e, p, out);
+}
+
+void kv_tile_steps(const std::uint8_t* enc, const KvSegment& s, KvElem e, float* steps) {
+  Parts p = parts_of(s, e);
+  if (s.bits == 8) {
+    for (std::int64_t t = 0; t < p.n_tiles; ++t) steps[t] = kv_f16_to_f32(load_le<std::uint16_t>(enc + 2 * t));
+  } else {
+    float base = load_le<float>(enc);
+    for (std::int64_t t = 0; t < p.n_tiles; ++t) steps[t] = base * kPow2.v[enc[p.params + 2 * t]];
+  }
+}
+
+bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8_t* dst,
+               const std::int64_t* row_offsets) {
+  Parts p = parts_of(s, e);
+  const std::int64_t D = s.cols, tr = s.tile_rows, tc = s.tile_cols, nb = s.rows / tr;
+  const std::size_t eb = kv_elem_bytes(e);
+  std::vector<float> st(static_cast<std::size_t>(p.n_tiles)), sc(D), zc(D, 0.0f), y(D);
+  kv_tile_steps(enc, s, e, st.data());
+  if (s.bits == 4) {
+    if (!std::isfinite(load_le<float>(enc)) || load_le<float>(enc) < 0.0f) return false;
+    std::int64_t prev = -1;
+    for (std::int64_t k = 0; k < s.outliers; ++k) {
+      std::int64_t i = load_le<std::uint32_t>(enc + p.idx + 4 * k);
+      if (i <= prev || i >= s.rows * D) return false;
+      prev = i;
+    }
+  } else {
+    for (float v : st) {
+      if (!std::isfinite(v)) return false;
+    }
+  }
+  auto zero_of = [&](std::size_t t) {
+    return s.bits == 4 ? static_cast<float>(static_cast<std::int8_t>(enc[p.params + 2 * t + 1])) : 0.0f;
+  };
+  const std::uint8_t* data = enc + p.data;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    if (tr > 1) {  // steps per column, shared by the block's rows (keys)
+      for (std::int64_t d = 0; d < D; ++d) {
+        std::size_t t = static_cast<std::size_t>(b * p.n_tc + d / tc);
+        sc[d] = st[t];
+        zc[d] = zero_of(t);
+      }
+      for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
+        dequant_run(data, s.bits, r * D, D, sc.data(), zc.data(), 0, 0, e, dst + row_offsets[r], y.data());
+    } else {  // one row: one step per run of tile_cols (values)
+      for (std::int64_t c = 0; c < p.n_tc; ++c) {
+        std::size_t t = static_cast<std::size_t>(b * p.n_tc + c);
+        dequant_run(data, s.bits, b * D + c * tc, tc, nullptr, nullptr, st[t], zero_of(t), e,
+                    dst + row_offsets[b] + c * tc * eb, y.data());
+      }
+    }
+  }
+  for (std::int64_t k = 0; k < s.outliers; ++k) {
+    std::int64_t i = load_le<std::uint32_t>(enc + p.idx + 4 * k);
+    std::memcpy(dst + row_offsets[i / D] + (i % D) * eb, enc + p.raw + eb * k, eb);
+  }
+  return true;
+}
+
+bool kv_run_segments(bool encode, const std::uint8_t* raw, std::uint8_t* raw_out, const std::int64_t* row_offsets,
+                     const KvSegmentAt* segs, std::size_t n, KvElem e, std::uint8_t* enc, const std::uint8_t* enc_in,
+                     int threads) {
+  std::atomic<bool> ok{true};
+  std::atomic<std::size_t> next{0};
+  auto work = [&]() {
+    for (std::size_t i; ok.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
+      const KvSegmentAt& g = segs[i];
+      bool r = encode ? kv_encode(raw, row_offsets + g.row_start, g.seg, e, enc + g.enc_offset)
+                      : kv_decode(enc_in + g.enc_offset, g.seg, e, raw_out, row_offsets + g.row_start);
+      if (!r) ok = false;
+    }
+  };
+  int t = std::max(1, std::min<int>(threads, static_cast<int>(n)));
+  std::vector<std::thread> pool;
+  for (int k = 1; k < t; ++k) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  return ok;
+}
+
+std::uint16_t kv_f32_to_f16(float f) {
+  std::uint32_t x;
+  std::memcpy(&x, &f, 4);
+  std::uint32_t sign = (x >> 16) & 0x8000u;
+  std::uint32_t mag = x & 0x7FFFFFFFu;
+  if (mag >= 0x7F800000u) return static_cast<std::uint16_t>(sign | 0x7C00u | (mag > 0x7F800000u ? 0x200u : 0u));
+  if (mag >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // rounds past 65504
+  if (mag < 0x38800000u) {  // subnormal half (or zero)
+    if (mag < 0x33000000u) return static_cast<std::uint16_t>(sign);
+    std::uint32_t exp = mag >> 23, man = (mag & 0x7FFFFFu) | 0x800000u;
+    std::uint32_t shift = 126 - exp;  // value = man * 2^(exp-150) = half * 2^-24
+    std::uint32_t half = man >> shift;
+    std::uint32_t rem = man & ((1u << shift) - 1u), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return static_cast<std::uint16_t>(sign | half);
+  }
+  std::uint32_t r = mag - 0x38000000u;  // rebias exponent 127 -> 15
+  r += 0xFFFu + ((r >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | (r >> 13));
+}
+
+float kv_f16_to_f32(std::uint16_t h) {
+  std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
+  if (exp == 0) {
+    float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  if (exp == 31) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace ucm

@@ -1,0 +1,257 @@
+"""Codec tiers below DRAM over the real dram and nvme adapters: blocks are
+encoded on demotion and decoded on staging; a block is decoded by the codec
+its frame records whatever this cache is configured with, or is a miss;
+corrupted stored bytes, unknown codec ids and foreign raw bytes are misses;
+range reads return exactly the decoded bytes; bad config names the key."""
+import pathlib
+import re
+import tomllib
+
+import numpy as np
+import pytest
+import torch
+
+from support import chain
+from ucm.adapters.base import BlockEntry, RangeReads, Status, StorageAdapter, read_range
+from ucm.cache import Outcome, UnifiedCache
+from ucm.codecs import _BUILTIN, codec_names, load_codec_class
+from ucm.codecs.frame import HEADER_BYTES, pack
+from ucm.codecs.layout import planar_layout
+from ucm.codecs.quant import Int8Codec
+from ucm.codecs.tier import CodecAdapter, LayoutBook
+from ucm.errors import ConfigError
+
+LAYOUT = planar_layout("bfloat16", 4, 2, 32, 64)  # 64 KiB blocks
+N = 40  # blocks: more than the 1 MiB of DRAM holds, so most are demoted
+
+
+def cfg(nvme_dir, codec, dram="1MiB"):
+    return {"tiers": [{"adapter": "dram", "capacity": dram},
+                      {"adapter": "nvme", "capacity": "16MiB", "codec": codec,
+                       "options": {"path": str(nvme_dir), "region_size": "512KiB", "io_chunk": "128KiB"}}],
+            "policy": {"name": "lru"}}
+
+
+def kv_blocks(n, seed):
+    keys, _ = chain(n, seed, 16)
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(LAYOUT.block_bytes // 2, generator=g) * 3).to(torch.bfloat16).view(torch.uint8)
+            .numpy().tobytes() for _ in range(n)]
+    return keys, data
+
+
+def load(cache, keys):
+    out = [bytearray(LAYOUT.block_bytes) for _ in keys]
+    return cache.load(keys, out).wait(30), [bytes(o) for o in out]
+
+
+def rel_err(a, b):
+    x = torch.frombuffer(bytearray(a), dtype=torch.bfloat16).float()
+    y = torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()
+    return ((x - y).norm() / x.norm()).item()
+
+
+def int8_decoded(raw):
+    """What int8 makes of a block: the reference for its loads."""
+    c = Int8Codec()
+    enc = c.encode(memoryview(raw), LAYOUT)
+    out = bytearray(len(raw))
+    assert c.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
+def test_demoted_blocks_are_stored_encoded_and_come_back_decoded(nvme_dir, codec):
+    keys, data = kv_blocks(N, 1)
+    with UnifiedCache(cfg(nvme_dir, codec)) as c:
+        c.register_layout(LAYOUT)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * N
+        where = c.locate(keys)
+        assert "nvme" in where
+        res, out = load(c, keys)
+        assert res == [Outcome.DONE] * N
+        s = c.stats()["tiers"]["nvme"]["adapter"]
+        assert s["codec"] == codec and s["codec_decoded_blocks"] > 0 and s.get("codec_fallback", 0) == 0
+        ratio = s["codec_raw_bytes_in"] / s["codec_stored_bytes_out"]
+    staged = [i for i, t in enumerate(where) if t == "nvme"]  # only there: read back through the codec
+    assert all(out[i] == data[i] for i in range(N) if i not in staged)
+    if codec == "lossless":
+        assert out == data and ratio > 1.0
+    elif codec == "int8":  # 64 KiB blocks of 32 tokens: 1.90x (SmolLM2's 128-token blocks: 1.95x)
+        assert all(out[i] == int8_decoded(data[i]) != data[i] for i in staged) and ratio > 1.85
+    else:
+        assert all(0.02 < rel_err(data[i], out[i]) < 0.12 for i in staged) and ratio > 3.4
+
+
+def test_capacity_counts_encoded_bytes(nvme_dir):
+    with UnifiedCache(cfg(nvme_dir, "int4")) as c:
+        medium = c.adapters[1].inner.capacity_bytes
+        assert c.stats()["tiers"]["nvme"]["capacity_bytes"] == int(medium * 3.5)
+    with UnifiedCache(cfg(pathlib.Path(nvme_dir) / "b", "none")) as c:
+        assert c.stats()["tiers"]["nvme"]["capacity_bytes"] == medium
+
+
+def test_without_a_layout_blocks_are_stored_raw_and_still_exact(nvme_dir):
+    keys, data = kv_blocks(N, 2)
+    with UnifiedCache(cfg(nvme_dir, "int8")) as c:
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * N
+        res, out = load(c, keys)
+        assert res == [Outcome.DONE] * N and out == data
+        assert c.stats()["tiers"]["nvme"]["adapter"]["codec_fallback"] > 0
+
+
+@pytest.mark.parametrize("reader", ["int4", "lossless"])
+def test_a_block_is_decoded_by_its_recorded_codec_whatever_the_reader_is_configured_with(nvme_dir, reader):
+    keys, data = kv_blocks(N, 3)
+    with UnifiedCache(cfg(nvme_dir, "int8")) as c:
+        c.register_layout(LAYOUT)
+        c.store(keys, data).wait(30)
+        on_nvme = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"]
+        assert c.flush(30)
+    # A restart with another codec: only the NVMe log survives (DRAM is gone).
+    with UnifiedCache(cfg(nvme_dir, reader)) as c:
+        assert c.lookup(on_nvme) == len(on_nvme) and on_nvme
+        res, out = load(c, on_nvme)
+        assert res == [Outcome.DONE] * len(on_nvme)
+        want = {k: int8_decoded(d) for k, d in zip(keys, data)}
+        assert all(o == want[k] for k, o in zip(on_nvme, out))
+
+
+def test_a_reader_without_the_codec_misses_instead_of_handing_on_encoded_bytes(nvme_dir):
+    keys, data = kv_blocks(N, 4)
+    with UnifiedCache(cfg(nvme_dir, "int8")) as c:
+        c.register_layout(LAYOUT)
+        c.store(keys, data).wait(30)
+        on_nvme = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"]
+        assert c.flush(30)
+    with UnifiedCache(cfg(nvme_dir, "none")) as c:
+        res, out = load(c, on_nvme)
+        assert Outcome.DONE not in res  # the stored frame is smaller than a block: CORRUPT, never bytes
+        assert all(o == bytes(LAYOUT.block_bytes) for o in out)
+
+
+class DictAdapter(StorageAdapter):
+    """An in-memory medium without checksums of its own, so that the
+    frame's checksums are the only line of defence."""
+
+    name = "dict"
+
+    def __init__(self):
+        self.blobs = {}
+
+    def put(self, keys, blobs):
+        for k, b in zip(keys, blobs):
+            self.blobs.setdefault(k, bytearray(b))
+        return [Status.OK] * len(keys)
+
+    def get(self, keys, dsts):
+        out = []
+        for k, d in zip(keys, dsts):
+            b = self.blobs.get(k)
+            if b is None:
+                out.append(Status.NOT_FOUND)
+            elif len(b) != len(d):
+                out.append(Status.CORRUPT)
+            else:
+                memoryview(d).cast("B")[:] = b
+                out.append(Status.OK)
+        return out
+
+    def contains(self, keys):
+        return [k in self.blobs for k in keys]
+
+    def delete(self, keys):
+        return [self.blobs.pop(k, None) is not None for k in keys]
+
+    def size_of(self, key):
+        b = self.blobs.get(key)
+        return None if b is None else len(b)
+
+    def iter_keys(self):
+        return iter(list(self.blobs))
+
+    capacity_bytes = 1 << 30
+
+    @property
+    def used_bytes(self):
+        return sum(map(len, self.blobs.values()))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
+def test_every_corrupted_byte_is_a_miss(codec):
+    book = LayoutBook()
+    book.register(LAYOUT)
+    medium = DictAdapter()
+    a = CodecAdapter(medium, load_codec_class(codec)(), book)
+    keys, data = kv_blocks(1, 5)
+    assert a.put(keys, data) == [Status.OK]
+    stored = medium.blobs[keys[0]]
+    rng = np.random.default_rng(0)
+    for pos in [0, 8, 20, 40, HEADER_BYTES, HEADER_BYTES + 3, *rng.integers(HEADER_BYTES, len(stored), 20)]:
+        stored[pos] ^= 0x10
+        out = bytearray(LAYOUT.block_bytes)
+        assert a.get(keys, [out]) == [Status.CORRUPT], pos
+        stored[pos] ^= 0x10
+    assert a.get(keys, [bytearray(LAYOUT.block_bytes)]) == [Status.OK]
+    assert a.get(keys, [bytearray(LAYOUT.block_bytes - 2)]) == [Status.CORRUPT]  # another raw size
+
+
+def test_unknown_codec_ids_and_raw_bytes_are_misses():
+    medium = DictAdapter()
+    a = CodecAdapter(medium, load_codec_class("int8")(), LayoutBook())
+    keys, data = kv_blocks(2, 6)
+    medium.blobs[keys[0]] = pack(200, len(data[0]), b"", data[0])  # a well-formed frame of a codec nobody has
+    medium.blobs[keys[1]] = bytearray(data[1])  # raw bytes that never were a frame
+    assert a.size_of(keys[0]) == len(data[0])
+    assert a.get(keys, [bytearray(len(data[0])), bytearray(len(data[1]))]) == [Status.CORRUPT] * 2
+    assert a.stats()["codec_unknown_id"] == 1 and a.stats()["codec_bad_frames"] == 1
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
+def test_a_range_read_returns_exactly_the_decoded_bytes_of_the_range(nvme_dir, codec):
+    from ucm.adapters.nvme import NvmeAdapter
+
+    book = LayoutBook()
+    book.register(LAYOUT)
+    inner = NvmeAdapter(capacity_bytes=16 << 20, config=NvmeAdapter.Config(path=str(nvme_dir), region_size="512KiB",
+                                                                          io_chunk="128KiB"))
+    with CodecAdapter(inner, load_codec_class(codec)(), book) as a:
+        keys, data = kv_blocks(3, 7)
+        assert a.put(keys, data) == [Status.OK] * 3
+        assert a.flush(30)
+        lb = LAYOUT.layer_bytes
+        offsets = [lb, 0, 2 * lb + 100]
+        dsts = [bytearray(lb), bytearray(2 * lb), bytearray(lb - 300)]
+        assert read_range(a, keys, offsets, dsts) == [Status.OK] * 3
+        for k, d, off, dst in zip(keys, data, offsets, dsts):
+            full = bytearray(LAYOUT.block_bytes)
+            assert a.get([k], [full]) == [Status.OK]
+            assert bytes(dst) == bytes(full[off:off + len(dst)])
+            if codec == "lossless":
+                assert bytes(dst) == d[off:off + len(dst)]
+        assert read_range(a, [keys[0]], [LAYOUT.block_bytes - 10], [bytearray(20)]) == [Status.CORRUPT]
+        assert not isinstance(a, RangeReads)  # streamed loads read a codec block whole, once
+        entries = list(a.iter_entries())
+        assert {e.key: e.size_bytes for e in entries} == {k: LAYOUT.block_bytes for k in keys}
+
+
+def test_bad_codec_config_names_the_key_and_the_allowed_values(nvme_dir):
+    with pytest.raises(ConfigError, match=r"tiers\.1\.codec: unknown codec 'zip'.*allowed: .*int4.*lossless"):
+        UnifiedCache(cfg(nvme_dir, "zip"))
+    bad = cfg(nvme_dir, "none")
+    bad["tiers"][0]["codec"] = "int8"
+    with pytest.raises(ConfigError, match=r"tiers\.0\.codec: the landing tier"):
+        UnifiedCache(bad)
+
+
+def test_the_shipped_codecs_are_entry_points_and_in_the_built_in_table():
+    text = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    eps = tomllib.loads(text)["project"]["entry-points"]["ucm.codecs"]
+    assert eps == _BUILTIN
+    assert set(eps) <= set(codec_names())
+    ids = {load_codec_class(n).codec_id for n in eps}
+    assert len(ids) == len(eps) and all(0 <= i < 16 for i in ids)
+    assert "zstandard" in " ".join(tomllib.loads(text)["project"]["dependencies"])

@@ -1,0 +1,145 @@
+"""int8 / int4: every element within half its tile's step of the original
+(plus the rounding to the KV dtype), outliers exact, the encoded size the
+documented formula, and bytes that do not decode refused."""
+import numpy as np
+import pytest
+import torch
+
+from ucm import _native
+from ucm.codecs.frame import HEADER_BYTES, frame_bytes
+from ucm.codecs.layout import paged_head_major_layout, planar_layout
+from ucm.codecs.quant import Int4Codec, Int8Codec
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Relative rounding of a value written back in the dtype (half an ulp).
+ROUND = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -23}
+
+
+def kv_like(n_elems, dtype, seed):
+    """Gaussian values with per-channel offsets and scales and a few spikes,
+    like real keys (64 channels innermost)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_elems // 64, 64, generator=g) * torch.linspace(0.05, 4.0, 64) + torch.linspace(-2, 2, 64)
+    flat = x.reshape(-1)
+    spikes = torch.randint(0, flat.numel(), (max(1, n_elems // 5000),), generator=g)
+    flat[spikes] = 60.0
+    return flat.to(DTYPES[dtype])
+
+
+def segments(layout, t):
+    """K and V of every layer as [heads * tokens, channels] float tensors,
+    in the codec's table order (through the layout's row offsets)."""
+    raw = t.view(torch.uint8).numpy()
+    eb = layout.elem_bytes
+    rows = layout.block_rows()
+    out, at = [], 0
+    for _ in range(layout.num_layers):
+        for s in layout.segments:
+            offs = rows[at:at + s.rows]
+            at += s.rows
+            idx = (offs[:, None] // eb + np.arange(s.channels)[None, :])
+            out.append(t.float().numpy()[idx])
+    return out
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("codec_cls", [Int8Codec, Int4Codec])
+@pytest.mark.parametrize("which", ["vllm-cpu", "planar"])
+def test_every_element_is_within_half_its_tile_step(codec_cls, dtype, which):
+    layout = (paged_head_major_layout(dtype, 3, 2, 4, 32, 64) if which == "vllm-cpu"
+              else planar_layout(dtype, 3, 2, 128, 64))
+    x = kv_like(layout.block_bytes // layout.elem_bytes, dtype, seed=len(dtype))
+    codec = codec_cls()
+    enc = codec.encode(memoryview(x.view(torch.uint8).numpy()), layout)
+    assert enc is not None
+    out = torch.empty_like(x)
+    assert codec.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out.view(torch.uint8).numpy()))
+    steps = codec.tile_steps(memoryview(enc.meta), memoryview(enc.body))
+    table = codec._plan(layout, codec.params(layout)).table
+    orig, back = segments(layout, x), segments(layout, out)
+    assert len(orig) == len(steps) == 2 * layout.num_layers
+    exact = 0
+    for a, b, st, row in zip(orig, back, steps, table):
+        rows, cols, tr, tc = (int(v) for v in row[:4])
+        step = np.repeat(np.repeat(st.reshape(rows // tr, cols // tc), tr, axis=0), tc, axis=1)
+        bound = step / 2 * (1 + 1e-5) + np.abs(a) * ROUND[dtype] * 2 + 1e-30
+        err = np.abs(a - b)
+        ok = err <= bound
+        if codec.bits == 8:
+            assert ok.all(), (err - bound).max()
+        else:  # the outliers are exact; all others within the bound
+            assert ok.sum() >= ok.size - int(row[5]) and (err[~ok] == 0).all()
+            exact += int(row[5])
+        assert not np.allclose(a, b, rtol=0, atol=0) or codec.bits == 8  # int4 changes values
+    assert (out.float().abs().max() >= 59.0)  # the spikes survive (int8: scaled; int4: kept exact)
+
+
+def test_a_spike_is_kept_exact_by_int4():
+    layout = planar_layout("bfloat16", 1, 1, 32, 64)
+    x = torch.zeros(layout.block_bytes // 2, dtype=torch.bfloat16)
+    x[:] = torch.linspace(-1, 1, x.numel()).to(torch.bfloat16)
+    x[100] = 1232.0  # representable in bf16
+    codec = Int4Codec()
+    enc = codec.encode(memoryview(x.view(torch.uint8).numpy()), layout)
+    out = torch.empty_like(x)
+    assert codec.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out.view(torch.uint8).numpy()))
+    assert out[100].item() == 1232.0
+    # Without the spike in it, its group keeps the step of its neighbours (range 0.97 / 14: error <= 0.035).
+    assert (out.float() - x.float()).abs()[torch.arange(x.numel()) != 100].max() < 0.036
+
+
+def test_encoded_size_is_the_documented_formula():
+    smollm2 = paged_head_major_layout("bfloat16", 30, 3, 1, 128, 64)
+    assert smollm2.block_bytes == 2_949_120 and len(smollm2.to_bytes()) == 126
+    # int8: per segment n = 3 * 128 * 64 = 24,576 int8 + 2 bytes per tile (K: 3 x 64 channels, V: 3 x 128 tokens)
+    n = 24_576
+    int8_body = 30 * ((2 * 192 + n) + (2 * 384 + n))
+    assert Int8Codec().encoded_bytes(smollm2) == 48 + 126 + 20 + int8_body == 1_509_314
+    # int4: 4 (base) + 2 per tile (K: 3 x 64 x 128/32, V: 3 x 128 x 64/32) + 24 outliers x (4 + 2) + n / 2
+    int4_seg = 4 + 2 * 768 + 24 * 6 + n // 2
+    assert Int4Codec().encoded_bytes(smollm2) == 48 + 126 + 20 + 60 * int4_seg == 838_514
+    assert smollm2.block_bytes / 838_514 > 3.5 and smollm2.block_bytes / 1_509_314 > 1.9
+    # The stored frame of a real encode has exactly that size.
+    x = kv_like(smollm2.block_bytes // 2, "bfloat16", 3)
+    for codec in (Int8Codec(), Int4Codec()):
+        enc = codec.encode(memoryview(x.view(torch.uint8).numpy()), smollm2)
+        assert frame_bytes(len(enc.meta), len(enc.body)) == codec.encoded_bytes(smollm2)
+    assert HEADER_BYTES == 48
+
+
+@pytest.mark.parametrize("codec_cls", [Int8Codec, Int4Codec])
+def test_what_cannot_be_encoded_is_refused_and_bad_bytes_do_not_decode(codec_cls):
+    layout = planar_layout("bfloat16", 2, 1, 32, 64)
+    codec = codec_cls()
+    x = kv_like(layout.block_bytes // 2, "bfloat16", 5)
+    raw = memoryview(x.view(torch.uint8).numpy())
+    assert codec.encode(raw, None) is None  # no layout
+    assert codec.encode(raw[:-2], layout) is None  # another size
+    assert codec.encode(raw, planar_layout("float8_e4m3", 2, 1, 32, 128)) is None  # a dtype not read
+    bad = x.clone()
+    bad[7] = float("nan")
+    assert codec.encode(memoryview(bad.view(torch.uint8).numpy()), layout) is None
+    enc = codec.encode(raw, layout)
+    out = memoryview(bytearray(len(raw)))
+    assert not codec.decode(memoryview(enc.meta), memoryview(bytes(enc.body)[:-1]), out)  # short body
+    assert not codec.decode(memoryview(enc.meta[:-3]), memoryview(enc.body), out)  # bad meta
+    assert not codec.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(bytearray(len(raw) - 2)))
+
+
+def test_float16_blocks_use_steps_that_are_halves_rounded_up():
+    """Golden conversions are pinned in cpp/tests/test_core.cpp; here a
+    float16 block decodes within half a step of every value."""
+    layout = planar_layout("float16", 1, 1, 2, 2)
+    x = torch.tensor([1.0, -0.5, 0.25, 0.125, 3.0, -3.0, 0.0, 1e-3], dtype=torch.float16)
+    codec = Int8Codec()
+    enc = codec.encode(memoryview(x.view(torch.uint8).numpy()), layout)
+    out = torch.empty_like(x)
+    assert codec.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out.view(torch.uint8).numpy()))
+    steps = codec.tile_steps(memoryview(enc.meta), memoryview(enc.body))
+    # K per channel over 2 tokens: tiles (1.0, 0.25) and (-0.5, 0.125); each step is the smallest half >= amax / 127.
+    for st, amax in zip(steps[0], (1.0, 0.5)):
+        half = np.float16(st)
+        assert float(half) == st and st >= np.float32(amax) / np.float32(127)
+        assert float(np.nextafter(half, np.float16(0))) < np.float32(amax) / np.float32(127)
+    err = np.abs(out.float().numpy() - x.float().numpy())
+    assert (err[:4] <= np.tile(steps[0], 2) / 2 + 2 ** -11).all()

@@ -1,0 +1,259 @@
+"""CodecAdapter: a tier below DRAM whose blocks are stored encoded.
+
+The cache wraps the adapter of every tier configured with a codec
+(`tiers[].codec`) in one of these, so every medium below DRAM (nvme, fs,
+redis, mooncake, third-party tiers) gets the same codec handling without
+its adapter knowing: a block demoted into the tier is encoded (on the
+cache's I/O threads, never on the engine's path) and stored as a frame
+(`ucm.codecs.frame`: codec id, raw size, checksums over the stored bytes);
+a block staged back is verified and decoded by the codec its frame names,
+whatever codec this tier is configured with now. A frame that does not
+verify, an unknown codec id, a decode that fails, or a raw size other than
+the destination's is CORRUPT: a miss, never bytes handed on.
+
+The codec encodes with the KV layout registered for the block's size
+(`LayoutBook`, filled by `CacheAPI.register_layout`); a block with no
+layout, or of a size two registered layouts share, is stored under the
+`none` codec (counted as `codec_fallback`).
+
+Capacity. The placement plans in raw block bytes; this tier offers it
+`capacity x codec.nominal_ratio` of them, and the medium below counts
+what is stored (encoded bytes): a tier of B bytes holds about ratio x more
+blocks. `used_bytes` reports stored bytes scaled the same way.
+
+Range reads (layer ranges, for streaming and prefetch) read the whole
+frame, verify and decode it, and copy the range out: exactly the decoded
+bytes of that range (for `lossless`, the original bytes). Verification
+needs the whole frame, which is why a range is not read alone.
+
+Thread-safe: the codecs are, and the size table has its own lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any, Iterator, Optional, Sequence
+
+from ucm.adapters.base import BlockEntry, Key, Status, StorageAdapter, read_range
+from ucm.buffers import byte_view
+from ucm.codecs import codec_class_by_id
+from ucm.codecs.base import Codec, NoneCodec
+from ucm.codecs.frame import HEADER_BYTES, pack, parse_header, verify
+from ucm.codecs.layout import KvLayout
+from ucm.errors import ArgumentError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class LayoutBook:
+    """The KV layouts registered with one cache, by block size."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_size: dict[int, set[bytes]] = {}
+        self._layouts: dict[bytes, KvLayout] = {}
+
+    def register(self, layout: KvLayout) -> None:
+        if not isinstance(layout, KvLayout):
+            raise ArgumentError(f"register_layout: expected a KvLayout, got {type(layout).__name__}")
+        d = layout.digest()
+        with self._lock:
+            self._layouts[d] = layout
+            self._by_size.setdefault(layout.block_bytes, set()).add(d)
+
+    def for_size(self, size: int) -> Optional[KvLayout]:
+        """The one layout registered for blocks of `size` bytes, or None
+        (none registered, or several: which one a block has is unknown)."""
+        with self._lock:
+            ds = self._by_size.get(size)
+            return self._layouts[next(iter(ds))] if ds and len(ds) == 1 else None
+
+    def layouts(self) -> list[KvLayout]:
+        with self._lock:
+            return list(self._layouts.values())
+
+
+class CodecAdapter(StorageAdapter):
+    """Encodes on put, verifies and decodes on get, around `inner`. Declares
+    no RangeReads: a range costs a whole-frame read and decode, so range
+    readers (`read_range`, streamed loads) read each block once."""
+
+    def __init__(self, inner: StorageAdapter, codec: Codec, layouts: LayoutBook) -> None:
+        self.inner = inner
+        self.codec = codec
+        self.layouts = layouts
+        self.name = inner.name  # type: ignore[misc]  # the tier keeps its name
+        self.shared = inner.shared  # type: ignore[misc]
+        self._decoders: dict[int, Codec] = {codec.codec_id: codec}
+        self._raw_size: dict[Key, int] = {}
+        self._lock = threading.Lock()
+        self._counts: Counter = Counter()
+
+    # ---- write -------------------------------------------------------------
+    def _encode(self, blob: Any) -> bytearray:
+        raw = byte_view(blob, writable=False, what="blob")
+        codec: Codec = self.codec
+        enc = codec.encode(raw, self.layouts.for_size(len(raw)))
+        if enc is None:
+            codec = self._decoder(0)
+            enc = codec.encode(raw, None)
+            self._count("codec_fallback")
+        frame = pack(codec.codec_id, len(raw), enc.meta, enc.body)
+        self._count("codec_raw_bytes_in", len(raw))
+        self._count("codec_stored_bytes_out", len(frame))
+        return frame
+
+    def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:
+        return self.put_with_parents(keys, blobs, [None] * len(keys))
+
+    def put_with_parents(self, keys: Sequence[Key], blobs: Sequence[Any],
+                         parents: Sequence[Optional[Key]]) -> list[Status]:
+        if not len(keys) == len(blobs) == len(parents):
+            raise ArgumentError(f"put: {len(keys)} keys, {len(blobs)} blobs, {len(parents)} parents")
+        sizes = [len(byte_view(b, writable=False, what="blob")) for b in blobs]
+        frames = [self._encode(b) for b in blobs]
+        out = self.inner.put_with_parents(keys, frames, parents)
+        with self._lock:
+            for k, n, st in zip(keys, sizes, out):
+                if st is Status.OK:
+                    self._raw_size.setdefault(k, n)
+        return out
+
+    # ---- read --------------------------------------------------------------
+    def _decoder(self, codec_id: int) -> Optional[Codec]:
+        c = self._decoders.get(codec_id)
+        if c is None:
+            cls = NoneCodec if codec_id == 0 else codec_class_by_id(codec_id)
+            if cls is None:
+                return None
+            c = self._decoders.setdefault(codec_id, cls())
+        return c
+
+    def _decode(self, frame: memoryview, out: memoryview) -> Status:
+        h = verify(frame)
+        if h is None:
+            self._count("codec_bad_frames")
+            return Status.CORRUPT
+        if h.raw_bytes != len(out):
+            self._count("codec_size_mismatch")
+            return Status.CORRUPT
+        codec = self._decoder(h.codec_id)
+        if codec is None:
+            self._count("codec_unknown_id")
+            return Status.CORRUPT
+        meta = frame[HEADER_BYTES:HEADER_BYTES + h.meta_bytes]
+        body = frame[HEADER_BYTES + h.meta_bytes:]
+        try:
+            ok = codec.decode(meta, body, out)
+        except Exception:  # a codec bug or hostile bytes: a miss, never raised into a load
+            log.exception("ucm: codec %s failed to decode a block", codec.name)
+            ok = False
+        if not ok:
+            self._count("codec_decode_failures")
+            return Status.CORRUPT
+        self._count("codec_decoded_blocks")
+        return Status.OK
+
+    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        out: list[Status] = [Status.NOT_FOUND] * len(keys)
+        idx, scratch = [], []
+        for i, k in enumerate(keys):
+            n = self.inner.size_of(k)
+            if n is not None:
+                idx.append(i)
+                scratch.append(bytearray(n))
+        got = self.inner.get([keys[i] for i in idx], scratch) if idx else []
+        for i, buf, st in zip(idx, scratch, got):
+            out[i] = self._decode(memoryview(buf), views[i]) if st is Status.OK else st
+        return out
+
+    def size_of(self, key: Key) -> Optional[int]:
+        """The block's raw (decoded) size, from memory or its frame header."""
+        with self._lock:
+            n = self._raw_size.get(key)
+        if n is not None:
+            return n
+        stored = self.inner.size_of(key)
+        if stored is None:
+            return None
+        head = bytearray(min(HEADER_BYTES, stored))
+        st = read_range(self.inner, [key], [0], [head])[0]
+        if st is Status.NOT_FOUND:
+            return None
+        h = parse_header(head) if st is Status.OK else None
+        if h is None or h.stored_bytes != stored:
+            return stored  # not a frame of this format: a get answers CORRUPT
+        with self._lock:
+            self._raw_size[key] = h.raw_bytes
+        return h.raw_bytes
+
+    # ---- the rest is the medium's -------------------------------------------
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def delete(self, keys: Sequence[Key]) -> list[bool]:
+        with self._lock:
+            for k in keys:
+                self._raw_size.pop(k, None)
+        return self.inner.delete(keys)
+
+    def iter_keys(self) -> Iterator[Key]:
+        return self.inner.iter_keys()
+
+    def iter_entries(self) -> Iterator[BlockEntry]:
+        for e in self.inner.iter_entries():
+            n = self.size_of(e.key)
+            if n is not None:
+                yield BlockEntry(e.key, n, e.parent)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.inner.capacity_bytes * self.codec.nominal_ratio)
+
+    @property
+    def used_bytes(self) -> int:
+        return int(self.inner.used_bytes * self.codec.nominal_ratio)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        return self.inner.flush(timeout_s=timeout_s)
+
+    def drain_dropped(self) -> list[Key]:
+        dropped = self.inner.drain_dropped()
+        if dropped:
+            with self._lock:
+                for k in dropped:
+                    self._raw_size.pop(k, None)
+        return dropped
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self._counts)
+        raw, stored = counts.get("codec_raw_bytes_in", 0), counts.get("codec_stored_bytes_out", 0)
+        return {**self.inner.stats(), "codec": self.codec.name, **counts,
+                "codec_ratio": round(raw / stored, 4) if stored else None,
+                "stored_bytes": self.inner.used_bytes}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def with_codec(adapter: StorageAdapter, codec: str, index: int, layouts: LayoutBook) -> CodecAdapter:
+    """Tier `index`'s adapter behind codec `codec` (ConfigError naming
+    `tiers.<index>.codec` for an unknown codec or a shared-memory tier,
+    whose slots engines read in place)."""
+    from ucm.adapters.base import SharedSlots
+    from ucm.codecs import load_codec_class
+
+    key = f"tiers.{index}.codec"
+    if isinstance(adapter, SharedSlots):
+        raise ConfigError(f"{key}: tier {adapter.name!r} hands its slots to engines as they are; a codec applies "
+                          f"to tiers without shared slots (nvme, fs, redis, mooncake), got {codec!r}")
+    return CodecAdapter(adapter, load_codec_class(codec, key)(), layouts)
