@@ -298,3 +298,38 @@ def test_blocks_that_encode_worse_than_the_nominal_ratio_never_freeze_a_budgeted
         assert res == [Outcome.DONE] * len(newest) and out == data[-24:]
         nv = c.stats()["tiers"]["nvme"]["adapter"]
         assert nv["codec_fallback"] > 0 and nv["codec_room_evictions"] > 0
+
+
+class RaisingCodec(Int8Codec):
+    name = "raising"
+    codec_id = 200
+
+    def encode(self, raw, layout):
+        raise RuntimeError("a codec bug")
+
+
+def test_a_codec_that_raises_stores_the_block_raw_instead_of_failing_the_batch():
+    book = LayoutBook()
+    book.register(LAYOUT)
+    a = CodecAdapter(DictAdapter(), RaisingCodec(), book)
+    keys, data = kv_blocks(3, 11)
+    assert a.put(keys, data) == [Status.OK] * 3
+    outs = [bytearray(LAYOUT.block_bytes) for _ in keys]
+    assert a.get(keys, outs) == [Status.OK] * 3 and [bytes(o) for o in outs] == data
+    assert a.stats()["codec_fallback"] == 3
+
+
+def test_an_encoding_no_smaller_than_the_block_is_stored_raw():
+    """int8 on one-token blocks: a key tile is a single element (2 bytes of
+    step per byte of code), so the encoding is larger than the block."""
+    lay = planar_layout("bfloat16", 2, 2, 1, 64)
+    book = LayoutBook()
+    book.register(lay)
+    inner = DictAdapter()
+    a = CodecAdapter(inner, Int8Codec(), book)
+    raw = (torch.randn(lay.block_bytes // 2) * 3).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    key = kv_blocks(1, 12)[0]
+    assert a.put(key, [raw]) == [Status.OK]
+    assert len(inner.blobs[key[0]]) == HEADER_BYTES + len(raw)
+    out = bytearray(len(raw))
+    assert a.get(key, [out]) == [Status.OK] and bytes(out) == raw
