@@ -246,14 +246,17 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
   // Tile means: the centre outliers are measured from and put back to.
   std::vector<float> mean(static_cast<std::size_t>(p.n_tiles), 0.0f);
   if (s.outliers) {
-    std::vector<float> sum(D);
+    // Summed in double: float sums of values near FLT_MAX overflow to +inf
+    // and -inf in one tile, whose NaN mean left no element >= the threshold
+    // below (and `idx` short of `outliers`: a read and write past its end).
+    std::vector<double> sum(D);
     for (std::int64_t b = 0; b < nb; ++b) {
-      std::fill(sum.begin(), sum.end(), 0.0f);
+      std::fill(sum.begin(), sum.end(), 0.0);
       for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
         for (std::int64_t d = 0; d < D; ++d) sum[d] += x[r * D + d];
       for (std::int64_t c = 0; c < p.n_tc; ++c)
-        mean[b * p.n_tc + c] = std::accumulate(sum.begin() + c * tc, sum.begin() + (c + 1) * tc, 0.0f) /
-                               static_cast<float>(tr * tc);
+        mean[b * p.n_tc + c] = static_cast<float>(
+            std::accumulate(sum.begin() + c * tc, sum.begin() + (c + 1) * tc, 0.0) / static_cast<double>(tr * tc));
     }
     // The `outliers` elements farthest from their tile's mean (ties: lowest index).
     const std::int64_t n = s.rows * D;
@@ -275,6 +278,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     for (std::int64_t i = 0; i < n && static_cast<std::int64_t>(idx.size()) < s.outliers; ++i) {
       if (dev[i] == thr) idx.push_back(static_cast<std::uint32_t>(i));
     }
+    if (static_cast<std::int64_t>(idx.size()) < s.outliers) return false;  // never past idx's end
     std::sort(idx.begin(), idx.begin() + s.outliers);
     for (std::int64_t k = 0; k < s.outliers; ++k) {
       std::uint32_t i = idx[k];

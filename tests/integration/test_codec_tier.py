@@ -255,3 +255,81 @@ def test_the_shipped_codecs_are_entry_points_and_in_the_built_in_table():
     ids = {load_codec_class(n).codec_id for n in eps}
     assert len(ids) == len(eps) and all(0 <= i < 16 for i in ids)
     assert "zstandard" in " ".join(tomllib.loads(text)["project"]["dependencies"])
+
+
+class BudgetAdapter(DictAdapter):
+    """A medium with a byte budget that answers NO_SPACE past it, as the
+    redis and mooncake adapters do."""
+
+    def __init__(self, capacity_bytes):
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+
+    def put(self, keys, blobs):
+        out = []
+        for k, b in zip(keys, blobs):
+            if k not in self.blobs and self.used_bytes + len(b) > self.capacity_bytes:
+                out.append(Status.NO_SPACE)
+                continue
+            self.blobs.setdefault(k, bytearray(b))
+            out.append(Status.OK)
+        return out
+
+
+def test_blocks_that_encode_worse_than_the_nominal_ratio_never_freeze_a_budgeted_tier(nvme_dir):
+    """No layout is registered, so every block is stored raw while the
+    placement plans the int4 tier at 3.5x its bytes: the medium's budget
+    fills long before the placement evicts. The newest demoted blocks must
+    stay cached (the oldest give way), not be lost one by one while the
+    tier keeps its oldest."""
+    medium = 16 * LAYOUT.block_bytes
+
+    def factory(i, cls, cap, options):
+        return BudgetAdapter(medium) if i == 1 else cls(capacity_bytes=cap, config=options)
+
+    keys, data = kv_blocks(80, 9)
+    with UnifiedCache(cfg(nvme_dir, "int4"), tier_factory=factory) as c:
+        for k, d in zip(keys, data):  # one at a time: each store demotes the coldest DRAM block
+            assert c.store([k], [d]).wait(30) == [Outcome.DONE]
+        newest = keys[-24:]  # 1 MiB of DRAM (<= 16 blocks) plus < 16 in the medium
+        where = c.locate(newest)
+        assert all(t is not None for t in where), where
+        res, out = load(c, newest)
+        assert res == [Outcome.DONE] * len(newest) and out == data[-24:]
+        nv = c.stats()["tiers"]["nvme"]["adapter"]
+        assert nv["codec_fallback"] > 0 and nv["codec_room_evictions"] > 0
+
+
+class RaisingCodec(Int8Codec):
+    name = "raising"
+    codec_id = 200
+
+    def encode(self, raw, layout):
+        raise RuntimeError("a codec bug")
+
+
+def test_a_codec_that_raises_stores_the_block_raw_instead_of_failing_the_batch():
+    book = LayoutBook()
+    book.register(LAYOUT)
+    a = CodecAdapter(DictAdapter(), RaisingCodec(), book)
+    keys, data = kv_blocks(3, 11)
+    assert a.put(keys, data) == [Status.OK] * 3
+    outs = [bytearray(LAYOUT.block_bytes) for _ in keys]
+    assert a.get(keys, outs) == [Status.OK] * 3 and [bytes(o) for o in outs] == data
+    assert a.stats()["codec_fallback"] == 3
+
+
+def test_an_encoding_no_smaller_than_the_block_is_stored_raw():
+    """int8 on one-token blocks: a key tile is a single element (2 bytes of
+    step per byte of code), so the encoding is larger than the block."""
+    lay = planar_layout("bfloat16", 2, 2, 1, 64)
+    book = LayoutBook()
+    book.register(lay)
+    inner = DictAdapter()
+    a = CodecAdapter(inner, Int8Codec(), book)
+    raw = (torch.randn(lay.block_bytes // 2) * 3).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    key = kv_blocks(1, 12)[0]
+    assert a.put(key, [raw]) == [Status.OK]
+    assert len(inner.blobs[key[0]]) == HEADER_BYTES + len(raw)
+    out = bytearray(len(raw))
+    assert a.get(key, [out]) == [Status.OK] and bytes(out) == raw

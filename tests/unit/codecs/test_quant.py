@@ -143,3 +143,31 @@ def test_float16_blocks_use_steps_that_are_halves_rounded_up():
         assert float(np.nextafter(half, np.float16(0))) < np.float32(amax) / np.float32(127)
     err = np.abs(out.float().numpy() - x.float().numpy())
     assert (err[:4] <= np.tile(steps[0], 2) / 2 + 2 ** -11).all()
+
+
+def test_int4_outliers_of_values_near_the_float_limit_stay_in_bounds():
+    """A tile of values near FLT_MAX of both signs (tile 2 x 2, as the native
+    API allows): float sums overflowed to +inf and -inf, the tile's mean was
+    NaN and the outlier pick ran past its index array (a crash). Run in a
+    child so that a crash fails the test instead of the run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import numpy as np
+        from ucm import _native
+        x = np.array([[3e38, -3e38], [3e38, -3e38]] * 4, np.float32)
+        rows, cols = x.shape
+        ro = np.arange(rows, dtype=np.int64) * cols * 4
+        tab = np.array([[rows, cols, 2, 2, 4, 1, 0, 0]], dtype=np.int64)
+        enc = np.zeros(_native.kv_encoded_bytes(rows, cols, 2, 2, 4, 1, 0), np.uint8)
+        ok = _native.kv_encode(x.tobytes(), ro, tab, 0, enc, 1)
+        if ok:
+            out = bytearray(x.nbytes)
+            assert _native.kv_decode(enc, tab, 0, out, ro, 1)
+        print("ok" if ok else "refused")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.strip() in ("ok", "refused")
