@@ -53,10 +53,11 @@ class SlotAccess:
         p = self.placement
         placed: list[Union[None, bool]] = []  # per key: True placed, False present, None refused
         plan: Plan = []
+        footprints = {size: self._footprint(size) for size in set(sizes)}  # a batch has one or few sizes
         with self._meta:
             self._record_locked(keys, parent, request_id, counted)
             for i, key in enumerate(keys):
-                d = p.insert(key, keys[i - 1] if i else parent, self._footprint(sizes[i]))
+                d = p.insert(key, keys[i - 1] if i else parent, footprints[sizes[i]])
                 plan.extend(s for s in d.plan if s.op is not Op.WRITE)
                 if d.placed:
                     p.hold([key])  # not a victim until committed or aborted

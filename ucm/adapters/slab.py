@@ -161,7 +161,7 @@ class SlabArena:
         unit.live += 1
         if unit.live == cls.per_unit:
             cls.open.pop(unit.head, None)
-        self.used_bytes += self.footprint_bytes(size)
+        self.used_bytes += cls.span * self.extent_bytes // cls.per_unit  # footprint_bytes(size)
         return off
 
     def free(self, offset: int, size: int) -> None:
@@ -174,7 +174,7 @@ class SlabArena:
             raise ArgumentError(f"free: no live slot of {slot} bytes at offset {offset}")
         cls = unit.cls
         unit.live -= 1
-        self.used_bytes -= self.footprint_bytes(size)
+        self.used_bytes -= cls.span * self.extent_bytes // cls.per_unit  # footprint_bytes(size)
         if unit.live == 0:
             cls.open.pop(unit.head, None)
             cls.units -= 1

@@ -11,12 +11,17 @@ through, prefetch `wait_complete`); one `ucm serve` (DRAM + NVMe, LRU) for
 the whole run. Per document:
 
 - cold: pass 1 (a full prefill; its pages are written through to ucm);
-- device hit: pass 2 at once (SGLang's radix cache on the device holds the
-  document: the control);
+- device hit (the control): pass 2 once unmeasured (it stores pass 2's own
+  pages, as the ucm hits reuse them), then, once ucm's stored-block counter
+  has stopped moving and the service has flushed (no write-through backup
+  in flight), pass 2 again: SGLang's radix cache on the device holds the
+  same pages the ucm hits reuse (`*_cached` shows the tokens);
 - ucm DRAM hit: `/flush_cache` (device and host tiers emptied), pass 2:
   the document's pages come from ucm's DRAM arena;
-- ucm NVMe-only hit: one-shot filler blocks push every page down to NVMe
-  (`locate` checked), `/flush_cache`, pass 2: staged NVMe -> DRAM by the
+- ucm NVMe-only hit: one-shot filler blocks push the document's pages
+  below DRAM, checked with `locate` on their ucm keys (more filler until
+  none is left in DRAM, at most 4 rounds; `tiers_of_doc_pages` reports
+  what was found), `/flush_cache`, pass 2: staged NVMe -> DRAM by the
   service, then copied into SGLang's host pool;
 - after a server restart (a fresh SGLang process on the same ucm service):
   pass 2 again, served from ucm.
@@ -50,6 +55,7 @@ from typing import Any, Optional
 from ucm.progress import bar
 
 PAGE = 64
+MODEL_ID = "ucm-bench-sglang"  # the server's ucm_model_id: the bench can name the pages' ucm keys
 QUESTIONS = ((1, 3000, 17), (2, 3100, 23))  # pseudo-random question tails of 17 and 23 tokens
 
 
@@ -136,6 +142,22 @@ def _copy_bench(pages: int, cfg: str) -> dict:
             "get_over_memcpy": round(best["memcpy_s"] / best["get_s"], 3)}
 
 
+def _doc_keys(prompts: list[list[int]]) -> list[bytes]:
+    """The ucm keys of the full pages of `prompts` as the bench's server
+    names them (ucm_model_id MODEL_ID, SmolLM2's bf16 page_first pool of
+    30 layers x 3 KV heads x 64, TP/PP 1, no cache salt)."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    from ucm.connectors.sglang.namespace import PoolGeometry, build_namespace, page_keys
+
+    seed = build_namespace(PoolGeometry("bfloat16", 30, 3, 64, PAGE, "page_first"), MODEL_ID).digest()
+    out: list[bytes] = []
+    for p in prompts:
+        full = len(p) // PAGE * PAGE
+        out.extend(page_keys(seed, get_hash_str(p[:full], None, page_size=PAGE)))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import yaml
@@ -174,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     while not client.try_connect() and time.monotonic() < deadline:
         time.sleep(0.1)
     pass1, pass2 = _prompts(args.docs, args.doc_tokens)
-    flags = hicache_args(str(cfg_path), "page_first", PAGE) + [
+    flags = hicache_args(str(cfg_path), "page_first", PAGE, {"ucm_model_id": MODEL_ID}) + [
         "--max-total-tokens", str(max(16384, 2 * (args.doc_tokens + 64)))]
 
     def server(tag: str) -> SGLangServer:
@@ -185,16 +207,38 @@ def run(args: argparse.Namespace) -> int:
         m = r["meta_info"]
         return {"ttft_s": r["ttft_s"], "id": r["output_ids"][0], "details": m.get("cached_tokens_details") or {}}
 
+    doc_keys = _doc_keys(pass2)
+
+    def settle(timeout: float = 60.0) -> None:
+        """Until ucm's stored-block counter stops moving and the service has
+        flushed: no write-through backup of SGLang's is in flight."""
+        last, still, end = None, 0, time.monotonic() + timeout
+        while still < 3 and time.monotonic() < end:
+            n = client.stats().get("stored_blocks")
+            still = still + 1 if n == last else 0
+            last = n
+            time.sleep(0.3)
+        client.flush(60)
+
+    def tiers_of_doc() -> dict:
+        found: dict[str, int] = {}
+        for t in client.locate(doc_keys):
+            found[str(t)] = found.get(str(t), 0) + 1
+        return found
+
     def to_nvme() -> dict:
         fill = np.zeros(page_bytes, dtype=np.uint8)
-        for _ in range(dram_bytes // page_bytes + 8):
-            client.store([os.urandom(16)], [fill]).wait(60)
-        client.flush(60)
-        st = client.stats()["tiers"]
-        return {name: t.get("blocks", 0) for name, t in st.items()}
+        rounds, found = 0, tiers_of_doc()
+        while rounds < 4 and (rounds == 0 or found.get("dram", 0)):
+            for _ in range(dram_bytes // page_bytes + 8):
+                client.store([os.urandom(16)], [fill]).wait(60)
+            client.flush(60)
+            rounds += 1
+            found = tiers_of_doc()
+        return {"filler_rounds": rounds, "tiers_of_doc_pages": found}
 
     res: dict[str, Any] = {"docs": args.docs, "doc_tokens": args.doc_tokens, "page_size": PAGE,
-                           "reused_tokens_per_doc": doc_pages * PAGE, "repeat": args.repeat}
+                           "reused_tokens_per_doc": len(pass2[0]) // PAGE * PAGE, "repeat": args.repeat}
     samples: dict[str, list] = {k: [] for k in ("cold", "device_hit", "ucm_dram_hit", "ucm_nvme_hit",
                                                 "ucm_after_restart")}
     equal = True
@@ -206,9 +250,13 @@ def run(args: argparse.Namespace) -> int:
             device_ids = []
             for p1, p2 in zip(pass1, pass2):
                 samples["cold"].append(ask(srv, p1))
+                first = ask(srv, p2)  # stores pass 2's own pages (device and ucm)
+                settle()
                 r = ask(srv, p2)
                 samples["device_hit"].append(r)
                 device_ids.append(r["id"])
+                equal &= first["id"] == r["id"]
+            res["tiers_of_doc_pages_after_cold"] = tiers_of_doc()
             phases.update(1)
             phases.set_postfix_str("ucm DRAM hits")
             for _ in range(args.repeat):
@@ -219,9 +267,10 @@ def run(args: argparse.Namespace) -> int:
                     equal &= r["id"] == device_ids[i]
             phases.update(1)
             phases.set_postfix_str("ucm NVMe hits")
-            res["tiers_before_nvme_phase"] = []
+            res["nvme_push"] = []
             for _ in range(args.repeat):
-                res["tiers_before_nvme_phase"].append(to_nvme())
+                settle()
+                res["nvme_push"].append(to_nvme())
                 for i, p2 in enumerate(pass2):
                     srv.flush_cache()
                     r = ask(srv, p2)

@@ -231,7 +231,11 @@ class ServiceHandlers:
             out.append([off[0], off[1]])
         return {"epoch": self.epoch, "slots": out}
 
-    @op("commit", blocking=True)  # the landing adapter, then the cache's reclaim (demotions)
+    # Not blocking: a commit only publishes filled arena slots (the shared-slot
+    # landing tier's index, in memory under its own lock), unholds them under
+    # the cache's metadata lock (never held across I/O) and wakes the reclaim
+    # thread, which demotes on its own thread; accelerator hooks must not block.
+    @op("commit", blocking=False)
     def _commit(self, conn: ConnState, args: Any) -> list:
         keys = [k for k in self._keys(args, {"keys"}) if k in conn.reserved]
         conn.reserved.difference_update(keys)
