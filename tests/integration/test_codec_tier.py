@@ -19,7 +19,7 @@ from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import planar_layout
 from ucm.codecs.quant import Int8Codec
 from ucm.codecs.tier import CodecAdapter, LayoutBook
-from ucm.errors import ConfigError
+from ucm.errors import ArgumentError, ConfigError
 
 LAYOUT = planar_layout("bfloat16", 4, 2, 32, 64)  # 64 KiB blocks
 N = 40  # blocks: more than the 1 MiB of DRAM holds, so most are demoted
@@ -333,3 +333,32 @@ def test_an_encoding_no_smaller_than_the_block_is_stored_raw():
     assert len(inner.blobs[key[0]]) == HEADER_BYTES + len(raw)
     out = bytearray(len(raw))
     assert a.get(key, [out]) == [Status.OK] and bytes(out) == raw
+
+
+@pytest.mark.parametrize("beside", [None, "real"])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_blocks_of_an_opaque_size_are_stored_raw_and_exact(codec, beside):
+    """A connector that does not know its K/V order (SGLang's pages, vLLM's
+    device pages) registers an opaque layout of its block size: alone, or
+    beside another engine's real layout of the same size, a lossy codec
+    never quantises those blocks (stored raw, bit-exact)."""
+    from ucm.codecs.layout import opaque_layout
+
+    book = LayoutBook()
+    book.register(opaque_layout(LAYOUT.block_bytes))
+    if beside:
+        book.register(LAYOUT)
+    a = CodecAdapter(DictAdapter(), load_codec_class(codec)(), book)
+    keys, data = kv_blocks(3, 11)
+    assert a.put(keys, data) == [Status.OK] * 3
+    out = [bytearray(LAYOUT.block_bytes) for _ in keys]
+    assert a.get(keys, out) == [Status.OK] * 3 and [bytes(o) for o in out] == data
+    assert a.stats()["codec_fallback"] == 3
+
+
+def test_an_opaque_layout_needs_a_positive_size():
+    from ucm.codecs.layout import opaque_layout
+
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ArgumentError):
+            opaque_layout(bad)

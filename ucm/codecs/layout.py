@@ -175,6 +175,17 @@ class KvLayout:
         return got
 
 
+def opaque_layout(block_bytes: int) -> KvLayout:
+    """Blocks of `block_bytes` whose K/V order the connector does not
+    describe (SGLang's host pages, vLLM's device pages). Registering it
+    makes that size unreadable to the quantising codecs: alone, its bytes
+    are no float type they read; beside a real layout of the same size,
+    the size has two layouts and a codec tier stores its blocks raw."""
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
+        raise ArgumentError(f"opaque_layout: block_bytes must be an int > 0, got {block_bytes!r}")
+    return KvLayout("uint8", 1, block_bytes, (KvSegmentSpec("k", 0, 1, 0, 1, 0, 1, 0, block_bytes),))
+
+
 def planar_layout(dtype: str, num_layers: int, heads: int, tokens: int, channels: int) -> KvLayout:
     """Per layer K then V, each `[heads, tokens, channels]` contiguous (the
     transformers connector's payload, `LKVHTD`)."""

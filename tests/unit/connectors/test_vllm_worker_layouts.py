@@ -202,15 +202,16 @@ def test_the_cpu_backend_layout_is_registered_and_names_the_k_and_v_bytes(layout
     """On vLLM's CPU layout the worker registers a KvLayout whose K rows are
     the first page_tokens rows of each head of each page and V the next
     (the backend's view `[.., heads, 2 * page_tokens, head_size]`); other
-    layouts register none (their blocks are stored without a lossy codec)."""
+    layouts register an opaque one of the block's size (no lossy codec reads
+    their blocks, nor another engine's layout of that size into them)."""
     import numpy as np
 
-    from ucm.codecs.layout import paged_head_major_layout
+    from ucm.codecs.layout import opaque_layout, paged_head_major_layout
 
     kv = _kv(layout)
     w, cache = _worker(kv, "native")
     if layout != "cpu":
-        assert cache.layouts == []
+        assert cache.layouts == [opaque_layout(w.block_bytes)]
         return
     t = kv[NAMES[0]][0]  # [B, H, N, 2 * D]
     _, H, N, D2 = t.shape

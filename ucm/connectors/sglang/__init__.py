@@ -57,6 +57,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from ucm.api import CacheAPI, Outcome
+from ucm.codecs.layout import opaque_layout
 from ucm.config import UcmConfig, load_config
 from ucm.connectors.sglang.host_pages import HostPageCopier
 from ucm.connectors.sglang.namespace import PoolGeometry, build_namespace, model_identity, page_keys
@@ -168,6 +169,10 @@ class UCMStorage(HiCacheStorage):
         ns = build_namespace(geometry, self.model_id, tp_rank=sc.tp_rank, tp_size=sc.tp_size,
                              pp_rank=sc.pp_rank, pp_size=sc.pp_size)
         self.namespace, self._seed, self._copier = ns, ns.digest(), copier  # published together
+        try:  # SGLang's K/V order is not described: lossy codecs must never read these pages
+            self._cache.register_layout(opaque_layout(copier.page_bytes))
+        except Exception:  # a cache fault: nothing to register with, never an error into SGLang
+            log.warning("UCMStorage: registering the page layout failed", exc_info=True)
         log.info("UCMStorage: %s pages of %d tokens, %d bytes each, namespace %s (model %s)",
                  geometry.layout, geometry.page_size, copier.page_bytes, self._seed.hex(), self.model_id)
 

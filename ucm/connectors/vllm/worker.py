@@ -202,9 +202,9 @@ class UCMWorkerSide:
         self._copier = self._copier_factory(storages, layouts, self.pages_per_block)
         self._layouts = layouts
         self._layer_index = {name: i for i, name in enumerate(names)}
-        if first.device.type == "cpu":  # the codecs of the tiers below DRAM read K and V by it
-            self._register_kv_layout(first, page_dims[0], layouts[0], len(names))
         self._page_bytes = layouts[0].page_bytes
+        # The codecs of the tiers below DRAM read K and V by it.
+        self._register_kv_layout(first, page_dims[0], layouts[0], len(names))
         self._num_pages = min(lay.num_pages for lay in layouts)
         log.info("UCMConnector worker: %d layers on %s, %d pages of %d bytes in %d chunk(s) (layer tensor %s %s "
                  "strides %s); block payload %d bytes; copies by %s", len(layouts), first.device, self._num_pages,
@@ -212,12 +212,16 @@ class UCMWorkerSide:
                  self.block_bytes, type(self._copier).__name__)
 
     def _register_kv_layout(self, first: torch.Tensor, page_dim: int, page: PageLayout, num_layers: int) -> None:
+        """The CPU backend's layout, else (a device backend, or a CPU page
+        this code does not know) an opaque one: a lossy codec then never
+        reads these blocks as another engine's layout of the same size."""
+        from ucm.codecs.layout import opaque_layout
         from ucm.connectors.vllm.cpu_pages import cpu_kv_layout
 
-        kv = cpu_kv_layout(first, page_dim, page, num_layers, self.pages_per_block)
-        if kv is None:
-            return
+        kv = cpu_kv_layout(first, page_dim, page, num_layers, self.pages_per_block) \
+            if first.device.type == "cpu" else None
         try:
+            kv = kv if kv is not None else opaque_layout(self.block_bytes)
             self._cache.register_layout(kv)
         except Exception:  # a cache fault: blocks are stored without a lossy codec, never an engine error
             log.warning("UCMConnector worker: registering the KV layout failed", exc_info=True)

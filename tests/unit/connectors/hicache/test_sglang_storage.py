@@ -204,3 +204,24 @@ def test_sglang_failure_injector_no_crash_and_right_types(tmp_path, tokens, monk
                 assert isinstance(out, list) and len(out) == len(keys) and all(type(x) is bool for x in out)
     finally:
         backend._backend.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pages_register_an_opaque_layout_so_no_lossy_codec_reads_them(tmp_path, layout):
+    """SGLang's K/V order inside a page is not described to ucm: the backend
+    registers an opaque layout of its page size, so an int8 tier below DRAM
+    stores these pages raw (and never quantises them with another engine's
+    layout of the same size)."""
+    from ucm.cache import UnifiedCache
+    from ucm.codecs.layout import opaque_layout
+
+    _, host = pools(layout)
+    cache = UnifiedCache({"block_tokens": PAGE, "tiers": [{"adapter": "dram", "capacity": "64MiB"}]})
+    try:
+        backend = UCMStorage(storage_config(extra(ucm_config(tmp_path, "sgl-opaque"))), {}, cache=cache)
+        backend.register_mem_pool_host(host)
+        page = backend._copier.page_bytes
+        assert cache.layouts.layouts() == [opaque_layout(page)]
+        assert cache.layouts.for_size(page).elem_code is None  # no quantiser reads uint8
+    finally:
+        cache.close()
