@@ -295,3 +295,37 @@ def test_the_first_call_after_a_service_restart_reaches_the_new_service(tmp_path
         finally:
             client.close()
     stop(proc)
+
+
+def test_lookups_beside_requests_of_other_threads_never_raise(tmp_path):
+    """A lookup (the key index, under the index lock) and a request (under
+    the client's lock) both ask whether the service hung up; one poll object
+    refuses two poll() calls at once, which raised RuntimeError into the
+    engine's thread (SGLang's prefetch thread beside its backup thread)."""
+    cfg_path, sock = write_config(tmp_path, [{"adapter": "dram", "capacity": "4MiB"}])
+    proc = start_service(cfg_path, sock)
+    client = CacheClient(sock)
+    errors, stop_at = [], time.monotonic() + 3.0
+    k, d = chain(4, 9)
+
+    def look():
+        while time.monotonic() < stop_at:
+            try:
+                client.lookup(k)
+            except Exception as exc:
+                errors.append(repr(exc))
+                return
+
+    try:
+        assert client.store(k, d).wait(10) == [Outcome.DONE] * 4
+        threads = [threading.Thread(target=look) for _ in range(2)]
+        for t in threads:
+            t.start()
+        while time.monotonic() < stop_at and not errors:
+            client.stats()
+        for t in threads:
+            t.join(10)
+        assert errors == []
+    finally:
+        client.close()
+        stop(proc)

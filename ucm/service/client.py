@@ -17,7 +17,7 @@ Request events (see ucm.api): `begin_request` is the op `begin`; the
 `request_id` of store/load/write_slots/read_slots travels on every
 `reserve`/`acquire` of the call's chunks, and that of `finish` on `finish`.
 
-A connection (`_Link`) is built whole before it is published: its socket,
+A connection (`Link`, ucm/service/client_link.py) is built whole before it is published: its socket,
 the service's `hello` (pid, epoch, arena identity), the arena mapping, the
 key index mapping and the liveness poll. Any error on the way (an
 unopenable or unmappable arena, EMFILE, ENOMEM, a refused hello) is
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import select
 import socket
 import subprocess
@@ -55,74 +54,17 @@ from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_toke
 from ucm.buffers import byte_view
 from ucm.codecs.layout import KvLayout
 from ucm.config import UcmConfig
-from ucm.errors import ArgumentError, ClosedError, CopyAborted, UcmError
+from ucm.errors import ArgumentError, ClosedError, UcmError
+from ucm.service import client_slots
 from ucm.service import protocol as proto
+from ucm.service.client_link import Link, Mapping, Pending, ServiceUnavailable, exchange, hung_up, map_arena
 from ucm.service.index import map_index
 
 log = logging.getLogger(__name__)
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Errors a connection attempt can meet that mean "no usable service now".
 _CONNECT_ERRORS = (OSError, ValueError, KeyError, TypeError, OverflowError, UcmError)
-
-
-class ServiceUnavailable(UcmError):
-    """The service could not be reached; callers turn it into misses."""
-
-
-def map_arena(path: str, size: int, inode: int) -> mmap.mmap:
-    """Maps the service's arena file read-write. Refuses a file that is not
-    the one the service announced (another inode, or smaller than `size`)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        st = os.fstat(fd)
-        if st.st_ino != inode or st.st_size < size:
-            raise ServiceUnavailable(f"arena {path!r} is not the service's (inode {st.st_ino}, "
-                                     f"{st.st_size} bytes; announced inode {inode}, {size} bytes)")
-        # MAP_POPULATE: map every page now, so copies into slots take no faults.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        m = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    try:
-        # MAP_POPULATE maps shared pages read-only (the first write to each
-        # still faults); MADV_POPULATE_WRITE maps them writable without
-        # touching their bytes (Linux 5.14+; older kernels refuse it).
-        m.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        pass
-    return m
-
-
-class _Mapping:
-    """A shared mapping (arena or key index) used by one or more links."""
-
-    __slots__ = ("m", "refs")
-
-    def __init__(self, m: mmap.mmap) -> None:
-        self.m = m
-        self.refs = 0
-
-
-class _Link:
-    """One connection to one service instance, with the arena and key index
-    that instance announced. `inflight` counts copies running into or out
-    of slots handed out over it; `dead` means no new request goes over it."""
-
-    __slots__ = ("sock", "reader", "info", "epoch", "arena", "arena_id", "index", "index_id", "poll",
-                 "inflight", "dead")
-
-    def __init__(self, sock: socket.socket, reader: proto.FrameReader, info: dict, arena: _Mapping,
-                 arena_id: tuple, index: Optional[_Mapping], index_id: Optional[tuple],
-                 poll: select.poll) -> None:
-        self.sock, self.reader, self.info = sock, reader, info
-        self.epoch = info["epoch"]
-        self.arena, self.arena_id = arena, arena_id
-        self.index, self.index_id = index, index_id
-        self.poll = poll
-        self.inflight = 0
-        self.dead = False
 
 
 class CacheClient:
@@ -141,8 +83,8 @@ class CacheClient:
         self._socket_factory = socket_factory or (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         self._lock = threading.Lock()  # one request at a time on the socket; links and mappings
         self._index_lock = threading.Lock()  # lookups reading the current link's index
-        self._link: Optional[_Link] = None
-        self._maps: dict[tuple, _Mapping] = {}  # arena and index mappings by identity
+        self._link: Optional[Link] = None
+        self._maps: dict[tuple, Mapping] = {}  # arena and index mappings by identity
         self._kept: Optional[tuple] = None  # the last arena, kept mapped for a reconnect to it
         self.service_info: dict[str, Any] = {}
         self._use_index = use_index  # False: every lookup is a request over the socket
@@ -184,7 +126,7 @@ class CacheClient:
         link = self._link
         return link is not None and link.index is not None
 
-    def _connect_locked(self) -> _Link:
+    def _connect_locked(self) -> Link:
         """Builds a link and publishes it, or raises ServiceUnavailable and
         leaves everything as it was."""
         sock: Optional[socket.socket] = None
@@ -194,14 +136,15 @@ class CacheClient:
             sock.settimeout(self._timeout)
             sock.connect(self.path)
             reader = proto.FrameReader(sock, self._limit)
-            info = self._exchange(sock, reader, "hello", {"version": proto.VERSION})
+            info = exchange(sock, reader, self._next_rid(), "hello", {"version": proto.VERSION}, self._spin_s,
+                            self.path)
             if not isinstance(info, dict):
                 raise ServiceUnavailable(f"hello: expected a map, got {type(info).__name__}")
             epoch, size, inode = info["epoch"], info["arena_bytes"], info["arena_inode"]
             if not all(isinstance(v, int) for v in (epoch, size, inode)):
                 raise ServiceUnavailable("hello: epoch, arena_bytes and arena_inode must be integers")
             for layout in list(self._layouts):  # a restarted service learns them again
-                self._exchange(sock, reader, "layout", {"layout": layout})
+                exchange(sock, reader, self._next_rid(), "layout", {"layout": layout}, self._spin_s, self.path)
             arena_id = ("arena", info["arena_path"], inode, epoch)
             arena = self._map_locked(arena_id, lambda: map_arena(info["arena_path"], size, inode))
             held.append(arena_id)
@@ -226,7 +169,7 @@ class CacheClient:
             if isinstance(exc, ServiceUnavailable):
                 raise
             raise ServiceUnavailable(f"no usable ucm service at {self.path}: {type(exc).__name__}: {exc}") from None
-        link = _Link(sock, reader, info, arena, arena_id, index, index_id, poll)
+        link = Link(sock, reader, info, arena, arena_id, index, index_id, poll, self.path)
         if self._kept != arena_id:  # keep the newest arena mapped across a reconnect to it
             if self._kept is not None:
                 self._unmap_locked(self._kept)
@@ -237,24 +180,14 @@ class CacheClient:
         self.service_info = info
         return link
 
-    def _exchange(self, sock: socket.socket, reader: proto.FrameReader, op: str, args: dict) -> Any:
-        """One request and its reply on a socket (raises on any fault)."""
+    def _next_rid(self) -> int:
         self._rid += 1
-        rid = self._rid
-        sock.sendall(proto.pack([rid, op, args]))
-        reply = reader.read(self._spin_s)
-        if reply is None:
-            raise ServiceUnavailable(f"ucm service at {self.path} closed the connection during {op}")
-        if not (isinstance(reply, list) and len(reply) == 3 and reply[0] == rid):
-            raise ServiceUnavailable(f"ucm service at {self.path} sent a malformed reply to {op}")
-        if not reply[1]:
-            raise UcmError(f"ucm service refused {op}: {reply[2]}")
-        return reply[2]
+        return self._rid
 
-    def _map_locked(self, ident: tuple, make: Callable[[], mmap.mmap]) -> _Mapping:
+    def _map_locked(self, ident: tuple, make: Callable[[], mmap.mmap]) -> Mapping:
         mapping = self._maps.get(ident)
         if mapping is None:
-            mapping = self._maps[ident] = _Mapping(make())
+            mapping = self._maps[ident] = Mapping(make())
         mapping.refs += 1
         return mapping
 
@@ -272,7 +205,7 @@ class CacheClient:
             except BufferError:
                 pass  # a view of it is still alive; it is unmapped with the object
 
-    def _retire_locked(self, link: _Link, backoff: bool = True) -> None:
+    def _retire_locked(self, link: Link, backoff: bool = True) -> None:
         """No new request goes over `link`; its socket closes once no copy
         into or out of its slots runs any more. `backoff`: wait `retry_s`
         before connecting again (a request failed); without it (the service
@@ -289,7 +222,7 @@ class CacheClient:
         if link.inflight == 0:
             self._close_link_locked(link)
 
-    def _close_link_locked(self, link: _Link) -> None:
+    def _close_link_locked(self, link: Link) -> None:
         try:
             link.sock.close()  # the service gives back what this connection held
         except OSError:
@@ -298,9 +231,14 @@ class CacheClient:
         if link.index_id is not None:
             self._unmap_locked(link.index_id)
 
-    def _request_locked(self, link: _Link, op: str, args: dict) -> Any:
+    def _request_locked(self, link: Link, op: str, args: dict) -> Any:
+        return self._wait_locked(link, self._send_locked(link, op, args))
+
+    def _send_locked(self, link: Link, op: str, args: dict, detached: bool = False) -> Pending:
+        """Sends `op` over `link` without waiting for its reply (see
+        ucm.service.client_link); a fault retires the link."""
         try:
-            return self._exchange(link.sock, link.reader, op, args)
+            return link.send(self._next_rid(), op, args, detached)
         except ServiceUnavailable:
             self._retire_locked(link)
             raise
@@ -308,10 +246,22 @@ class CacheClient:
             self._retire_locked(link)
             raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
 
-    def _live_locked(self) -> _Link:
+    def _wait_locked(self, link: Link, p: Pending) -> Any:
+        """The reply to `p`; a fault retires the link, a refusal raises
+        UcmError."""
+        try:
+            return link.wait(p, self._spin_s)
+        except ServiceUnavailable:
+            self._retire_locked(link)
+            raise
+        except (OSError, proto.ProtocolError) as exc:
+            self._retire_locked(link)
+            raise ServiceUnavailable(f"ucm service at {self.path} failed during {p.op}: {exc}") from None
+
+    def _live_locked(self) -> Link:
         if self._closed:
             raise ClosedError("CacheClient used after close()")
-        if self._link is not None and _hung_up(self._link):
+        if self._link is not None and hung_up(self._link):
             self._retire_locked(self._link, backoff=False)
         if self._link is None:
             if time.monotonic() < self._next_try:
@@ -323,7 +273,7 @@ class CacheClient:
         with self._lock:
             return self._request_locked(self._live_locked(), op, args)
 
-    def _begin_fill(self, op: str, args: dict) -> tuple[_Link, Any]:
+    def _begin_fill(self, op: str, args: dict) -> tuple[Link, Any]:
         """Sends `op` (reserve or acquire) and counts a copy in flight on the
         link that answered; `_end_fill` must follow."""
         with self._lock:
@@ -332,7 +282,7 @@ class CacheClient:
             link.inflight += 1
             return link, reply
 
-    def _end_fill(self, link: _Link, op: Optional[str], args: dict) -> Any:
+    def _end_fill(self, link: Link, op: Optional[str], args: dict) -> Any:
         """Ends a copy begun by `_begin_fill` and sends `op` (commit, abort or
         release) over the same link. None when that link is gone: the
         service then gives the slots back when the link's socket closes."""
@@ -384,7 +334,7 @@ class CacheClient:
             if link is None or link.index is None:
                 return None
             # A dead service hangs up its end: its index is stale from then on.
-            dead = _hung_up(link)
+            dead = hung_up(link)
             n = -1 if dead else _native.index_prefix(link.index.m, b"".join(keys))
         if dead:
             with self._lock:
@@ -463,7 +413,7 @@ class CacheClient:
     # ---- slot-level access (zero-copy for connectors) ------------------------
     def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
                    request_id: Optional[str] = None) -> list[Outcome]:
-        """Leases `keys` (chunks of at most 1/8 of the arena) and calls
+        """Leases `keys` (in parts, ucm/service/client_slots.py) and calls
         `fill(first, slots, arena)` while they are held: `slots[i]` is the
         (offset, length) of keys[first + i] in the mapped arena, or None when
         it is missing or its length is not sizes[first + i]. The caller copies
@@ -472,10 +422,7 @@ class CacheClient:
         keys = _keys(keys)
         sizes = check_sizes(keys, sizes)
         rid = check_request_id(request_id)
-        out: list[Outcome] = []
-        for i, j in self._chunks(sizes):
-            out.extend(self._read_chunk(i, keys[i:j], sizes[i:j], fill, rid, counted=i == 0))
-        return out
+        return client_slots.read_slots(self, keys, sizes, fill, rid)
 
     def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
                      request_id: Optional[str] = None) -> Any:
@@ -490,22 +437,15 @@ class CacheClient:
         """Reserves slots for `keys` and calls `fill(first, slots, arena)`:
         `slots[i]` is the (offset, length) to fill for keys[first + i], or None
         when the block is already cached or was refused; then commits. The
-        store half of read_slots; a `fill` that raises aborts its chunk."""
+        store half of read_slots; a `fill` that raises aborts its part.
+        Pipelined: ucm/service/client_slots.py."""
         keys = _keys(keys)
         sizes = check_sizes(keys, sizes)
         parent = check_parent(parent)
         rid = check_request_id(request_id)
-        out: list[Outcome] = []
-        for i, j in self._chunks(sizes):
-            part = self._write_chunk(i, keys[i:j], sizes[i:j], fill, keys[i - 1] if i else parent, rid,
-                                     counted=i == 0)
-            out.extend(part)
-            if part and part[-1] is not Outcome.DONE:  # the rest would lack its parent
-                out.extend([Outcome.MISSING] * (len(keys) - j))
-                break
-        return out
+        return client_slots.write_slots(self, keys, sizes, fill, parent, rid)
 
-    def _slots(self, link: _Link, reply: Any, n: int, width: int) -> list:
+    def _slots(self, link: Link, reply: Any, n: int, width: int) -> list:
         """The per-key entries of a reserve/acquire reply, checked to be for
         this link's arena: the reply's epoch is the link's and every slot
         lies inside the arena. Raises ServiceUnavailable otherwise."""
@@ -523,84 +463,6 @@ class CacheClient:
                     raise ServiceUnavailable(f"ucm service at {self.path}: slot {s!r:.60} outside the "
                                              f"{size}-byte arena")
         return reply["slots"]
-
-    def _read_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
-                    request_id: Optional[str], counted: bool) -> list[Outcome]:
-        """One chunk of read_slots; `counted`: the chunk that counts the
-        call's access when it carries no request id (the first)."""
-        try:
-            link, reply = self._begin_fill("acquire", {"keys": keys, "request_id": request_id,
-                                                       "counted": counted})
-        except UcmError as exc:
-            if isinstance(exc, ClosedError):
-                raise
-            log.debug("%s", exc)
-            return [Outcome.MISSING] * len(keys)
-        held: list[int] = []
-        out: list[Outcome] = [Outcome.MISSING] * len(keys)
-        try:
-            leases = self._slots(link, reply, len(keys), 3)
-            held = [lease[0] for lease in leases if lease is not None]
-            slots: list[Optional[tuple[int, int]]] = []
-            out = []
-            for lease, size in zip(leases, sizes):
-                if lease is None:
-                    slots.append(None)
-                    out.append(Outcome.MISSING)
-                elif lease[2] != size:
-                    slots.append(None)
-                    out.append(Outcome.CORRUPT)
-                else:
-                    slots.append((lease[1], lease[2]))
-                    out.append(Outcome.DONE)
-            if any(s is not None for s in slots):
-                fill(first, slots, link.arena.m)
-        except ServiceUnavailable as exc:
-            log.warning("%s", exc)
-            with self._lock:
-                self._retire_locked(link)  # closing the link gives its leases back
-            out = [Outcome.MISSING] * len(keys)
-        except Exception as exc:
-            _log_copy_failure("out of leased slots", exc)
-            out = [Outcome.FAILED if o is Outcome.DONE else o for o in out]
-        finally:
-            self._end_fill(link, "release" if held else None, {"leases": held})
-        return out
-
-    def _write_chunk(self, first: int, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
-                     parent: Optional[bytes], request_id: Optional[str], counted: bool) -> list[Outcome]:
-        try:
-            link, reply = self._begin_fill("reserve", {"keys": keys, "sizes": list(sizes), "parent": parent,
-                                                       "request_id": request_id, "counted": counted})
-        except UcmError as exc:
-            if isinstance(exc, ClosedError):
-                raise
-            log.debug("%s", exc)
-            return [Outcome.FAILED] * len(keys)
-        try:
-            entries = self._slots(link, reply, len(keys), 2)
-        except ServiceUnavailable as exc:
-            log.warning("%s", exc)
-            with self._lock:
-                self._retire_locked(link)  # closing the link aborts its reservations
-            self._end_fill(link, None, {})
-            return [Outcome.FAILED] * len(keys)
-        slots = [tuple(r) if isinstance(r, list) else None for r in entries]
-        filled = [k for k, s in zip(keys, slots) if s is not None]
-        out = [Outcome.MISSING if r is None else Outcome.DONE for r in entries]
-        if not filled:
-            self._end_fill(link, None, {})
-            return out
-        try:
-            fill(first, slots, link.arena.m)
-        except Exception as exc:
-            _log_copy_failure("into reserved slots", exc)
-            self._end_fill(link, "abort", {"keys": filled})
-            return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
-        # Over the link that reserved them: reservations belong to a connection.
-        ok = self._end_fill(link, "commit", {"keys": filled})
-        failed = set(filled) if not isinstance(ok, list) else {k for k, good in zip(filled, ok) if not good}
-        return [Outcome.FAILED if k in failed else o for k, o in zip(keys, out)]
 
     def close(self) -> None:
         with self._lock:
@@ -641,10 +503,13 @@ class CacheClient:
 
         return self.write_slots(keys, [len(v) for v in views], fill, parent, request_id)
 
-    def _chunks(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
-        """Index ranges of at most 1/8 of the arena each (at least one block),
-        so that one request never needs more slots than the arena has."""
+    def _chunks(self, sizes: Sequence[int], part_bytes: Optional[int] = None) -> list[tuple[int, int]]:
+        """Index ranges of at most 1/8 of the arena (and `part_bytes`) each,
+        at least one block each, so that one request never needs more slots
+        than the arena has."""
         budget = max(1, int(self.service_info.get("arena_bytes", 0)) // 8)
+        if part_bytes is not None:
+            budget = min(budget, part_bytes)
         out, i = [], 0
         while i < len(sizes):
             j, size = i, 0
@@ -663,18 +528,6 @@ class CacheClient:
                     _native.copy(views[first + i], m[slot[0]:slot[0] + slot[1]])
 
         return self.read_slots(keys, [len(v) for v in views], fill, request_id)
-
-
-def _log_copy_failure(where: str, exc: Exception) -> None:
-    if isinstance(exc, CopyAborted):
-        log.debug("ucm client: copying %s aborted: %s", where, exc)
-    else:
-        log.exception("ucm client: copying %s failed", where)
-
-
-def _hung_up(link: _Link) -> bool:
-    """Whether the service closed its end of `link` (it exited or was killed)."""
-    return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in link.poll.poll(0))
 
 
 def _keys(keys: Sequence[Key]) -> list[bytes]:

@@ -24,7 +24,8 @@ from ucm.errors import ClosedError, UcmError
 from ucm.layer_stream import FAILED, LayerStream, WordView, word_count
 
 if TYPE_CHECKING:
-    from ucm.service.client import CacheClient, _Link
+    from ucm.service.client import CacheClient
+    from ucm.service.client_link import Link
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ HANGUP_CHECK_S = 0.001
 class _Part:
     __slots__ = ("link", "sid", "first", "n", "view", "ident", "dead")
 
-    def __init__(self, link: "_Link", sid: Optional[int], first: int, n: int, view: Optional[WordView],
+    def __init__(self, link: "Link", sid: Optional[int], first: int, n: int, view: Optional[WordView],
                  ident: Optional[tuple]) -> None:
         self.link, self.sid, self.first, self.n = link, sid, first, n
         self.view, self.ident = view, ident
@@ -56,7 +57,7 @@ class ClientStream(LayerStream):
     def _poll(self, part: _Part, ready: Any, timeout_s: float) -> Any:
         """ready(view) until it is not None, the service hung up, or the
         timeout; None for the two last."""
-        from ucm.service.client import _hung_up
+        from ucm.service.client_link import hung_up
 
         if part.dead:
             return None
@@ -68,7 +69,7 @@ class ClientStream(LayerStream):
                 return got
             now = time.monotonic()
             if now >= next_check:
-                if _hung_up(part.link):
+                if hung_up(part.link):
                     part.dead = True
                     log.warning("ucm client: the service went away during a streamed load; its blocks are misses")
                     return None

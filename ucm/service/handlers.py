@@ -365,6 +365,7 @@ class ServiceHandlers:
             states = list(self._states.values())
         s["service"] = {"pid": os.getpid(), "socket": self.socket, "connections": len(states),
                         "leases": sum(len(c.leases) for c in states),
+                        "reserved": sum(len(c.reserved) for c in states),
                         "metrics": self.metrics.address if self.metrics else None}
         return s
 

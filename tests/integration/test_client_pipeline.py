@@ -1,0 +1,159 @@
+"""read_slots / write_slots cut into pipelined parts (ucm/service/client_slots.py):
+the next part's request is sent before this part is copied, and the
+outcomes keep their sequential meaning. Against a real `ucm serve`."""
+import signal
+import threading
+
+import pytest
+import yaml
+
+from ucm import _native
+from ucm.api import Outcome
+from ucm.service import CacheClient
+from ucm.service import client_slots
+from support import SIZE, chain, start_service, stop_service
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    monkeypatch.setattr(client_slots, "PART_BYTES", 2 * SIZE)  # two blocks a part
+    sock = str(tmp_path / "ucm.sock")
+    cfg = {"tiers": [{"adapter": "dram", "capacity": "32MiB"}], "policy": {"name": "lru"},
+           "service": {"socket": sock}}
+    path = tmp_path / "ucm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = start_service(path, sock)
+    client = CacheClient(sock)
+    try:
+        yield client
+    finally:
+        client.close()
+        stop_service(proc, signal.SIGKILL)
+
+
+def writer(data, seen=None, client=None, fail_at=None):
+    """A fill copying data[first + i] into each slot; records, per call,
+    `first` and how many requests of the link were still unanswered."""
+    def fill(first, slots, arena):
+        if seen is not None:
+            seen.append((first, len(client._link.pending)))
+        if first == fail_at:
+            raise RuntimeError("injected copy failure")
+        m = memoryview(arena)
+        for i, s in enumerate(slots):
+            if s is not None:
+                _native.copy(m[s[0]:s[0] + s[1]], data[first + i])
+    return fill
+
+
+def reader(out):
+    def fill(first, slots, arena):
+        m = memoryview(arena)
+        for i, s in enumerate(slots):
+            if s is not None:
+                _native.copy(out[first + i], m[s[0]:s[0] + s[1]])
+    return fill
+
+
+def settled(client):
+    """The service's leases and reservations (a stats request also reads
+    the replies of releases sent without waiting)."""
+    s = client.stats()["service"]
+    return s["leases"], s["reserved"]
+
+
+def test_parts_are_pipelined_and_the_bytes_exact(service):
+    keys, data = chain(9, 1)
+    seen = []
+    assert service.write_slots(keys, [SIZE] * 9, writer(data, seen, service)) == [Outcome.DONE] * 9
+    assert [f for f, _ in seen] == [0, 2, 4, 6, 8]
+    # While parts 0-3 were copied, the reservation of the next part was on its way.
+    assert all(pending >= 1 for _, pending in seen[:-1]), seen
+    out = [bytearray(SIZE) for _ in keys]
+    assert service.read_slots(keys, [SIZE] * 9, reader(out)) == [Outcome.DONE] * 9
+    assert [bytes(o) for o in out] == data
+    assert settled(service) == (0, 0)
+
+
+def test_a_fill_that_raises_aborts_its_part_and_the_one_reserved_ahead(service):
+    keys, data = chain(8, 2)
+    got = service.write_slots(keys, [SIZE] * 8, writer(data, fail_at=2))
+    assert got == [Outcome.DONE] * 2 + [Outcome.FAILED] * 2 + [Outcome.MISSING] * 4
+    assert settled(service) == (0, 0)  # part 2 aborted, part 3 (reserved ahead) too
+    assert service.lookup(keys) == 2
+    assert service.write_slots(keys, [SIZE] * 8, writer(data)) == [Outcome.DONE] * 8
+    assert service.lookup(keys) == 8
+
+
+def test_a_part_commits_only_after_the_part_before_it_did(service, monkeypatch):
+    """Part 0's reservations are taken back before its commit (as when the
+    service gives them back), so its commit comes back False; part 1,
+    already filled, is then aborted, never committed without its parents."""
+    keys, data = chain(6, 3)
+    real = CacheClient._send_locked
+    sent = []
+
+    def send(self, link, op, args, detached=False):
+        sent.append(op)
+        if op == "commit" and sent.count("commit") == 1:
+            self._wait_locked(link, real(self, link, "abort", args))
+        return real(self, link, op, args, detached)
+
+    monkeypatch.setattr(CacheClient, "_send_locked", send)
+    got = service.write_slots(keys, [SIZE] * 6, writer(data))
+    assert got == [Outcome.FAILED] * 2 + [Outcome.MISSING] * 4
+    assert sent.count("commit") == 1 and sent.count("abort") == 1  # part 1 aborted (the taking back is not sent)
+    monkeypatch.setattr(CacheClient, "_send_locked", real)
+    assert service.lookup(keys) == 0
+    assert settled(service) == (0, 0)
+
+
+def test_a_refused_block_ends_the_call(service):
+    keys, data = chain(6, 4)
+    assert service.write_slots(keys[:3], [SIZE] * 3, writer(data)) == [Outcome.DONE] * 3
+    # keys[3] claims another size than the arena can give (larger than the tier).
+    sizes = [SIZE] * 3 + [31 << 20] + [SIZE] * 2
+    got = service.write_slots(keys, sizes, writer(data))
+    assert got == [Outcome.DONE] * 3 + [Outcome.MISSING] * 3
+    assert settled(service) == (0, 0)
+
+
+def test_loads_of_parts_go_on_past_a_missing_part(service):
+    keys, data = chain(6, 5)
+    assert service.write_slots(keys, [SIZE] * 6, writer(data)) == [Outcome.DONE] * 6
+    other, _ = chain(2, 6)
+    ask = keys[:2] + other + keys[4:]
+    out = [bytearray(SIZE) for _ in ask]
+    got = service.read_slots(ask, [SIZE] * 6, reader(out))
+    assert got == [Outcome.DONE] * 2 + [Outcome.MISSING] * 2 + [Outcome.DONE] * 2
+    assert [bytes(out[i]) for i in (0, 1, 4, 5)] == [data[i] for i in (0, 1, 4, 5)]
+    assert settled(service) == (0, 0)
+
+
+def test_threads_sharing_a_client_get_their_own_replies(service):
+    """Requests of other threads interleave with a call's pipelined ones on
+    one connection; every reply reaches its own request."""
+    errors = []
+
+    def work(seed):
+        try:
+            for r in range(6):
+                keys, data = chain(7, 100 * seed + r)
+                if service.write_slots(keys, [SIZE] * 7, writer(data)) != [Outcome.DONE] * 7:
+                    errors.append((seed, r, "store"))
+                out = [bytearray(SIZE) for _ in keys]
+                if service.read_slots(keys, [SIZE] * 7, reader(out)) != [Outcome.DONE] * 7 or \
+                        [bytes(o) for o in out] != data:
+                    errors.append((seed, r, "load"))
+                if service.lookup(keys) != 7:
+                    errors.append((seed, r, "lookup"))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append((seed, repr(exc)))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert settled(service) == (0, 0)

@@ -1,0 +1,238 @@
+"""read_slots / write_slots through the service: the client half, pipelined.
+
+A call is cut into parts of at most `PART_BYTES` (and 1/8 of the arena, at
+least one block each). The request for part n + 1 (`reserve` or `acquire`)
+is sent before part n is copied, so the service places, evicts or stages
+it while this process copies (ucm/service/client_link.py: replies are read
+in order). At most two parts hold slots at once.
+
+Stores keep the sequential meaning exactly: a part is committed only after
+the commit of the part before it came back whole (its blocks' parents are
+there), a refused block ends the call (the blocks after it would lack
+their parent: MISSING), a `fill` that raises aborts its part (FAILED), and
+a reservation sent ahead for a part that is then not copied is aborted.
+Loads: every part on its own (a miss in one does not end the call); a
+`release` is sent without waiting for its reply (the next request on the
+connection reads it).
+
+Everything runs on the caller's thread; the client's `_lock` is taken per
+send and per reply, never across a copy. Faults are outcomes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ucm.api import Outcome, SlotFn
+from ucm.errors import ClosedError, CopyAborted, UcmError
+from ucm.service.client_link import Link, Pending, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from ucm.service.client import CacheClient
+
+log = logging.getLogger(__name__)
+
+PART_BYTES = 16 << 20  # enough to hide a request's round trip under the copy of the part before
+
+
+def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
+                parent: Optional[bytes], rid: Optional[str]) -> list[Outcome]:
+    spans = c._chunks(sizes, PART_BYTES)
+    link = _live(c)
+    if link is None or not spans:
+        return [Outcome.FAILED] * len(keys)
+
+    def ask(n: int) -> Optional[Pending]:
+        i, j = spans[n]
+        return _send(c, link, "reserve", {"keys": keys[i:j], "sizes": list(sizes[i:j]),
+                                          "parent": keys[i - 1] if i else parent, "request_id": rid,
+                                          "counted": n == 0})
+
+    out: list[Outcome] = []
+    asked, asked_n = ask(0), 0
+    committing: Optional[_Commit] = None  # the part whose commit is on its way
+    for n, (i, j) in enumerate(spans):
+        entries = _take(c, link, asked, j - i, 2)
+        asked = None
+        filled: list[bytes] = []
+        slots: list = []
+        if entries is None:
+            part = [Outcome.FAILED] * (j - i)
+        else:
+            slots = [tuple(r) if isinstance(r, list) else None for r in entries]
+            part = [Outcome.MISSING if r is None else Outcome.DONE for r in entries]
+            if part[-1] is Outcome.DONE and n + 1 < len(spans):
+                asked, asked_n = ask(n + 1), n + 1  # reserved by the service while this part is copied
+            filled = [k for k, s in zip(keys[i:j], slots) if s is not None]
+            if filled and not _fill(fill, i, slots, link, "into reserved slots"):
+                _end(c, link, "abort", {"keys": filled})
+                part = [Outcome.FAILED if s is not None else o for s, o in zip(slots, part)]
+                filled = []
+            elif not filled:
+                _end(c, link, None, {})
+        parent_ok = committing is None or _settled(c, link, committing, out)
+        committing = None
+        if filled:
+            if parent_ok:
+                at = [len(out) + x for x, s in enumerate(slots) if s is not None]
+                committing = _Commit(filled, at, _end(c, link, "commit", {"keys": filled}, reply=True))
+            else:  # the part before did not commit whole: these blocks would lack their parent
+                _end(c, link, "abort", {"keys": filled})
+                part = [Outcome.MISSING if s is not None else o for s, o in zip(slots, part)]
+        out.extend(part)
+        if not parent_ok or part[-1] is not Outcome.DONE:
+            break
+    if committing is not None:
+        _settled(c, link, committing, out)
+    if asked is not None:  # sent ahead for a part that is not copied now
+        i, j = spans[asked_n]
+        entries = _take(c, link, asked, j - i, 2)
+        if entries is not None:
+            unused = [k for k, r in zip(keys[i:j], entries) if isinstance(r, list)]
+            _end(c, link, "abort" if unused else None, {"keys": unused})
+    out.extend([Outcome.MISSING] * (len(keys) - len(out)))
+    return out
+
+
+class _Commit:
+    """A part's commit on its way: its filled keys and their places in the
+    call's outcomes."""
+
+    __slots__ = ("keys", "at", "pending")
+
+    def __init__(self, keys: list[bytes], at: list[int], pending: Optional[Pending]) -> None:
+        self.keys, self.at, self.pending = keys, at, pending
+
+
+def read_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
+               rid: Optional[str]) -> list[Outcome]:
+    spans = c._chunks(sizes, PART_BYTES)
+    link = _live(c)
+    if link is None or not spans:
+        return [Outcome.MISSING] * len(keys)
+
+    def ask(n: int) -> Optional[Pending]:
+        i, j = spans[n]
+        return _send(c, link, "acquire", {"keys": keys[i:j], "request_id": rid, "counted": n == 0})
+
+    out: list[Outcome] = []
+    asked = ask(0)
+    for n, (i, j) in enumerate(spans):
+        leases = _take(c, link, asked, j - i, 3)
+        asked = ask(n + 1) if n + 1 < len(spans) else None  # staged while this part is copied
+        if leases is None:
+            out.extend([Outcome.MISSING] * (j - i))
+            continue
+        slots: list[Optional[tuple[int, int]]] = []
+        part: list[Outcome] = []
+        for lease, size in zip(leases, sizes[i:j]):
+            if lease is None:
+                slots.append(None)
+                part.append(Outcome.MISSING)
+            elif lease[2] != size:
+                slots.append(None)
+                part.append(Outcome.CORRUPT)
+            else:
+                slots.append((lease[1], lease[2]))
+                part.append(Outcome.DONE)
+        if any(s is not None for s in slots) and not _fill(fill, i, slots, link, "out of leased slots"):
+            part = [Outcome.FAILED if o is Outcome.DONE else o for o in part]
+        held = [lease[0] for lease in leases if lease is not None]
+        _end(c, link, "release" if held else None, {"leases": held}, detached=True)
+        out.extend(part)
+    return out
+
+
+def _live(c: "CacheClient") -> Optional[Link]:
+    try:
+        with c._lock:
+            return c._live_locked()
+    except ClosedError:
+        raise
+    except UcmError as exc:
+        log.debug("%s", exc)
+        return None
+
+
+def _send(c: "CacheClient", link: Link, op: str, args: dict) -> Optional[Pending]:
+    try:
+        with c._lock:
+            return c._send_locked(link, op, args)
+    except UcmError as exc:
+        log.debug("%s", exc)
+        return None
+
+
+def _take(c: "CacheClient", link: Link, asked: Optional[Pending], n: int, width: int) -> Optional[list]:
+    """The checked slots of a reserve/acquire reply, counting a copy in flight
+    on `link` (which `_end` ends); None when it failed or was refused."""
+    if asked is None:
+        return None
+    with c._lock:
+        try:
+            reply = c._wait_locked(link, asked)
+        except UcmError as exc:
+            log.debug("%s", exc)
+            return None
+        try:
+            entries = c._slots(link, reply, n, width)
+        except ServiceUnavailable as exc:
+            log.warning("%s", exc)
+            c._retire_locked(link)  # closing the link gives back what it holds
+            return None
+        link.inflight += 1
+        return entries
+
+
+def _fill(fill: SlotFn, first: int, slots: list, link: Link, where: str) -> bool:
+    try:
+        fill(first, slots, link.arena.m)
+        return True
+    except Exception as exc:
+        if isinstance(exc, CopyAborted):
+            log.debug("ucm client: copying %s aborted: %s", where, exc)
+        else:
+            log.exception("ucm client: copying %s failed", where)
+        return False
+
+
+def _end(c: "CacheClient", link: Link, op: Optional[str], args: dict, reply: bool = False,
+         detached: bool = False) -> Optional[Pending]:
+    """Ends a copy counted by `_take` and sends `op` (commit, abort or
+    release) over the same link: waits for its reply unless `reply` (the
+    Pending is returned) or `detached`. None when the link is gone: the
+    service gives the slots back when its socket closes."""
+    with c._lock:
+        link.inflight -= 1
+        p = None
+        if op is not None and not link.dead:
+            try:
+                p = c._send_locked(link, op, args, detached=detached)
+                if not (reply or detached):
+                    c._wait_locked(link, p)
+            except ServiceUnavailable as exc:
+                log.debug("%s", exc)
+                p = None
+            except UcmError as exc:
+                log.warning("%s", exc)
+        if link.dead and link.inflight == 0:
+            c._close_link_locked(link)
+        return p if reply else None
+
+
+def _settled(c: "CacheClient", link: Link, commit: _Commit, out: list[Outcome]) -> bool:
+    """Waits for a part's commit and marks its blocks that did not commit
+    FAILED in `out`, which ends with that part; whether its last block
+    committed (the parent of the next part)."""
+    ok: Any = None
+    if commit.pending is not None:
+        with c._lock:
+            try:
+                ok = c._wait_locked(link, commit.pending)
+            except UcmError as exc:
+                log.debug("%s", exc)
+    good = ok if isinstance(ok, list) and len(ok) == len(commit.keys) else [False] * len(commit.keys)
+    for pos, g in zip(commit.at, good):
+        if not g:
+            out[pos] = Outcome.FAILED
+    return out[-1] is Outcome.DONE
