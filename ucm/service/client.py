@@ -38,6 +38,7 @@ under `_index_lock`. Lock order: `_lock`, then `_index_lock`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import select
@@ -46,7 +47,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ucm import _native
 from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
@@ -237,26 +238,27 @@ class CacheClient:
     def _send_locked(self, link: Link, op: str, args: dict, detached: bool = False) -> Pending:
         """Sends `op` over `link` without waiting for its reply (see
         ucm.service.client_link); a fault retires the link."""
-        try:
+        with self._faults(link, op):
             return link.send(self._next_rid(), op, args, detached)
+
+    def _wait_locked(self, link: Link, p: Pending) -> Any:
+        """The reply to `p`; a fault retires the link, a refusal raises
+        UcmError."""
+        with self._faults(link, p.op):
+            return link.wait(p, self._spin_s)
+
+    @contextlib.contextmanager
+    def _faults(self, link: Link, op: str) -> Iterator[None]:
+        """A fault on `link` (ServiceUnavailable, OSError, an undecodable
+        reply) retires it and is ServiceUnavailable; a refusal passes."""
+        try:
+            yield
         except ServiceUnavailable:
             self._retire_locked(link)
             raise
         except (OSError, proto.ProtocolError) as exc:
             self._retire_locked(link)
             raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
-
-    def _wait_locked(self, link: Link, p: Pending) -> Any:
-        """The reply to `p`; a fault retires the link, a refusal raises
-        UcmError."""
-        try:
-            return link.wait(p, self._spin_s)
-        except ServiceUnavailable:
-            self._retire_locked(link)
-            raise
-        except (OSError, proto.ProtocolError) as exc:
-            self._retire_locked(link)
-            raise ServiceUnavailable(f"ucm service at {self.path} failed during {p.op}: {exc}") from None
 
     def _live_locked(self) -> Link:
         if self._closed:
