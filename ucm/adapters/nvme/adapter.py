@@ -29,7 +29,7 @@ verify is CORRUPT for that read and drops the block as `get` does, while a
 range that does not touch it, read before, was served verified. A range of
 a block from a version-2 region (one checksum for the block) reads and
 verifies the whole block. Blocks still in a write buffer are served from
-memory by both. The index keeps each block's chunk table: 8 bytes per
+memory by both. The read path is ucm/adapters/nvme/reads.py. The index keeps each block's chunk table: 8 bytes per
 chunk, 1/4096 of the data at 32 KiB chunks.
 
 Space. When no region is free, the region with the fewest live bytes (the
@@ -78,10 +78,11 @@ from typing import Any, Iterator, Optional, Sequence
 from pydantic import Field, field_validator, model_validator
 
 from ucm import _native
-from ucm.adapters.base import AdapterConfig, BlockEntry, Key, RangeReads, Status, check_range_args
+from ucm.adapters.base import AdapterConfig, BlockEntry, Key, RangeReads, Status
 from ucm.adapters.nvme import format as fmt
 from ucm.adapters.nvme.format import (ALIGN, CHUNK_SUM, FooterEntry, Refused, align_up as _align_up,
                                       footer_bytes as _footer_bytes, n_chunks as _n_chunks)
+from ucm.adapters.nvme.reads import NvmeReads
 from ucm.adapters.nvme.reclaim import read_back
 from ucm.adapters.nvme.regions import Loc, Region, choose_victim
 from ucm.adapters.nvme.writer import WriteBuffer, write_region
@@ -125,7 +126,7 @@ class NvmeConfig(AdapterConfig):
         return self
 
 
-class NvmeAdapter(RangeReads):
+class NvmeAdapter(NvmeReads, RangeReads):
     """Blocks in a log of fixed-size regions, written with O_DIRECT.
 
     Lock order: `_lock` (and `_cond` on it), then nothing. Never held across
@@ -546,192 +547,6 @@ class NvmeAdapter(RangeReads):
                 self._spare.append(buf)
                 self._cond.notify_all()
 
-    # ---- read path ---------------------------------------------------------
-    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
-        if len(keys) != len(dsts):
-            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
-        out: list[Optional[Status]] = [None] * len(keys)
-        views = [byte_view(d, writable=True, what="destination") for d in dsts]
-        disk: list[tuple[int, Loc]] = []
-        mem_reads: list[tuple[int, Loc, WriteBuffer]] = []
-        with self._lock:
-            self._check_open()
-            for i, key in enumerate(keys):
-                loc = self._index.get(key)
-                if loc is None:
-                    out[i] = Status.NOT_FOUND
-                elif loc.length != len(views[i]):
-                    out[i] = Status.CORRUPT
-                elif loc.region in self._mem:
-                    buf = self._mem[loc.region]
-                    buf.readers += 1
-                    mem_reads.append((i, loc, buf))
-                else:
-                    disk.append((i, loc))
-        for i, loc, buf in mem_reads:
-            try:
-                _native.copy(views[i], buf.view[loc.offset:loc.offset + loc.length])
-                out[i] = Status.OK
-            finally:
-                with self._lock:
-                    buf.readers -= 1
-                    self._cond.notify_all()
-        if disk:
-            self._read_disk(keys, views, disk, out)
-        return [s if s is not None else Status.FAILED for s in out]
-
-    def _read_disk(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, Loc]],
-                   out: list[Optional[Status]]) -> None:
-        rs = self.config.region_size
-        targets, offsets, scratch = [], [], {}
-        for i, loc in disk:
-            padded = _align_up(loc.length)
-            v = views[i]
-            if self.direct_io and (padded != loc.length or not _aligned(v)):
-                buf = mmap.mmap(-1, padded)
-                scratch[i] = buf
-                targets.append(memoryview(buf))
-            else:
-                targets.append(v)
-            offsets.append(loc.region * rs + loc.offset)
-        results = self._io.read_batch(self._fd, targets, offsets)
-        bytes_read = 0
-        for (i, loc), target, res in zip(disk, targets, results):
-            if res < loc.length:
-                out[i] = Status.FAILED
-                with self._lock:
-                    self._stats["read_errors"] += 1
-                continue
-            data = target[:loc.length]
-            good = fmt.verify_block(data, loc.checksum, loc.chunk_bytes, loc.chunks)
-            if good:
-                if i in scratch:
-                    _native.copy(views[i], data)
-                out[i] = Status.OK
-                bytes_read += loc.length
-            else:
-                with self._lock:
-                    current = self._index.get(keys[i])
-                    if current is loc:  # not moved meanwhile: the medium holds bad bytes
-                        self._drop_locked(keys[i])
-                        self._stats["corrupt"] += 1
-                        out[i] = Status.CORRUPT
-                    else:
-                        out[i] = None
-                if out[i] is None:  # moved by reclamation: read it where it is now
-                    out[i] = self.get([keys[i]], [views[i]])[0]
-            data.release()
-        for i, t in zip((i for i, _ in disk), targets):
-            if i in scratch:
-                t.release()
-                scratch[i].close()
-        with self._lock:
-            self._stats["bytes_read"] += bytes_read
-
-    # ---- RangeReads ----------------------------------------------------------
-    def get_range(self, keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> list[Status]:
-        """Copies bytes [offsets[i], offsets[i] + len(dsts[i])) of each block
-        into dsts[i]. A block in a write buffer is copied from memory; one in
-        a sealed region is read only as far as the chunks that cover the
-        range (a whole version-2 block), all ranges of the batch in flight at
-        once, and those chunks are verified before the range is copied out.
-        A chunk that does not verify is CORRUPT for that read and drops the
-        block, as in `get`. An empty range inside the blob (offset at most
-        its length) is OK and reads nothing."""
-        check_range_args(keys, offsets, dsts)
-        out: list[Optional[Status]] = [None] * len(keys)
-        views = [byte_view(d, writable=True, what="destination") for d in dsts]
-        disk: list[tuple[int, Loc]] = []
-        mem_reads: list[tuple[int, Loc, WriteBuffer]] = []
-        with self._lock:
-            self._check_open()
-            for i, key in enumerate(keys):
-                loc = self._index.get(key)
-                if loc is None:
-                    out[i] = Status.NOT_FOUND
-                elif offsets[i] + len(views[i]) > loc.length:
-                    out[i] = Status.CORRUPT
-                elif not views[i]:
-                    out[i] = Status.OK
-                elif loc.region in self._mem:
-                    buf = self._mem[loc.region]
-                    buf.readers += 1
-                    mem_reads.append((i, loc, buf))
-                else:
-                    disk.append((i, loc))
-        for i, loc, buf in mem_reads:
-            try:
-                at = loc.offset + offsets[i]
-                _native.copy(views[i], buf.view[at:at + len(views[i])])
-                out[i] = Status.OK
-            finally:
-                with self._lock:
-                    buf.readers -= 1
-                    self._cond.notify_all()
-        if disk:
-            self._read_disk_ranges(keys, offsets, views, disk, out)
-        return [s if s is not None else Status.FAILED for s in out]
-
-    def _read_disk_ranges(self, keys: Sequence[Key], offsets: Sequence[int], views: list[memoryview],
-                          disk: list[tuple[int, Loc]], out: list[Optional[Status]]) -> None:
-        """Reads the covering chunks of each range, verifies them and copies
-        the ranges out. A range that is exactly its chunks (a layer of a
-        layer-major block whose layers are whole chunks) is read straight
-        into its destination when O_DIRECT allows it (page-aligned, whole
-        pages) and verified there: no scratch, no second copy; on CORRUPT
-        its bytes are then unspecified, as `get`'s. The others go through
-        one aligned scratch mapping (a span starts on a chunk, so on a page)."""
-        rs = self.config.region_size
-        spans = [fmt.chunk_span(offsets[i], len(views[i]), loc.length, loc.chunk_bytes) for i, loc in disk]
-        direct = [offsets[i] == start and len(views[i]) == end - start
-                  and (not self.direct_io or ((end - start) % fmt.ALIGN == 0 and _aligned(views[i])))
-                  for (i, _), (start, end) in zip(disk, spans)]
-        total = sum(_align_up(end - start) for (start, end), d in zip(spans, direct) if not d)
-        scratch = mmap.mmap(-1, max(total, 1))
-        whole = memoryview(scratch)
-        targets, at = [], 0
-        for (i, _), (start, end), d in zip(disk, spans, direct):
-            if d:
-                targets.append(views[i][:end - start])
-                continue
-            targets.append(whole[at:at + _align_up(end - start)])
-            at += _align_up(end - start)
-        try:
-            results = self._io.read_batch(self._fd, targets, [loc.region * rs + loc.offset + start
-                                                              for (_, loc), (start, _) in zip(disk, spans)])
-            bytes_read = reads = 0
-            for (i, loc), (start, end), target, res, d in zip(disk, spans, targets, results, direct):
-                if res < end - start:
-                    out[i] = Status.FAILED
-                    with self._lock:
-                        self._stats["read_errors"] += 1
-                    continue
-                with target[:end - start] as data:
-                    good = fmt.verify_span(data, start, loc.checksum, loc.chunk_bytes, loc.chunks)
-                    if good and not d:  # read through the scratch: copy it out
-                        rel = offsets[i] - start
-                        _native.copy(views[i], data[rel:rel + len(views[i])])
-                if good:
-                    out[i] = Status.OK
-                    bytes_read += end - start
-                    reads += 1
-                else:
-                    with self._lock:
-                        if self._index.get(keys[i]) is loc:  # not moved meanwhile: the medium holds bad bytes
-                            self._drop_locked(keys[i])
-                            self._stats["corrupt"] += 1
-                            out[i] = Status.CORRUPT
-                    if out[i] is None:  # moved by reclamation: read it where it is now
-                        out[i] = self.get_range([keys[i]], [offsets[i]], [views[i]])[0]
-            with self._lock:
-                self._stats["bytes_read"] += bytes_read
-                self._stats["range_reads"] += reads
-        finally:
-            for t in targets:
-                t.release()
-            whole.release()
-            scratch.close()
-
     def _drop_locked(self, key: Key) -> None:
         loc = self._index.pop(key, None)
         if loc is None:
@@ -818,11 +633,3 @@ class NvmeAdapter(RangeReads):
         if self._closed:
             raise ClosedError("nvme adapter used after close()")
 
-
-def _aligned(view: memoryview) -> bool:
-    import ctypes
-
-    if view.readonly:
-        return False
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return addr % ALIGN == 0
