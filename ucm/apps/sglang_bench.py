@@ -258,24 +258,26 @@ def run(args: argparse.Namespace) -> int:
                 equal &= first["id"] == r["id"]
             res["tiers_of_doc_pages_after_cold"] = tiers_of_doc()
             phases.update(1)
-            phases.set_postfix_str("ucm DRAM hits")
-            for _ in range(args.repeat):
+
+            def storage_hits(kind: str) -> None:
+                """pass 2 again with SGLang's device cache flushed: served by ucm."""
+                nonlocal equal
                 for i, p2 in enumerate(pass2):
                     srv.flush_cache()
                     r = ask(srv, p2)
-                    samples["ucm_dram_hit"].append(r)
+                    samples[kind].append(r)
                     equal &= r["id"] == device_ids[i]
+
+            phases.set_postfix_str("ucm DRAM hits")
+            for _ in range(args.repeat):
+                storage_hits("ucm_dram_hit")
             phases.update(1)
             phases.set_postfix_str("ucm NVMe hits")
             res["nvme_push"] = []
             for _ in range(args.repeat):
                 settle()
                 res["nvme_push"].append(to_nvme())
-                for i, p2 in enumerate(pass2):
-                    srv.flush_cache()
-                    r = ask(srv, p2)
-                    samples["ucm_nvme_hit"].append(r)
-                    equal &= r["id"] == device_ids[i]
+                storage_hits("ucm_nvme_hit")
             phases.update(1)
         phases.set_postfix_str("fresh server")
         with server("b") as srv:
