@@ -90,7 +90,7 @@ class _ReqState:
     staging: Optional[Handle] = None  # the prefetch of its blocks below the landing tier, in flight
     staging_since: float = 0.0  # monotonic time the staging was issued
     staging_deadline: float = 0.0  # monotonic time after which it is answered without waiting
-    staging_losses: int = 0  # stagings that came back short or late
+    staging_losses: int = 0  # stagings that came back late (a short one is no loss)
     staging_tried: bool = False  # a staging was issued since the last fresh lookup
     unstaged: bool = False  # not staged (over the budget) or staged short: loaded as without a prefetch policy
     staged: frozenset = frozenset()  # the blocks its staging brought up (no charge to the waiting-pin cap)
