@@ -265,8 +265,8 @@ class UCMSchedulerSide:
             n = min(max(0, self._ask("lookup", 0, self._cache.lookup, st.keys)), len(st.keys))
         charged: list[bool] = []
         if n and not st.allocated:
-            tiers = self._ask("locate", [None] * n, self._cache.locate, st.keys[:n])
-            charged = [self._charged(st, k, t) for k, t in zip(st.keys, tiers)]
+            tiers = list(self._ask("locate", [None] * n, self._cache.locate, st.keys[:n]))[:n]
+            charged = [self._charged(st, k, t) for k, t in zip(st.keys, tiers + [None] * (n - len(tiers)))]
         cut = n
         if not st.allocated and self.waiting_pinned_blocks:
             room, used = max(0, self.max_waiting_pin_blocks - self.waiting_pinned_blocks), 0
