@@ -23,6 +23,7 @@ from vllm.v1.request import Request  # noqa: E402
 from connector_fakes import FakeCache  # noqa: E402
 from ucm.connectors.vllm import UCMConnector  # noqa: E402
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata  # noqa: E402
+from ucm.connectors.vllm.scheduler import _ReqState as _State  # noqa: E402
 from ucm.errors import ConfigError, UcmError  # noqa: E402
 
 PAGE, BLOCK = 16, 32
@@ -43,9 +44,10 @@ def model_config(tmp_path_factory):
 
 @pytest.fixture
 def make(model_config):
-    def build(role, block_tokens=BLOCK, **extra):
+    def build(role, block_tokens=BLOCK, tiers=None, **extra):
         cache = FakeCache()
-        ucm_config = {"block_tokens": block_tokens, "tiers": [{"adapter": "dram", "capacity": 64 * BLOCK_BYTES}]}
+        tiers = tiers or [{"adapter": "dram", "capacity": 64 * BLOCK_BYTES}]
+        ucm_config = {"block_tokens": block_tokens, "tiers": tiers}
         ktc = KVTransferConfig(kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm",
                                kv_role="kv_both", kv_load_failure_policy="recompute",
                                kv_connector_extra_config={"ucm_config": ucm_config, **extra})
@@ -84,6 +86,17 @@ def test_the_scheduler_instance_delegates_to_its_side_over_the_cache_given(make)
 def test_the_pin_cap_setting_is_counted_in_blocks(make):
     conn, _ = make(KVConnectorRole.SCHEDULER, ucm_max_waiting_pin_bytes=5 * BLOCK_BYTES + 1)
     assert conn.scheduler_side.max_waiting_pin_blocks == 5
+
+
+def test_the_pin_cap_leaves_out_the_tiers_below_the_landing_one(make, tmp_path):
+    """Pins of blocks below DRAM hold no DRAM room: the cap does not count them."""
+    tiers = [{"adapter": "dram", "capacity": 64 * BLOCK_BYTES},
+             {"adapter": "nvme", "capacity": 1024 * BLOCK_BYTES, "options": {"path": str(tmp_path / "nvme")}}]
+    conn, _ = make(KVConnectorRole.SCHEDULER, tiers=tiers)
+    side = conn.scheduler_side
+    assert side._below == frozenset({"nvme"})
+    assert not side._charged(_State([]), b"k", "nvme")
+    assert side._charged(_State([]), b"k", "dram") and side._charged(_State([]), b"k", None)
 
 
 def test_the_worker_instance_copies_pages_with_the_bound_metadata(make):

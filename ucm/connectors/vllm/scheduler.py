@@ -18,8 +18,13 @@ The state machine of one request (`_ReqState`):
 - first `get_num_new_matched_tokens`: the same if not done yet; the answer is
   memoised (vLLM asks repeatedly and expects no side effects). A request
   still waiting for vLLM's pages pins at most what is left of the
-  waiting-pin cap (the only waiting request pins its whole hit); a capped
-  request looks up again when there is room.
+  waiting-pin cap (the only waiting request pins its whole hit). The cap
+  is charged only for pins that hold landing-tier room: blocks found there
+  that the request's own staging did not bring (those are bounded by the
+  staging budget); a pinned block below the landing tier holds none (a
+  pinned block may leave a tier that another also holds). A capped
+  request looks up again when there is room; under `wait_complete` or
+  `timeout` it waits for that room (bounded, `staging.wait_for_room`).
 - `update_state_after_alloc`: it runs; its pins leave the waiting budget;
   the load of the blocks beyond vLLM's own hit is planned.
 - `build_connector_meta`: saves of the blocks its computed tokens filled;
@@ -47,7 +52,7 @@ from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
-from ucm.connectors.vllm.staging import MAX_LOAD_FAILURES, StagingBudget, stage
+from ucm.connectors.vllm.staging import MAX_LOAD_FAILURES, StagingBudget, leave, stage, wait_for_room
 from ucm.errors import ConfigError
 from ucm.keys import Namespace, block_keys
 
@@ -85,9 +90,13 @@ class _ReqState:
     staging: Optional[Handle] = None  # the prefetch of its blocks below the landing tier, in flight
     staging_since: float = 0.0  # monotonic time the staging was issued
     staging_deadline: float = 0.0  # monotonic time after which it is answered without waiting
-    staging_losses: int = 0  # stagings that came back short or late
+    staging_losses: int = 0  # stagings that came back late (a short one is no loss)
     staging_tried: bool = False  # a staging was issued since the last fresh lookup
-    unstaged: bool = False  # over the staging budget: loaded as without a prefetch policy
+    unstaged: bool = False  # not staged (over the budget) or staged short: loaded as without a prefetch policy
+    staged: frozenset = frozenset()  # the blocks its staging brought up (no charge to the waiting-pin cap)
+    pin_charge: int = 0  # of its pins, those the waiting-pin cap counts (0 once allocated)
+    room_since: float = 0.0  # monotonic time it began waiting for room under the cap; -1: waited once
+    room_deadline: float = 0.0
 
 
 class UCMSchedulerSide:
@@ -96,11 +105,14 @@ class UCMSchedulerSide:
 
     def __init__(self, cache: CacheAPI, namespace: Namespace, *, page_tokens: int, landing_tier: str,
                  max_waiting_pin_blocks: int, settings: ConnectorSettings = ConnectorSettings(),
-                 can_load: bool = True, can_save: bool = True, max_staging_blocks: Optional[int] = None) -> None:
+                 can_load: bool = True, can_save: bool = True, max_staging_blocks: Optional[int] = None,
+                 below_tiers: Optional[frozenset] = None) -> None:
         """`namespace.block_tokens` tokens per ucm block, a multiple of
         vLLM's `page_tokens`; `landing_tier`: the tier whose hits load
-        synchronously in "auto" mode; `max_waiting_pin_blocks`: the blocks
-        that requests waiting for vLLM's pages may keep pinned in all."""
+        synchronously in "auto" mode; `max_waiting_pin_blocks`: the
+        landing-tier blocks that requests waiting for vLLM's pages may keep
+        pinned in all; `below_tiers`: the tiers below the landing one (None:
+        every other tier), whose pins the cap does not count."""
         if not isinstance(max_waiting_pin_blocks, int) or max_waiting_pin_blocks < 0:
             raise ConfigError(f"max_waiting_pin_blocks must be an int >= 0, got {max_waiting_pin_blocks!r}")
         self._cache = cache
@@ -112,6 +124,7 @@ class UCMSchedulerSide:
         self.can_load, self.can_save = can_load, can_save
         self._seed = namespace.digest()
         self._landing = landing_tier
+        self._below = below_tiers
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
         # Blocks whose save is planned but not yet reported done (per request
@@ -128,8 +141,10 @@ class UCMSchedulerSide:
         # their blocks, those that came back short or late, the requests then
         # computed without ucm, and the seconds requests waited for staging.
         self.staging_counts = {"stagings": 0, "blocks_staged": 0, "short": 0, "late": 0, "gave_up": 0,
-                               "over_budget": 0}
+                               "over_budget": 0, "capped_waits": 0}
         self.staging_budget = StagingBudget(max_staging_blocks)  # staged, not yet loaded (None: unbounded)
+        # Requests seen on arrival whose staging waits for budget, in arrival order (staging.admit).
+        self._staging_queue: dict[int, tuple[_ReqState, int]] = {}
         self.staging_wait_s = 0.0
 
     @classmethod
@@ -150,10 +165,12 @@ class UCMSchedulerSide:
         if cap is None:
             cap = next(t.capacity for t in config.tiers if t.adapter == config.landing_tier) // 4
         landing_bytes = next(t.capacity for t in config.tiers if t.adapter == config.landing_tier)
+        names = [t.adapter for t in config.tiers]
         side = cls(cache, namespace, page_tokens=page_tokens, landing_tier=config.landing_tier,
                    max_waiting_pin_blocks=cap // block_bytes, settings=settings,
                    can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer,
-                   max_staging_blocks=max(1, landing_bytes // 2 // block_bytes))  # half of it: staging_budget
+                   max_staging_blocks=max(1, landing_bytes // 2 // block_bytes),  # half of it: staging_budget
+                   below_tiers=frozenset(names[names.index(config.landing_tier) + 1:]))
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
@@ -207,9 +224,20 @@ class UCMSchedulerSide:
     def _unpin(self, st: _ReqState) -> None:
         if st.pinned:
             self._ask("unpin", None, self._cache.unpin, st.pinned)
-            if not st.allocated:
-                self.waiting_pinned_blocks -= len(st.pinned)
             st.pinned = []
+        self.waiting_pinned_blocks -= st.pin_charge
+        st.pin_charge = 0
+
+    def _charged(self, st: _ReqState, key: Key, tier: Optional[str]) -> bool:
+        """Whether a waiting request's pin of `key`, found in `tier`, holds
+        landing-tier room (what the waiting-pin cap bounds): not for a block
+        below it, nor for one the request's own staging brought up (the
+        staging budget bounds those); an unknown tier counts."""
+        if tier == self._landing:
+            return key not in st.staged
+        if tier is None or tier == PENDING:
+            return True
+        return self._below is not None and tier not in self._below
 
     def _pin(self, keys: list[Key]) -> int:
         """Pins `keys` and returns how many leading ones are still cached now
@@ -235,17 +263,23 @@ class UCMSchedulerSide:
         n = 0
         if st.keys and self.can_load and st.load_failures < MAX_LOAD_FAILURES:
             n = min(max(0, self._ask("lookup", 0, self._cache.lookup, st.keys)), len(st.keys))
-        if st.allocated or self.waiting_pinned_blocks == 0:
-            room = n
-        else:
-            room = max(0, self.max_waiting_pin_blocks - self.waiting_pinned_blocks)
-        st.capped = n > room
-        n = min(n, room)
-        if n:
-            n = self._pin(st.keys[:n])
+        charged: list[bool] = []
+        if n and not st.allocated:
+            tiers = list(self._ask("locate", [None] * n, self._cache.locate, st.keys[:n]))[:n]
+            charged = [self._charged(st, k, t) for k, t in zip(st.keys, tiers + [None] * (n - len(tiers)))]
+        cut = n
+        if not st.allocated and self.waiting_pinned_blocks:
+            room, used = max(0, self.max_waiting_pin_blocks - self.waiting_pinned_blocks), 0
+            for i, c in enumerate(charged):
+                used += c
+                if used > room:
+                    cut = i
+                    break
+        st.capped = cut < n
+        n = self._pin(st.keys[:cut]) if cut else 0
         st.pinned = st.keys[:n]
-        if not st.allocated:
-            self.waiting_pinned_blocks += n
+        st.pin_charge = sum(charged[:n])
+        self.waiting_pinned_blocks += st.pin_charge
         st.hit_tiers = self._ask("locate", [None] * n, self._cache.locate, st.keys[:n]) if n else []
         if self._saving and st.load_failures < MAX_LOAD_FAILURES and not st.capped:
             while n < len(st.keys) and st.keys[n] in self._saving:
@@ -266,7 +300,7 @@ class UCMSchedulerSide:
                 return
             self._lookup(st)
             if st.hit_blocks:
-                self._staging(st, 0)
+                stage(self, st, 0, arrival=True)
         except Exception:  # never into vLLM: the request is then looked up as usual
             log.warning("UCMConnector: staging a new request failed", exc_info=True)
 
@@ -280,11 +314,13 @@ class UCMSchedulerSide:
         if not st.looked_up or (st.capped and not st.allocated
                                 and self.waiting_pinned_blocks < self.max_waiting_pin_blocks):
             self._lookup(st)
+        if wait_for_room(self, st):
+            return None, False  # capped: vLLM asks again; the lookup is redone once there is room
         st.local_tokens = num_computed_tokens
         mode = self.settings.load_mode
         blocks = st.hit_blocks
         if self.settings.prefetch_policy != "off" and blocks and not st.unstaged:
-            if self._staging(st, num_computed_tokens // self.block_tokens):
+            if stage(self, st, num_computed_tokens // self.block_tokens):
                 return None, False  # vLLM asks again next step; the request holds no pages meanwhile
             blocks = st.hit_blocks
             first = num_computed_tokens // self.block_tokens  # vLLM holds the blocks before it
@@ -303,10 +339,6 @@ class UCMSchedulerSide:
         st.load_async = is_async
         return hit - num_computed_tokens, is_async
 
-    def _staging(self, st: _ReqState, first: int) -> bool:
-        """True while the request should wait for its staging (staging.stage)."""
-        return stage(self, st, first)
-
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         """vLLM gave the request pages: plan the load of the
@@ -317,8 +349,9 @@ class UCMSchedulerSide:
             return
         if not st.allocated:  # running now: its pins leave the waiting budget, its staging the staging one
             st.allocated = True
-            self.waiting_pinned_blocks -= len(st.pinned)
-            self.staging_budget.give_back(id(st))
+            self.waiting_pinned_blocks -= st.pin_charge
+            st.pin_charge = 0
+            leave(self, st)
         st.page_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
@@ -367,8 +400,9 @@ class UCMSchedulerSide:
             if st is not None:  # its pages are gone; look up again when it resumes
                 st.page_ids = []
                 st.looked_up = False
-                st.staging, st.staging_tried, st.unstaged = None, False, False
-                self.staging_budget.give_back(id(st))
+                st.staging, st.staging_tried, st.unstaged, st.staged = None, False, False, frozenset()
+                st.room_since = 0.0
+                leave(self, st)
                 # Its saves not yet copied were dropped (handle_preemptions):
                 # save again what the next lookup does not find.
                 st.next_store = 0
@@ -424,7 +458,7 @@ class UCMSchedulerSide:
         if st is None:
             return False, None
         self._unpin(st)
-        self.staging_budget.give_back(id(st))
+        leave(self, st)
         if st.keys:
             # A placement hint: how long an answer this prompt got (ucm/policy/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,

@@ -27,8 +27,10 @@ class ConnectorSettings:
     model_id: Optional[str] = None  # names the model in block keys (default: a fingerprint of the weights)
     load_mode: str = "auto"  # auto: sync from DRAM, async below; or force "sync" / "async"
     load_timeout_s: float = 30.0  # an asynchronous load waits at most this long for saves in flight
-    # Bytes that requests still waiting for vLLM's pages may keep pinned;
-    # hits beyond it are misses. None: a quarter of the landing tier.
+    # Bytes of landing-tier blocks that requests still waiting for vLLM's
+    # pages may keep pinned (pins below it, and of a request's own staged
+    # blocks, are not counted); hits beyond it are misses. None: a quarter
+    # of the landing tier.
     max_waiting_pin_bytes: Optional[int] = None
     # A hit below the landing tier: "off" loads it asynchronously (the
     # request holds its pages while the worker stages); otherwise the
