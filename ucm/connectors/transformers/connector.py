@@ -14,7 +14,8 @@ or, for a forward loop or a generate call of one's own,
 blocks of every row's prompt (`ucm.keys.block_keys` over the row's real
 tokens, after its left padding), counts the request once per row
 (`begin_request`), finds the longest cached prefix and copies it into the
-layers; `generate` then sees a non-empty cache and computes only the rest
+layers (restore.py; the layers are layers.SpareLayer, which grow in place);
+`generate` then sees a non-empty cache and computes only the rest
 (it slices the input ids by `get_seq_length()`, as with any cache). After
 the forward that completes a prompt block (the prefill, or a chunk of it),
 the new full blocks are gathered and stored on one background thread; the
@@ -49,18 +50,18 @@ import itertools
 import logging
 import os
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 from ucm.api import CacheAPI, Handle, Key, Outcome
 from ucm.connectors.transformers import front as fronts
-from ucm.connectors.transformers.kv_copy import gather_blocks, scatter_block, scatter_blocks
-from ucm.connectors.transformers.namespace import BlockLayout, build_namespace
+from ucm.connectors.transformers.kv_copy import gather_blocks
+from ucm.connectors.transformers.layers import SpareLayer
+from ucm.connectors.transformers.namespace import build_namespace
+from ucm.connectors.transformers.restore import Restorer
 from ucm.errors import ArgumentError, ConfigError
 from ucm.keys import block_keys
 
@@ -87,7 +88,7 @@ class UCMCache(DynamicCache):
     `TransformersConnector.cache_for`."""
 
     def __init__(self, connector: "TransformersConnector", rows: list[_Row], prompt_len: int) -> None:
-        Cache.__init__(self, layers=[DynamicLayer() for _ in range(connector.layout.num_layers)])
+        Cache.__init__(self, layers=[SpareLayer() for _ in range(connector.layout.num_layers)])
         self._connector = connector
         self._rows = rows
         self._prompt_len = prompt_len
@@ -171,6 +172,7 @@ class TransformersConnector:
         self.counters = {"requests": 0, "lookup_blocks": 0, "hit_blocks": 0, "front_hit_blocks": 0,
                          "restored_tokens": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "faults": 0}
+        self._restorer = Restorer(self)
         self._call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
 
     # ---- before prefill -------------------------------------------------------
@@ -214,7 +216,7 @@ class TransformersConnector:
         # The common restored length: every row's padding plus at most its cached tokens.
         target = min(length - 1, min((r.pad + r.hit * bt) if r.valid else 0 for r in rows))
         if target > 0:
-            target = self._restore(cache, rows, front_hits, target)
+            target = self._restorer.restore(cache, rows, front_hits, target)
         cache._expect_new = length - target
         with self._lock:
             self.counters["lookup_blocks"] += sum(len(r.keys) for r in rows)
@@ -227,128 +229,6 @@ class TransformersConnector:
             return 0
         n = self._call("lookup", lambda: source.lookup(row.keys), default=0)
         return n if isinstance(n, int) and 0 <= n <= len(row.keys) else 0
-
-    def _restore(self, cache: UCMCache, rows: list[_Row], front_hits: list[int], target: int) -> int:
-        """Fills the layers of `cache` with the first `target` positions;
-        returns the length actually restored (shorter where blocks did not
-        come back; 0 on a fault)."""
-        lay, bt = self.layout, self.layout.block_tokens
-        shape = (len(rows), lay.num_kv_heads, target, lay.head_dim)
-        try:
-            ks = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
-            vs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
-            for b, r in enumerate(rows):  # padding as zeros (masked; never NaN); the rest is filled or cut off
-                if r.pad:
-                    for t in (*ks, *vs):
-                        t[b, :, :min(r.pad, target)].zero_()
-            delivered = []  # per row: real tokens restored
-            for b, r in enumerate(rows):
-                want = max(0, target - r.pad)
-                need = -(-want // bt)
-                got = self._restore_row(r, b, front_hits[b], need, want, ks, vs) if need else 0
-                delivered.append(min(want, got * bt))
-            if self.device.type != "cpu":
-                torch.cuda.current_stream(self.device).synchronize()
-        except Exception:
-            self._fault("restore", "ucm: restoring a prefix failed; it is recomputed")
-            return 0
-        length = min(target, min(r.pad + d if r.valid else 0 for r, d in zip(rows, delivered)))
-        if length <= 0:
-            return 0
-        for layer, k, v in zip(cache.layers, ks, vs):
-            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-            layer.keys, layer.values = (k, v) if length == target else (k[:, :, :length], v[:, :, :length])
-        cache.restored_tokens = length
-        cache.restored_blocks = sum(-(-max(0, length - r.pad) // bt) for r in rows)
-        return length
-
-    def _restore_row(self, r: _Row, b: int, front_hit: int, need: int, want: int, ks: list, vs: list) -> int:
-        """Copies blocks [0, need) of row `r` into row `b` of the layers (the
-        first `want` tokens); returns how many consecutive blocks came."""
-        bt = self.layout.block_tokens
-        got = 0
-        n_front = min(front_hit, need)
-        if n_front:
-            got = self._load_into(self.front, r, 0, n_front, b, want, ks, vs, promote=False)
-            with self._lock:
-                self.counters["front_hit_blocks"] += got
-            if got < n_front:
-                return got
-        if got < need:
-            if self.front is None and self.device.type == "cpu":
-                got += self._read_into(r, got, need, b, want, ks, vs)
-            else:
-                got += self._load_into(self._cache, r, got, need, b, want, ks, vs, promote=self.front is not None)
-        with self._lock:
-            self.counters["load_failed_blocks"] += need - got
-        return got
-
-    def _read_into(self, r: _Row, first: int, last: int, b: int, want: int, ks: list, vs: list) -> int:
-        """Blocks [first, last) of row `r` straight from the cache's slots
-        into the layers (read_slots: one copy); returns the blocks copied."""
-        lay, bt = self.layout, self.layout.block_tokens
-        copied = [False] * (last - first)
-        torch_dtype = self.dtype
-
-        def fill(start: int, slots: list, arena: Any) -> None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # a read-only arena is only read
-                buf = torch.frombuffer(arena, dtype=torch.uint8)
-            for i, slot in enumerate(slots):
-                if slot is None:
-                    continue
-                off, n = slot
-                raw = buf[off:off + n]
-                if off % torch_dtype.itemsize:
-                    raw = raw.clone()
-                blob = raw.view(torch_dtype).view(lay.shape)
-                j = first + start + i
-                tokens = min(bt, want - j * bt)
-                scatter_block(blob, ks, vs, b, r.pad + j * bt, tokens)
-                copied[start + i] = True
-
-        sizes = [lay.block_bytes] * (last - first)
-        out = self._call("read_slots", lambda: self._cache.read_slots(r.keys[first:last], sizes, fill,
-                                                                      request_id=r.request_id), default=None)
-        if out is None:
-            return 0
-        n = 0
-        while n < len(out) and out[n] is Outcome.DONE and copied[n]:
-            n += 1
-        return n
-
-    def _load_into(self, source: CacheAPI, r: _Row, first: int, last: int, b: int, want: int, ks: list,
-                   vs: list, promote: bool) -> int:
-        """Blocks [first, last) of row `r` loaded from `source` into a
-        payload buffer (on the device for the hbm front, else host memory),
-        then into the layers; with `promote`, also stored into the front."""
-        lay, bt = self.layout, self.layout.block_tokens
-        n = last - first
-        on_device = source is self.front
-        dev = self.device if on_device else torch.device("cpu")
-        payload = torch.empty((n, *lay.shape), dtype=self.dtype, device=dev,
-                              pin_memory=(dev.type == "cpu" and self.device.type == "cuda"))
-        keys = r.keys[first:last]
-        handle = self._call("load", lambda: source.load(keys, [payload[i] for i in range(n)],
-                                                        request_id=r.request_id), default=None)
-        out = handle.wait(self._timeout_s) if handle is not None else None
-        if out is None:
-            if handle is not None:
-                self._warn_once("load-timeout", f"ucm: a load took longer than {self._timeout_s:g} s; recomputed")
-            return 0
-        got = 0
-        while got < n and out[got] is Outcome.DONE:
-            got += 1
-        if not got:
-            return 0
-        src = payload[:got].to(self.device, non_blocking=True) if dev != self.device else payload[:got]
-        tokens = min(got * bt, want - first * bt)
-        scatter_blocks(src, ks, vs, b, r.pad + first * bt, tokens)
-        if promote and self.front is not None:
-            parent = r.keys[first - 1] if first else None
-            self._call("store", lambda: self.front.store(keys[:got], [src[i] for i in range(got)], parent=parent,
-                                                         request_id=r.request_id))
-        return got
 
     # ---- after a forward --------------------------------------------------------
     def _after_forward(self, cache: UCMCache) -> None:
@@ -387,7 +267,7 @@ class TransformersConnector:
     def _store_job(self, rows: list[_Row], jobs: list, ks: list, vs: list, event: Any) -> None:
         """On the store thread: gathers blocks into payloads and stores them
         (front first, then the shared cache). The layer tensors are never
-        written again (DynamicLayer grows by concatenation into new ones)."""
+        written again below the length they had (layers.SpareLayer)."""
         lay, bt = self.layout, self.layout.block_tokens
         try:
             if event is not None:
@@ -496,6 +376,10 @@ class TransformersConnector:
         except Exception:
             self._fault(what, f"ucm: {what} raised; treated as a miss")
             return default
+
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     def _fault(self, what: str, message: str) -> None:
         with self._lock:
