@@ -61,7 +61,7 @@ from ucm.connectors.transformers import front as fronts
 from ucm.connectors.transformers.kv_copy import gather_blocks
 from ucm.connectors.transformers.layers import SpareLayer
 from ucm.connectors.transformers.namespace import build_namespace
-from ucm.connectors.transformers.restore import Restorer
+from ucm.connectors.transformers.restore import Restorer, RestoreFault
 from ucm.errors import ArgumentError, ConfigError
 from ucm.keys import block_keys
 
@@ -97,6 +97,7 @@ class UCMCache(DynamicCache):
         self._expect_new: Optional[int] = None  # tokens the first forward must bring
         self._storing = any(r.valid for r in rows)
         self._finished = False
+        self._deferred: list = []  # restore.DeferredLayers the first forward lands layer by layer
 
     @property
     def prompt_len(self) -> int:
@@ -106,6 +107,8 @@ class UCMCache(DynamicCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0 and self._expect_new is not None:
             self._check_first_forward(key_states)
+        if self._deferred:
+            self._land(layer_idx)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self._storing and layer_idx == len(self.layers) - 1:
             self._connector._after_forward(self)
@@ -119,6 +122,35 @@ class UCMCache(DynamicCache):
                       "is stored.", len(self._rows), self._prompt_len, self.restored_tokens, key_states.shape[0],
                       key_states.shape[-2])
             self._storing = False
+
+    def _land(self, layer_idx: int) -> None:
+        """The deferred copies of layer `layer_idx` (RestoreFault when a
+        restored block did not land: nothing of this cache is stored)."""
+        last = layer_idx == len(self.layers) - 1
+        try:
+            for d in self._deferred:
+                d.land(layer_idx, last)
+        except RestoreFault:
+            self._storing = False
+            self._drop_deferred()
+            raise
+        if last:
+            self._deferred = []
+
+    def _drop_deferred(self) -> None:
+        for d in self._deferred:
+            d.release()
+        self._deferred = []
+
+    def _recompute(self) -> "UCMCache":
+        """A cache for the same request with nothing restored (after a
+        RestoreFault); this one is done with and finishes nothing."""
+        self._drop_deferred()
+        self._storing, self._finished = False, True
+        fresh = UCMCache(self._connector, [_Row(r.pad, r.keys, r.request_id, r.valid) for r in self._rows],
+                         self._prompt_len)
+        fresh._expect_new = self._prompt_len
+        return fresh
 
     def finish(self, output_tokens: Optional[int] = None) -> None:
         """The request is over (`output_tokens` generated; default: what the
@@ -180,6 +212,11 @@ class TransformersConnector:
         """A UCMCache for `input_ids` (`[batch, seq]`, left-padded as the
         `attention_mask` says; default no padding) holding the longest
         cached prefix every row shares."""
+        return self._cache_for(input_ids, attention_mask, defer=False)
+
+    def _cache_for(self, input_ids: Any, attention_mask: Any, defer: bool) -> UCMCache:
+        """`cache_for`; `defer`: streamed layers after the first are copied
+        by the first forward (restore.DeferredLayers; `generate` only)."""
         ids = torch.as_tensor(input_ids)
         if ids.ndim == 1:
             ids = ids.unsqueeze(0)
@@ -216,7 +253,7 @@ class TransformersConnector:
         # The common restored length: every row's padding plus at most its cached tokens.
         target = min(length - 1, min((r.pad + r.hit * bt) if r.valid else 0 for r in rows))
         if target > 0:
-            target = self._restorer.restore(cache, rows, front_hits, target)
+            target = self._restorer.restore(cache, rows, front_hits, target, defer=defer)
         cache._expect_new = length - target
         with self._lock:
             self.counters["lookup_blocks"] += sum(len(r.keys) for r in rows)
@@ -317,19 +354,29 @@ class TransformersConnector:
     def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
         """`model.generate(input_ids, attention_mask=..., past_key_values=
         self.cache_for(...), **kwargs)`, then `finish`. Returns what generate
-        returns."""
+        returns. Unlike `cache_for`, a prefix streamed from the cache is
+        copied layer by layer inside the prefill (restore.DeferredLayers),
+        so blocks read from NVMe overlap the model's compute; a block that
+        fails after prefill began makes generate start again without it."""
         if "past_key_values" in kwargs:
             raise ArgumentError("generate: past_key_values is the connector's; use cache_for for a cache of your own")
         ids = torch.as_tensor(input_ids)
         if ids.ndim == 1:
             ids = ids.unsqueeze(0)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        cache = self.cache_for(ids, mask)
+        cache = self._cache_for(ids, mask, defer=True)
         out = None
         try:
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      past_key_values=cache, **kwargs)
+            try:
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          past_key_values=cache, **kwargs)
+            except RestoreFault:  # raised in the first forward, before any token: recompute the prompt
+                self._fault("restore", "ucm: a restored block did not land during prefill; the prompt is recomputed")
+                cache = cache._recompute()
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          past_key_values=cache, **kwargs)
         finally:
+            cache._drop_deferred()
             seqs = getattr(out, "sequences", out)
             cache.finish(int(seqs.shape[1] - ids.shape[1]) if isinstance(seqs, torch.Tensor) else None)
         return out
