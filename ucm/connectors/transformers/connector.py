@@ -36,7 +36,10 @@ given to `generate` (`connector.generate` passes it).
 Faults. Any exception from the cache (lookup, load, store, finish), a load
 that misses or times out, or a copy that fails is logged and becomes a
 shorter hit or a miss: the model recomputes; nothing raises into
-`generate` for a cache fault. Misuse (a cache given to generate with other
+`generate` for a cache fault. `connector.generate` copies a streamed
+prefix layer by layer inside the prefill (restore.DeferredLayers); a block
+that fails there, after the prefill began, makes it generate again without
+the prefix (RestoreFault never leaves `connector.generate`). Misuse (a cache given to generate with other
 input ids, a batch whose size changed) is logged and stops that request's
 stores, so wrong KV is never stored.
 

@@ -17,6 +17,9 @@ Where the bytes come from, per row:
   reads in flight at once) when the cache streams, so that blocks staged
   from NVMe are copied layer by layer while later layers are still being
   read; else by `read_slots` once every block is in the landing tier.
+  For `TransformersConnector.generate`, only layer 0 is copied here and the
+  rest inside the prefill, layer l just before attention l reads it
+  (DeferredLayers), so NVMe reads overlap the model's compute.
 
 A block counts only when every layer of it landed and the cache reports it
 DONE; the restored length ends before the first block that did not (a
