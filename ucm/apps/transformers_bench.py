@@ -84,13 +84,16 @@ def _prompts(tok, docs: int, doc_tokens: int) -> tuple[list[list[int]], list[lis
     return [d + q1 for d in documents], [d + q2 for d in documents]
 
 
-def _cache_config(work: Path, block_bytes: int, blocks: int, block_tokens: int) -> dict:
+def _cache_config(work: Path, block_bytes: int, blocks: int, block_tokens: int, evictions: int = 4) -> dict:
+    """DRAM for every document's blocks with room; NVMe for them and the
+    filler blocks of `evictions` pushes out of DRAM between two uses of a
+    document (lru drops the oldest: a document's blocks must not be)."""
     dram = max(8 << 20, (blocks + 2) * block_bytes * 3 // 2)
     region = max(16 << 20, -(-4 * block_bytes // (1 << 20)) << 20)  # a few blocks per region, MiB-aligned
     return {
         "block_tokens": block_tokens,
         "tiers": [{"adapter": "dram", "capacity": dram, "headroom": 0.2, "options": {"prefault": False}},
-                  {"adapter": "nvme", "capacity": max(256 << 20, 8 * dram, 16 * region),
+                  {"adapter": "nvme", "capacity": max(256 << 20, 8 * dram, 16 * region, (2 * evictions + 4) * dram),
                    "options": {"path": str(work), "region_size": region, "direct_io": True}}],
         "policy": {"name": "lru"},
     }
@@ -146,7 +149,8 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
     try:
         block_bytes = build_namespace(model, block_tokens)[1].block_bytes
         blocks = sum(len(p) // block_tokens for p in pass1)
-        with UnifiedCache(_cache_config(work, block_bytes, blocks, block_tokens)) as cache, torch.no_grad():
+        cfg = _cache_config(work, block_bytes, blocks, block_tokens, evictions=len(pass1) * hit_repeat + 1)
+        with UnifiedCache(cfg) as cache, torch.no_grad():
             conn = TransformersConnector(model, cache, block_tokens=block_tokens)
             ids1 = [torch.tensor([p]) for p in pass1]
             ids2 = [torch.tensor([p]) for p in pass2]
@@ -235,6 +239,8 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
         "spread_ttft_s": {k: _quantiles(v) for k, v in samples.items()},
         "outputs_equal": all(eq.values()), "outputs_equal_detail": eq,
         "tiers_before_dram_phase": tiers_before_dram, "tiers_before_nvme_phase": tiers_before_nvme,
+        "samples_not_all_in_tier": {"dram": sum(set(t) != {"dram"} for t in tiers_before_dram),
+                                    "nvme": sum(set(t) != {"nvme"} for t in tiers_before_nvme)},
         "samples_ttft_s": {k: [round(x, 4) for x in v] for k, v in samples.items()},
         "connector": connector_stats, "cache": cache_stats,
     }
