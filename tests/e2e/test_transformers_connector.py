@@ -313,6 +313,63 @@ def test_cache_faults_are_recomputed_never_raised(model, caplog):
         good.close()
 
 
+class _LateFaultStream:
+    """A stream whose layers from `bad` on never land for any block (a read
+    that fails after prefill began)."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad = inner, bad
+        self.arena, self.layers = inner.arena, inner.layers
+
+    @property
+    def slots(self):
+        return self.inner.slots
+
+    def wait_layer(self, layer, timeout_s):
+        got = self.inner.wait_layer(layer, timeout_s)
+        return [False] * len(got) if layer >= self.bad else got
+
+    def outcomes(self, timeout_s):
+        return self.inner.outcomes(timeout_s)
+
+    def release(self):
+        self.inner.release()
+
+
+class _LateFaultCache(_FaultyCache):
+    def __init__(self, inner, bad):
+        super().__init__(inner, ())
+        self.bad, self.streams = bad, 0
+
+    def stream_slots(self, *a, **k):
+        self.streams += 1
+        return _LateFaultStream(self.inner.stream_slots(*a, **k), self.bad)
+
+
+def test_a_streamed_layer_that_fails_during_prefill_is_recomputed(model):
+    """connector.generate copies streamed layers inside the prefill; one that
+    does not land there makes generate start again without the prefix."""
+    from ucm.connectors.transformers import TransformersConnector
+
+    ids = torch.cat([_tokens(50, 3 * BT), _tokens(51, 3)], 1)
+    plain = _plain(model, ids)
+    with _dram_cache() as cache:
+        good = TransformersConnector(model, cache)
+        assert torch.equal(good.generate(ids, max_new_tokens=NEW, do_sample=False), plain)  # cold: stores
+        good.wait_stores()
+        # The hit through generate (layers landed during prefill) equals plain and the reference.
+        assert torch.equal(good.generate(ids, max_new_tokens=NEW, do_sample=False), plain)
+        assert good.stats()["hit_blocks"] == 3 and good.stats()["faults"] == 0
+        for bad in (1, 17, 29):  # a layer after the first (copied in cache_for), up to the last
+            faulty = _LateFaultCache(cache, bad)
+            conn = TransformersConnector(model, faulty, model_id=good.namespace.model)
+            out = conn.generate(ids, max_new_tokens=NEW, do_sample=False)
+            assert faulty.streams == 1 and torch.equal(out, plain)
+            assert conn.stats()["hit_blocks"] == 3 and conn.stats()["faults"] == 1
+            conn.close()
+        good.close()
+
+
 def test_another_namespace_never_gets_foreign_bytes(model, model_dir):
     from ucm.connectors.transformers import TransformersConnector
 

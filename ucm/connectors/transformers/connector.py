@@ -14,7 +14,8 @@ or, for a forward loop or a generate call of one's own,
 blocks of every row's prompt (`ucm.keys.block_keys` over the row's real
 tokens, after its left padding), counts the request once per row
 (`begin_request`), finds the longest cached prefix and copies it into the
-layers; `generate` then sees a non-empty cache and computes only the rest
+layers (restore.py; the layers are layers.SpareLayer, which grow in place);
+`generate` then sees a non-empty cache and computes only the rest
 (it slices the input ids by `get_seq_length()`, as with any cache). After
 the forward that completes a prompt block (the prefill, or a chunk of it),
 the new full blocks are gathered and stored on one background thread; the
@@ -35,7 +36,10 @@ given to `generate` (`connector.generate` passes it).
 Faults. Any exception from the cache (lookup, load, store, finish), a load
 that misses or times out, or a copy that fails is logged and becomes a
 shorter hit or a miss: the model recomputes; nothing raises into
-`generate` for a cache fault. Misuse (a cache given to generate with other
+`generate` for a cache fault. `connector.generate` copies a streamed
+prefix layer by layer inside the prefill (restore.DeferredLayers); a block
+that fails there, after the prefill began, makes it generate again without
+the prefix (RestoreFault never leaves `connector.generate`). Misuse (a cache given to generate with other
 input ids, a batch whose size changed) is logged and stops that request's
 stores, so wrong KV is never stored.
 
@@ -49,18 +53,18 @@ import itertools
 import logging
 import os
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 from ucm.api import CacheAPI, Handle, Key, Outcome
 from ucm.connectors.transformers import front as fronts
-from ucm.connectors.transformers.kv_copy import gather_blocks, scatter_block, scatter_blocks
-from ucm.connectors.transformers.namespace import BlockLayout, build_namespace
+from ucm.connectors.transformers.kv_copy import gather_blocks
+from ucm.connectors.transformers.layers import SpareLayer
+from ucm.connectors.transformers.namespace import build_namespace
+from ucm.connectors.transformers.restore import Restorer, RestoreFault
 from ucm.errors import ArgumentError, ConfigError
 from ucm.keys import block_keys
 
@@ -87,7 +91,7 @@ class UCMCache(DynamicCache):
     `TransformersConnector.cache_for`."""
 
     def __init__(self, connector: "TransformersConnector", rows: list[_Row], prompt_len: int) -> None:
-        Cache.__init__(self, layers=[DynamicLayer() for _ in range(connector.layout.num_layers)])
+        Cache.__init__(self, layers=[SpareLayer() for _ in range(connector.layout.num_layers)])
         self._connector = connector
         self._rows = rows
         self._prompt_len = prompt_len
@@ -96,6 +100,7 @@ class UCMCache(DynamicCache):
         self._expect_new: Optional[int] = None  # tokens the first forward must bring
         self._storing = any(r.valid for r in rows)
         self._finished = False
+        self._deferred: list = []  # restore.DeferredLayers the first forward lands layer by layer
 
     @property
     def prompt_len(self) -> int:
@@ -105,6 +110,8 @@ class UCMCache(DynamicCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0 and self._expect_new is not None:
             self._check_first_forward(key_states)
+        if self._deferred:
+            self._land(layer_idx)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self._storing and layer_idx == len(self.layers) - 1:
             self._connector._after_forward(self)
@@ -118,6 +125,35 @@ class UCMCache(DynamicCache):
                       "is stored.", len(self._rows), self._prompt_len, self.restored_tokens, key_states.shape[0],
                       key_states.shape[-2])
             self._storing = False
+
+    def _land(self, layer_idx: int) -> None:
+        """The deferred copies of layer `layer_idx` (RestoreFault when a
+        restored block did not land: nothing of this cache is stored)."""
+        last = layer_idx == len(self.layers) - 1
+        try:
+            for d in self._deferred:
+                d.land(layer_idx, last)
+        except RestoreFault:
+            self._storing = False
+            self._drop_deferred()
+            raise
+        if last:
+            self._deferred = []
+
+    def _drop_deferred(self) -> None:
+        for d in self._deferred:
+            d.release()
+        self._deferred = []
+
+    def _recompute(self) -> "UCMCache":
+        """A cache for the same request with nothing restored (after a
+        RestoreFault); this one is done with and finishes nothing."""
+        self._drop_deferred()
+        self._storing, self._finished = False, True
+        fresh = UCMCache(self._connector, [_Row(r.pad, r.keys, r.request_id, r.valid) for r in self._rows],
+                         self._prompt_len)
+        fresh._expect_new = self._prompt_len
+        return fresh
 
     def finish(self, output_tokens: Optional[int] = None) -> None:
         """The request is over (`output_tokens` generated; default: what the
@@ -171,6 +207,7 @@ class TransformersConnector:
         self.counters = {"requests": 0, "lookup_blocks": 0, "hit_blocks": 0, "front_hit_blocks": 0,
                          "restored_tokens": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "faults": 0}
+        self._restorer = Restorer(self)
         self._call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
 
     # ---- before prefill -------------------------------------------------------
@@ -178,6 +215,11 @@ class TransformersConnector:
         """A UCMCache for `input_ids` (`[batch, seq]`, left-padded as the
         `attention_mask` says; default no padding) holding the longest
         cached prefix every row shares."""
+        return self._cache_for(input_ids, attention_mask, defer=False)
+
+    def _cache_for(self, input_ids: Any, attention_mask: Any, defer: bool) -> UCMCache:
+        """`cache_for`; `defer`: streamed layers after the first are copied
+        by the first forward (restore.DeferredLayers; `generate` only)."""
         ids = torch.as_tensor(input_ids)
         if ids.ndim == 1:
             ids = ids.unsqueeze(0)
@@ -214,7 +256,7 @@ class TransformersConnector:
         # The common restored length: every row's padding plus at most its cached tokens.
         target = min(length - 1, min((r.pad + r.hit * bt) if r.valid else 0 for r in rows))
         if target > 0:
-            target = self._restore(cache, rows, front_hits, target)
+            target = self._restorer.restore(cache, rows, front_hits, target, defer=defer)
         cache._expect_new = length - target
         with self._lock:
             self.counters["lookup_blocks"] += sum(len(r.keys) for r in rows)
@@ -227,128 +269,6 @@ class TransformersConnector:
             return 0
         n = self._call("lookup", lambda: source.lookup(row.keys), default=0)
         return n if isinstance(n, int) and 0 <= n <= len(row.keys) else 0
-
-    def _restore(self, cache: UCMCache, rows: list[_Row], front_hits: list[int], target: int) -> int:
-        """Fills the layers of `cache` with the first `target` positions;
-        returns the length actually restored (shorter where blocks did not
-        come back; 0 on a fault)."""
-        lay, bt = self.layout, self.layout.block_tokens
-        shape = (len(rows), lay.num_kv_heads, target, lay.head_dim)
-        try:
-            ks = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
-            vs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(lay.num_layers)]
-            for b, r in enumerate(rows):  # padding as zeros (masked; never NaN); the rest is filled or cut off
-                if r.pad:
-                    for t in (*ks, *vs):
-                        t[b, :, :min(r.pad, target)].zero_()
-            delivered = []  # per row: real tokens restored
-            for b, r in enumerate(rows):
-                want = max(0, target - r.pad)
-                need = -(-want // bt)
-                got = self._restore_row(r, b, front_hits[b], need, want, ks, vs) if need else 0
-                delivered.append(min(want, got * bt))
-            if self.device.type != "cpu":
-                torch.cuda.current_stream(self.device).synchronize()
-        except Exception:
-            self._fault("restore", "ucm: restoring a prefix failed; it is recomputed")
-            return 0
-        length = min(target, min(r.pad + d if r.valid else 0 for r, d in zip(rows, delivered)))
-        if length <= 0:
-            return 0
-        for layer, k, v in zip(cache.layers, ks, vs):
-            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-            layer.keys, layer.values = (k, v) if length == target else (k[:, :, :length], v[:, :, :length])
-        cache.restored_tokens = length
-        cache.restored_blocks = sum(-(-max(0, length - r.pad) // bt) for r in rows)
-        return length
-
-    def _restore_row(self, r: _Row, b: int, front_hit: int, need: int, want: int, ks: list, vs: list) -> int:
-        """Copies blocks [0, need) of row `r` into row `b` of the layers (the
-        first `want` tokens); returns how many consecutive blocks came."""
-        bt = self.layout.block_tokens
-        got = 0
-        n_front = min(front_hit, need)
-        if n_front:
-            got = self._load_into(self.front, r, 0, n_front, b, want, ks, vs, promote=False)
-            with self._lock:
-                self.counters["front_hit_blocks"] += got
-            if got < n_front:
-                return got
-        if got < need:
-            if self.front is None and self.device.type == "cpu":
-                got += self._read_into(r, got, need, b, want, ks, vs)
-            else:
-                got += self._load_into(self._cache, r, got, need, b, want, ks, vs, promote=self.front is not None)
-        with self._lock:
-            self.counters["load_failed_blocks"] += need - got
-        return got
-
-    def _read_into(self, r: _Row, first: int, last: int, b: int, want: int, ks: list, vs: list) -> int:
-        """Blocks [first, last) of row `r` straight from the cache's slots
-        into the layers (read_slots: one copy); returns the blocks copied."""
-        lay, bt = self.layout, self.layout.block_tokens
-        copied = [False] * (last - first)
-        torch_dtype = self.dtype
-
-        def fill(start: int, slots: list, arena: Any) -> None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # a read-only arena is only read
-                buf = torch.frombuffer(arena, dtype=torch.uint8)
-            for i, slot in enumerate(slots):
-                if slot is None:
-                    continue
-                off, n = slot
-                raw = buf[off:off + n]
-                if off % torch_dtype.itemsize:
-                    raw = raw.clone()
-                blob = raw.view(torch_dtype).view(lay.shape)
-                j = first + start + i
-                tokens = min(bt, want - j * bt)
-                scatter_block(blob, ks, vs, b, r.pad + j * bt, tokens)
-                copied[start + i] = True
-
-        sizes = [lay.block_bytes] * (last - first)
-        out = self._call("read_slots", lambda: self._cache.read_slots(r.keys[first:last], sizes, fill,
-                                                                      request_id=r.request_id), default=None)
-        if out is None:
-            return 0
-        n = 0
-        while n < len(out) and out[n] is Outcome.DONE and copied[n]:
-            n += 1
-        return n
-
-    def _load_into(self, source: CacheAPI, r: _Row, first: int, last: int, b: int, want: int, ks: list,
-                   vs: list, promote: bool) -> int:
-        """Blocks [first, last) of row `r` loaded from `source` into a
-        payload buffer (on the device for the hbm front, else host memory),
-        then into the layers; with `promote`, also stored into the front."""
-        lay, bt = self.layout, self.layout.block_tokens
-        n = last - first
-        on_device = source is self.front
-        dev = self.device if on_device else torch.device("cpu")
-        payload = torch.empty((n, *lay.shape), dtype=self.dtype, device=dev,
-                              pin_memory=(dev.type == "cpu" and self.device.type == "cuda"))
-        keys = r.keys[first:last]
-        handle = self._call("load", lambda: source.load(keys, [payload[i] for i in range(n)],
-                                                        request_id=r.request_id), default=None)
-        out = handle.wait(self._timeout_s) if handle is not None else None
-        if out is None:
-            if handle is not None:
-                self._warn_once("load-timeout", f"ucm: a load took longer than {self._timeout_s:g} s; recomputed")
-            return 0
-        got = 0
-        while got < n and out[got] is Outcome.DONE:
-            got += 1
-        if not got:
-            return 0
-        src = payload[:got].to(self.device, non_blocking=True) if dev != self.device else payload[:got]
-        tokens = min(got * bt, want - first * bt)
-        scatter_blocks(src, ks, vs, b, r.pad + first * bt, tokens)
-        if promote and self.front is not None:
-            parent = r.keys[first - 1] if first else None
-            self._call("store", lambda: self.front.store(keys[:got], [src[i] for i in range(got)], parent=parent,
-                                                         request_id=r.request_id))
-        return got
 
     # ---- after a forward --------------------------------------------------------
     def _after_forward(self, cache: UCMCache) -> None:
@@ -387,7 +307,7 @@ class TransformersConnector:
     def _store_job(self, rows: list[_Row], jobs: list, ks: list, vs: list, event: Any) -> None:
         """On the store thread: gathers blocks into payloads and stores them
         (front first, then the shared cache). The layer tensors are never
-        written again (DynamicLayer grows by concatenation into new ones)."""
+        written again below the length they had (layers.SpareLayer)."""
         lay, bt = self.layout, self.layout.block_tokens
         try:
             if event is not None:
@@ -437,19 +357,29 @@ class TransformersConnector:
     def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
         """`model.generate(input_ids, attention_mask=..., past_key_values=
         self.cache_for(...), **kwargs)`, then `finish`. Returns what generate
-        returns."""
+        returns. Unlike `cache_for`, a prefix streamed from the cache is
+        copied layer by layer inside the prefill (restore.DeferredLayers),
+        so blocks read from NVMe overlap the model's compute; a block that
+        fails after prefill began makes generate start again without it."""
         if "past_key_values" in kwargs:
             raise ArgumentError("generate: past_key_values is the connector's; use cache_for for a cache of your own")
         ids = torch.as_tensor(input_ids)
         if ids.ndim == 1:
             ids = ids.unsqueeze(0)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        cache = self.cache_for(ids, mask)
+        cache = self._cache_for(ids, mask, defer=True)
         out = None
         try:
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      past_key_values=cache, **kwargs)
+            try:
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          past_key_values=cache, **kwargs)
+            except RestoreFault:  # raised in the first forward, before any token: recompute the prompt
+                self._fault("restore", "ucm: a restored block did not land during prefill; the prompt is recomputed")
+                cache = cache._recompute()
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          past_key_values=cache, **kwargs)
         finally:
+            cache._drop_deferred()
             seqs = getattr(out, "sequences", out)
             cache.finish(int(seqs.shape[1] - ids.shape[1]) if isinstance(seqs, torch.Tensor) else None)
         return out
@@ -496,6 +426,10 @@ class TransformersConnector:
         except Exception:
             self._fault(what, f"ucm: {what} raised; treated as a miss")
             return default
+
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     def _fault(self, what: str, message: str) -> None:
         with self._lock:
