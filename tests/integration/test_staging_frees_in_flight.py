@@ -49,7 +49,8 @@ def read(c, keys):
 
 def demote_one_blocked(c, victim):
     """Plans one headroom demotion (as `_reclaim_step` does) on a thread whose
-    NVMe write of `victim` waits for `go`; returns (thread, entered, go)."""
+    NVMe write of `victim` waits for `go`, started and blocked there; returns
+    (thread, go)."""
     nvme = c.adapters[1]
     entered, go = threading.Event(), threading.Event()
     put = nvme.put_with_parents
