@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from ucm.adapters.base import SharedSlots, Status
 from ucm.api import Key
 from ucm.placement import Op, Placement, Plan, Step
-from ucm.tiers import Failure, Ticket, TierStack
+from ucm.tiers import Failure, Ticket, TierStack, retry_after_frees
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,13 @@ class PlanExecutor:
         placement (with the descendants that lose their prefix) unless a
         step planned after the failure writes that tier again (it settles
         that copy itself: the generation check). NO_SPACE in a tier with
-        size classes is retried once instead, after evictions that free a
-        slot of that size. Every failure is dequeued; returns the plan to
-        run next (undo and retries)."""
+        size classes is retried instead: when steps planned before it that
+        free room there had not run (`Failure.freeing`: the room this
+        placement counted was still taken, e.g. by a headroom demotion in
+        flight), once after they ran (run_through waits for them, no lock
+        held); else once after evictions that free a slot of that size.
+        Every failure is dequeued; returns the plan to run next (undo and
+        retries)."""
         p = self.placement
         plan: Plan = []
         with self.meta:
@@ -81,12 +85,20 @@ class PlanExecutor:
                 rewritten = {s.dst for s in later if s.op is not Op.DROP}
                 if step.dst in rewritten or step.op is Op.DROP:
                     pass
+                elif (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and f.freeing is not None
+                        and retry_after_frees(key) not in retried and step.dst in p.tiers_of(key)):
+                    retried.add(retry_after_frees(key))
+                    plan.append(step)
+                    continue
                 elif (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and key not in retried
                         and step.dst in p.tiers_of(key)):
                     size = p.size_of(key)
                     evictions = self.slot_evictions(step.dst, key, size) if size is not None else []
-                    if evictions:
-                        retried.add(key)
+                    retried.add(key)
+                    if evictions or size is not None:
+                        # No victim named: the arena has a slot of that size free
+                        # by now (a concurrent free landed) or none can be made;
+                        # one more try tells which.
                         plan.extend(evictions)
                         plan.append(step)
                         continue

@@ -26,6 +26,15 @@ never wrong bytes; the per-key order keeps the adapters' contents what the
 placement records (no block written after its eviction ran, no delete of a
 newer copy).
 
+Room the placement counted is not free in the medium yet while the step
+that frees it (a MOVE or DROP out of the tier, planned by another thread: the
+headroom thread, another store) has not run. A write or a staging copy into a
+slot tier that finds no slot then waits for the frees admitted before the
+failure (`wait_frees`, at most FREE_WAIT_TIMEOUT_S, no lock held) and is
+tried again, rather than taken back as a miss. (In a slab arena the counted
+room may also lie in free extents too scattered for a unit of the size; the
+frees in flight, whole units, are what makes it usable.)
+
 Lock order: the owner's metadata lock, then `_order` (a leaf; never held
 while an adapter is called), and apart from that an adapter's own lock.
 """
@@ -41,6 +50,10 @@ from ucm.adapters.base import Key, SharedSlots, Status, StorageAdapter
 from ucm.placement import Op, Plan, Step
 
 log = logging.getLogger(__name__)
+
+# How long a step that found no slot waits for the frees planned before it
+# (MOVE / DROP steps out of that tier that other threads run) to land.
+FREE_WAIT_TIMEOUT_S = 5.0
 
 # make_slot(tier, key, size) -> a plan of evictions that frees a slot of that
 # size in the tier (admitted already), or None: the owner's hook for an
@@ -73,14 +86,21 @@ class Failure:
     seq: int
     status: Status
     queued: bool = True  # False: dequeued at once (a later step of its ticket names the key)
+    # NO_SPACE while steps that free room in its tier (admitted before the
+    # failure, by any thread) had not run yet: the seq bounding them, to wait
+    # for before a retry (the room the placement counted was still taken).
+    freeing: Optional[int] = None
 
 
 class _KeyOrder:
-    """Per-key FIFO of admitted steps: a step runs once it heads its queue."""
+    """Per-key FIFO of admitted steps: a step runs once it heads its queue.
+    Also the steps that free room in a tier (MOVE or DROP out of it),
+    admitted and not run yet, by tier: `_frees[t]` holds their seqs."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._queues: dict[Key, deque[tuple[int, Step]]] = {}
+        self._frees: dict[int, set[int]] = {}
         self._next = 0
 
     def admit(self, steps: Sequence[Step]) -> list[int]:
@@ -89,8 +109,33 @@ class _KeyOrder:
             for s in steps:
                 self._next += 1
                 self._queues.setdefault(s.key, deque()).append((self._next, s))
+                if s.op in (Op.MOVE, Op.DROP) and s.src is not None:
+                    self._frees.setdefault(s.src, set()).add(self._next)
                 seqs.append(self._next)
             return seqs
+
+    def freed(self, t: int, seq: int) -> None:
+        """The freeing step `seq` out of tier t ran (its delete is done)."""
+        with self._cond:
+            pending = self._frees.get(t)
+            if pending is not None and seq in pending:
+                pending.discard(seq)
+                if not pending:
+                    del self._frees[t]
+                self._cond.notify_all()
+
+    def frees_before(self, t: int, seq: Optional[int] = None) -> Optional[int]:
+        """`seq` (None: every step admitted so far) when a freeing step out
+        of tier t admitted before it has not run yet, else None."""
+        with self._cond:
+            bound = self._next + 1 if seq is None else seq
+            return bound if any(n < bound for n in self._frees.get(t, ())) else None
+
+    def wait_frees(self, t: int, seq: int, timeout_s: float) -> bool:
+        """Waits until every freeing step out of tier t admitted before `seq`
+        ran; False when `timeout_s` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(n < seq for n in self._frees.get(t, ())), timeout_s)
 
     def wait_turn(self, key: Key, seq: int) -> None:
         with self._cond:
@@ -118,6 +163,12 @@ class _KeyOrder:
     def pending(self) -> int:
         with self._cond:
             return sum(len(q) for q in self._queues.values())
+
+
+def retry_after_frees(key: Key) -> tuple:
+    """The mark, in run_through's `retried` set, of a NO_SPACE step retried
+    once the frees planned before it ran (at most once per key and run)."""
+    return ("after-frees", key)
 
 
 def has_slots(a: StorageAdapter) -> bool:
@@ -177,11 +228,14 @@ class TierStack:
         def failed(i: int, step: Step, seq: int, st: Status) -> None:
             if st is Status.CORRUPT:
                 self.corrupt += 1
+            freeing = None
+            if st is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and has_slots(self.adapters[step.dst]):
+                freeing = self._order.frees_before(step.dst)
             if last[step.key] > i:  # the later step waits for this one: let it go now
                 self._order.done(step.key, seq)
-                failures.append(Failure(step, seq, st, queued=False))
+                failures.append(Failure(step, seq, st, queued=False, freeing=freeing))
             else:
-                failures.append(Failure(step, seq, st))
+                failures.append(Failure(step, seq, st, freeing=freeing))
 
         i = 0
         while i < len(steps):
@@ -196,7 +250,7 @@ class TierStack:
                 i = j
                 continue
             self._order.wait_turn(step.key, seq)
-            st = self._execute(step, sources.get(step.key), ticket.parents.get(step.key))
+            st = self._execute(step, seq, sources.get(step.key), ticket.parents.get(step.key))
             if st is Status.OK:
                 self._order.done(step.key, seq)
             else:
@@ -204,9 +258,12 @@ class TierStack:
             i += 1
         return failures
 
-    def _execute(self, step: Step, have: Any, parent: Optional[Key]) -> Status:
+    def _execute(self, step: Step, seq: int, have: Any, parent: Optional[Key]) -> Status:
         if step.op is Op.DROP:
-            self.delete(step.src, step.key)
+            try:
+                self.delete(step.src, step.key)
+            finally:
+                self._order.freed(step.src, seq)
             return Status.OK
         try:
             if step.op is Op.WRITE:
@@ -217,7 +274,10 @@ class TierStack:
             log.exception("ucm: %s of a block to tier %s failed", step.op.name.lower(), self.names[step.dst])
             st = Status.FAILED
         if step.op is Op.MOVE:
-            self.delete(step.src, step.key)
+            try:
+                self.delete(step.src, step.key)
+            finally:
+                self._order.freed(step.src, seq)
         if st is not Status.OK:
             self.delete(step.dst, step.key)
         return st
@@ -268,13 +328,23 @@ class TierStack:
 
     # ---- single-block operations ---------------------------------------------
     def reserve_slot(self, t: int, key: Key, size: int) -> Optional[memoryview]:
-        """Tier t's `reserve(key, size)`, tried once more after the owner's
-        `make_slot` when the tier has no slot of that size."""
+        """Tier t's `reserve(key, size)`, tried again when the tier has no
+        slot of that size: once the frees out of t already planned ran
+        (`wait_frees`), then after the owner's `make_slot`."""
         a = self.adapters[t]
         view = a.reserve(key, size)
+        if view is None and has_slots(a):
+            bound = self._order.frees_before(t)
+            if bound is not None:
+                self._wait_frees(t, bound)
+                view = a.reserve(key, size)
         if view is None and self._make_slot(t, key, size):
             view = a.reserve(key, size)
         return view
+
+    def _wait_frees(self, t: int, seq: int) -> None:
+        if not self._order.wait_frees(t, seq, FREE_WAIT_TIMEOUT_S):
+            log.warning("ucm: steps freeing room in tier %s took over %.0f s", self.names[t], FREE_WAIT_TIMEOUT_S)
 
     def put_block(self, t: int, key: Key, src: Any, parent: Optional[Key]) -> Status:
         """Tier t's `put_with_parents` of one block."""
@@ -291,9 +361,11 @@ class TierStack:
 
     # The owner's answer to failed steps (UnifiedCache sets it): under its
     # lock, each failure that is still its key's latest step is taken back
-    # out of the placement or, for NO_SPACE in a slot tier, retried after
-    # evictions that free a slot; every failure is dequeued; the returned
-    # ticket (undo and retries) is run next.
+    # out of the placement or, for NO_SPACE in a slot tier, retried (once the
+    # frees planned before it ran, when `Failure.freeing`: the owner adds
+    # `retry_after_frees(key)` to the set; else after evictions that free a
+    # slot); every failure is dequeued; the returned ticket (undo and
+    # retries) is run next.
     reconcile: Optional[Callable[[list[Failure], set], Optional[Ticket]]] = None
 
     def run_through(self, ticket: Ticket, sources: Mapping[Key, Any], read: Optional[BatchRead] = None) -> bool:
@@ -308,7 +380,7 @@ class TierStack:
                 for f in failures:
                     self.done(f)
                 return False
-            before = len(retried)
+            before, marks = len(retried), set(retried)
             try:
                 undo = self.reconcile(failures, retried)
             except Exception:  # never leave a key's queue blocked behind a failure
@@ -318,6 +390,10 @@ class TierStack:
                 return False
             if len(retried) - before < len(failures):  # some were taken back, not retried
                 ok = False
+            for f in failures:  # no lock held, none of this ticket's steps queued any more
+                mark = retry_after_frees(f.step.key)
+                if f.freeing is not None and mark in retried and mark not in marks:
+                    self._wait_frees(f.step.dst, f.freeing)
             failures = self.run(undo, sources, read) if undo is not None else []
         return ok
 
