@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <algorithm>
 #include <array>
 #include <set>
 #include <utility>
@@ -192,6 +193,21 @@ static void test_copy_spans() {
   CHECK(std::memcmp(mid.data() + (count - 1) * len, src.data(), len) == 0);
   ucm::copy_spans(back.data(), fwd.data(), mid.data(), rev.data(), count, len, 1);
   CHECK(back == src);
+  // Streamed spans at every alignment of source and destination, with a
+  // length that is no multiple of the 64-byte store group: exact bytes,
+  // nothing written outside the spans.
+  const std::size_t slen = (256u << 10) + 37;
+  std::vector<char> s2(slen + 64), d2(slen + 128);
+  for (std::size_t i = 0; i < s2.size(); ++i) s2[i] = static_cast<char>(i * 13 + 5);
+  for (std::size_t so = 0; so < 17; so += 3) {
+    for (std::size_t dof = 0; dof < 33; dof += 5) {
+      std::fill(d2.begin(), d2.end(), static_cast<char>(0x5a));
+      const std::size_t o1 = dof + 8, o2 = so;
+      ucm::copy_spans(d2.data(), &o1, s2.data(), &o2, 1, slen, 1);
+      CHECK(std::memcmp(d2.data() + o1, s2.data() + o2, slen) == 0);
+      CHECK(d2[o1 - 1] == static_cast<char>(0x5a) && d2[o1 + slen] == static_cast<char>(0x5a));
+    }
+  }
 }
 
 static void test_index() {
