@@ -169,6 +169,8 @@ def _take(c: "CacheClient", link: Link, asked: Optional[Pending], n: int, width:
     if asked is None:
         return None
     with c._lock:
+        if link.dead:  # its reply may have been filed by another thread, but the
+            return None  # socket is closing (or closed): the service gave its slots back
         try:
             reply = c._wait_locked(link, asked)
         except UcmError as exc:
