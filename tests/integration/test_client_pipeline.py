@@ -191,3 +191,25 @@ def test_slots_filed_by_another_thread_are_not_used_after_the_link_closed(servic
     assert got[2:] == [Outcome.MISSING] * 2, (got, calls)
     assert calls == [0], calls
     assert len(closes) == 1, closes
+
+
+def test_a_reservation_filed_by_another_thread_is_not_filled_after_the_link_closed(service):
+    """The store half: part 1's reservation, read by another request and
+    then taken back when the retired link's socket closed, is not written
+    (its slots may hold another block by then); the arena kept for a
+    reconnect stays mapped (the link is closed once)."""
+    keys, data = chain(6, 8)
+    calls = []
+
+    def fill(first, slots, arena):
+        calls.append(first)
+        if first == 0:
+            service.stats()  # files part 1's reserve reply
+            with service._lock:
+                service._retire_locked(service._link)
+        writer(data)(first, slots, arena)
+
+    got = service.write_slots(keys, [SIZE] * 6, fill)
+    assert calls == [0], (calls, got)
+    assert Outcome.DONE not in got
+    assert service._kept in service._maps
