@@ -157,3 +157,59 @@ def test_threads_sharing_a_client_get_their_own_replies(service):
         t.join(120)
     assert errors == []
     assert settled(service) == (0, 0)
+
+
+def test_slots_filed_by_another_thread_are_not_used_after_the_link_closed(service):
+    """Part 1's acquire is answered while part 0 is copied; another thread
+    reads that reply (filing it) and then the link is retired (a fault seen
+    by that thread). Once part 0's copy ends the socket closes and the
+    service gives part 1's leases back: part 1 must not be copied out of
+    slots nobody holds (reported DONE), nor the link closed twice."""
+    keys, data = chain(4, 7)
+    assert service.write_slots(keys, [SIZE] * 4, writer(data)) == [Outcome.DONE] * 4
+    calls = []
+    closes = []
+    real_close = CacheClient._close_link_locked
+
+    def close_link(self, link):
+        closes.append(link)
+        real_close(self, link)
+
+    def fill(first, slots, arena):
+        calls.append(first)
+        if first == 0:
+            service.stats()  # another request on the link: it files part 1's acquire reply
+            with service._lock:
+                service._retire_locked(service._link)  # then a fault retires the link
+        reader([bytearray(SIZE) for _ in keys])(first, slots, arena)
+
+    CacheClient._close_link_locked = close_link
+    try:
+        got = service.read_slots(keys, [SIZE] * 4, fill)
+    finally:
+        CacheClient._close_link_locked = real_close
+    assert got[2:] == [Outcome.MISSING] * 2, (got, calls)
+    assert calls == [0], calls
+    assert len(closes) == 1, closes
+
+
+def test_a_reservation_filed_by_another_thread_is_not_filled_after_the_link_closed(service):
+    """The store half: part 1's reservation, read by another request and
+    then taken back when the retired link's socket closed, is not written
+    (its slots may hold another block by then); the arena kept for a
+    reconnect stays mapped (the link is closed once)."""
+    keys, data = chain(6, 8)
+    calls = []
+
+    def fill(first, slots, arena):
+        calls.append(first)
+        if first == 0:
+            service.stats()  # files part 1's reserve reply
+            with service._lock:
+                service._retire_locked(service._link)
+        writer(data)(first, slots, arena)
+
+    got = service.write_slots(keys, [SIZE] * 6, fill)
+    assert calls == [0], (calls, got)
+    assert got == [Outcome.FAILED] * 2 + [Outcome.MISSING] * 4  # as sequentially: part 0's commit failed
+    assert service._kept in service._maps

@@ -72,6 +72,8 @@ def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill:
                 _end(c, link, None, {})
         parent_ok = committing is None or _settled(c, link, committing, out)
         committing = None
+        if entries is None and not parent_ok:  # the part before did not commit whole: as sequentially
+            part = [Outcome.MISSING] * (j - i)
         if filled:
             if parent_ok:
                 at = [len(out) + x for x, s in enumerate(slots) if s is not None]
@@ -169,6 +171,8 @@ def _take(c: "CacheClient", link: Link, asked: Optional[Pending], n: int, width:
     if asked is None:
         return None
     with c._lock:
+        if link.dead:  # its reply may have been filed by another thread, but the
+            return None  # socket is closing (or closed): the service gave its slots back
         try:
             reply = c._wait_locked(link, asked)
         except UcmError as exc:
