@@ -1,7 +1,7 @@
 """Streamed loads through the service: the client half (CacheClient.stream_slots).
 
 The client asks `stream` over its connection, one request per chunk of at
-most 1/8 of the arena (as read_slots); each reply carries the slots and
+most 1/8 of the arena (read_slots cuts finer parts, ucm/service/client_slots.py); each reply carries the slots and
 where the chunk's progress words lie in the service's progress file
 (ucm/service/progress.py), which the client maps read-only once per
 service instance. Waits poll those words (a short sleep between looks) and
