@@ -115,6 +115,38 @@ def test_cold_equals_plain_and_a_hit_equals_transformers_prefix_reuse(model):
         conn.close()
 
 
+def test_generate_stores_a_forwards_blocks_only_after_that_forward_made_its_token(model):
+    """connector.generate: the prefill's blocks are gathered and stored once
+    the forward that makes the first token is over (at the next forward, or
+    when generate returns), never beside it; cache_for's caches store after
+    the last layer of each forward, as a forward loop of one's own needs."""
+    from ucm.connectors.transformers import TransformersConnector
+    from ucm.keys import block_keys
+
+    events: list[str] = []
+    hook = model.lm_head.register_forward_hook(lambda *_: events.append("token"))
+    try:
+        with _dram_cache() as cache:
+            conn = TransformersConnector(model, cache)
+            real = conn._after_forward
+            conn._after_forward = lambda c: (events.append("store"), real(c))
+            for n, want in ((1, ["token", "store"]), (3, ["token", "store", "token", "token"])):
+                events.clear()
+                ids = _tokens(60 + n, 3 * BT + 2)
+                out = conn.generate(ids, max_new_tokens=n, do_sample=False)
+                assert events == want
+                assert conn.wait_stores() and cache.lookup(block_keys(conn.namespace, ids[0].tolist())) == 3
+                assert torch.equal(out, _plain(model, ids)[:, :ids.shape[1] + n])
+            events.clear()
+            ids = _tokens(70, 3 * BT + 2)
+            _generate(conn, ids)  # cache_for: the store follows the last layer of the prefill
+            assert events[:2] == ["store", "token"]
+            assert conn.wait_stores() and conn.stats()["stored_blocks"] == 9
+            conn.close()
+    finally:
+        hook.remove()
+
+
 def test_partial_hits_and_a_prompt_that_is_all_blocks(model):
     from ucm.connectors.transformers import TransformersConnector
 

@@ -20,7 +20,9 @@ layers (restore.py; the layers are layers.SpareLayer, which grow in place);
 the forward that completes a prompt block (the prefill, or a chunk of it),
 the new full blocks are gathered and stored on one background thread; the
 first token never waits for a store (`wait_stores` does, for tests and
-benchmarks). `finish` tells the cache how many tokens were generated.
+benchmarks). `connector.generate` starts that store only once the forward
+is over (when the next forward begins, or generate returns), so its gather
+and copies do not share the CPU with the forward that makes the token. `finish` tells the cache how many tokens were generated.
 
 Batches. A DynamicCache has one length for every row, and row `b` of a
 left-padded batch begins its real tokens after `pad_b` positions, so the
@@ -90,7 +92,8 @@ class UCMCache(DynamicCache):
     from ucm and whose new full prompt blocks go back to it. Made by
     `TransformersConnector.cache_for`."""
 
-    def __init__(self, connector: "TransformersConnector", rows: list[_Row], prompt_len: int) -> None:
+    def __init__(self, connector: "TransformersConnector", rows: list[_Row], prompt_len: int,
+                 store_after_token: bool = False) -> None:
         Cache.__init__(self, layers=[SpareLayer() for _ in range(connector.layout.num_layers)])
         self._connector = connector
         self._rows = rows
@@ -101,6 +104,10 @@ class UCMCache(DynamicCache):
         self._storing = any(r.valid for r in rows)
         self._finished = False
         self._deferred: list = []  # restore.DeferredLayers the first forward lands layer by layer
+        # `connector.generate`: a forward's new blocks are stored when the next forward starts (or generate
+        # returns), so their gather and copy never share the CPU with the forward that makes the token.
+        self._store_after_token = store_after_token
+        self._store_due = False
 
     @property
     def prompt_len(self) -> int:
@@ -108,14 +115,26 @@ class UCMCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx == 0 and self._expect_new is not None:
-            self._check_first_forward(key_states)
+        if layer_idx == 0:
+            if self._expect_new is not None:
+                self._check_first_forward(key_states)
+            self.store_due()  # the forward before this one is over: its token is out
         if self._deferred:
             self._land(layer_idx)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self._storing and layer_idx == len(self.layers) - 1:
-            self._connector._after_forward(self)
+            if self._store_after_token:
+                self._store_due = True
+            else:
+                self._connector._after_forward(self)
         return out
+
+    def store_due(self) -> None:
+        """Schedules the stores a finished forward left due (`generate`)."""
+        if self._store_due:
+            self._store_due = False
+            if self._storing:
+                self._connector._after_forward(self)
 
     def _check_first_forward(self, key_states: torch.Tensor) -> None:
         expect, self._expect_new = self._expect_new, None
@@ -151,7 +170,7 @@ class UCMCache(DynamicCache):
         self._drop_deferred()
         self._storing, self._finished = False, True
         fresh = UCMCache(self._connector, [_Row(r.pad, r.keys, r.request_id, r.valid) for r in self._rows],
-                         self._prompt_len)
+                         self._prompt_len, self._store_after_token)
         fresh._expect_new = self._prompt_len
         return fresh
 
@@ -241,7 +260,7 @@ class TransformersConnector:
                 self._warn_once("padding", "ucm: a prompt that is not left-padded is neither restored nor stored")
             keys = block_keys(self.namespace, ids_np[b, pad:]) if valid else []
             rows.append(_Row(pad, keys, f"hf-{os.getpid()}-{req}-{b}", valid))
-        cache = UCMCache(self, rows, length)
+        cache = UCMCache(self, rows, length, store_after_token=defer)
         with self._lock:
             self.counters["requests"] += 1
         for r in rows:
@@ -380,6 +399,7 @@ class TransformersConnector:
                                           past_key_values=cache, **kwargs)
         finally:
             cache._drop_deferred()
+            cache.store_due()
             seqs = getattr(out, "sequences", out)
             cache.finish(int(seqs.shape[1] - ids.shape[1]) if isinstance(seqs, torch.Tensor) else None)
         return out
