@@ -22,6 +22,7 @@ BENCHES["transformers"] = "ucm.apps.transformers_bench"
 BENCHES["sglang"] = "ucm.apps.sglang_bench"
 BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
 BENCHES["codec"] = "ucm.apps.codec_bench"
+BENCHES["sparse"] = "ucm.apps.sparse_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,149 @@
+"""Every selector, pages and whole blocks: a full budget selects every
+token, fixed budgets are taken exactly, sink and local are always kept; the
+oracle's recall is 1 at full budget and no selector beats it at a budget;
+top-p takes the fewest units that reach p; Quest finds a planted key that
+only one KV head's query group can see."""
+import numpy as np
+import pytest
+
+from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
+from ucm.accelerators.sparse.mass import recall, token_mass
+from ucm.accelerators.sparse.selectors import SELECTORS, make_selector
+from ucm.accelerators.sparse.summaries import units_from_keys
+from ucm.errors import ArgumentError, ConfigError
+
+KV_HEADS, GROUP, DIM = 3, 3, 16
+N = 1000  # 62 full 16-token pages and a tail of 8 tokens; 7 full 128-token blocks and a tail of 104
+
+
+def step(unit, seed=0, n=N, keys=None, query=None):
+    rng = np.random.default_rng(seed)
+    if keys is None:
+        keys = (rng.standard_normal((KV_HEADS, n, DIM)) * 2).astype(np.float32)
+    if query is None:
+        query = (rng.standard_normal((KV_HEADS * GROUP, DIM)) * 2).astype(np.float32)
+    return LayerStep(query=query, n_tokens=n, unit_tokens=unit, kv_heads=KV_HEADS,
+                     summaries=units_from_keys(keys, unit), keys=keys)
+
+
+def config(budget, sink=64, local=128):
+    return SelectionConfig(budget=budget, sink_tokens=sink, local_tokens=local)
+
+
+def check_ranges(sel):
+    at = 0
+    for a, b in sel.ranges:
+        assert at <= a < b <= sel.n_tokens
+        at = b + 1  # disjoint and merged: the next starts after a gap
+    assert sel.tokens == sel.kept_tokens + sel.extra_tokens == int(sel.mask().sum())
+
+
+NAMES = sorted(SELECTORS)
+UNITS = [16, 128]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("unit", UNITS)
+@pytest.mark.parametrize("budget", [Budget.tokens(N), Budget.ratio(1.0), Budget.top_p(1.0)], ids=str)
+def test_a_full_budget_selects_every_token(name, unit, budget):
+    sel = make_selector(name).select(step(unit), config(budget))
+    assert sel.ranges == ((0, N),)
+    check_ranges(sel)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("unit", UNITS)
+def test_fixed_budgets_are_taken_exactly(name, unit):
+    s = step(unit)
+    cands = sum(1 for u in range(N // unit) if u * unit >= 64 and (u + 1) * unit <= N - 128)
+    sel0 = make_selector(name).select(s, config(Budget.tokens(0)))
+    assert sel0.kept_tokens == N - cands * unit
+    for tokens in (0, 1, unit - 1, unit, 3 * unit + 5, 256, 512, N):
+        sel = make_selector(name).select(s, config(Budget.tokens(tokens)))
+        assert sel.extra_tokens == min(tokens // unit, cands) * unit
+        assert sel.kept_tokens == sel0.kept_tokens
+        check_ranges(sel)
+    for ratio in (0.0, 0.1, 0.25, 0.5):
+        sel = make_selector(name).select(s, config(Budget.ratio(ratio)))
+        assert sel.extra_tokens == min(int(ratio * N) // unit, cands) * unit
+        check_ranges(sel)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("unit", UNITS)
+@pytest.mark.parametrize("budget", [Budget.tokens(0), Budget.tokens(256), Budget.ratio(0.2), Budget.top_p(0.3)],
+                         ids=str)
+@pytest.mark.parametrize("sink,local", [(64, 128), (1, 1), (0, 300), (100, 0)])
+def test_sink_local_and_tail_are_always_kept(name, unit, budget, sink, local):
+    sel = make_selector(name).select(step(unit, seed=2), config(budget, sink, local))
+    mask = sel.mask()
+    assert mask[:sink].all() and mask[N - local:].all()
+    assert mask[(N // unit) * unit:].all()  # the tail: no full unit, no summary
+    check_ranges(sel)
+
+
+@pytest.mark.parametrize("unit", UNITS)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_oracle_has_recall_one_at_full_budget_and_no_selector_beats_it(unit, seed):
+    s = step(unit, seed=seed)
+    full = make_selector("oracle").select(s, config(Budget.tokens(N)))
+    assert recall(s, full) == pytest.approx(1.0, abs=1e-9)
+    for tokens in (0, 128, 256, 512):
+        best = recall(s, make_selector("oracle").select(s, config(Budget.tokens(tokens))))
+        for name in NAMES:
+            got = recall(s, make_selector(name).select(s, config(Budget.tokens(tokens))))
+            assert got <= best + 1e-12, (name, tokens)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8, 0.95])
+def test_oracle_top_p_takes_the_fewest_units_that_reach_p(p):
+    s = step(16, seed=5)
+    sel = make_selector("oracle").select(s, config(Budget.top_p(p)))
+    mass = token_mass(s.query, s.keys, s.softmax_scale)[:N // 16 * 16].reshape(-1, 16).sum(axis=1)
+    free = set(range(N // 16)) - {u for u in range(N // 16) if u * 16 < 64 or (u + 1) * 16 > N - 128}
+    total = sum(mass[u] for u in free)
+    got = [mass[u] for u in sel.units]
+    assert sum(got) >= p * total - 1e-12
+    assert sum(got[:-1]) < p * total
+    assert got == sorted(got, reverse=True)
+
+
+@pytest.mark.parametrize("name", ["quest", "mean", "oracle"])
+@pytest.mark.parametrize("unit", UNITS)
+def test_a_key_that_one_query_group_sees_is_selected(name, unit):
+    rng = np.random.default_rng(9)
+    keys = (rng.standard_normal((KV_HEADS, N, DIM)) * 0.3).astype(np.float32)
+    query = np.zeros((KV_HEADS * GROUP, DIM), dtype=np.float32)
+    query[GROUP:2 * GROUP, 3] = 4.0  # only the query heads of KV head 1 look along channel 3
+    needle = 517  # in page 32 and block 4, far from sink and local
+    keys[1, needle - 2:needle + 2, 3] = 6.0
+    keys[0, 300:304, 3] = 6.0  # the same key in another KV head, which no query head of group 1 reads
+    s = step(unit, keys=keys, query=query)
+    sel = make_selector(name).select(s, config(Budget.tokens(unit)))
+    assert sel.units == (needle // unit,)
+
+
+def test_random_is_seeded_and_sinklocal_takes_the_most_recent():
+    s = step(16, seed=1)
+    c = config(Budget.tokens(160))
+    a = make_selector("random", seed=4).select(s, c)
+    assert a.ranges == make_selector("random", seed=4).select(s, c).ranges
+    assert a.ranges != make_selector("random", seed=5).select(s, c).ranges
+    sl = make_selector("sinklocal").select(s, c)
+    assert sl.ranges == ((0, 64), (N // 16 * 16 - 8 * 16 - 160, N))
+
+
+def test_bad_names_budgets_and_steps_are_refused():
+    with pytest.raises(ConfigError, match="known"):
+        make_selector("nope")
+    with pytest.raises(ArgumentError):
+        Budget.top_p(0.0)
+    with pytest.raises(ArgumentError):
+        Budget.ratio(1.5)
+    with pytest.raises(ArgumentError):
+        Budget.tokens(-1)
+    with pytest.raises(ArgumentError, match="group"):
+        LayerStep(query=np.zeros((4, DIM), np.float32), n_tokens=10, unit_tokens=16, kv_heads=3)
+    with pytest.raises(ArgumentError, match="summaries"):
+        make_selector("quest").select(LayerStep(query=np.zeros((3, DIM), np.float32), n_tokens=64,
+                                                unit_tokens=16, kv_heads=3), config(Budget.tokens(16), 0, 0))
