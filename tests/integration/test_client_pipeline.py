@@ -213,3 +213,32 @@ def test_a_reservation_filed_by_another_thread_is_not_filled_after_the_link_clos
     assert calls == [0], (calls, got)
     assert got == [Outcome.FAILED] * 2 + [Outcome.MISSING] * 4  # as sequentially: part 0's commit failed
     assert service._kept in service._maps
+
+
+@pytest.mark.parametrize("op", ["write_slots", "read_slots"])
+def test_the_first_call_of_a_client_that_never_connected_is_cut_by_the_arena(service, op):
+    """A client made with connect=False learns the arena's size from the
+    hello of its first call: that call is cut into parts once the link
+    exists (two blocks a part here), not one block a part as for an arena
+    of unknown size."""
+    keys, data = chain(6, 9)
+    if op == "read_slots":
+        assert service.write_slots(keys, [SIZE] * 6, writer(data)) == [Outcome.DONE] * 6
+    fresh = CacheClient(service.path, connect=False)
+    try:
+        assert not fresh.connected
+        firsts, out = [], [bytearray(SIZE) for _ in keys]
+        copy = writer(data) if op == "write_slots" else reader(out)
+
+        def fill(first, slots, arena):
+            firsts.append(first)
+            copy(first, slots, arena)
+
+        assert getattr(fresh, op)(keys, [SIZE] * 6, fill) == [Outcome.DONE] * 6
+        assert firsts == [0, 2, 4], f"parts of the first call start at {firsts}"
+        if op == "read_slots":
+            assert [bytes(o) for o in out] == data
+        assert fresh.lookup(keys) == 6
+    finally:
+        fresh.close()
+    assert settled(service) == (0, 0)

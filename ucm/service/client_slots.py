@@ -1,7 +1,8 @@
 """read_slots / write_slots through the service: the client half, pipelined.
 
-A call is cut into parts of at most `PART_BYTES` (and 1/8 of the arena, at
-least one block each). The request for part n + 1 (`reserve` or `acquire`)
+A call is cut into parts of at most `PART_BYTES` (and 1/8 of the arena of
+the link it goes over, so only once that is connected; at least one block
+each). The request for part n + 1 (`reserve` or `acquire`)
 is sent before part n is copied, so the service places, evicts or stages
 it while this process copies (ucm/service/client_link.py: replies are read
 in order). At most two parts hold slots at once.
@@ -37,10 +38,10 @@ PART_BYTES = 16 << 20  # enough to hide a request's round trip under the copy of
 
 def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                 parent: Optional[bytes], rid: Optional[str]) -> list[Outcome]:
-    spans = c._chunks(sizes, PART_BYTES)
     link = _live(c)
-    if link is None or not spans:
+    if link is None or not keys:
         return [Outcome.FAILED] * len(keys)
+    spans = _parts(c, link, sizes)
 
     def ask(n: int) -> Optional[Pending]:
         i, j = spans[n]
@@ -108,10 +109,10 @@ class _Commit:
 
 def read_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                rid: Optional[str]) -> list[Outcome]:
-    spans = c._chunks(sizes, PART_BYTES)
     link = _live(c)
-    if link is None or not spans:
+    if link is None or not keys:
         return [Outcome.MISSING] * len(keys)
+    spans = _parts(c, link, sizes)
 
     def ask(n: int) -> Optional[Pending]:
         i, j = spans[n]
@@ -154,6 +155,13 @@ def _live(c: "CacheClient") -> Optional[Link]:
     except UcmError as exc:
         log.debug("%s", exc)
         return None
+
+
+def _parts(c: "CacheClient", link: Link, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The call's parts, cut by the arena of the link that carries them (its
+    hello announced the size: a client that never connected knows none
+    before `_live`)."""
+    return c._chunks(sizes, PART_BYTES, link.info["arena_bytes"])
 
 
 def _send(c: "CacheClient", link: Link, op: str, args: dict) -> Optional[Pending]:
