@@ -242,3 +242,35 @@ def test_the_first_call_of_a_client_that_never_connected_is_cut_by_the_arena(ser
     finally:
         fresh.close()
     assert settled(service) == (0, 0)
+
+
+@pytest.mark.parametrize("op", ["write_slots", "read_slots"])
+def test_an_interrupt_in_a_fill_propagates_and_the_link_counts_no_copy(service, op):
+    """A KeyboardInterrupt raised by `fill` (part 1 of 3) reaches the
+    caller; the interrupted copy is no longer counted on the link, the
+    slots of that part and of the part asked ahead go back to the service,
+    and the client goes on over the same link."""
+    keys, data = chain(6, 10)
+    if op == "read_slots":
+        assert service.write_slots(keys, [SIZE] * 6, writer(data)) == [Outcome.DONE] * 6
+    out = [bytearray(SIZE) for _ in keys]
+    copy = writer(data) if op == "write_slots" else reader(out)
+    link = service._link
+    before = link.inflight
+
+    def fill(first, slots, arena):
+        if first == 2:
+            raise KeyboardInterrupt
+        copy(first, slots, arena)
+
+    with pytest.raises(KeyboardInterrupt):
+        getattr(service, op)(keys, [SIZE] * 6, fill)
+    assert link.inflight == before, f"copies counted in flight on the link: {link.inflight}, before {before}"
+    assert service._link is link and not link.dead
+    assert settled(service) == (0, 0)  # part 1's slots and part 2's, asked ahead, given back
+    assert service.lookup(keys) == (2 if op == "write_slots" else 6)  # part 0 committed before
+    assert getattr(service, op)(keys, [SIZE] * 6, copy) == [Outcome.DONE] * 6
+    assert service._link is link and link.inflight == before
+    if op == "read_slots":
+        assert [bytes(o) for o in out] == data
+    assert service.lookup(keys) == 6 and settled(service) == (0, 0)
