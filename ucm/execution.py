@@ -73,7 +73,9 @@ class PlanExecutor:
         free room there had not run (`Failure.freeing`: the room this
         placement counted was still taken, e.g. by a headroom demotion in
         flight), once after they ran (run_through waits for them, no lock
-        held); else once after evictions that free a slot of that size.
+        held); else once after evictions that free a slot of that size
+        (`Failure.size_bytes`, the block's own bytes; without them the copy
+        is taken back out).
         Every failure is dequeued; returns the plan to run next (undo and
         retries)."""
         p = self.placement
@@ -92,7 +94,7 @@ class PlanExecutor:
                     continue
                 elif (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and key not in retried
                         and step.dst in p.tiers_of(key)):
-                    size = p.size_of(key)
+                    size = f.size_bytes  # the block's bytes: p.size_of is its footprint, maybe another class
                     evictions = self.slot_evictions(step.dst, key, size) if size is not None else []
                     retried.add(key)
                     if evictions or size is not None:
@@ -123,7 +125,9 @@ class PlanExecutor:
             return self.admit(plan) if plan else None
 
     def slot_evictions(self, t: int, key: Key, size: int) -> Plan:
-        """Tier t found no slot for `key` although Placement made room by
+        """Tier t found no slot for the `size` bytes of `key` (the payload's
+        size, which the arena rounds to its class; not the footprint
+        Placement counts) although Placement made room by
         bytes (the freed bytes lie in extents of another size class of a
         slab arena, ucm.adapters.slab). Asks the adapter which blocks to give
         up (`victims_for`), first those Placement may evict in prefix order,

@@ -90,6 +90,11 @@ class Failure:
     # failure, by any thread) had not run yet: the seq bounding them, to wait
     # for before a retry (the room the placement counted was still taken).
     freeing: Optional[int] = None
+    # NO_SPACE in a slot tier: the bytes of the block that found no slot (the
+    # caller's buffer, else the source tier's copy; None when unknown). What
+    # the arena's `victims_for` sizes its class by: the placement holds only
+    # the block's footprint, which may round to another class.
+    size_bytes: Optional[int] = None
 
 
 class _KeyOrder:
@@ -228,14 +233,15 @@ class TierStack:
         def failed(i: int, step: Step, seq: int, st: Status) -> None:
             if st is Status.CORRUPT:
                 self.corrupt += 1
-            freeing = None
+            freeing = size = None
             if st is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and has_slots(self.adapters[step.dst]):
                 freeing = self._order.frees_before(step.dst)
+                size = self._payload_bytes(step, sources.get(step.key))
             if last[step.key] > i:  # the later step waits for this one: let it go now
                 self._order.done(step.key, seq)
-                failures.append(Failure(step, seq, st, queued=False, freeing=freeing))
+                failures.append(Failure(step, seq, st, queued=False, freeing=freeing, size_bytes=size))
             else:
-                failures.append(Failure(step, seq, st, freeing=freeing))
+                failures.append(Failure(step, seq, st, freeing=freeing, size_bytes=size))
 
         i = 0
         while i < len(steps):
@@ -281,6 +287,19 @@ class TierStack:
         if st is not Status.OK:
             self.delete(step.dst, step.key)
         return st
+
+    def _payload_bytes(self, step: Step, have: Any) -> Optional[int]:
+        """The bytes of the block a WRITE or COPY step carries: the caller's
+        buffer (a buffer-protocol object or a tensor), else the source
+        tier's copy; None when that is gone or the tier fails."""
+        try:
+            if have is not None:
+                n = getattr(have, "nbytes", None)
+                return n if isinstance(n, int) else memoryview(have).nbytes
+            return None if step.src is None else self.adapters[step.src].size_of(step.key)
+        except Exception:
+            log.debug("ucm: the size of a block in tier %s is unknown", step.src, exc_info=True)
+            return None
 
     def _batchable(self, step: Step) -> bool:
         return has_slots(self.adapters[step.dst]) and not has_slots(self.adapters[step.src])

@@ -213,3 +213,64 @@ def test_a_reservation_filed_by_another_thread_is_not_filled_after_the_link_clos
     assert calls == [0], (calls, got)
     assert got == [Outcome.FAILED] * 2 + [Outcome.MISSING] * 4  # as sequentially: part 0's commit failed
     assert service._kept in service._maps
+
+
+@pytest.mark.parametrize("op", ["write_slots", "read_slots"])
+def test_the_first_call_of_a_client_that_never_connected_is_cut_by_the_arena(service, op):
+    """A client made with connect=False learns the arena's size from the
+    hello of its first call: that call is cut into parts once the link
+    exists (two blocks a part here), not one block a part as for an arena
+    of unknown size."""
+    keys, data = chain(6, 9)
+    if op == "read_slots":
+        assert service.write_slots(keys, [SIZE] * 6, writer(data)) == [Outcome.DONE] * 6
+    fresh = CacheClient(service.path, connect=False)
+    try:
+        assert not fresh.connected
+        firsts, out = [], [bytearray(SIZE) for _ in keys]
+        copy = writer(data) if op == "write_slots" else reader(out)
+
+        def fill(first, slots, arena):
+            firsts.append(first)
+            copy(first, slots, arena)
+
+        assert getattr(fresh, op)(keys, [SIZE] * 6, fill) == [Outcome.DONE] * 6
+        assert firsts == [0, 2, 4], f"parts of the first call start at {firsts}"
+        if op == "read_slots":
+            assert [bytes(o) for o in out] == data
+        assert fresh.lookup(keys) == 6
+    finally:
+        fresh.close()
+    assert settled(service) == (0, 0)
+
+
+@pytest.mark.parametrize("op", ["write_slots", "read_slots"])
+def test_an_interrupt_in_a_fill_propagates_and_the_link_counts_no_copy(service, op):
+    """A KeyboardInterrupt raised by `fill` (part 1 of 3) reaches the
+    caller; the interrupted copy is no longer counted on the link, the
+    slots of that part and of the part asked ahead go back to the service,
+    and the client goes on over the same link."""
+    keys, data = chain(6, 10)
+    if op == "read_slots":
+        assert service.write_slots(keys, [SIZE] * 6, writer(data)) == [Outcome.DONE] * 6
+    out = [bytearray(SIZE) for _ in keys]
+    copy = writer(data) if op == "write_slots" else reader(out)
+    link = service._link
+    before = link.inflight
+
+    def fill(first, slots, arena):
+        if first == 2:
+            raise KeyboardInterrupt
+        copy(first, slots, arena)
+
+    with pytest.raises(KeyboardInterrupt):
+        getattr(service, op)(keys, [SIZE] * 6, fill)
+    assert link.inflight == before, f"copies counted in flight on the link: {link.inflight}, before {before}"
+    assert service._link is link and not link.dead
+    assert settled(service) == (0, 0)  # part 1's slots and part 2's, asked ahead, given back
+    assert service.lookup(keys) == (2 if op == "write_slots" else 6)  # part 0 committed before
+    assert getattr(service, op)(keys, [SIZE] * 6, copy) == [Outcome.DONE] * 6
+    assert service._link is link and link.inflight == before
+    if op == "read_slots":
+        assert [bytes(o) for o in out] == data
+    assert service.lookup(keys) == 6 and settled(service) == (0, 0)

@@ -116,3 +116,31 @@ def test_staging_a_block_of_the_second_size_into_a_fragmented_dram(nvme_dir):
         assert c.locate(b_keys) == ["dram"] * 2
         assert None not in c.locate(a_keys)
         load_exact(c, a_keys, a_data)
+
+
+def test_reconcile_asks_the_arena_for_the_blocks_real_size_not_its_footprint(nvme_dir):
+    """8 MiB of DRAM: 8 extents of 1 MiB. Model X's 200 KiB blocks fit five
+    to an extent, so each costs 1 MiB / 5 (its footprint), which rounds to
+    208 KiB: model Y's size class (four to an extent). With Y's 16 blocks in
+    four extents and X's 20 in the other four, the next X block makes
+    Placement evict the least recently used Y block by bytes; the arena
+    then has a free Y slot but no X slot (NO_SPACE), and the reconcile must
+    ask `victims_for` about 200 KiB: the rest of that Y extent goes to NVMe
+    and X gets the extent. Asked about the footprint, the arena names one
+    more Y block of "the own class" instead, and the retry finds no slot."""
+    X, Y = 200 * KiB, 208 * KiB
+    with UnifiedCache(cfg(nvme_dir, dram="8MiB")) as c:
+        y_keys, y_data = blocks("y", 16, Y)
+        assert store_each(c, y_keys, y_data) == [Outcome.DONE] * 16
+        x_keys, x_data = blocks("x", 21, X)
+        assert store_each(c, x_keys[:20], x_data[:20]) == [Outcome.DONE] * 20
+        assert c.locate(y_keys + x_keys[:20]) == ["dram"] * 36
+        assert c.stats()["slot_evictions"] == 0
+        stored = store_each(c, x_keys[20:], x_data[20:])
+        assert stored == [Outcome.DONE], f"slot_evictions={c.stats()['slot_evictions']}"
+        assert c.locate(x_keys) == ["dram"] * 21
+        assert c.locate(y_keys[:4]) == ["nvme"] * 4, c.locate(y_keys)  # Y's first extent, emptied
+        assert c.locate(y_keys[4:]) == ["dram"] * 12
+        assert c.stats()["slot_evictions"] == 3 and c.stats()["store_refused"] == 0
+        load_exact(c, y_keys, y_data)
+        load_exact(c, x_keys, x_data)

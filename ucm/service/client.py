@@ -505,11 +505,13 @@ class CacheClient:
 
         return self.write_slots(keys, [len(v) for v in views], fill, parent, request_id)
 
-    def _chunks(self, sizes: Sequence[int], part_bytes: Optional[int] = None) -> list[tuple[int, int]]:
-        """Index ranges of at most 1/8 of the arena (and `part_bytes`) each,
-        at least one block each, so that one request never needs more slots
-        than the arena has."""
-        budget = max(1, int(self.service_info.get("arena_bytes", 0)) // 8)
+    def _chunks(self, sizes: Sequence[int], part_bytes: Optional[int] = None,
+                arena_bytes: Optional[int] = None) -> list[tuple[int, int]]:
+        """Index ranges of at most 1/8 of the arena (`arena_bytes`: the link's;
+        else the last service's, none before a first connection: one block a
+        range) and `part_bytes` each, at least one block each, so that one
+        request never needs more slots than the arena has."""
+        budget = max(1, (arena_bytes or int(self.service_info.get("arena_bytes", 0))) // 8)
         if part_bytes is not None:
             budget = min(budget, part_bytes)
         out, i = [], 0

@@ -1,7 +1,8 @@
 """read_slots / write_slots through the service: the client half, pipelined.
 
-A call is cut into parts of at most `PART_BYTES` (and 1/8 of the arena, at
-least one block each). The request for part n + 1 (`reserve` or `acquire`)
+A call is cut into parts of at most `PART_BYTES` (and 1/8 of the arena of
+the link it goes over, so only once that is connected; at least one block
+each). The request for part n + 1 (`reserve` or `acquire`)
 is sent before part n is copied, so the service places, evicts or stages
 it while this process copies (ucm/service/client_link.py: replies are read
 in order). At most two parts hold slots at once.
@@ -16,7 +17,10 @@ Loads: every part on its own (a miss in one does not end the call); a
 connection reads it).
 
 Everything runs on the caller's thread; the client's `_lock` is taken per
-send and per reply, never across a copy. Faults are outcomes.
+send and per reply, never across a copy. Faults are outcomes. A
+BaseException out of `fill` (KeyboardInterrupt, SystemExit) ends the call
+and propagates, after the copy stopped counting on the link and the slots
+of its part and of the part asked ahead were given back.
 """
 from __future__ import annotations
 
@@ -37,10 +41,10 @@ PART_BYTES = 16 << 20  # enough to hide a request's round trip under the copy of
 
 def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                 parent: Optional[bytes], rid: Optional[str]) -> list[Outcome]:
-    spans = c._chunks(sizes, PART_BYTES)
     link = _live(c)
-    if link is None or not spans:
+    if link is None or not keys:
         return [Outcome.FAILED] * len(keys)
+    spans = _parts(c, link, sizes)
 
     def ask(n: int) -> Optional[Pending]:
         i, j = spans[n]
@@ -61,10 +65,17 @@ def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill:
         else:
             slots = [tuple(r) if isinstance(r, list) else None for r in entries]
             part = [Outcome.MISSING if r is None else Outcome.DONE for r in entries]
-            if part[-1] is Outcome.DONE and n + 1 < len(spans):
-                asked, asked_n = ask(n + 1), n + 1  # reserved by the service while this part is copied
             filled = [k for k, s in zip(keys[i:j], slots) if s is not None]
-            if filled and not _fill(fill, i, slots, link, "into reserved slots"):
+            try:
+                if part[-1] is Outcome.DONE and n + 1 < len(spans):
+                    asked, asked_n = ask(n + 1), n + 1  # reserved by the service while this part is copied
+                copied = not filled or _fill(fill, i, slots, link, "into reserved slots")
+            except BaseException:  # KeyboardInterrupt, SystemExit: the copy ends, its slots go back
+                _end(c, link, "abort" if filled else None, {"keys": filled}, detached=True)
+                if asked is not None:
+                    _abort_unused(c, link, asked, keys[slice(*spans[asked_n])])
+                raise
+            if not copied:
                 _end(c, link, "abort", {"keys": filled})
                 part = [Outcome.FAILED if s is not None else o for s, o in zip(slots, part)]
                 filled = []
@@ -87,13 +98,18 @@ def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill:
     if committing is not None:
         _settled(c, link, committing, out)
     if asked is not None:  # sent ahead for a part that is not copied now
-        i, j = spans[asked_n]
-        entries = _take(c, link, asked, j - i, 2)
-        if entries is not None:
-            unused = [k for k, r in zip(keys[i:j], entries) if isinstance(r, list)]
-            _end(c, link, "abort" if unused else None, {"keys": unused})
+        _abort_unused(c, link, asked, keys[slice(*spans[asked_n])])
     out.extend([Outcome.MISSING] * (len(keys) - len(out)))
     return out
+
+
+def _abort_unused(c: "CacheClient", link: Link, asked: Pending, keys: list[bytes]) -> None:
+    """Aborts what the reservation of `keys` sent ahead got, for a part that
+    is then not copied."""
+    entries = _take(c, link, asked, len(keys), 2)
+    if entries is not None:
+        unused = [k for k, r in zip(keys, entries) if isinstance(r, list)]
+        _end(c, link, "abort" if unused else None, {"keys": unused})
 
 
 class _Commit:
@@ -108,10 +124,10 @@ class _Commit:
 
 def read_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                rid: Optional[str]) -> list[Outcome]:
-    spans = c._chunks(sizes, PART_BYTES)
     link = _live(c)
-    if link is None or not spans:
+    if link is None or not keys:
         return [Outcome.MISSING] * len(keys)
+    spans = _parts(c, link, sizes)
 
     def ask(n: int) -> Optional[Pending]:
         i, j = spans[n]
@@ -121,28 +137,49 @@ def read_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: 
     asked = ask(0)
     for n, (i, j) in enumerate(spans):
         leases = _take(c, link, asked, j - i, 3)
-        asked = ask(n + 1) if n + 1 < len(spans) else None  # staged while this part is copied
-        if leases is None:
-            out.extend([Outcome.MISSING] * (j - i))
-            continue
-        slots: list[Optional[tuple[int, int]]] = []
-        part: list[Outcome] = []
-        for lease, size in zip(leases, sizes[i:j]):
-            if lease is None:
-                slots.append(None)
-                part.append(Outcome.MISSING)
-            elif lease[2] != size:
-                slots.append(None)
-                part.append(Outcome.CORRUPT)
-            else:
-                slots.append((lease[1], lease[2]))
-                part.append(Outcome.DONE)
-        if any(s is not None for s in slots) and not _fill(fill, i, slots, link, "out of leased slots"):
-            part = [Outcome.FAILED if o is Outcome.DONE else o for o in part]
-        held = [lease[0] for lease in leases if lease is not None]
-        _end(c, link, "release" if held else None, {"leases": held}, detached=True)
+        asked = None
+        try:
+            asked = ask(n + 1) if n + 1 < len(spans) else None  # staged while this part is copied
+            part = [Outcome.MISSING] * (j - i) if leases is None else _copy_out(fill, i, leases, sizes[i:j], link)
+        except BaseException:  # KeyboardInterrupt, SystemExit: the copy ends, its leases go back
+            if leases is not None:
+                _release(c, link, leases)
+            if asked is not None:  # and those of the part acquired ahead
+                k, m = spans[n + 1]
+                ahead = _take(c, link, asked, m - k, 3)
+                if ahead is not None:
+                    _release(c, link, ahead)
+            raise
+        if leases is not None:
+            _release(c, link, leases)
         out.extend(part)
     return out
+
+
+def _copy_out(fill: SlotFn, first: int, leases: list, sizes: Sequence[int], link: Link) -> list[Outcome]:
+    """A part's copy out of its leased slots (`fill`); its outcomes."""
+    slots: list[Optional[tuple[int, int]]] = []
+    part: list[Outcome] = []
+    for lease, size in zip(leases, sizes):
+        if lease is None:
+            slots.append(None)
+            part.append(Outcome.MISSING)
+        elif lease[2] != size:
+            slots.append(None)
+            part.append(Outcome.CORRUPT)
+        else:
+            slots.append((lease[1], lease[2]))
+            part.append(Outcome.DONE)
+    if any(s is not None for s in slots) and not _fill(fill, first, slots, link, "out of leased slots"):
+        part = [Outcome.FAILED if o is Outcome.DONE else o for o in part]
+    return part
+
+
+def _release(c: "CacheClient", link: Link, leases: list) -> None:
+    """Ends a copy out of `leases` counted by `_take` and gives them back
+    (the reply is read by the next request on the link)."""
+    held = [lease[0] for lease in leases if lease is not None]
+    _end(c, link, "release" if held else None, {"leases": held}, detached=True)
 
 
 def _live(c: "CacheClient") -> Optional[Link]:
@@ -154,6 +191,13 @@ def _live(c: "CacheClient") -> Optional[Link]:
     except UcmError as exc:
         log.debug("%s", exc)
         return None
+
+
+def _parts(c: "CacheClient", link: Link, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The call's parts, cut by the arena of the link that carries them (its
+    hello announced the size: a client that never connected knows none
+    before `_live`)."""
+    return c._chunks(sizes, PART_BYTES, link.info["arena_bytes"])
 
 
 def _send(c: "CacheClient", link: Link, op: str, args: dict) -> Optional[Pending]:
@@ -189,6 +233,9 @@ def _take(c: "CacheClient", link: Link, asked: Optional[Pending], n: int, width:
 
 
 def _fill(fill: SlotFn, first: int, slots: list, link: Link, where: str) -> bool:
+    """Whether `fill` returned; an Exception is a failed copy (logged). A
+    BaseException (KeyboardInterrupt, SystemExit) propagates: the caller
+    ends the copy and gives its slots back first."""
     try:
         fill(first, slots, link.arena.m)
         return True
