@@ -244,6 +244,28 @@ def test_the_first_call_of_a_client_that_never_connected_is_cut_by_the_arena(ser
     assert settled(service) == (0, 0)
 
 
+def test_the_first_stream_of_a_client_that_never_connected_is_cut_by_the_arena(service):
+    """stream_slots, like read_slots: a client made with connect=False cuts
+    its first streamed load by the arena its first hello announces (as a
+    connected client does), not one block a chunk."""
+    keys, data = chain(6, 11)
+    assert service.write_slots(keys, [SIZE] * 6, writer(data)) == [Outcome.DONE] * 6
+    fresh = CacheClient(service.path, connect=False)
+    try:
+        assert not fresh.connected
+        stream = fresh.stream_slots(keys, [SIZE] * 6, 1)
+        try:
+            want = [i for i, _ in service._chunks([SIZE] * 6)]  # a connected client's chunks
+            assert len(want) < 6 and [p.first for p in stream.parts] == want, \
+                f"chunks start at {[p.first for p in stream.parts]}, a connected client's at {want}"
+            assert stream.outcomes(10) == [Outcome.DONE] * 6
+        finally:
+            stream.release()
+    finally:
+        fresh.close()
+    assert settled(service) == (0, 0)
+
+
 @pytest.mark.parametrize("op", ["write_slots", "read_slots"])
 def test_an_interrupt_in_a_fill_propagates_and_the_link_counts_no_copy(service, op):
     """A KeyboardInterrupt raised by `fill` (part 1 of 3) reaches the

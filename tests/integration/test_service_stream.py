@@ -110,7 +110,7 @@ def test_the_service_killed_during_a_stream_is_a_miss_and_nothing_hangs(served):
 def test_a_refused_first_chunk_leaves_the_later_chunks_served(served, monkeypatch):
     client, _ = served
     keys, data = on_nvme(client, 6, 3)
-    monkeypatch.setattr(client, "_chunks", lambda sizes: [(0, 2), (2, len(sizes))])
+    monkeypatch.setattr(client, "_chunks", lambda sizes, **_: [(0, 2), (2, len(sizes))])
     real = client._begin_fill
     calls = []
 

@@ -127,12 +127,14 @@ def stream_slots(client: "CacheClient", keys: Sequence[Key], sizes: Sequence[int
                  request_id: Optional[str]) -> ClientStream:
     """CacheClient.stream_slots; faults are misses, never exceptions."""
     from ucm.service.client import ServiceUnavailable, _keys
+    from ucm.service.client_slots import _live
 
     keys = _keys(keys)
     sizes = check_sizes(keys, sizes)
     rid = check_request_id(request_id)
     stream: Optional[ClientStream] = None
-    for i, j in client._chunks(sizes):
+    live = _live(client)  # the chunks are cut by the arena its hello announced (none before a first connection)
+    for i, j in client._chunks(sizes, arena_bytes=live.info.get("arena_bytes") if live is not None else None):
         n = j - i
         try:
             link, reply = client._begin_fill("stream", {"keys": keys[i:j], "sizes": list(sizes[i:j]),
