@@ -53,14 +53,16 @@ $(SGL_STAMP): $(SGL_BIN)/python requirements/sglang-cpu.txt requirements/sglang-
 
 $(SGL_VENV): $(SGL_STAMP)
 
-# Servers the cluster-tier tests start on 127.0.0.1 (redis-server) and the
-# fio baseline of `ucm bench io`, from Debian; needs root (CI runs as root).
-# Without them those tests skip.
+# Servers the cluster-tier tests start on 127.0.0.1 (redis-server), the
+# fio baseline of `ucm bench io`, and libibverbs1, which the Mooncake wheel's
+# binaries and modules link against even over tcp, from Debian; needs root
+# (CI runs as root). Without redis-server and fio their tests skip.
 system-deps:
-	@if ! command -v redis-server >/dev/null || ! command -v fio >/dev/null; then \
+	@if ! command -v redis-server >/dev/null || ! command -v fio >/dev/null || \
+	    ! /sbin/ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fio >/dev/null; \
-		else echo "redis-server/fio missing and not root: their tests will skip"; fi; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fio libibverbs1 >/dev/null; \
+		else echo "redis-server/fio/libibverbs1 missing and not root: their tests will skip"; fi; \
 	fi
 
 build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/include/ucm/*.hpp)
