@@ -50,9 +50,11 @@ and no medium is called under it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
@@ -70,6 +72,10 @@ log = logging.getLogger(__name__)
 # most; a put beyond waits for room (a full DRAM tier's staging of a
 # 23-block prompt of 2.95 MB blocks demotes 68 MB).
 WRITE_BEHIND_BYTES = 128 << 20
+
+
+# Threads that verify and decode the blocks of one batched read in parallel.
+DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(eq=False, slots=True)
@@ -133,6 +139,7 @@ class CodecAdapter(StorageAdapter):
         self._queue: deque[_Pending] = deque()
         self._pending_bytes = 0
         self._writer: Optional[threading.Thread] = None
+        self._decoders_pool: Optional[ThreadPoolExecutor] = None  # made by the first batched read
         self._closing = False
 
     # ---- write -------------------------------------------------------------
@@ -331,9 +338,24 @@ class CodecAdapter(StorageAdapter):
                 idx.append(i)
                 scratch.append(bytearray(n))
         got = self.inner.get([keys[i] for i in idx], scratch) if idx else []
-        for i, buf, st in zip(idx, scratch, got):
-            out[i] = self._decode(memoryview(buf), views[i]) if st is Status.OK else st
+        todo = [(i, buf) for i, buf, st in zip(idx, scratch, got) if st is Status.OK]
+        for i, st in zip(idx, got):
+            out[i] = st
+        if len(todo) > 1:  # the blocks of a batch in parallel: verify and decode release the GIL
+            for (i, _), st in zip(todo, self._decode_pool().map(lambda t: self._decode(memoryview(t[1]), views[t[0]]),
+                                                               todo)):
+                out[i] = st
+        elif todo:
+            i, buf = todo[0]
+            out[i] = self._decode(memoryview(buf), views[i])
         return out
+
+    def _decode_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._decoders_pool is None:
+                self._decoders_pool = ThreadPoolExecutor(max_workers=DECODE_THREADS,
+                                                         thread_name_prefix="ucm-codec-decode")
+            return self._decoders_pool
 
     def size_of(self, key: Key) -> Optional[int]:
         """The block's raw (decoded) size, from memory or its frame header."""
@@ -432,6 +454,8 @@ class CodecAdapter(StorageAdapter):
             self._cond.notify_all()
         if writer is not None:
             writer.join()
+        if self._decoders_pool is not None:
+            self._decoders_pool.shutdown(wait=True)
         self.inner.close()
 
 
