@@ -381,7 +381,10 @@ class Placement:
         """After a hit served below the landing tier: copies the block up if
         the landing tier's policy admits it (COPY step; the lower copy stays).
         `force` skips admission: the block must be staged (a reader needs it
-        in the landing tier's shared memory)."""
+        in the landing tier's shared memory). A placed promotion tells the
+        source tier's policy (`on_copied_up`: lru counts it as a use of the
+        copy that stays, which else keeps the recency of its first demotion
+        while the block is reused through the landing tier)."""
         src = self.where(key)
         t = self.landing
         if src is None or src <= t:
@@ -398,6 +401,7 @@ class Placement:
             self.unhold([key])
         if not room or key not in self._parent:
             return Decision(False, plan)
+        self._tiers[src].policy.on_copied_up(key)
         self._enter(key, t, size)
         dst.counters.promotions_in += 1
         plan.append(Step(Op.COPY, key, src=src, dst=t))

@@ -317,6 +317,7 @@ bool PlacementCore::promote(const BlockKey& key, bool force, PlanSteps& plan) {
   bool room = make_room(t, size, plan, protect ? &*protect : nullptr);
   count_down(holds_, key);
   if (!room || nodes_.count(key) == 0) return false;
+  tiers_[static_cast<std::size_t>(src)].policy->on_copied_up(key);  // the copy read stays (placement.py)
   enter(key, t, size);
   ++dst.counters.promotions_in;
   plan.push_back({StepOp::kCopy, key, src, t});

@@ -21,6 +21,7 @@ class LruPolicy : public PolicyCore {
   void on_hit(const BlockKey& key) override {
     if (reorder_ && queue_.contains(key)) queue_.update(key, 0, ++seq_);
   }
+  void on_copied_up(const BlockKey& key) override { on_hit(key); }  // lru: a use of this copy (FIFO: none)
   void on_remove(const BlockKey& key) override { queue_.remove(key); }
   bool victim(const KeyPred& evictable, BlockKey* out) override {
     return queue_.head(0, evictable, out) || queue_.fallback(evictable, out);

@@ -152,3 +152,22 @@ def test_a_pinned_block_with_no_other_copy_is_never_a_victim():
     for i, k in enumerate(b):
         p.insert(k, b[i - 1] if i else None, 1)
     check(p, a)  # demoted at most (one copy, somewhere), never dropped
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_promotion_is_a_use_of_the_copy_it_reads_and_keeps_it_in_the_lowest_tier(native):
+    # DRAM of 1 block over NVMe of 3, lru: `doc` is demoted first, then used through DRAM
+    # (promoted, read from NVMe, its NVMe copy staying) and dropped from DRAM again
+    # (free: the NVMe copy is there). The fillers demoted before that use go first.
+    p = Placement([TierSpec("dram", 1), TierSpec("nvme", 3)], load_policy("lru"), native=native)
+    doc, fillers = key("doc", 0), [key("f", i) for i in range(4)]
+    assert p.insert(doc, None, 1).placed
+    for f in fillers[:2]:
+        assert p.insert(f, None, 1).placed  # doc, then f0 below: nvme holds doc, f0
+    d = p.promote(doc, force=True)  # staged back up: f1 demoted; nvme doc, f0, f1
+    assert d.placed and [(s.op, s.key) for s in d.plan] == [(Op.MOVE, fillers[1]), (Op.COPY, doc)]
+    assert p.insert(fillers[2], None, 1).placed  # doc leaves DRAM by a drop, its NVMe copy stays
+    assert p.tiers_of(doc) == [1] and p.used_bytes(1) == 3
+    plan = p.insert(fillers[3], None, 1).plan  # f2 demoted into a full NVMe: its lru victim goes
+    assert (Op.DROP, fillers[0], 1) in [(s.op, s.key, s.src) for s in plan]
+    assert p.tiers_of(doc) == [1] and p.tiers_of(fillers[0]) == []

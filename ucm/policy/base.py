@@ -14,6 +14,11 @@ Calls a policy receives, per tier:
 - `on_reclass(key)` — the HeatTracker learned more about the block without
   an access (its request reported its output length); a policy that files
   blocks by what the tracker knows re-files it. Default: nothing.
+- `on_copied_up(key)` — a promotion read the block out of this tier into the
+  landing tier (a load's hit here, or a staging); this copy stays, and the
+  access is reported to the landing tier. Default: nothing; lru counts it as
+  a use of this copy (else a block reused through DRAM keeps, below, the
+  recency of its first demotion and is the lowest tier's victim).
 - `victim(evictable)` — the block to evict next among those for which
   `evictable(key)` is true (the cache excludes pinned blocks and parents whose
   children are resident), or None if there is none.
@@ -121,6 +126,9 @@ class PlacementPolicy(abc.ABC):
 
     def on_reclass(self, key: Key) -> None:
         """The tracker's record of `key` changed without an access."""
+
+    def on_copied_up(self, key: Key) -> None:
+        """A promotion read `key` out of this tier (see the module docstring)."""
 
     def admit(self, key: Key, why: Admission) -> bool:
         return True

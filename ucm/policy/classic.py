@@ -49,6 +49,9 @@ class LruPolicy(PlacementPolicy):
             self._seq += 1
             self._queue.update(key, 0, self._seq)
 
+    def on_copied_up(self, key: Key) -> None:
+        self.on_hit(key)  # a use of this copy: a block reused through DRAM is not this tier's oldest
+
     def on_remove(self, key: Key) -> None:
         self._queue.remove(key)
 

@@ -43,6 +43,9 @@ class PolicyCore {
   virtual bool admit(const BlockKey&, AdmissionKind) { return true; }
   // The tracker's record of `key` changed without an access (its output kind).
   virtual void on_reclass(const BlockKey&) {}
+  // `key` was read out of this tier by a promotion (its copy here stays);
+  // nothing by default, lru counts it as a use (ucm/policy/base.py).
+  virtual void on_copied_up(const BlockKey&) {}
 };
 
 // What one tier's policy instance is built with (TierInfo and the tracker
