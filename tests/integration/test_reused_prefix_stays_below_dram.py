@@ -64,6 +64,10 @@ def test_a_document_used_every_cycle_is_never_dropped_by_the_fillers_between(nvm
     with UnifiedCache(cfg(nvme_dir)) as c:
         for keys in docs:  # chained, as a connector stores a prompt's blocks
             assert c.store(keys, [payload(k) for k in keys], parent=None).wait(60) == [Outcome.DONE] * BLOCKS
+        # The headroom these stores call for is made now: a demotion still running in the background when the
+        # first prefetch looks would leave that prefetch's blocks below DRAM (a prefetch of a block whose
+        # demotion is in flight does not stage it again), and the first locate would race it.
+        c.flush()
         for cycle in range(CYCLES):
             for d, keys in enumerate(docs):
                 c.prefetch(keys).wait(60)
