@@ -20,7 +20,8 @@ tier below it are whole blocks. Both are counted (`FetchCounters`):
   picked pages' K and V of the layer), per fetch;
 - `bytes_read[tier]` for a block located below the landing tier when read:
   its whole size (what that tier served to stage it; the nvme adapter's
-  own `bytes_read` counter moves by the same amount);
+  own `bytes_read` counter moves by the same amount when the block is read
+  from the medium, not when it is still in the adapter's write buffer);
 - `bytes_leased`: the size of every block leased (what the cache counts in
   its `bytes_loaded`).
 
