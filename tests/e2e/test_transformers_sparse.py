@@ -167,3 +167,16 @@ def test_a_dead_service_at_decode_is_dense_decode(model, ids, dense):
         assert dec.stats()["dense_fallbacks"] == LAYERS * (NEW - 1)
     finally:
         real.close()
+
+
+def test_a_restored_prefix_is_summarised_from_its_layers_and_decodes_as_dense(model, ids, dense):
+    cache = _cache()
+    try:
+        _decode(model, ids, Budget.ratio(1.0), cache=cache)  # stores the prompt's blocks
+        out, dec = _decode(model, ids, Budget.ratio(1.0), cache=cache)  # a new decoder: an empty summary index
+        assert out[0, PROMPT:].tolist() == dense[0, PROMPT:].tolist()
+        s = dec.stats()
+        assert s["summaries_from_layers"] == PROMPT // BT and s["dense_fallbacks"] == 0
+        assert s["sparse_layer_steps"] == LAYERS * (NEW - 1)
+    finally:
+        cache.close()

@@ -13,7 +13,8 @@ its session the active one (a ContextVar: only this thread's forward passes
 see it). Without an active session, for prefill (more than one query
 token), for a batch of more than one row or a left-padded row, the function
 is its base (`eager`, the same operations as transformers' eager, or
-`sdpa`): prefill stays dense.
+`sdpa`): prefill (the session's first forward, whatever its length) stays
+dense.
 
 At a decode step, for layer l (the selection of the layer is shared by its
 query heads; ucm/accelerators/sparse/base.py):
@@ -120,7 +121,7 @@ def _make_attention(base: str) -> Any:
     def ucm_sparse_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
         session = _ACTIVE.get()
-        if session is None or query.shape[2] != 1:
+        if session is None:
             return dense(module, query, key, value, attention_mask, **kwargs)
         return session.attend(dense, module, query, key, value, attention_mask, **kwargs)
 
@@ -222,6 +223,7 @@ class _Session:
     def __init__(self, decoder: SparseDecoder) -> None:
         self.d = decoder
         self.step = -1
+        self.forwards = 0  # forwards begun (the first is the prefill)
         self.layers: dict[int, _LayerState] = {}
         self._units: dict[int, Any] = {}  # layer -> UnitSummaries of the prefix
         self._ready = False
@@ -237,6 +239,10 @@ class _Session:
                mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
         d, c = self.d, self.d.counters
         layer = int(getattr(module, "layer_idx", 0))
+        if layer == 0:
+            self.forwards += 1
+        if self.forwards == 1 or query.shape[2] != 1:  # the prefill (of one token after a full hit too): dense
+            return dense(module, query, key, value, mask, **kwargs)
         if layer == 0:
             self.step += 1
             c["decode_steps"] += 1
