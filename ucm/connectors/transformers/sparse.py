@@ -191,6 +191,7 @@ class SparseDecoder:
             session.close()
 
     def stats(self) -> dict[str, Any]:
+        """Counters over every generate call so far (fetch counters added when a call returns)."""
         out = dict(self.counters)
         out.update(self._fetch)
         steps = max(1, out["decode_steps"])
@@ -228,7 +229,7 @@ class _Session:
         self._units: dict[int, Any] = {}  # layer -> UnitSummaries of the prefix
         self._ready = False
         self._fetcher: Optional[PageFetcher] = None
-        self._blocks = 0  # prefix blocks scored
+        self._summaries: list = []  # the prompt's block summaries, in order
 
     def close(self) -> None:
         if self._fetcher is not None:

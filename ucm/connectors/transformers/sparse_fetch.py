@@ -41,7 +41,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 
 from ucm import _native
@@ -164,8 +163,3 @@ class PageFetcher:
         c.bytes_read[self.landing] = c.bytes_read.get(self.landing, 0) + 2 * heads * total * tok
         return FetchedPages(units, positions, kf, vf)
 
-
-def page_positions(units: Sequence[int], page_tokens: int, pad: int = 0) -> np.ndarray:
-    """The sequence positions of pages `units`, ascending."""
-    u = np.asarray(sorted(units), dtype=np.int64)
-    return (pad + u[:, None] * page_tokens + np.arange(page_tokens, dtype=np.int64)[None, :]).ravel()
