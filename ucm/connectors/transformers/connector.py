@@ -223,6 +223,10 @@ class TransformersConnector:
         self._inflight: list[tuple[Handle, Any]] = []  # store handles and the sources they read
         self._jobs: list[Any] = []  # futures of store jobs not yet done
         self._warned: set[str] = set()
+        # Sparse decode's hooks (sparse.py): called on the store thread with (keys, CPU payload) before a store;
+        # the UCMCache of the `generate` call under way.
+        self.block_observer: Optional[Any] = None
+        self.generating: Optional[UCMCache] = None
         self.counters = {"requests": 0, "lookup_blocks": 0, "hit_blocks": 0, "front_hit_blocks": 0,
                          "restored_tokens": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "faults": 0}
@@ -341,6 +345,8 @@ class TransformersConnector:
                     self._call("store", lambda: self.front.store(keys, [payload[i] for i in range(n)], parent=parent,
                                                                  request_id=r.request_id))
                 host = payload if self.device.type == "cpu" else payload.to("cpu")
+                if self.block_observer is not None:
+                    self._call("block_observer", lambda: self.block_observer(keys, host))
                 handle = self._call("store", lambda: self._cache.store(keys, [host[i] for i in range(n)],
                                                                        parent=parent, request_id=r.request_id))
                 if handle is not None:
@@ -386,7 +392,7 @@ class TransformersConnector:
         if ids.ndim == 1:
             ids = ids.unsqueeze(0)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        cache = self._cache_for(ids, mask, defer=True)
+        cache = self.generating = self._cache_for(ids, mask, defer=True)
         out = None
         try:
             try:
@@ -394,10 +400,11 @@ class TransformersConnector:
                                           past_key_values=cache, **kwargs)
             except RestoreFault:  # raised in the first forward, before any token: recompute the prompt
                 self._fault("restore", "ucm: a restored block did not land during prefill; the prompt is recomputed")
-                cache = cache._recompute()
+                cache = self.generating = cache._recompute()
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                           past_key_values=cache, **kwargs)
         finally:
+            self.generating = None
             cache._drop_deferred()
             cache.store_due()
             seqs = getattr(out, "sequences", out)

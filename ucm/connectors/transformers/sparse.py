@@ -1,0 +1,350 @@
+"""Sparse decode for transformers: each decode step attends, per layer, only
+over the tokens a selector picked, the picked pages read from ucm.
+
+    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="quest", budget=Budget.tokens(1024)))
+    out = decoder.generate(input_ids, max_new_tokens=64)   # connector.generate, decoded sparsely
+    decoder.stats()                                        # bytes read per tier per decoded token, ...
+
+How. `register()` adds attention functions `ucm_sparse_eager` and
+`ucm_sparse_sdpa` to transformers' `AttentionInterface` (and the matching
+mask functions to `AttentionMaskInterface`, so prefill keeps its causal
+mask). `generate` switches the model to one of them for the call and makes
+its session the active one (a ContextVar: only this thread's forward passes
+see it). Without an active session, for prefill (more than one query
+token), for a batch of more than one row or a left-padded row, the function
+is its base (`eager`, the same operations as transformers' eager, or
+`sdpa`): prefill (the session's first forward, whatever its length) stays
+dense.
+
+At a decode step, for layer l (the selection of the layer is shared by its
+query heads; ucm/accelerators/sparse/base.py):
+- every `reselect_every` steps the selector scores the prefix's pages from
+  their summaries (a `SummaryIndex` fed by the connector's stores, and for
+  blocks it lacks, e.g. a restored prefix, from the resident keys at the
+  first step) and picks the pages within the budget; sink, local window and
+  tail (decoded tokens and the prompt's last, partial block) are always kept;
+- the picked pages' K and V of layer l are fetched from the cache
+  (sparse_fetch.py: leased whole blocks, only the pages copied; whole blocks
+  staged from NVMe), and kept for the steps until the next selection (the
+  reuse); the other kept tokens come from the layer's resident tensors;
+- attention runs over exactly those tokens, in sequence order, with the
+  mask's columns of those tokens.
+
+What stays resident. The layers still hold the whole KV (the connector's
+UCMCache): the fetched pages are real reads from the tiers, but the gain is
+bandwidth and compute of attention, not capacity. The resident KV is what
+makes the fallback exact: a page that cannot be fetched (evicted, corrupt,
+service down) makes that layer attend densely over the resident KV for the
+step (`dense_fallbacks`), never over wrong or missing bytes, and nothing
+raises into generate.
+
+Before the first sparse step the decoder waits for the connector's stores
+of the prompt (`wait_stores`), so that the prompt's blocks can be read.
+Runs in the caller's thread; a decoder serves one generate call at a time.
+"""
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from ucm.accelerators.sparse.base import Budget, LayerStep, Selection, SelectionConfig
+from ucm.accelerators.sparse.index import SummaryIndex
+from ucm.accelerators.sparse.selectors import make_selector
+from ucm.accelerators.sparse.summaries import layer_units, summarize_keys
+from ucm.connectors.transformers.kv_copy import byte_view
+from ucm.connectors.transformers.sparse_fetch import FetchedPages, PageFetcher
+from ucm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ucm.connectors.transformers.connector import TransformersConnector, UCMCache
+
+log = logging.getLogger(__name__)
+
+BASES = ("eager", "sdpa")
+_ACTIVE: contextvars.ContextVar[Optional["_Session"]] = contextvars.ContextVar("ucm_sparse_session", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class SparseDecodeConfig:
+    selector: str = "quest"
+    budget: Budget = Budget.tokens(1024)
+    sink_tokens: int = 128
+    local_tokens: int = 256
+    page_tokens: int = 16
+    reselect_every: int = 1  # s: a layer's selection is reused for s steps
+    base: str = "eager"  # the dense attention of prefill and of a fallback
+    summary_capacity_bytes: int = 256 << 20
+    wait_stores_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.base not in BASES:
+            raise ConfigError(f"SparseDecodeConfig.base {self.base!r} not one of {list(BASES)}")
+        if not isinstance(self.reselect_every, int) or self.reselect_every < 1:
+            raise ConfigError(f"SparseDecodeConfig.reselect_every must be an int >= 1, got {self.reselect_every!r}")
+        SelectionConfig(self.budget, self.sink_tokens, self.local_tokens)  # validates
+        make_selector(self.selector)  # names the known ones when unknown
+
+
+# ---- the attention functions -------------------------------------------------
+def eager_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Optional[torch.Tensor], scaling: float, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention (the operations of modeling_llama's
+    `eager_attention_forward`), GQA by repeating K/V."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        w = w + attention_mask[:, :, :, :k.shape[-2]]
+    w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    w = torch.nn.functional.dropout(w, p=dropout, training=module.training)
+    return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+
+
+def _base_fn(base: str) -> Any:
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    return eager_attention
+
+
+def _make_attention(base: str) -> Any:
+    dense = _base_fn(base)
+
+    def ucm_sparse_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
+        session = _ACTIVE.get()
+        if session is None:
+            return dense(module, query, key, value, attention_mask, **kwargs)
+        return session.attend(dense, module, query, key, value, attention_mask, **kwargs)
+
+    return ucm_sparse_attention
+
+
+def impl_name(base: str) -> str:
+    return f"ucm_sparse_{base}"
+
+
+def register() -> None:
+    """Registers `ucm_sparse_eager` / `ucm_sparse_sdpa` with transformers
+    (attention and mask functions; idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    masks = {"eager": eager_mask, "sdpa": sdpa_mask}
+    for base in BASES:
+        if impl_name(base) not in AttentionInterface._global_mapping:
+            AttentionInterface.register(impl_name(base), _make_attention(base))
+            AttentionMaskInterface.register(impl_name(base), masks[base])
+
+
+# ---- the decoder ---------------------------------------------------------------
+class SparseDecoder:
+    """Sparse decode over a TransformersConnector's cache (module docstring)."""
+
+    def __init__(self, connector: "TransformersConnector", config: SparseDecodeConfig = SparseDecodeConfig()) -> None:
+        lay = connector.layout
+        if lay.block_tokens % config.page_tokens:
+            raise ConfigError(f"page_tokens {config.page_tokens} must divide the connector's block_tokens "
+                              f"{lay.block_tokens}")
+        register()
+        self.connector, self.config = connector, config
+        self.index = SummaryIndex(config.summary_capacity_bytes, config.page_tokens)
+        self._kv_layout = lay.kv_layout()
+        connector.block_observer = self._blocks_stored
+        self.selector = make_selector(config.selector)
+        self._selection = SelectionConfig(config.budget, config.sink_tokens, config.local_tokens)
+        self.counters: dict[str, Any] = {
+            "decode_steps": 0, "sparse_layer_steps": 0, "dense_layer_steps": 0, "dense_fallbacks": 0,
+            "selections": 0, "attended_tokens": 0, "context_tokens": 0, "summaries_from_layers": 0}
+        self._fetch: dict[str, Any] = {}
+        self.trace: Optional[list] = None  # set to [] to record (step, layer, positions attended) per sparse step
+
+    def _blocks_stored(self, keys: list, payload: torch.Tensor) -> None:
+        """The connector's store thread: summaries of the blocks it is about
+        to store (`payload` `[n, layers, 2, kv_heads, block_tokens, head_dim]`
+        on the CPU, bytes in hand)."""
+        for i, key in enumerate(keys):
+            if key not in self.index:
+                self.index.add(key, byte_view(payload[i]), self._kv_layout)
+
+    def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+        """`connector.generate(...)` with sparse decode; the model's attention
+        implementation is switched for the call and restored after."""
+        model = self.connector.model
+        before = getattr(model.config, "_attn_implementation", None) or "eager"
+        session = _Session(self)
+        model.set_attn_implementation(impl_name(self.config.base))
+        token = _ACTIVE.set(session)
+        try:
+            return self.connector.generate(input_ids, attention_mask, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+            model.set_attn_implementation(before)
+            session.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters over every generate call so far (fetch counters added when a call returns)."""
+        out = dict(self.counters)
+        out.update(self._fetch)
+        steps = max(1, out["decode_steps"])
+        out["bytes_read_per_token"] = {t: b / steps for t, b in out.get("bytes_read", {}).items()}
+        out["index"] = self.index.counters()
+        return out
+
+    def _merge(self, counters: dict[str, Any]) -> None:
+        for k, v in counters.items():
+            if isinstance(v, dict):
+                d = self._fetch.setdefault(k, {})
+                for t, b in v.items():
+                    d[t] = d.get(t, 0) + b
+            else:
+                self._fetch[k] = self._fetch.get(k, 0) + v
+
+
+@dataclass(slots=True, eq=False)
+class _LayerState:
+    selection: Selection
+    fetched: FetchedPages
+    resident: torch.Tensor  # positions kept from the layer's tensors, as of the selection
+    n_tokens: int  # context length at the selection
+    step: int
+
+
+class _Session:
+    """One generate call's sparse state: per layer its current selection and fetched pages."""
+
+    def __init__(self, decoder: SparseDecoder) -> None:
+        self.d = decoder
+        self.step = -1
+        self.forwards = 0  # forwards begun (the first is the prefill)
+        self.layers: dict[int, _LayerState] = {}
+        self._units: dict[int, Any] = {}  # layer -> UnitSummaries of the prefix
+        self._ready = False
+        self._fetcher: Optional[PageFetcher] = None
+        self._summaries: list = []  # the prompt's block summaries, in order
+
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self.d._merge(self._fetcher.counters.as_dict())
+
+    # ---- per step and layer ---------------------------------------------------
+    def attend(self, dense: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
+        d, c = self.d, self.d.counters
+        layer = int(getattr(module, "layer_idx", 0))
+        if layer == 0:
+            self.forwards += 1
+        if self.forwards == 1 or query.shape[2] != 1:  # the prefill (of one token after a full hit too): dense
+            return dense(module, query, key, value, mask, **kwargs)
+        if layer == 0:
+            self.step += 1
+            c["decode_steps"] += 1
+        n = key.shape[2]
+        try:
+            cache = self._cache()
+            if cache is None or query.shape[0] != 1 or not self._prepare(cache):
+                c["dense_layer_steps"] += 1
+                return dense(module, query, key, value, mask, **kwargs)
+            st = self.layers.get(layer)
+            if st is None or self.step - st.step >= d.config.reselect_every:
+                st = self._select(layer, query, key, n, kwargs.get("scaling"))
+            if st is None:  # a page could not be fetched: dense for this step
+                c["dense_fallbacks"] += 1
+                return dense(module, query, key, value, mask, **kwargs)
+            res = torch.cat([st.resident, torch.arange(st.n_tokens, n, dtype=torch.int64)])
+            pos = torch.cat([res, st.fetched.positions])
+            order = torch.argsort(pos)
+            pos = pos[order]
+            dev = key.device
+            o = order.to(dev)
+            ks = torch.cat([key[:, :, res.to(dev)], st.fetched.keys.unsqueeze(0).to(dev)], dim=2)[:, :, o]
+            vs = torch.cat([value[:, :, res.to(dev)], st.fetched.values.unsqueeze(0).to(dev)], dim=2)[:, :, o]
+            m = None
+            if mask is not None:
+                if mask.shape[-1] < n:
+                    c["dense_layer_steps"] += 1
+                    return dense(module, query, key, value, mask, **kwargs)
+                m = mask[..., pos.to(mask.device)]
+        except Exception:
+            log.warning("ucm sparse: layer %d step %d failed; attended densely", layer, self.step, exc_info=True)
+            c["dense_fallbacks"] += 1
+            self.layers.pop(layer, None)
+            return dense(module, query, key, value, mask, **kwargs)
+        c["sparse_layer_steps"] += 1
+        c["attended_tokens"] += int(pos.shape[0])
+        c["context_tokens"] += n
+        if d.trace is not None:
+            d.trace.append((self.step, layer, pos.tolist()))
+        return dense(module, query, ks, vs, m, **kwargs)
+
+    def _cache(self) -> Optional["UCMCache"]:
+        from ucm.connectors.transformers.connector import UCMCache
+
+        cache = self.d.connector.generating
+        return cache if isinstance(cache, UCMCache) else None
+
+    def _prepare(self, cache: "UCMCache") -> bool:
+        """Once per session: the prompt's blocks stored, summaries for each,
+        the fetcher. False: this request is decoded densely."""
+        if self._ready:
+            return self._fetcher is not None
+        self._ready = True
+        d, conn = self.d, self.d.connector
+        rows = cache._rows
+        if len(rows) != 1 or not rows[0].valid or rows[0].pad or not rows[0].keys:
+            return False
+        conn.wait_stores(d.config.wait_stores_s)
+        r = rows[0]
+        missing = [j for j, s in enumerate(d.index.get_many(r.keys)) if s is None]
+        if missing:  # restored blocks (and any the index forgot): from the resident keys, the same bytes
+            bt = conn.layout.block_tokens
+            for j in missing:
+                keys = torch.stack([ly.keys[0, :, j * bt:(j + 1) * bt] for ly in cache.layers]).float().cpu().numpy()
+                d.index.put(r.keys[j], summarize_keys(keys, d.config.page_tokens))
+                d.counters["summaries_from_layers"] += 1
+        got = d.index.get_many(r.keys)
+        if any(s is None for s in got):
+            return False
+        self._summaries = got
+        self._fetcher = PageFetcher(conn._cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,
+                                    r.request_id, landing=_landing(conn._cache))
+        return True
+
+    def _select(self, layer: int, query: torch.Tensor, key: torch.Tensor, n: int,
+                scale: Optional[float]) -> Optional[_LayerState]:
+        d = self.d
+        pt = d.config.page_tokens
+        units = self._units.get(layer)
+        if units is None:
+            units = self._units[layer] = layer_units(self._summaries, layer, pt)
+        q = query[0, :, 0, :].detach().float().cpu().numpy()
+        keys = key[0].detach().float().cpu().numpy() if d.selector.needs_keys else None
+        step = LayerStep(q, n, pt, key.shape[1], summaries=units, keys=keys, scale=scale)
+        sel = d.selector.select(step, d._selection)
+        d.counters["selections"] += 1
+        fetched = self._fetcher.fetch_pages(layer, sel.units)
+        if fetched is None:
+            self.layers.pop(layer, None)
+            return None
+        picked = fetched.positions.numpy()
+        mask = sel.mask()
+        mask[picked] = False
+        st = _LayerState(sel, fetched, torch.from_numpy(np.flatnonzero(mask).astype(np.int64)), n, self.step)
+        self.layers[layer] = st
+        return st
+
+
+def _landing(cache: Any) -> str:
+    """The name of the tier leases are taken from (UnifiedCache: its landing tier)."""
+    names, placement = getattr(cache, "tier_names", None), getattr(cache, "placement", None)
+    if names is not None and placement is not None:
+        return names[placement.landing]
+    return "dram"
