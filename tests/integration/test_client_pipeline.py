@@ -296,3 +296,50 @@ def test_an_interrupt_in_a_fill_propagates_and_the_link_counts_no_copy(service, 
     if op == "read_slots":
         assert [bytes(o) for o in out] == data
     assert service.lookup(keys) == 6 and settled(service) == (0, 0)
+
+
+class _TearingSocket:
+    """The link's socket, except that its next sendall writes half the frame
+    and is then interrupted (a KeyboardInterrupt from a signal handler)."""
+
+    def __init__(self, sock):
+        self._sock, self.torn = sock, False
+
+    def sendall(self, data):
+        if self.torn:
+            return self._sock.sendall(data)
+        self.torn = True
+        self._sock.sendall(bytes(data)[:len(data) // 2])
+        raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_an_interrupt_inside_a_send_retires_the_link_it_tore(service):
+    """Half a request frame went out before the interrupt: the link can
+    carry no further frame (the service would read the next one from the
+    middle of this one), so it is retired and the next call connects again
+    at once, with exact bytes."""
+    keys, data = chain(4, 20)
+    assert service.write_slots(keys, [SIZE] * 4, writer(data)) == [Outcome.DONE] * 4
+    link = service._link
+    link.sock = _TearingSocket(link.sock)
+    with pytest.raises(KeyboardInterrupt):
+        service.locate(keys)  # a request over the socket (lookup reads the shared index)
+    assert link.dead and service._link is not link
+    assert service.locate(keys) == ["dram"] * 4  # no back-off: the service was not at fault
+    out = [bytearray(SIZE) for _ in keys]
+    assert service.read_slots(keys, [SIZE] * 4, reader(out)) == [Outcome.DONE] * 4
+    assert [bytes(o) for o in out] == data
+    assert service._link is not link and not service._link.dead
+    assert settled(service) == (0, 0)
+
+
+def test_a_refused_request_keeps_its_link(service):
+    link = service._live_locked() if service._link is None else service._link
+    with pytest.raises(Exception) as exc:
+        with service._lock:
+            service._request_locked(link, "no-such-op", {})
+    assert "refused" in str(exc.value)
+    assert service._link is link and not link.dead

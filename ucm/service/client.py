@@ -250,7 +250,8 @@ class CacheClient:
     @contextlib.contextmanager
     def _faults(self, link: Link, op: str) -> Iterator[None]:
         """A fault on `link` (ServiceUnavailable, OSError, an undecodable
-        reply) retires it and is ServiceUnavailable; a refusal passes."""
+        reply) retires it and is ServiceUnavailable; a refusal passes; any
+        other exception (an interrupt) retires it and propagates."""
         try:
             yield
         except ServiceUnavailable:
@@ -259,6 +260,15 @@ class CacheClient:
         except (OSError, proto.ProtocolError) as exc:
             self._retire_locked(link)
             raise ServiceUnavailable(f"ucm service at {self.path} failed during {op}: {exc}") from None
+        except UcmError:
+            raise  # the service refused the request: the link is fine
+        except BaseException:
+            # Interrupted inside the link's own I/O (a KeyboardInterrupt in
+            # sendall or in a read): how much of a frame went out or came in
+            # is unknown, so the link carries no further frame. The service
+            # is not at fault: the next call connects again at once.
+            self._retire_locked(link, backoff=False)
+            raise
 
     def _live_locked(self) -> Link:
         if self._closed:
