@@ -74,7 +74,7 @@ test-native: build/test_core
 	./build/test_core
 
 test-python: install system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The SGLang connector's tests, in SGLang's venv (the main suite skips them).
 test-sglang: $(SGL_STAMP)

@@ -15,7 +15,7 @@ engine-core and worker processes load `RecordingConnector` from this file
 (UCMConnector unchanged, plus a record of what moved); after the chaos run,
 a reference engine without a connector (vLLM prefix caching on).
 
-Why a record, not just a reference per cached-token count: in bf16 the KV of
+Why a record, not just a reference per cached-token count: the KV of
 a block depends on how it was computed (the forward that wrote it started at
 token 0 or on top of a cached prefix, and how many tokens that forward had),
 not only on its tokens. A block that a request recomputed after a kill, on
@@ -59,7 +59,7 @@ import torch
 
 from ucm.connectors.vllm import UCMConnector
 from ucm.connectors.vllm.metadata import UCMConnectorMetadata
-from vllm_support import close_engine, driver_env  # noqa: E402
+from vllm_support import E2E_DTYPE, close_engine, driver_env, scaled_mib  # noqa: E402
 
 BLOCK_TOKENS = 256
 MAX_TOKENS = 8
@@ -178,21 +178,22 @@ def _stream(seed: int, n_docs: int, vocab: int = 40000):
 
 
 def _service_config(variant: str, work: Path, urls: dict) -> dict:
-    dram = {"adapter": "dram", "capacity": "48MiB", "options": {"path": "/dev/shm", "prefault": False}}
+    dram = {"adapter": "dram", "capacity": scaled_mib(48), "options": {"path": "/dev/shm", "prefault": False}}
     tiers: list[dict] = [dram]
     if variant == "nvme":
-        # 5.6 MiB blocks: 2 per 12 MiB region, about 30 blocks in all; the
+        # Two blocks per region (5.6 MiB in bfloat16, 11.25 MiB in float32:
+        # capacities are sized in bfloat16 and scaled), about 30 blocks in all; the
         # documents asked again fit, the one-shot ones push blocks through:
         # regions seal and are reclaimed.
         (work / "nvme").mkdir(exist_ok=True)
-        tiers.append({"adapter": "nvme", "capacity": "192MiB",
-                      "options": {"path": str(work / "nvme"), "region_size": "12MiB", "direct_io": False}})
+        tiers.append({"adapter": "nvme", "capacity": scaled_mib(192),
+                      "options": {"path": str(work / "nvme"), "region_size": scaled_mib(12), "direct_io": False}})
     if variant in ("mooncake", "cluster"):
-        tiers.append({"adapter": "mooncake", "capacity": "96MiB",
-                      "options": {"master": urls["mooncake"], "segment_size": "128MiB",
-                                  "local_buffer_size": "16MiB", "key_prefix": "chaos/"}})
+        tiers.append({"adapter": "mooncake", "capacity": scaled_mib(96),
+                      "options": {"master": urls["mooncake"], "segment_size": scaled_mib(128),
+                                  "local_buffer_size": scaled_mib(16), "key_prefix": "chaos/"}})
     if variant in ("redis", "cluster"):
-        tiers.append({"adapter": "redis", "capacity": "256MiB",
+        tiers.append({"adapter": "redis", "capacity": scaled_mib(256),
                       "options": {"url": urls["redis"], "key_prefix": "chaos/"}})
     return {"block_tokens": BLOCK_TOKENS, "tiers": tiers, "policy": {"name": "lru"},
             "service": {"name": f"chaos-{variant}", "socket": str(work / "ucm.sock"), "metrics_port": None}}
@@ -324,8 +325,8 @@ def _engine(model: str, cfg_path: Optional[Path], streaming: str = "auto"):
             kv_connector_extra_config={"ucm_config": str(cfg_path), "ucm_load_streaming": streaming})
     # One forward per prefill (max_num_batched_tokens >= any prompt): a
     # block's bytes depend on the forward that computed it.
-    return LLM(model=model, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096, enforce_eager=True,
-               enable_prefix_caching=cfg_path is None, seed=0, **kw)
+    return LLM(model=model, dtype=E2E_DTYPE, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=4096,
+               enforce_eager=True, enable_prefix_caching=cfg_path is None, seed=0, **kw)
 
 
 def _generate(llm, prompt: list[int], max_tokens: int = MAX_TOKENS):
@@ -381,8 +382,8 @@ def chaos(variant: str, work: Path, kills: int, min_requests: int, seed: int, n_
     from ucm.connectors.vllm.namespace import model_identity
 
     # The keys UCMConnector gives these prompts' blocks (checked against the record).
-    ns = Namespace(model=model_identity(ModelConfig(model=model, skip_tokenizer_init=True)), kv_dtype="bfloat16",
-                   num_layers=30, num_kv_heads=3, head_size=64, block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
+    ns = Namespace(model=model_identity(ModelConfig(model=model, dtype=E2E_DTYPE, skip_tokenizer_init=True)),
+                   kv_dtype=E2E_DTYPE, num_layers=30, num_kv_heads=3, head_size=64, block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
     requests: list[dict] = []
     killer: Optional[Killer] = None
     try:

@@ -4,7 +4,7 @@ mooncake_master, are SIGKILLed and restarted at random instants. The driver
 is tests/e2e/chaos_vllm.py (run as a subprocess; its docstring says how the
 reference is built). Every request must complete, every delivered block be
 bytes vLLM computed for its key, and every output equal vLLM's own output on
-the same cached prefix. Each variant takes about 3 minutes on 2 cores.
+the same cached prefix. vLLM runs in vllm_support.E2E_DTYPE (float32).
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def _check(r: dict) -> None:
 
 @pytest.mark.timeout(1200)
 def test_chaos_dram_over_nvme(tmp_path):
-    """dram (48 MiB) over nvme (192 MiB, 12 MiB regions); the service is
+    """dram (48 MiB) over nvme (192 MiB, 12 MiB regions), sizes of bfloat16
+    blocks scaled to the tests' dtype (vllm_support.E2E_DTYPE); the service is
     killed 4 times: stores, loads, staging from NVMe, demotions, region seals
     and reclamation all happen over the run."""
     r = _run(tmp_path, "nvme")

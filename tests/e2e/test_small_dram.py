@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_support import close_engine, driver_env, model_installed  # noqa: E402
+from vllm_support import DTYPE_BYTES, E2E_DTYPE, close_engine, driver_env, model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -41,7 +41,7 @@ BLOCK_TOKENS = 256
 DOC_TOKENS = 2048
 DOCS = 4
 MAX_TOKENS = 8
-BLOCK_BYTES = 30 * 2 * 3 * 64 * 2 * BLOCK_TOKENS  # SmolLM2: layers x (K, V) x heads x head size x bf16
+BLOCK_BYTES = 30 * 2 * 3 * 64 * DTYPE_BYTES * BLOCK_TOKENS  # SmolLM2: layers x (K, V) x heads x head size x dtype
 DRAM_BYTES = (int(1.2 * DOC_TOKENS // BLOCK_TOKENS * BLOCK_BYTES) >> 20) << 20  # ~1.2x a document, in MiB
 
 
@@ -89,7 +89,7 @@ def _engine(model: str, kv=None, prefix_caching: bool = False):
     from vllm import LLM
 
     kw = {} if kv is None else {"kv_transfer_config": kv}
-    return LLM(model=model, max_model_len=DOC_TOKENS + 128, enforce_eager=True,
+    return LLM(model=model, dtype=E2E_DTYPE, max_model_len=DOC_TOKENS + 128, enforce_eager=True,
                enable_prefix_caching=prefix_caching, seed=0, **kw)
 
 

@@ -9,11 +9,11 @@ private ucm service so the cache outlives each engine:
 - ucm cold: a new engine with the connector: P1 misses, its blocks are saved;
 - ucm hit: a new engine (its own prefix cache empty, turned off): P1 and P2
   load 256 tokens from ucm; their greedy tokens must equal vLLM's own
-  prefix-cache-hit outputs with the same number of cached tokens (bf16
-  numerics of "suffix on a cached prefix" differ from a cold prefill, for
-  vLLM's prefix cache too);
+  prefix-cache-hit outputs with the same number of cached tokens (the
+  numerics of "suffix on a cached prefix" may differ from a cold prefill,
+  for vLLM's prefix cache too);
 - ucm nvme: the driver stores filler blocks until P1's blocks are demoted
-  from DRAM to NVMe (LRU policy, 16 MiB of DRAM); a new engine then finds
+  from DRAM to NVMe (LRU policy, DRAM of five blocks); a new engine then finds
   them below DRAM and streams them layer by layer under the forward
   (`ucm_load_streaming` auto), then once more with streaming off (the
   asynchronous path);
@@ -24,9 +24,9 @@ A second driver (`--robustness`, test_ucm_connector_partial_concurrent_and_servi
 checks partial hits, concurrent requests and a standalone service killed and
 restarted under the engine. The worker side alone, on fake KV tensors, is
 tested in tests/unit/connectors/. Both drivers are skipped when vLLM or the
-model package is not installed. The engines run with
-VLLM_CPU_KVCACHE_SPACE=1 and VLLM_CPU_OMP_THREADS_BIND=0-1 (about 4 minutes
-on 2 cores).
+model package is not installed. The engines run in E2E_DTYPE (float32
+unless UCM_E2E_DTYPE says otherwise, see vllm_support.py) with
+VLLM_CPU_KVCACHE_SPACE=1 and VLLM_CPU_OMP_THREADS_BIND=0-1.
 """
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_support import close_engine, driver_env  # noqa: E402
+from vllm_support import DTYPE_BYTES, E2E_DTYPE, close_engine, driver_env, scaled_mib  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 HERE = Path(__file__).resolve()
 MAX_TOKENS = 16
 BLOCK_TOKENS = 128
-BLOCK_BYTES = 30 * 96 * 1024  # SmolLM2: 30 layers x one 96 KiB page (3 KV heads x 128 tokens x 2 x 64 x bf16)
+BLOCK_BYTES = 30 * 2 * 3 * 64 * DTYPE_BYTES * BLOCK_TOKENS  # SmolLM2: layers x (K, V) x KV heads x head size
 
 TEXT = (
     "The history of cartography spans thousands of years, from clay tablets that sketched the fields "
@@ -81,7 +81,7 @@ def _model_id(model: str) -> str:
 
     from ucm.connectors.vllm.namespace import model_identity
 
-    return model_identity(ModelConfig(model=model, skip_tokenizer_init=True))
+    return model_identity(ModelConfig(model=model, dtype=E2E_DTYPE, skip_tokenizer_init=True))
 
 
 @pytest.mark.timeout(1500)
@@ -258,8 +258,8 @@ def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"ucm_config": ucm_config, "ucm_load_mode": load_mode,
                                        "ucm_prefetch_policy": prefetch, "ucm_load_streaming": streaming})
-    return LLM(model=model, max_model_len=1024, enforce_eager=True, enable_prefix_caching=prefix_caching,
-               seed=0, **kw)
+    return LLM(model=model, dtype=E2E_DTYPE, max_model_len=1024, enforce_eager=True,
+               enable_prefix_caching=prefix_caching, seed=0, **kw)
 
 
 def _driver(out: Path, work: Path, codec: str = "none") -> int:
@@ -272,9 +272,9 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
     cfg = {
         "block_tokens": BLOCK_TOKENS,
         "tiers": [
-            {"adapter": "dram", "capacity": "16MiB", "options": {"path": "/dev/shm", "prefault": False}},
-            {"adapter": "nvme", "capacity": "512MiB", "codec": codec,
-             "options": {"path": str(work / "nvme"), "region_size": "8MiB", "direct_io": False}},
+            {"adapter": "dram", "capacity": scaled_mib(16), "options": {"path": "/dev/shm", "prefault": False}},
+            {"adapter": "nvme", "capacity": scaled_mib(512), "codec": codec,
+             "options": {"path": str(work / "nvme"), "region_size": scaled_mib(8), "direct_io": False}},
         ],
         "policy": {"name": "lru"},
         "service": {"name": "e2e-vllm", "socket": str(work / "ucm.sock")},  # private to this run
@@ -313,7 +313,7 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
         result["promoted_before"] = client.stats()["tiers"]["dram"]["promotions_in"]
         from ucm.keys import Namespace, block_keys
 
-        ns = Namespace(model=_model_id(model), kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
+        ns = Namespace(model=_model_id(model), kv_dtype=E2E_DTYPE, num_layers=30, num_kv_heads=3, head_size=64,
                        block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")  # as UCMConnector names them
         result["p1_tiers"] = client.locate(block_keys(ns, p1))
         streamed_before = client.stats().get("streamed_blocks", 0)
@@ -400,9 +400,9 @@ def _robustness_driver(out: Path, work: Path) -> int:
     cfg = {
         "block_tokens": BLOCK_TOKENS,
         "tiers": [
-            {"adapter": "dram", "capacity": "32MiB", "options": {"path": "/dev/shm", "prefault": False}},
-            {"adapter": "nvme", "capacity": "512MiB",
-             "options": {"path": str(work / "nvme"), "region_size": "8MiB", "direct_io": False}},
+            {"adapter": "dram", "capacity": scaled_mib(32), "options": {"path": "/dev/shm", "prefault": False}},
+            {"adapter": "nvme", "capacity": scaled_mib(512),
+             "options": {"path": str(work / "nvme"), "region_size": scaled_mib(8), "direct_io": False}},
         ],
         "policy": {"name": "lru"},
         "service": {"name": "e2e-vllm-faults", "socket": str(work / "ucm.sock"), "metrics_port": None},
@@ -417,7 +417,7 @@ def _robustness_driver(out: Path, work: Path) -> int:
     p1, _ = _prompts(tok)
     more = _more_prompts(tok, p1)
     q, c1, c2, d = more["q"], more["c1"], more["c2"], more["d"]
-    ns = Namespace(model=_model_id(model), kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
+    ns = Namespace(model=_model_id(model), kv_dtype=E2E_DTYPE, num_layers=30, num_kv_heads=3, head_size=64,
                    block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
     result: dict = {}
     svc = _start_service(cfg_path, work)

@@ -4,6 +4,20 @@ from __future__ import annotations
 
 import os
 
+# The dtype of every vLLM engine the end-to-end tests start, and of the KV
+# they name and size. float32 by default: on an AVX2-only CPU (no AVX-512
+# BF16) vLLM's bfloat16 prefill is about 4x slower than float32 (1,500
+# tokens: 19.6 s against 4.9 s), which made the vLLM tests most of CI's
+# time. `UCM_E2E_DTYPE=bfloat16` runs them as the benches do.
+E2E_DTYPE = os.environ.get("UCM_E2E_DTYPE", "float32")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}[E2E_DTYPE]
+
+
+def scaled_mib(mib_at_bf16: int) -> str:
+    """A capacity sized in bfloat16 blocks, scaled so it holds the same number
+    of blocks of E2E_DTYPE."""
+    return f"{mib_at_bf16 * DTYPE_BYTES // 2}MiB"
+
 
 def driver_env() -> dict:
     """The environment a vLLM driver runs in: vLLM for CPU with 1 GiB of KV
