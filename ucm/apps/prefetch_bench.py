@@ -78,7 +78,12 @@ POLICY = {"all_in_dram": "off", "ucm_off": "off", "streaming": "off", "accelerat
 # under the forward; the others load them asynchronously (or stage them).
 STREAMING = {"streaming": "auto"}
 PATTERNS = ("burst", "poisson")
-BLOCK_BYTES = 30 * 3 * 128 * 2 * 64 * 2  # SmolLM2 bf16, one 128-token block, all 30 layers
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def block_bytes(dtype: str) -> int:
+    """One 128-token block of SmolLM2, all 30 layers (K and V of 3 heads of 64)."""
+    return 30 * 3 * BLOCK_TOKENS * 2 * 64 * DTYPE_BYTES[dtype]
 DRAM_SHARE = 0.4
 CONFIG_TAG = {"all_in_dram": "big", "accelerator": "accel"}  # the service of each ucm variant (else "small")
 
@@ -100,6 +105,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of burst,poisson")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
     p.add_argument("--quick", action="store_true", help="4 requests of ~1K tokens, burst, no_ucm + wait_complete")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
+                   help="model and KV dtype (default bfloat16; float32 is faster on a CPU without AVX-512 BF16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -196,7 +203,7 @@ async def _run_variant_async(spec: dict) -> dict:
                                        "ucm_load_streaming": STREAMING.get(name, "off"),
                                        "bench_probe_path": str(probe)})
     args = AsyncEngineArgs(model=spec["model"], max_model_len=max(len(p) for p in prompts) + 2 * GEN_TOKENS,
-                           enforce_eager=True, enable_prefix_caching=(name == "no_ucm"), seed=0,
+                           dtype=spec["dtype"], enforce_eager=True, enable_prefix_caching=(name == "no_ucm"), seed=0,
                            max_num_seqs=spec["max_num_seqs"], **kw)
     engine = AsyncLLM.from_engine_args(args)
     out: dict[str, Any] = {"patterns": {}}
@@ -230,7 +237,7 @@ async def _run_variant_async(spec: dict) -> dict:
                 await engine.reset_prefix_cache()
             elif spec["push_to_nvme"]:
                 out.setdefault("tiers_before", {})[pattern] = _count(
-                    _evict_to_nvme(client, keys, BLOCK_BYTES, limit=400))
+                    _evict_to_nvme(client, keys, block_bytes(spec["dtype"]), limit=400))
             else:
                 out.setdefault("tiers_before", {})[pattern] = _count(client.locate(keys))
             s0 = client.stats() if client else None
@@ -293,7 +300,7 @@ def _ucm_config(work: Path, tag: str, dram_bytes: int, nvme_bytes: int, accelera
     return path
 
 
-def _copy_blocks(src, dst, doc_keys: list[list[bytes]]) -> int:
+def _copy_blocks(src, dst, doc_keys: list[list[bytes]], block: int) -> int:
     """Every document's blocks from one service into another (its DRAM
     overflows to its NVMe); returns the blocks copied."""
     import numpy as np
@@ -304,7 +311,7 @@ def _copy_blocks(src, dst, doc_keys: list[list[bytes]]) -> int:
     for ks in doc_keys:
         for i in range(0, len(ks), 8):
             chunk = ks[i:i + 8]
-            bufs = [np.empty(BLOCK_BYTES, dtype=np.uint8) for _ in chunk]
+            bufs = [np.empty(block, dtype=np.uint8) for _ in chunk]
             res = src.load(chunk, bufs).wait(120) or []
             good = 0
             while good < len(chunk) and good < len(res) and res[good] is Outcome.DONE:
@@ -329,7 +336,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, variants: list[str],
-            patterns: list[str], model_name: str = "smollm2", log=print) -> dict[str, Any]:
+            patterns: list[str], model_name: str = "smollm2", log=print, dtype: str = "bfloat16") -> dict[str, Any]:
     import ucm
     from ucm.apps.model import prepare
 
@@ -348,8 +355,9 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     model = str(prepare(model_name))
     prompts, warm = _prompts(model, requests, lo, hi)
     doc_blocks = sum(len(p) // BLOCK_TOKENS for p in prompts)
-    total = doc_blocks * BLOCK_BYTES
-    largest = max(len(p) // BLOCK_TOKENS for p in prompts) * BLOCK_BYTES
+    block = block_bytes(dtype)
+    total = doc_blocks * block
+    largest = max(len(p) // BLOCK_TOKENS for p in prompts) * block
     dram_small = max(int(total * DRAM_SHARE), 2 * largest) + (8 << 20)
     work = Path(tempfile.mkdtemp(prefix="ucm-bench-prefetch-"))
     small = _ucm_config(work, "small", dram_small, max(1 << 30, 4 * (total + dram_small)))
@@ -358,7 +366,7 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     configs = {"small": small, "big": big, "accel": accel}
     arr = {p: arrivals(p, requests, rate) for p in patterns}
     base = {"model": model, "prompts": prompts, "warm": warm, "max_num_seqs": max_num_seqs, "patterns": patterns,
-            "arrivals": arr, "work": str(work)}
+            "arrivals": arr, "work": str(work), "dtype": dtype}
     res: dict[str, dict] = {}
     clients: dict[str, Any] = {}
     cwd = os.getcwd()
@@ -376,7 +384,7 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
                         raise RuntimeError(f"could not start the ucm service ({tag})")
                     if source is not None:  # this service gets the documents' blocks from the first one
                         doc_keys = [[bytes.fromhex(k) for k in ks] for ks in res["_store"]["doc_keys"]]
-                        res["_store"]["copied_blocks"][tag] = _copy_blocks(clients[source], clients[tag], doc_keys)
+                        res["_store"]["copied_blocks"][tag] = _copy_blocks(clients[source], clients[tag], doc_keys, block)
                 spec.update(ucm_config=str(configs[tag]), push_to_nvme=(v != "all_in_dram"),
                             store_pass=source is None)
             res[v] = _subprocess(spec, work)
@@ -401,6 +409,7 @@ def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list
     hit_ref = {i: (r["cached"], r["tokens"]) for i, r in enumerate(ref["apc_reference"])}
     out: dict[str, Any] = {
         "requests": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_num_seqs": max_num_seqs,
+        "dtype": dtype,
         "rate_per_s": rate, "arrivals_s": arr, "gen_tokens": GEN_TOKENS,
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "dram_tier_bytes": dram_bytes, "doc_bytes": doc_bytes,
@@ -473,7 +482,8 @@ def run(args: argparse.Namespace) -> int:
             lo, hi = (int(x) for x in args.doc_tokens.split(","))
             variants = [v for v in args.variants.split(",") if v]
             patterns = [p for p in args.patterns.split(",") if p]
-        r = measure(requests, lo, hi, args.max_num_seqs, args.rate, variants, patterns, args.model, log=log)
+        r = measure(requests, lo, hi, args.max_num_seqs, args.rate, variants, patterns, args.model, log=log,
+                    dtype=args.dtype)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
         print(f"ucm bench prefetch: {e}", file=sys.stderr)
         return 1

@@ -275,14 +275,11 @@ def _drop_page_cache(root: Path) -> None:
 
 
 def _namespace(llm):
-    from ucm.connectors.vllm import model_identity
-    from ucm.keys import Namespace
+    """The namespace UCMConnector gives this engine's blocks, from the
+    engine's own config (model fingerprint, KV dtype, geometry, pages)."""
+    from ucm.connectors.vllm import build_namespace
 
-    # As UCMConnector names the blocks of SmolLM2 on vLLM for CPU (bf16, 128-token
-    # pages): the model part is the fingerprint of the engine's own model config.
-    model_id = model_identity(llm.llm_engine.model_config)
-    return Namespace(model=model_id, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_size=64,
-                     block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")
+    return build_namespace(llm.llm_engine.vllm_config, BLOCK_TOKENS)
 
 
 def _count(tiers: list[Optional[str]]) -> dict[str, int]:
