@@ -20,7 +20,9 @@ forward:
   is sparse (the stock forward, unchanged), or the stock rows alone with
   their own scheduler metadata in a mixed batch;
 - layers the sparse path does not cover (sliding window, ALiBi, soft cap,
-  attention sinks, fp8 KV, encoder attention) always use the stock kernel.
+  attention sinks, fp8 KV, encoder attention) and kernels whose KV layout
+  it does not read (any ISA but `vec`: AMX with bfloat16, NEON, vec16)
+  always use the stock kernel.
 
 Gather, not a reduced block table: the CPU kernel addresses KV in whole
 blocks (its block size is a multiple of 32 tokens, 128 by default), so a
@@ -55,12 +57,14 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ucm.accelerators.sparse.base import LayerStep
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.connectors.vllm.sparse_config import ENV_SPARSE, VllmSparseConfig, sparse_from_env
-from ucm.connectors.vllm.sparse_pages import PageSummaries, attend, context_keys, gather_tokens, range_positions
+from ucm.connectors.vllm.sparse_pages import (PageSummaries, attend, context_keys, gather_tokens, range_positions,
+                                              vec_kv_views)
 from ucm.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 BACKEND_PATH = "ucm.connectors.vllm.sparse_backend.UcmSparseCpuBackend"
+VEC_ISA = "vec"  # the CPU kernel whose KV layout sparse_pages.vec_kv_views reads
 
 _COUNTERS: dict[str, int] = {
     "sparse_layer_rows": 0,  # (layer, decode row) pairs attended over a selection
@@ -143,7 +147,8 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
                 kv_cache: torch.Tensor, attn_metadata: Optional[CPUAttentionMetadata], output: torch.Tensor,
                 output_scale: Optional[torch.Tensor] = None,
                 output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        stock = (attn_metadata is None or not self.covered or output_scale is not None
+        stock = (attn_metadata is None or not self.covered or getattr(layer, "isa", None) != VEC_ISA
+                 or output_scale is not None
                  or output_block_scale is not None or not attn_metadata.causal
                  or attn_metadata.dynamic_causal is not None or attn_metadata.encoder_cache is not None)
         summaries = None if stock else self._summaries(kv_cache)
@@ -157,8 +162,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         if not plan.sparse:
             _COUNTERS["stock_layer_rows"] += len(plan.stock)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        nb, heads, block_tokens, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(nb, heads, 2 * block_tokens, -1).chunk(2, dim=2)
+        key_cache, value_cache = vec_kv_views(kv_cache)
         before = summaries.pages_summarized
         try:
             if plan.stock:

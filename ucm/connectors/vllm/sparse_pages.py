@@ -2,12 +2,18 @@
 summaries of one layer's KV blocks kept up to date from the writes, the
 selected tokens gathered out of the pages, and attention over them.
 
-Layout (vLLM's CPU backend, `LBHNC`): one layer's `key_cache` and
-`value_cache` are `[num_blocks, kv_heads, block_tokens, head_dim]` views of
-its KV tensor; token t of a sequence lies in block `block_row[t //
-block_tokens]` at offset `t % block_tokens`. A page is `page_tokens`
-consecutive tokens inside a block (16 by default, Quest's page: 8 pages in
-a 128-token CPU block).
+Layout. Everything here reads logical views `[num_blocks, kv_heads,
+block_tokens, head_dim]` of one layer's keys and values (token t of a
+sequence lies in block `block_row[t // block_tokens]` at offset `t %
+block_tokens`). `vec_kv_views` makes them for vLLM's CPU backend with the
+`vec` kernel (AVX2 / AVX-512 without AMX, block sizes a multiple of 32):
+its layer tensor is `[num_blocks, kv_heads, block_tokens, 2 * head_dim]`
+and, per block and head, `cpu_attn_reshape_and_cache` writes the keys
+channel-major (`[head_dim, block_tokens]`) and then the values token-major
+(`[block_tokens, head_dim]`); other kernels (AMX, NEON, vec16) pack them
+differently and are not read here. A page is `page_tokens` consecutive
+tokens inside a block (16 by default, Quest's page: 8 pages in a 128-token
+CPU block).
 
 `PageSummaries` keeps, per physical block and page, the per-channel min,
 max (and mean, for the `mean` selector) of the page's keys, float32, with a
@@ -92,6 +98,21 @@ class PageSummaries:
     def _pages(self, block_row: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = torch.arange(n_pages, dtype=torch.int64)
         return block_row[p // self.pages_per_block].to(torch.int64), p % self.pages_per_block
+
+
+def vec_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical `[num_blocks, kv_heads, block_tokens, head_dim]` views (no
+    copy) of the keys and values in one layer's KV tensor as vLLM's CPU
+    `vec` kernel lays them out (module docstring)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or not kv_cache.is_contiguous():
+        raise ArgumentError(f"vec_kv_views: expected a contiguous [num_blocks, kv_heads, block_tokens, 2 * head_dim] "
+                            f"tensor, got {tuple(kv_cache.shape)}")
+    nb, heads, bt, two_d = kv_cache.shape
+    d = two_d // 2
+    halves = kv_cache.view(nb, heads, 2, bt * d)
+    keys = halves[:, :, 0].unflatten(2, (d, bt)).transpose(2, 3)
+    values = halves[:, :, 1].unflatten(2, (bt, d))
+    return keys, values
 
 
 def range_positions(ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
