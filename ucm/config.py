@@ -6,8 +6,9 @@ single keys: `UCM_<KEY>` with `__` between levels and tiers addressed by
 adapter name or index, e.g. `UCM_BLOCK_TOKENS=128`,
 `UCM_TIERS__NVME__CAPACITY=8GiB`, `UCM_POLICY__NAME=lru`; values are read as
 YAML scalars. `UCM_CONFIG` names the file used when none is given;
-`UCM_MODEL_CACHE` and `UCM_PROGRESS` belong to other parts of ucm (the model
-directories, the progress bars) and are not read as keys.
+`UCM_MODEL_CACHE`, `UCM_PROGRESS` and `UCM_VLLM_SPARSE` belong to other
+parts of ucm (the model directories, the progress bars, sparse decode in
+vLLM: ucm/connectors/vllm/sparse_config.py) and are not read as keys.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from ucm.sizes import parse_size
 
 ENV_PREFIX = "UCM_"
 ENV_CONFIG = "UCM_CONFIG"
-# UCM_ variables that are not config keys (ucm.apps.model, ucm.progress)
-ENV_NOT_KEYS = frozenset({ENV_CONFIG, "UCM_MODEL_CACHE", "UCM_PROGRESS"})
+# UCM_ variables that are not config keys (ucm.apps.model, ucm.progress,
+# ucm.connectors.vllm.sparse_config)
+ENV_NOT_KEYS = frozenset({ENV_CONFIG, "UCM_MODEL_CACHE", "UCM_PROGRESS", "UCM_VLLM_SPARSE"})
 
 
 class _Strict(BaseModel):

@@ -1,0 +1,211 @@
+"""ucm's sparse CPU attention impl (ucm/connectors/vllm/sparse_backend.py)
+with vLLM's own CPU kernels, without a model: one mixed batch (a prefill
+row, a long decode row, a short decode row) through the stock impl and
+through ucm's; the plugin and the settings.
+
+- full budget: every row equals the stock kernel's (the long decode row
+  through ucm's gather and torch attention, the others through the stock
+  kernel over those rows alone);
+- sinklocal with no budget: the long decode row equals a reference softmax
+  over exactly the sink and local tokens of the logical K/V; the other rows
+  still equal the stock kernel's.
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from ucm.connectors.vllm.sparse_config import ENV_SPARSE, parse_sparse, sparse_from_env  # noqa: E402
+from ucm.errors import ConfigError  # noqa: E402
+
+BT, H, QH, D = 128, 2, 4, 64
+NUM_BLOCKS = 24
+ROWS = ((40, 300), (1, 700), (1, 100))  # (query tokens, seq_len): a prefill chunk, a long decode, a short decode
+
+
+def _batch(seed=0):
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
+
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(NUM_BLOCKS, H, BT, 2 * D, generator=g)
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    table = torch.zeros(len(ROWS), 8, dtype=torch.int32)
+    at = 0
+    for r, (_, n) in enumerate(ROWS):
+        nb = math.ceil(n / BT)
+        table[r, :nb] = torch.tensor(perm[at:at + nb])
+        at += nb
+    q_lens = [q for q, _ in ROWS]
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    seq_lens = torch.tensor([n for _, n in ROWS], dtype=torch.int32)
+    isa = _get_attn_isa(torch.float32, BT, D)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(ROWS), num_heads=QH, num_kv_heads=H, head_dim=D, seq_lens=seq_lens, dtype=torch.float32,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True,
+        dynamic_causal=None, kv_cache_dtype="auto")
+
+    def metadata():
+        return CPUAttentionMetadata(num_actual_tokens=sum(q_lens), max_query_len=max(q_lens), query_start_loc=starts,
+                                    max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table,
+                                    slot_mapping=torch.zeros(0, dtype=torch.int64), scheduler_metadata=sched)
+
+    query = torch.randn(sum(q_lens), QH, D, generator=g)
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    return kv, table, query, layer, metadata, starts.tolist()
+
+
+def _impl(cls, monkeypatch):
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+    return cls(num_heads=QH, head_size=D, scale=1 / math.sqrt(D), num_kv_heads=H, alibi_slopes=None,
+               sliding_window=None, kv_cache_dtype="auto")
+
+
+def _forward(impl, kv, query, layer, md):
+    out = torch.zeros_like(query)
+    impl.forward(layer, query, None, None, kv, md, out)
+    return out
+
+
+def _logical(kv, table, r, n):
+    """Row r's K and V `[n, H, D]`, read page by page."""
+    from ucm.connectors.vllm.sparse_pages import vec_kv_views
+
+    k, v = vec_kv_views(kv)
+    idx = torch.arange(n)
+    b = table[r][idx // BT].long()
+    return k[b, :, idx % BT], v[b, :, idx % BT]
+
+
+def test_vec_views_read_what_the_cpu_kernel_writes():
+    """The kernel's own cache write (`cpu_attn_reshape_and_cache`, `vec`)
+    puts token t's K and V where `vec_kv_views` reads them."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from ucm.connectors.vllm.sparse_pages import vec_kv_views
+
+    isa = _get_attn_isa(torch.float32, BT, D)
+    if isa != "vec":
+        pytest.skip(f"this CPU's kernel is {isa!r}, not 'vec'")
+    kv = torch.zeros(4, H, BT, 2 * D)
+    stock_k, stock_v = kv.view(4, H, 2 * BT, D).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(7)
+    key, value = torch.randn(5, H, D, generator=g), torch.randn(5, H, D, generator=g)
+    slots = torch.tensor([BT + 0, BT + 1, BT + 77, 3 * BT + 5, 127])
+    ops.cpu_attn_reshape_and_cache(key, value, stock_k, stock_v, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    k, v = vec_kv_views(kv)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(k[slot // BT, :, slot % BT], key[i])
+        assert torch.equal(v[slot // BT, :, slot % BT], value[i])
+
+
+def test_full_budget_mixed_batch_equals_the_stock_kernel(monkeypatch):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from ucm.connectors.vllm import sparse_backend as sb
+
+    monkeypatch.setenv(ENV_SPARSE, "{budget: {ratio: 1.0}, min_context_tokens: 256}")
+    kv, table, query, layer, metadata, starts = _batch()
+    ref = _forward(_impl(CPUAttentionBackendImpl, monkeypatch), kv, query, layer, metadata())
+    sb.reset_counters()
+    got = _forward(_impl(sb.UcmSparseCpuImpl, monkeypatch), kv, query, layer, metadata())
+    c = sb.counters()
+    assert c["sparse_layer_rows"] == 1 and c["stock_layer_rows"] == 2 and c["fallbacks"] == 0
+    assert c["attended_tokens"] == c["context_tokens"] == 700
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sinklocal_row_attends_exactly_sink_and_local(monkeypatch):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from ucm.connectors.vllm import sparse_backend as sb
+
+    monkeypatch.setenv(ENV_SPARSE, "{selector: sinklocal, budget: {tokens: 0}, sink_tokens: 64, local_tokens: 128, "
+                                   "min_context_tokens: 256}")
+    kv, table, query, layer, metadata, starts = _batch(seed=1)
+    ref = _forward(_impl(CPUAttentionBackendImpl, monkeypatch), kv, query, layer, metadata())
+    sb.reset_counters()
+    got = _forward(_impl(sb.UcmSparseCpuImpl, monkeypatch), kv, query, layer, metadata())
+    assert sb.counters()["attended_tokens"] == 64 + (700 - 560)  # local widened to its first page: 560..700
+    t = starts[1]
+    k, v = _logical(kv, table, 1, 700)
+    pos = torch.cat([torch.arange(64), torch.arange(560, 700)])
+    for h in range(QH):
+        w = torch.softmax(k[pos, h // (QH // H)].double() @ query[t, h].double() / math.sqrt(D), dim=0)
+        torch.testing.assert_close(got[t, h].double(), w @ v[pos, h // (QH // H)].double(), rtol=1e-5, atol=1e-5)
+    others = [i for i in range(query.shape[0]) if i != t]
+    torch.testing.assert_close(got[others], ref[others], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[t], ref[t], atol=1e-3)  # the row really attended fewer tokens
+
+
+def test_the_impl_refuses_to_run_with_sparse_off(monkeypatch):
+    from ucm.connectors.vllm import sparse_backend as sb
+
+    monkeypatch.delenv(ENV_SPARSE, raising=False)
+    with pytest.raises(ConfigError, match=ENV_SPARSE):
+        _impl(sb.UcmSparseCpuImpl, monkeypatch)
+
+
+def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from ucm.connectors.vllm import sparse_plugin
+    from ucm.connectors.vllm.sparse_backend import BACKEND_PATH
+
+    stock = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    try:
+        monkeypatch.delenv(ENV_SPARSE, raising=False)
+        sparse_plugin.register()
+        assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+        assert AttentionBackendEnum.CPU_ATTN.get_path() == stock
+        monkeypatch.setenv(ENV_SPARSE, "on")
+        sparse_plugin.register()
+        sparse_plugin.register()  # vLLM may load a plugin more than once
+        assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+        assert AttentionBackendEnum.CPU_ATTN.get_class().get_name() == "CPU_ATTN"
+        monkeypatch.setenv(ENV_SPARSE, "{selector: nope}")
+        with pytest.raises(ConfigError, match=r"UCM_VLLM_SPARSE.selector: unknown selector 'nope'"):
+            sparse_plugin.register()
+    finally:
+        AttentionBackendEnum.CPU_ATTN.clear_override()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{budget: {tokens: 1.5}}", r"UCM_VLLM_SPARSE.budget: Budget tokens: value must be an int >= 0"),
+    ("{budget: {ratio: 0.5, tokens: 3}}", r"UCM_VLLM_SPARSE.budget: must be a mapping with one key of"),
+    ("{budget: {top_p: 0}}", r"UCM_VLLM_SPARSE.budget: Budget top_p: value must be a number in \(0, 1\]"),
+    ("{local: 3}", r"UCM_VLLM_SPARSE.local: unknown key; allowed: \['budget', 'local_tokens'"),
+    ("{page_tokens: 0}", r"UCM_VLLM_SPARSE.page_tokens"),
+    ("[quest]", r"UCM_VLLM_SPARSE: expected a mapping"),
+    ("{a: [", r"UCM_VLLM_SPARSE: the value is not valid YAML"),
+])
+def test_bad_settings_name_the_key_and_what_is_allowed(value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_sparse(value)
+
+
+def test_settings_off_on_and_values():
+    assert sparse_from_env({}) is None
+    for off in ("", "off", "false", "0"):
+        assert sparse_from_env({ENV_SPARSE: off}) is None
+    on = sparse_from_env({ENV_SPARSE: "on"})
+    assert (on.selector, on.budget.kind, on.budget.value, on.page_tokens) == ("quest", "tokens", 1024, 16)
+    got = parse_sparse('{"selector": "mean", "budget": {"top_p": 0.9}, "sink_tokens": 32}')
+    assert (got.selector, got.budget.kind, got.budget.value, got.sink_tokens) == ("mean", "top_p", 0.9, 32)
+    with pytest.raises(ConfigError, match="page_tokens: 48 does not divide vLLM's block size 128"):
+        parse_sparse("{page_tokens: 48}").check_block_size(128)
+
+
+def test_ucm_config_does_not_read_the_sparse_variable_as_a_key():
+    from ucm.config import load_config
+
+    load_config({}, environ={ENV_SPARSE: "on"})  # would be "unknown key 'vllm_sparse'" otherwise

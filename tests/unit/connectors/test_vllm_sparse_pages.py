@@ -1,0 +1,122 @@
+"""Sparse decode's engine-free pieces (ucm/connectors/vllm/sparse_pages.py)
+on synthetic paged KV laid out as vLLM's CPU backend lays it out, with a
+shuffled block table: page summaries equal the min / max / mean of the
+logical keys and follow vLLM's writes, gathering reads the tokens of the
+logical sequence, and attention over gathered tokens equals a reference
+softmax over the same tokens of the unpaged K/V."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig  # noqa: E402
+from ucm.accelerators.sparse.selectors import make_selector  # noqa: E402
+from ucm.connectors.vllm.sparse_pages import (PageSummaries, attend, context_keys, gather_tokens,  # noqa: E402
+                                              range_positions)
+from ucm.errors import ArgumentError  # noqa: E402
+
+BT, PT, H, D, QH = 128, 16, 3, 64, 9  # block tokens, page tokens, KV heads, head size, query heads
+
+
+def _paged(n, num_blocks=12, seed=0):
+    """(kv_cache [num_blocks, H, BT, 2D] as the CPU backend holds it, its
+    key/value views, the block row, the logical K and V [n, H, D])."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, H, D, generator=g)
+    v = torch.randn(n, H, D, generator=g)
+    row = torch.randperm(num_blocks, generator=g)[:math.ceil(n / BT)]
+    kv = torch.full((num_blocks, H, BT, 2 * D), float("nan"))
+    key_cache, value_cache = kv.view(num_blocks, H, 2 * BT, D).chunk(2, dim=2)
+    for t in range(n):
+        key_cache[row[t // BT], :, t % BT] = k[t]
+        value_cache[row[t // BT], :, t % BT] = v[t]
+    return kv, key_cache, value_cache, row, k, v
+
+
+def _reference(q, k, v, positions, scale):
+    """Plain softmax attention of q [QH, D] over k/v [n, H, D] at `positions`, GQA, float64."""
+    q, k, v = q.double(), k[positions].double(), v[positions].double()
+    out = torch.empty(QH, D, dtype=torch.float64)
+    for h in range(QH):
+        kv_head = h // (QH // H)
+        w = torch.softmax(k[:, kv_head] @ q[h] * scale, dim=0)
+        out[h] = w @ v[:, kv_head]
+    return out
+
+
+def test_summaries_equal_the_pages_of_the_logical_keys():
+    n = 300
+    _, key_cache, _, row, k, _ = _paged(n)
+    s = PageSummaries(12, H, BT, D, PT, keep_mean=True)
+    u = s.units(key_cache, row, n)
+    assert u.units == n // PT and u.unit_tokens == PT
+    pages = k[:u.units * PT].reshape(u.units, PT, H, D)
+    np.testing.assert_array_equal(u.min, pages.amin(dim=1).numpy())
+    np.testing.assert_array_equal(u.max, pages.amax(dim=1).numpy())
+    np.testing.assert_allclose(u.mean, pages.mean(dim=1).numpy(), rtol=1e-6, atol=1e-6)
+    assert s.pages_summarized == u.units
+    s.units(key_cache, row, n)  # nothing written since: nothing summarised again
+    assert s.pages_summarized == u.units
+
+
+def test_a_written_page_is_summarised_again_and_only_it():
+    n = 256
+    _, key_cache, _, row, _, _ = _paged(n)
+    s = PageSummaries(12, H, BT, D, PT)
+    s.units(key_cache, row, n)
+    before = s.pages_summarized
+    t = 130  # block 1 of the row, page 0 of it
+    key_cache[row[1], :, 2] = 100.0
+    s.mark_written(torch.tensor([-1, int(row[1]) * BT + 2]))  # -1: padding, ignored
+    u = s.units(key_cache, row, n)
+    assert s.pages_summarized == before + 1
+    assert float(u.max[t // PT].max()) == 100.0
+    # a block written behind the layer's back (a connector load) is marked by the caller
+    key_cache[row[0], :, 0] = -100.0
+    s.mark_blocks(row[:1])
+    u = s.units(key_cache, row, n)
+    assert float(u.min[0].min()) == -100.0 and s.pages_summarized == before + 1 + BT // PT
+
+
+def test_gathered_tokens_are_the_sequence_tokens():
+    n = 400
+    _, key_cache, value_cache, row, k, v = _paged(n, seed=1)
+    pos = range_positions([(0, 16), (100, 140), (390, 400)])
+    assert pos.tolist() == list(range(16)) + list(range(100, 140)) + list(range(390, 400))
+    assert torch.equal(gather_tokens(key_cache, row, pos), k[pos])
+    assert torch.equal(gather_tokens(value_cache, row, pos), v[pos])
+    np.testing.assert_array_equal(context_keys(key_cache, row, n), k.transpose(0, 1).numpy())
+
+
+@pytest.mark.parametrize("ranges", [[(0, 400)], [(0, 32), (200, 216), (300, 400)], [(399, 400)]])
+def test_attention_over_gathered_tokens_equals_the_reference(ranges):
+    n, scale = 400, 1 / math.sqrt(D)
+    _, key_cache, value_cache, row, k, v = _paged(n, seed=2)
+    q = torch.randn(QH, D, generator=torch.Generator().manual_seed(3))
+    pos = range_positions(ranges)
+    got = attend(q, gather_tokens(key_cache, row, pos), gather_tokens(value_cache, row, pos), scale)
+    torch.testing.assert_close(got.double(), _reference(q, k, v, pos, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_quest_over_paged_summaries_picks_the_page_that_holds_the_match():
+    """A query aligned with the keys of one page far from sink and local:
+    quest, scoring the paged summaries, picks that page first."""
+    n, scale = 700, 1 / math.sqrt(D)
+    _, key_cache, value_cache, row, k, v = _paged(n, seed=4)
+    q = torch.zeros(QH, D)
+    target = 20  # tokens 320..336
+    for h in range(QH):
+        q[h] = 4 * k[target * PT + 5, h // (QH // H)]
+    s = PageSummaries(12, H, BT, D, PT)
+    step = LayerStep(q.numpy(), n, PT, H, summaries=s.units(key_cache, row, n), scale=scale)
+    sel = make_selector("quest").select(step, SelectionConfig(Budget.tokens(PT), sink_tokens=64, local_tokens=128))
+    assert sel.units == (target,)
+    # the local window widens to the page it starts in (560..576 touches 572..700)
+    assert sel.ranges == ((0, 64), (target * PT, (target + 1) * PT), (560, n))
+
+
+def test_bad_page_size_is_refused():
+    with pytest.raises(ArgumentError, match="page_tokens 24 must divide block_tokens 128"):
+        PageSummaries(4, H, BT, D, 24)

@@ -1,0 +1,152 @@
+"""Sparse decode over vLLM's paged KV, the part that knows no vLLM: page
+summaries of one layer's KV blocks kept up to date from the writes, the
+selected tokens gathered out of the pages, and attention over them.
+
+Layout. Everything here reads logical views `[num_blocks, kv_heads,
+block_tokens, head_dim]` of one layer's keys and values (token t of a
+sequence lies in block `block_row[t // block_tokens]` at offset `t %
+block_tokens`). `vec_kv_views` makes them for vLLM's CPU backend with the
+`vec` kernel (AVX2 / AVX-512 without AMX, block sizes a multiple of 32):
+its layer tensor is `[num_blocks, kv_heads, block_tokens, 2 * head_dim]`
+and, per block and head, `cpu_attn_reshape_and_cache` writes the keys
+channel-major (`[head_dim, block_tokens]`) and then the values token-major
+(`[block_tokens, head_dim]`); other kernels (AMX, NEON, vec16) pack them
+differently and are not read here. A page is `page_tokens` consecutive
+tokens inside a block (16 by default, Quest's page: 8 pages in a 128-token
+CPU block).
+
+`PageSummaries` keeps, per physical block and page, the per-channel min,
+max (and mean, for the `mean` selector) of the page's keys, float32, with a
+stale flag per page. Every write vLLM makes through the layer
+(`mark_written(slot_mapping)`) marks its page stale, and so does the
+caller for pages written behind the layer's back (a prefill's context: a
+prefix-cache hit or a KV connector's load); a stale page is summarised
+again from the KV cache the next time a decode row reads its summary, so
+a page is read once per change, not once per step. Cost: 2 (3 with the
+mean) x 4 bytes x kv_heads x head_dim per page, 6.25 % (9.4 %) of a float32
+KV cache at 16-token pages.
+
+Runs in the worker's model thread; no lock (each layer owns its
+summaries).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ucm.accelerators.sparse.base import UnitSummaries
+from ucm.errors import ArgumentError
+
+
+class PageSummaries:
+    """One layer's key summaries per page of every KV block (module docstring)."""
+
+    def __init__(self, num_blocks: int, kv_heads: int, block_tokens: int, head_dim: int, page_tokens: int = 16,
+                 keep_mean: bool = False) -> None:
+        if page_tokens <= 0 or block_tokens % page_tokens:
+            raise ArgumentError(f"PageSummaries: page_tokens {page_tokens} must divide block_tokens {block_tokens}")
+        self.num_blocks, self.kv_heads, self.head_dim = num_blocks, kv_heads, head_dim
+        self.block_tokens, self.page_tokens = block_tokens, page_tokens
+        self.pages_per_block = block_tokens // page_tokens
+        shape = (num_blocks, kv_heads, self.pages_per_block, head_dim)
+        self.min = torch.zeros(shape, dtype=torch.float32)
+        self.max = torch.zeros(shape, dtype=torch.float32)
+        self.mean: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_mean else None
+        self.stale = torch.ones((num_blocks, self.pages_per_block), dtype=torch.bool)
+        self.pages_summarized = 0
+
+    def fits(self, key_cache: torch.Tensor) -> bool:
+        return tuple(key_cache.shape) == (self.num_blocks, self.kv_heads, self.block_tokens, self.head_dim)
+
+    def mark_written(self, slot_mapping: torch.Tensor) -> None:
+        """Pages holding the slots vLLM just wrote (`block * block_tokens +
+        offset`; negative slots are padding) are stale."""
+        s = slot_mapping.reshape(-1).to(torch.int64)
+        s = s[s >= 0]
+        if s.numel():
+            self.stale[s // self.block_tokens, (s % self.block_tokens) // self.page_tokens] = True
+
+    def mark_blocks(self, blocks: torch.Tensor) -> None:
+        """Every page of `blocks` is stale (written where the layer did not see it)."""
+        if blocks.numel():
+            self.stale[blocks.to(torch.int64)] = True
+
+    def units(self, key_cache: torch.Tensor, block_row: torch.Tensor, n_tokens: int) -> UnitSummaries:
+        """The summaries of the sequence's full pages (`n_tokens //
+        page_tokens` of them, in token order) for a selector, the stale ones
+        summarised first from `key_cache`."""
+        b, j = self._pages(block_row, n_tokens // self.page_tokens)
+        stale = self.stale[b, j]
+        if bool(stale.any()):
+            self.refresh(key_cache, b[stale], j[stale])
+        mn, mx = self.min[b, :, j], self.max[b, :, j]  # [pages, kv_heads, head_dim]
+        mean = self.mean[b, :, j] if self.mean is not None else torch.zeros_like(mn)
+        return UnitSummaries(self.page_tokens, mn.numpy(), mx.numpy(), mean.numpy())
+
+    def refresh(self, key_cache: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor) -> None:
+        """Summarises pages `(blocks[i], pages[i])` from the keys in `key_cache`."""
+        keys = key_cache.unflatten(2, (self.pages_per_block, self.page_tokens))[blocks, :, pages].float()
+        self.min[blocks, :, pages] = keys.amin(dim=2)  # keys: [n, kv_heads, page_tokens, head_dim]
+        self.max[blocks, :, pages] = keys.amax(dim=2)
+        if self.mean is not None:
+            self.mean[blocks, :, pages] = keys.mean(dim=2)
+        self.stale[blocks, pages] = False
+        self.pages_summarized += int(blocks.numel())
+
+    def _pages(self, block_row: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.arange(n_pages, dtype=torch.int64)
+        return block_row[p // self.pages_per_block].to(torch.int64), p % self.pages_per_block
+
+
+def vec_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical `[num_blocks, kv_heads, block_tokens, head_dim]` views (no
+    copy) of the keys and values in one layer's KV tensor as vLLM's CPU
+    `vec` kernel lays them out (module docstring)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or not kv_cache.is_contiguous():
+        raise ArgumentError(f"vec_kv_views: expected a contiguous [num_blocks, kv_heads, block_tokens, 2 * head_dim] "
+                            f"tensor, got {tuple(kv_cache.shape)}")
+    nb, heads, bt, two_d = kv_cache.shape
+    d = two_d // 2
+    halves = kv_cache.view(nb, heads, 2, bt * d)
+    keys = halves[:, :, 0].unflatten(2, (d, bt)).transpose(2, 3)
+    values = halves[:, :, 1].unflatten(2, (bt, d))
+    return keys, values
+
+
+def range_positions(ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The token positions of sorted half-open `ranges`, in order (int64)."""
+    if not ranges:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
+
+
+def gather_tokens(cache: torch.Tensor, block_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The tokens at `positions` of one sequence out of a paged `cache`
+    `[num_blocks, kv_heads, block_tokens, head_dim]`: `[n, kv_heads, head_dim]`."""
+    bt = cache.shape[2]
+    blocks = block_row[positions // bt].to(torch.int64)
+    return cache[blocks, :, positions % bt]
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of one decode token over the given tokens, in
+    float32: `query` `[q_heads, head_dim]`, `keys` / `values` `[n, kv_heads,
+    head_dim]` (query head h reads KV head `h // (q_heads // kv_heads)`);
+    returns `[q_heads, head_dim_v]` float32."""
+    q_heads, dim = query.shape
+    kv_heads = keys.shape[1]
+    if q_heads % kv_heads:
+        raise ArgumentError(f"attend: {q_heads} query heads do not group onto {kv_heads} KV heads")
+    q = query.float().reshape(kv_heads, q_heads // kv_heads, dim)
+    logits = torch.einsum("hgd,thd->hgt", q, keys.float()) * scale
+    probs = torch.softmax(logits, dim=-1)
+    return torch.einsum("hgt,thd->hgd", probs, values.float()).reshape(q_heads, -1)
+
+
+def context_keys(key_cache: torch.Tensor, block_row: torch.Tensor, n_tokens: int) -> np.ndarray:
+    """Every key of a sequence, `[kv_heads, n_tokens, head_dim]` float32
+    (for the `oracle` selector, which reads them all)."""
+    k = gather_tokens(key_cache, block_row, torch.arange(n_tokens, dtype=torch.int64))
+    return k.float().transpose(0, 1).contiguous().numpy()
