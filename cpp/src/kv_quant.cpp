@@ -163,9 +163,23 @@ void dequant_run(const std::uint8_t* data, int bits, std::int64_t first, std::in
   }
 }
 
+// Outlier indexes: u16 where a segment has at most 65536 elements, else u32.
+inline void store_index(std::uint8_t* at, std::size_t width, std::int64_t k, std::uint32_t i) {
+  if (width == 2) {
+    store_le<std::uint16_t>(at + 2 * k, static_cast<std::uint16_t>(i));
+  } else {
+    store_le<std::uint32_t>(at + 4 * k, i);
+  }
+}
+
+inline std::int64_t load_index(const std::uint8_t* at, std::size_t width, std::int64_t k) {
+  return width == 2 ? load_le<std::uint16_t>(at + 2 * k) : load_le<std::uint32_t>(at + 4 * k);
+}
+
 // ---- layout of an encoded segment --------------------------------------------
 struct Parts {
   std::int64_t n_tiles, n_tc;
+  std::size_t idx_bytes;                      // bytes of one outlier index (4-bit)
   std::size_t params, idx, raw, data, total;  // offsets (total = size)
 };
 
@@ -194,8 +208,9 @@ Parts parts_of(const KvSegment& s, KvElem e) {
     p.total = p.data + n;
   } else {
     p.params = 4;
+    p.idx_bytes = kv_outlier_index_bytes(s);
     p.idx = p.params + 2 * static_cast<std::size_t>(p.n_tiles);
-    p.raw = p.idx + 4 * static_cast<std::size_t>(s.outliers);
+    p.raw = p.idx + p.idx_bytes * static_cast<std::size_t>(s.outliers);
     p.data = p.raw + kv_elem_bytes(e) * static_cast<std::size_t>(s.outliers);
     p.total = p.data + n / 2;
   }
@@ -282,7 +297,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     std::sort(idx.begin(), idx.begin() + s.outliers);
     for (std::int64_t k = 0; k < s.outliers; ++k) {
       std::uint32_t i = idx[k];
-      store_le<std::uint32_t>(out + p.idx + 4 * k, i);
+      store_index(out + p.idx, p.idx_bytes, k, i);
       std::memcpy(out + p.raw + eb * k, src + row_offsets[i / D] + (i % D) * eb, eb);
       x[i] = NAN;  // left out of its tile's range (min/max keep the other operand); decoded exactly
     }
@@ -298,7 +313,10 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
       float mn = *std::min_element(lo.begin() + c * tc, lo.begin() + (c + 1) * tc);
       float mx = *std::max_element(hi.begin() + c * tc, hi.begin() + (c + 1) * tc);
       if (!(mn <= mx)) mn = mx = 0.0f;  // every element of the tile is an outlier
-      float n = std::max((mx - mn) / 14.0f, std::fabs(mn) / 127.0f);
+      // z = round(mn / s) puts mn within s / 2 of the grid's first level, so
+      // s >= (mx - mn) / 15 reaches mx within s / 2 of the last (all 16
+      // levels used); |z| <= 127 needs s >= |mn| / 127.
+      float n = std::max((mx - mn) / 15.0f, std::fabs(mn) / 127.0f);
       need[b * p.n_tc + c] = n;
       lo_t[b * p.n_tc + c] = mn;
       base = std::max(base, n);
@@ -315,7 +333,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
       while (c > 0 && base * kPow2.v[c] < need[t]) --c;
     }
     float st = base * kPow2.v[c];
-    float z = st > 0.0f ? std::floor(lo_t[t] / st) : 0.0f;
+    float z = st > 0.0f ? std::floor(lo_t[t] / st + 0.5f) : 0.0f;
     z = std::min(127.0f, std::max(-128.0f, z));
     out[p.params + 2 * t] = static_cast<std::uint8_t>(c);
     out[p.params + 2 * t + 1] = static_cast<std::uint8_t>(static_cast<std::int8_t>(z));
@@ -338,6 +356,8 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
 }  // namespace
 
 std::size_t kv_elem_bytes(KvElem e) { return e == KvElem::F32 ? 4 : 2; }
+
+std::size_t kv_outlier_index_bytes(const KvSegment& s) { return s.rows * s.cols <= 65536 ? 2 : 4; }
 
 std::size_t kv_encoded_bytes(const KvSegment& s, KvElem e) { return parts_of(s, e).total; }
 
@@ -370,7 +390,7 @@ bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8
     if (!std::isfinite(load_le<float>(enc)) || load_le<float>(enc) < 0.0f) return false;
     std::int64_t prev = -1;
     for (std::int64_t k = 0; k < s.outliers; ++k) {
-      std::int64_t i = load_le<std::uint32_t>(enc + p.idx + 4 * k);
+      std::int64_t i = load_index(enc + p.idx, p.idx_bytes, k);
       if (i <= prev || i >= s.rows * D) return false;
       prev = i;
     }
@@ -401,7 +421,7 @@ bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8
     }
   }
   for (std::int64_t k = 0; k < s.outliers; ++k) {
-    std::int64_t i = load_le<std::uint32_t>(enc + p.idx + 4 * k);
+    std::int64_t i = load_index(enc + p.idx, p.idx_bytes, k);
     std::memcpy(dst + row_offsets[i / D] + (i % D) * eb, enc + p.raw + eb * k, eb);
   }
   return true;

@@ -18,7 +18,7 @@ from support import chain
 from ucm.adapters.base import BlockEntry, RangeReads, Status, StorageAdapter, read_range
 from ucm.adapters.faults import FaultyAdapter
 from ucm.cache import Outcome, UnifiedCache
-from ucm.codecs import _BUILTIN, codec_names, load_codec_class
+from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_class
 from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import planar_layout
 from ucm.codecs.quant import Int8Codec
@@ -212,6 +212,26 @@ def test_unknown_codec_ids_and_raw_bytes_are_misses():
     assert a.size_of(keys[0]) == len(data[0])
     assert a.get(keys, [bytearray(len(data[0])), bytearray(len(data[1]))]) == [Status.CORRUPT] * 2
     assert a.stats()["codec_unknown_id"] == 1 and a.stats()["codec_bad_frames"] == 1
+
+
+def test_a_frame_of_the_retired_int4_format_is_a_miss():
+    """int4's first format (codec id 3: u32 outlier indexes) is no codec's
+    any more: a block stored by it is a miss for an int4 tier of today,
+    never decoded with the new format's offsets."""
+    from ucm.codecs.quant import Int4Codec
+
+    assert Int4Codec.codec_id == 4 and codec_class_by_id(3) is None
+    medium = DictAdapter()
+    book = LayoutBook()
+    book.register(LAYOUT)
+    a = CodecAdapter(medium, Int4Codec(), book)
+    keys, data = kv_blocks(2, 9)
+    enc = Int4Codec().encode(memoryview(data[0]), LAYOUT)
+    medium.blobs[keys[0]] = pack(3, len(data[0]), enc.meta, enc.body)  # well formed, checksums good, id 3
+    medium.blobs[keys[1]] = pack(4, len(data[1]), enc.meta, enc.body)  # the same bytes under today's id
+    assert a.get(keys[:1], [bytearray(len(data[0]))]) == [Status.CORRUPT]
+    assert a.stats()["codec_unknown_id"] == 1
+    assert a.get(keys[1:], [bytearray(len(data[1]))]) == [Status.OK]
 
 
 @pytest.mark.parametrize("codec", ["lossless", "int8"])

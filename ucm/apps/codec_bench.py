@@ -18,9 +18,13 @@ continues from the decoded cache. Against the exact cache it reports:
   prose, generated with a seed) at 1K to 8K tokens, codec against the
   exact cache on the same prompts.
 
-`naive-int4` (symmetric 4-bit with int8's scales: one per channel per
-block for keys, per token for values; no groups, no outliers) is the floor
-the issue names; it is measured here only, never stored.
+Reference rows that are not codecs (`ucm.apps.codec_floors`, measured
+here only, never stored): `naive-int4`, the floor the issue names; `ulp`,
+the exact cache moved by one unit in the last place per element, and
+`rechunk`, the same KV computed by the model in two forwards: how far a
+cache that differs from the exact one only by rounding carries the greedy
+tokens (the noise floor a lossy codec's greedy agreement is read
+against).
 """
 from __future__ import annotations
 
@@ -33,8 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ucm.apps import codec_floors
+
 BLOCK_TOKENS = 128
-CODECS = ("lossless", "int8", "int4", "naive-int4")
+CODECS = ("lossless", "int8", "int4", "naive-int4", "ulp", "rechunk")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,20 +76,6 @@ def find_text(path: Optional[str]) -> str:
         if cand.is_file():
             return cand.read_text(encoding="utf-8", errors="replace")
     raise ValueError("no prose text found; give one with --text")
-
-
-class NaiveInt4:
-    """The floor: symmetric 4-bit with int8's tiles (keys per channel over
-    the block, values per token), no groups, no outliers (torch, bench only)."""
-
-    name = "naive-int4"
-
-    @staticmethod
-    def roundtrip(x, dim):
-        import torch
-
-        s = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 7
-        return (torch.round(x / s).clamp(-7, 7) * s).to(x.dtype)
 
 
 def blocks_of(cache, n_blocks: int):
@@ -124,21 +116,32 @@ class CodecRun:
 
         self.name = name
         self.layout = layout
-        self.codec = None if name == "naive-int4" else load_codec_class(name)()
+        self.codec = None if name in codec_floors.FLOORS else load_codec_class(name)()
+        self.seed = 0
         self.raw = self.stored = 0
         self.err = {"k": [0.0, 0.0], "v": [0.0, 0.0]}  # sum of squared error, sum of squares
 
-    def roundtrip(self, blocks):
+    def roundtrip(self, blocks, recompute: Optional[Callable[[], Any]] = None):
+        """The blocks as the model continues from them: decoded by the codec,
+        or a reference row's (`recompute` gives `rechunk`'s blocks)."""
         import torch
 
         from ucm.codecs.frame import frame_bytes
 
         if self.codec is None:
-            k = NaiveInt4.roundtrip(blocks[:, :, 0].float(), dim=-2).to(blocks.dtype)
-            v = NaiveInt4.roundtrip(blocks[:, :, 1].float(), dim=-1).to(blocks.dtype)
-            out = torch.stack([k, v], dim=2)
             self.raw += blocks.numel() * blocks.element_size()
-            self.stored += blocks.numel() // 2 + blocks.numel() // 64 * 2  # nibbles + fp16 scales (estimate)
+            if self.name == "naive-int4":
+                out = codec_floors.naive_int4(blocks)
+                self.stored += codec_floors.naive_int4_stored_bytes(blocks)
+            elif self.name == "ulp":
+                self.seed += 1
+                out = codec_floors.one_ulp(blocks, self.seed)
+                self.stored += blocks.numel() * blocks.element_size()
+            else:
+                if recompute is None:
+                    raise ValueError(f"{self.name} needs the model to recompute the blocks")
+                out = recompute()
+                self.stored += blocks.numel() * blocks.element_size()
         else:
             out = torch.empty_like(blocks)
             for i in range(blocks.shape[0]):
@@ -232,8 +235,9 @@ def measure(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any
                 speed_blocks = blocks[:8].clone()
             ref_logits = model(forced, past_key_values=with_blocks(exact, blocks)).logits[0].float()
             ref_greedy = greedy_after_hit(model, prefix, with_blocks(exact, blocks), args.greedy_tokens)
+            rechunk = lambda: blocks_of(codec_floors.rechunked_prefix_cache(model, prefix), n_blocks)  # noqa: E731
             for n in names:
-                dec = runs[n].roundtrip(blocks)
+                dec = runs[n].roundtrip(blocks, rechunk)
                 logits = model(forced, past_key_values=with_blocks(exact, dec)).logits[0].float()
                 lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
                 q[n]["kl"].append(float((lp.exp() * (lp - lq)).sum(-1).mean()))
@@ -261,8 +265,10 @@ def measure(args: argparse.Namespace, log: Callable[..., None]) -> dict[str, Any
                  "passkey": passkey[n]}
         if r.codec is not None:
             entry.update(r.speed(speed_blocks))
-        else:
+        elif n == "naive-int4":
             entry["size_ratio_note"] = "estimated (bench-only floor, not stored)"
+        else:
+            entry["size_ratio_note"] = "reference row: the exact bytes perturbed, not a codec"
         result["codecs"][n] = entry
     result["passkey_exact"] = passkey["exact"]
     return result
@@ -290,8 +296,10 @@ def measure_passkey(model, tok, text_ids, runs, args, log) -> dict[str, dict[str
             hit = n_blocks * BLOCK_TOKENS
             out = model(ids[:, :hit], use_cache=True)
             blocks = blocks_of(out.past_key_values, n_blocks)
+            hit_ids = ids[:, :hit]
+            rechunk = lambda: blocks_of(codec_floors.rechunked_prefix_cache(model, hit_ids), n_blocks)  # noqa: E731
             for n in ["exact", *names]:
-                dec = blocks if n == "exact" else runs[n].roundtrip(blocks)
+                dec = blocks if n == "exact" else runs[n].roundtrip(blocks, rechunk)
                 c = with_blocks(out.past_key_values, dec)
                 gen = model.generate(ids, past_key_values=c, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
                 hits[n][str(L)] += key in tok.decode(gen)

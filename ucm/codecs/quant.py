@@ -6,12 +6,17 @@ key outliers sit in fixed channels, value outliers in tokens):
 - `int8`, symmetric: a key tile is one channel of one head over the
   block's tokens, a value tile one token of one head over its channels;
   one fp16 step per tile (rounded up so |x| / s <= 127).
-- `int4`, asymmetric, groups of 32: a key tile is one channel over 32
-  tokens, a value tile 32 channels of one token; per tile a u8 step code
-  (s = base * 2^(-c/16), base an f32 per segment) and an i8 zero point
-  (x' = (q + z) * s, q in 0..15); per segment the 0.1 % of elements
-  farthest from their tile's mean are kept exact (KVQuant's dense-and-
-  sparse split), so one spike does not widen its group's step.
+- `int4` (codec id 4), asymmetric, groups of 32: a key tile is one
+  channel over 32 tokens, a value tile 32 channels of one token; per tile
+  a u8 step code (s = base * 2^(-c/16), base an f32 per segment) and an
+  i8 zero point (x' = (q + z) * s, q in 0..15), with s the smallest code
+  >= max((max - min) / 15, |min| / 127) and z = round(min / s), so the 16
+  levels span the tile; per segment the 0.2 % of elements farthest from
+  their tile's mean are kept exact (KVQuant's dense-and-sparse split) with
+  u16 indexes, so one spike does not widen its group's step. Codec id 3
+  was the first int4 (steps of (max - min) / 14, 0.1 % outliers with u32
+  indexes); its frames are misses now (no codec has id 3), as any frame of
+  a codec this process lacks.
 
 Every element of a non-outlier comes back within s / 2 of its value (plus
 the rounding of x' to the KV dtype); `tile_steps` returns the s of every
@@ -22,13 +27,15 @@ one segment, t = its tiles, o = its outliers, e = element bytes):
 
     int8: 48 + |layout| + 20 + layers x sum over K, V of (2 t + n)
     int4: 48 + |layout| + 20 + layers x sum over K, V of
-          (4 + 2 t + o (4 + e) + n / 2),   o = floor(n / 1000)
+          (4 + 2 t + o (i + e) + n / 2),   o = floor(2 n / 1000),
+                                           i = 2 if n <= 65536 else 4
 
 where 48 is the frame header (ucm.codecs.frame), |layout| the KvLayout's
 encoding and 20 the codec's parameters (`encoded_bytes` computes it). For
 SmolLM2 in bf16 at 128 tokens (3 heads, 64 channels, 30 layers; a
-126-byte layout) that is 1,509,314 bytes for int8 (1.954x) and 838,514
-bytes for int4 (3.517x) against 2,949,120 raw.
+126-byte layout) that is 1,509,314 bytes for int8 (1.954x) and 841,634
+bytes for int4 (3.504x) against 2,949,120 raw (n = 24,576, t = 768,
+o = 49 per segment).
 
 Blocks the layout does not describe (no layout registered, another size,
 a dtype other than float32 / float16 / bfloat16) are not encoded (the
@@ -45,7 +52,7 @@ from ucm import _native
 from ucm.codecs.base import Codec, Encoded
 from ucm.codecs.layout import KvLayout
 
-OUTLIER_PER_MILLE = 1  # elements kept exact per thousand (int4)
+OUTLIER_PER_MILLE = 2  # elements kept exact per thousand (int4)
 GROUP = 32  # int4 group size
 _PARAMS = struct.Struct("<IIIII")  # k tile rows, k tile cols, v tile rows, v tile cols, outliers per mille
 
@@ -179,6 +186,6 @@ class Int8Codec(QuantCodec):
 
 class Int4Codec(QuantCodec):
     name = "int4"
-    codec_id = 3
+    codec_id = 4  # 3: the first int4 format, retired (its frames are misses)
     bits = 4
     nominal_ratio = 3.5

@@ -13,11 +13,15 @@
 // `encoded_bytes`, n_tiles = R / tile_rows * D / tile_cols):
 //   bits 8 (symmetric):  n_tiles x fp16 scale s (rounded up, so |x| / s <= 127)
 //                        || R * D x int8 q;             x' = q * s
-//   bits 4 (asymmetric): f32 base || n_tiles x (u8 c, i8 z) || n_out x u32
-//                        index (r * D + d, ascending) || n_out x raw element
+//   bits 4 (asymmetric): f32 base || n_tiles x (u8 c, i8 z) || n_out x
+//                        index (r * D + d, ascending; u16 where R * D <=
+//                        65536, else u32) || n_out x raw element
 //                        || R * D / 2 bytes of u4 q (element 2i in the low
 //                        nibble);  s = base * 2^(-c/16), x' = (q + z) * s,
-//                        outliers restored exactly.
+//                        outliers restored exactly. The encoder picks per
+//                        tile the smallest code with s >= max((max - min)
+//                        / 15, |min| / 127) and z = round(min / s), so all
+//                        16 levels span the tile's range.
 // Reconstruction error per element is at most s / 2 (plus the rounding of
 // x' to the element type); `outliers` elements per segment (those farthest
 // from their tile's mean) are kept exact.
@@ -40,6 +44,10 @@ struct KvSegment {
 };
 
 std::size_t kv_elem_bytes(KvElem e);
+
+// Bytes of one outlier index of a 4-bit segment: 2 where it has at most
+// 65536 elements, else 4.
+std::size_t kv_outlier_index_bytes(const KvSegment& s);
 
 // Bytes of one encoded segment; throws std::invalid_argument for a bad spec.
 std::size_t kv_encoded_bytes(const KvSegment& s, KvElem e);
