@@ -398,7 +398,7 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
             c.close()
         os.chdir(cwd)
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(res, variants, patterns, prompts, arr, max_num_seqs, rate, dram_small, total)
+    return {**summarize(res, variants, patterns, prompts, arr, max_num_seqs, rate, dram_small, total), "dtype": dtype}
 
 
 def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list[list[int]],
@@ -409,7 +409,6 @@ def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list
     hit_ref = {i: (r["cached"], r["tokens"]) for i, r in enumerate(ref["apc_reference"])}
     out: dict[str, Any] = {
         "requests": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_num_seqs": max_num_seqs,
-        "dtype": dtype,
         "rate_per_s": rate, "arrivals_s": arr, "gen_tokens": GEN_TOKENS,
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "dram_tier_bytes": dram_bytes, "doc_bytes": doc_bytes,
