@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.apps.demo import DTYPE_BYTES, page_bytes
 from ucm.apps.vllm_bench import BLOCK_TOKENS, _count, _env, _evict_to_nvme
 
 GEN_TOKENS = 8
@@ -78,12 +79,6 @@ POLICY = {"all_in_dram": "off", "ucm_off": "off", "streaming": "off", "accelerat
 # under the forward; the others load them asynchronously (or stage them).
 STREAMING = {"streaming": "auto"}
 PATTERNS = ("burst", "poisson")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def block_bytes(dtype: str) -> int:
-    """One 128-token block of SmolLM2, all 30 layers (K and V of 3 heads of 64)."""
-    return 30 * 3 * BLOCK_TOKENS * 2 * 64 * DTYPE_BYTES[dtype]
 DRAM_SHARE = 0.4
 CONFIG_TAG = {"all_in_dram": "big", "accelerator": "accel"}  # the service of each ucm variant (else "small")
 
@@ -237,7 +232,7 @@ async def _run_variant_async(spec: dict) -> dict:
                 await engine.reset_prefix_cache()
             elif spec["push_to_nvme"]:
                 out.setdefault("tiers_before", {})[pattern] = _count(
-                    _evict_to_nvme(client, keys, block_bytes(spec["dtype"]), limit=400))
+                    _evict_to_nvme(client, keys, spec["block_bytes"], limit=400))
             else:
                 out.setdefault("tiers_before", {})[pattern] = _count(client.locate(keys))
             s0 = client.stats() if client else None
@@ -355,7 +350,7 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     model = str(prepare(model_name))
     prompts, warm = _prompts(model, requests, lo, hi)
     doc_blocks = sum(len(p) // BLOCK_TOKENS for p in prompts)
-    block = block_bytes(dtype)
+    block = page_bytes(Path(model), dtype, BLOCK_TOKENS)
     total = doc_blocks * block
     largest = max(len(p) // BLOCK_TOKENS for p in prompts) * block
     dram_small = max(int(total * DRAM_SHARE), 2 * largest) + (8 << 20)
@@ -366,7 +361,7 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     configs = {"small": small, "big": big, "accel": accel}
     arr = {p: arrivals(p, requests, rate) for p in patterns}
     base = {"model": model, "prompts": prompts, "warm": warm, "max_num_seqs": max_num_seqs, "patterns": patterns,
-            "arrivals": arr, "work": str(work), "dtype": dtype}
+            "arrivals": arr, "work": str(work), "dtype": dtype, "block_bytes": block}
     res: dict[str, dict] = {}
     clients: dict[str, Any] = {}
     cwd = os.getcwd()

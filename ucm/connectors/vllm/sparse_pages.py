@@ -57,9 +57,6 @@ class PageSummaries:
         self.stale = torch.ones((num_blocks, self.pages_per_block), dtype=torch.bool)
         self.pages_summarized = 0
 
-    def fits(self, key_cache: torch.Tensor) -> bool:
-        return tuple(key_cache.shape) == (self.num_blocks, self.kv_heads, self.block_tokens, self.head_dim)
-
     def mark_written(self, slot_mapping: torch.Tensor) -> None:
         """Pages holding the slots vLLM just wrote (`block * block_tokens +
         offset`; negative slots are padding) are stale."""
