@@ -1,24 +1,30 @@
 """End to end: UCMConnector inside vLLM for CPU with SmolLM2-135M-Instruct.
 
-One driver process (this file run as a script) creates, one after another,
-several vLLM engines on the same prompts, while it holds a client of a
-private ucm service so the cache outlives each engine:
+One driver process (this file run as a script) creates two vLLM engines,
+one after the other, on the same prompts, while it holds a client of a
+private ucm service:
 
 - reference: no connector, vLLM prefix caching on: P1 cold, then P1 and P2
   again as prefix-cache hits (P2 shares P1's first 256 tokens);
-- ucm cold: a new engine with the connector: P1 misses, its blocks are saved;
-- ucm hit: a new engine (its own prefix cache empty, turned off): P1 and P2
+- then one engine with the connector for every run below; vLLM's own
+  prefix cache is emptied before each run (`reset_prefix_cache`), so a hit
+  can only come from ucm (the blocks the service served are counted), and
+  each run sets its load path and prefetch policy per request
+  (`kv_transfer_params`);
+- ucm cold: P1 misses, its blocks are saved;
+- ucm hit: P1 and P2
   load 256 tokens from ucm; their greedy tokens must equal vLLM's own
   prefix-cache-hit outputs with the same number of cached tokens (the
   numerics of "suffix on a cached prefix" may differ from a cold prefill,
   for vLLM's prefix cache too);
 - ucm nvme: the driver stores filler blocks until P1's blocks are demoted
-  from DRAM to NVMe (LRU policy, DRAM of five blocks); a new engine then finds
+  from DRAM to NVMe (LRU policy, DRAM of five blocks); the engine then finds
   them below DRAM and streams them layer by layer under the forward
-  (`ucm_load_streaming` auto), then once more with streaming off (the
-  asynchronous path);
-- prefetch: the same again for each `ucm_prefetch_policy` (wait_complete,
-  timeout, best_effort): the scheduler stages first, then loads from DRAM.
+  (the engine's `ucm_load_streaming` auto), then once more with the
+  request's `ucm_load_streaming` off (the asynchronous path);
+- prefetch: the same again for each request `ucm_prefetch_policy`
+  (wait_complete, timeout, best_effort): the scheduler stages first, then
+  loads from DRAM.
 
 A second driver (`--robustness`, test_ucm_connector_partial_concurrent_and_service_faults)
 checks partial hits, concurrent requests and a standalone service killed and
@@ -104,23 +110,25 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
     # vLLM's own prefix cache served 256 tokens of each prompt in the reference run.
     assert ref["p1_hit"]["cached"] == 256 and ref["p2_hit"]["cached"] == 256
     # Cold run with the connector: nothing cached anywhere, same tokens as without it.
-    assert cold["p1"]["cached"] == 0
+    assert cold["p1"]["cached"] == 0 and cold["p1"]["loaded"] == 0
     assert cold["p1"]["tokens"] == ref["p1_cold"]["tokens"]
-    # New engine, empty prefix cache: the 256 tokens come from ucm, and the
-    # output equals vLLM's own prefix-cache hit token for token.
+    # vLLM's prefix cache emptied: the 256 tokens come from ucm (its two
+    # blocks served by the service), and the output equals vLLM's own
+    # prefix-cache hit token for token.
     assert hit["p1"]["cached"] == 256 and hit["p2"]["cached"] == 256
+    assert hit["p1"]["loaded"] == 2 and hit["p2"]["loaded"] == 2
     assert hit["p1"]["tokens"] == ref["p1_hit"]["tokens"]
     assert hit["p2"]["tokens"] == ref["p2_hit"]["tokens"]
     # The same blocks, now only on NVMe: streamed layer by layer under the
     # forward (ucm_load_streaming auto), same tokens.
-    assert nvme["p1"]["cached"] == 256
+    assert nvme["p1"]["cached"] == 256 and nvme["p1"]["loaded"] == 2
     assert nvme["p1"]["tokens"] == ref["p1_hit"]["tokens"]
     assert r["p1_tiers"] == ["nvme", "nvme"]  # so the connector streamed them
     assert r["streamed"] == 2  # both blocks came through the streamed path
     assert r["promoted_after"] - r["promoted_before"] >= 2  # staged NVMe -> DRAM
     # Streaming off: the asynchronous whole-block load, same tokens.
     assert r["ucm_nvme_async"]["tiers_before"] == ["nvme", "nvme"]
-    assert r["ucm_nvme_async"]["p1"]["cached"] == 256
+    assert r["ucm_nvme_async"]["p1"]["cached"] == 256 and r["ucm_nvme_async"]["p1"]["loaded"] == 2
     assert r["ucm_nvme_async"]["p1"]["tokens"] == ref["p1_hit"]["tokens"]
     assert r["streamed_off"] == 0
     # The prefetch policies (ucm_prefetch_policy): P1 on NVMe only each time;
@@ -132,6 +140,7 @@ def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
         got = r[f"prefetch_{policy}"]
         assert got["tiers_before"] == ["nvme", "nvme"], policy
         assert got["p1"]["tokens"] == by_cached[got["p1"]["cached"]], policy
+        assert got["p1"]["loaded"] == got["p1"]["cached"] // BLOCK_TOKENS, policy
     assert r["prefetch_wait_complete"]["p1"]["cached"] == 256
     assert r["prefetch_best_effort"]["p1"]["cached"] == 0
     assert r["service"]["loaded_blocks"] >= 6
@@ -159,7 +168,7 @@ def test_a_lossless_nvme_hit_matches_vllm_prefix_cache(tmp_path):
         pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     r = json.loads(out.read_text())
     assert r["p1_tiers"] == ["nvme", "nvme"]
-    assert r["ucm_nvme"]["p1"]["cached"] == 256
+    assert r["ucm_nvme"]["p1"]["cached"] == 256 and r["ucm_nvme"]["p1"]["loaded"] == 2
     assert r["ucm_nvme"]["p1"]["tokens"] == r["reference"]["p1_hit"]["tokens"]
     s = r["nvme_adapter"]
     assert s["codec"] == "lossless" and s["codec_decoded_blocks"] >= 2 and s.get("codec_fallback", 0) == 0
@@ -233,21 +242,38 @@ def _prompts(tokenizer) -> tuple[list[int], list[int]]:
     return p1, p2
 
 
-def _run(llm, prompt: list[int]) -> dict:
-    return _run_many(llm, [prompt])[0]
+def _run(llm, prompt: list[int], **params) -> dict:
+    """Greedy tokens of `prompt`; `params`: its kv_transfer_params (the
+    connector's per-request settings)."""
+    return _run_many(llm, [prompt], **params)[0]
 
 
-def _run_many(llm, prompts: list[list[int]]) -> list[dict]:
+def _run_many(llm, prompts: list[list[int]], **params) -> list[dict]:
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params else None)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [{"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
              "text": o.outputs[0].text} for o in outs]
 
 
-def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode: str = "auto",
-            prefetch: str = "off", streaming: str = "auto"):
+def _empty_prefix_cache(llm, timeout_s: float = 60.0) -> None:
+    """Empties vLLM's own prefix cache. vLLM refuses while pages are held,
+    and the connector holds a finished request's pages until its saves are
+    reported, which happens in an engine step: a one-token request of three
+    tokens (no full block, so nothing for ucm) makes that step."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be emptied")
+        _run(llm, [1, 2, 3])
+        time.sleep(0.05)
+
+
+def _engine(model: str, ucm_config: str | None, prefix_caching: bool):
+    """An engine, with UCMConnector when `ucm_config` is given (streaming
+    "auto", no prefetch policy: the runs set theirs per request)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -256,8 +282,8 @@ def _engine(model: str, ucm_config: str | None, prefix_caching: bool, load_mode:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"ucm_config": ucm_config, "ucm_load_mode": load_mode,
-                                       "ucm_prefetch_policy": prefetch, "ucm_load_streaming": streaming})
+            kv_connector_extra_config={"ucm_config": ucm_config, "ucm_load_mode": "auto",
+                                       "ucm_prefetch_policy": "off", "ucm_load_streaming": "auto"})
     return LLM(model=model, dtype=E2E_DTYPE, max_model_len=1024, enforce_eager=True,
                enable_prefix_caching=prefix_caching, seed=0, **kw)
 
@@ -298,47 +324,50 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
         llm = _engine(model, None, prefix_caching=True)
         result["reference"] = {"p1_cold": _run(llm, p1), "p1_hit": _run(llm, p1), "p2_hit": _run(llm, p2)}
         close_engine(llm)
+        # One engine with the connector for every ucm run: its own prefix
+        # cache is emptied before each (so the hit can only come from ucm),
+        # and the load path and prefetch policy of a run are set per request
+        # (kv_transfer_params). `loaded` counts the blocks the service served.
         llm = _engine(model, str(cfg_path), prefix_caching=True)
-        result["ucm_cold"] = {"p1": _run(llm, p1)}
-        close_engine(llm)
-        llm = _engine(model, str(cfg_path), prefix_caching=False)
-        result["ucm_hit"] = {"p1": _run(llm, p1), "p2": _run(llm, p2)}
-        close_engine(llm)
+
+        def ucm_run(prompt: list[int], **params) -> dict:
+            _empty_prefix_cache(llm)
+            before = client.stats()["loaded_blocks"]
+            got = _run(llm, prompt, **params)
+            return {**got, "loaded": client.stats()["loaded_blocks"] - before}
+
+        result["ucm_cold"] = {"p1": ucm_run(p1)}
+        result["ucm_hit"] = {"p1": ucm_run(p1), "p2": ucm_run(p2)}
         # Push P1's blocks out of DRAM: store one-shot filler blocks of the same size.
         import torch
 
         fill = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
-        for i in range(8):
-            client.store([os.urandom(16)], [fill]).wait(30)
-        result["promoted_before"] = client.stats()["tiers"]["dram"]["promotions_in"]
+
+        def push_p1_below_dram() -> list:
+            for i in range(8):
+                client.store([os.urandom(16)], [fill]).wait(30)
+            return client.locate(block_keys(ns, p1))
+
         from ucm.keys import Namespace, block_keys
 
         ns = Namespace(model=_model_id(model), kv_dtype=E2E_DTYPE, num_layers=30, num_kv_heads=3, head_size=64,
                        block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")  # as UCMConnector names them
-        result["p1_tiers"] = client.locate(block_keys(ns, p1))
+        result["p1_tiers"] = push_p1_below_dram()
+        result["promoted_before"] = client.stats()["tiers"]["dram"]["promotions_in"]
         streamed_before = client.stats().get("streamed_blocks", 0)
-        llm = _engine(model, str(cfg_path), prefix_caching=True)  # ucm_load_streaming auto: streamed
-        result["ucm_nvme"] = {"p1": _run(llm, p1)}
-        close_engine(llm)
+        result["ucm_nvme"] = {"p1": ucm_run(p1)}  # the engine's ucm_load_streaming auto: streamed
         result["promoted_after"] = client.stats()["tiers"]["dram"]["promotions_in"]
         result["streamed"] = client.stats().get("streamed_blocks", 0) - streamed_before
         # The same on NVMe only again, with streaming off: the asynchronous load.
-        for i in range(8):
-            client.store([os.urandom(16)], [fill]).wait(30)
-        tiers = client.locate(block_keys(ns, p1))
-        llm = _engine(model, str(cfg_path), prefix_caching=True, streaming="off")
-        result["ucm_nvme_async"] = {"p1": _run(llm, p1), "tiers_before": tiers}
-        close_engine(llm)
+        tiers = push_p1_below_dram()
+        result["ucm_nvme_async"] = {"p1": ucm_run(p1, ucm_load_streaming="off"), "tiers_before": tiers}
         result["streamed_off"] = client.stats().get("streamed_blocks", 0) - streamed_before - result["streamed"]
-        # Each prefetch policy: P1 pushed back to NVMe only, then a new engine
+        # Each prefetch policy: P1 pushed back to NVMe only, then the scheduler
         # stages it before loading it from DRAM (or answers without it).
         for policy in ("wait_complete", "timeout", "best_effort") if codec == "none" else ():  # codec runs: CI time
-            for i in range(8):
-                client.store([os.urandom(16)], [fill]).wait(30)
-            tiers = client.locate(block_keys(ns, p1))
-            llm = _engine(model, str(cfg_path), prefix_caching=True, prefetch=policy)
-            result[f"prefetch_{policy}"] = {"p1": _run(llm, p1), "tiers_before": tiers}
-            close_engine(llm)
+            tiers = push_p1_below_dram()
+            result[f"prefetch_{policy}"] = {"p1": ucm_run(p1, ucm_prefetch_policy=policy), "tiers_before": tiers}
+        close_engine(llm)
         result["service"] = {k: v for k, v in client.stats().items() if not isinstance(v, dict)}
         result["nvme_adapter"] = client.stats()["tiers"]["nvme"]["adapter"]
     finally:

@@ -191,3 +191,67 @@ def test_stagings_stay_within_the_budget_and_a_request_beyond_it_loads_without_w
     assert side.get_num_new_matched_tokens(a, 0) == (768, False)
     side.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
     assert side.staging_budget.used == 0  # a's load is planned: its share is given back
+
+
+def _asking(req_id, tokens, **params):
+    """A request whose kv_transfer_params carry `params` (as SamplingParams.extra_args
+    or the OpenAI server's kv_transfer_params field give them to vLLM)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": params}),
+                   None)
+
+
+def test_a_request_sets_its_own_prefetch_policy_and_streaming():
+    """kv_transfer_params override the engine's policy for that request
+    only: one engine serves a latency-bound request and a waiting one."""
+    side, cache = _side(load_streaming="off")  # the engine: no policy, asynchronous loads
+    keys = _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    waiting = _asking("w", TOKENS, ucm_prefetch_policy="wait_complete", do_remote_prefill=False)
+    assert side.get_num_new_matched_tokens(waiting, 0) == (None, False)  # it stages and waits
+    assert cache.prefetches[0][0] == keys[1:3]
+    plain = _request("p", TOKENS)
+    assert side.get_num_new_matched_tokens(plain, 0) == (768, True)  # the engine's way: no staging
+    streamed = _asking("s", TOKENS, ucm_load_streaming="auto")
+    assert side.get_num_new_matched_tokens(streamed, 0) == (768, False)  # loaded under the forward
+    assert side._reqs["s"].load_stream and not side._reqs["p"].load_stream
+    assert len(cache.prefetches) == 1 and side.bad_request_settings == 0
+
+
+def test_a_request_can_turn_the_engines_policy_off():
+    side, cache = _side(prefetch_policy="wait_complete")
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    req = _asking("r", TOKENS, ucm_prefetch_policy="off", ucm_load_streaming="off")
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == (768, True)
+    assert cache.prefetches == []
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"ucm_prefetch_policy": "eager"}, r"kv_transfer_params\.ucm_prefetch_policy: 'eager' not one of"),
+    ({"ucm_prefetch_timeout_s": "1s"}, r"kv_transfer_params\.ucm_prefetch_timeout_s must be a number >= 0"),
+    ({"ucm_model_id": "other"}, r"'ucm_model_id' cannot be set per request; allowed: \['ucm_load_mode'"),
+])
+def test_a_bad_request_override_is_logged_and_the_engines_settings_apply(params, match, caplog):
+    from ucm.connectors.vllm.settings import ConnectorSettings
+    from ucm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        ConnectorSettings().for_request(params)
+    side, cache = _side(load_streaming="off")
+    _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
+    with caplog.at_level("WARNING", logger="ucm.connectors.vllm.scheduler"):
+        assert side.get_num_new_matched_tokens(_asking("r", TOKENS, **params), 0) == (768, True)
+    assert side.bad_request_settings == 1 and cache.prefetches == []
+    assert any(next(iter(params)) in r.getMessage() for r in caplog.records)
+
+
+def test_keys_of_other_connectors_are_left_alone():
+    from ucm.connectors.vllm.settings import ConnectorSettings
+
+    base = ConnectorSettings(prefetch_policy="timeout")
+    assert base.for_request({"do_remote_prefill": True, "remote_host": "x"}) is base
+    assert base.for_request(None) is base
+    got = base.for_request({"ucm_prefetch_timeout_s": 2, "ucm_load_mode": "async"})
+    assert (got.prefetch_timeout_s, got.load_mode, got.prefetch_policy) == (2, "async", "timeout")

@@ -74,6 +74,7 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class _ReqState:
     keys: list[Key]  # keys of the prompt's full blocks
+    settings: ConnectorSettings = ConnectorSettings()  # the engine's, with the request's overrides
     hit_blocks: int = 0  # leading blocks the cache held at lookup (and blocks being saved after them)
     hit_tiers: list[Optional[str]] = field(default_factory=list)
     looked_up: bool = False
@@ -146,6 +147,7 @@ class UCMSchedulerSide:
         # Requests seen on arrival whose staging waits for budget, in arrival order (staging.admit).
         self._staging_queue: dict[int, tuple[_ReqState, int]] = {}
         self.staging_wait_s = 0.0
+        self.bad_request_settings = 0  # requests whose kv_transfer_params overrides were refused
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: "UcmConfig",
@@ -207,6 +209,19 @@ class UCMSchedulerSide:
         seed = dataclasses.replace(self.namespace, salt=";".join(salt)).digest() if salt else self._seed
         return block_keys(seed, request.prompt_token_ids, self.block_tokens)
 
+    def request_settings(self, request: "Request") -> ConnectorSettings:
+        """The engine's settings with the request's `ucm_` overrides from its
+        `kv_transfer_params` (settings.PER_REQUEST). A bad override is
+        logged with the key and the allowed values, and the request runs on
+        the engine's settings: never an exception into vLLM."""
+        params = getattr(request, "kv_transfer_params", None)
+        try:
+            return self.settings.for_request(params)
+        except ConfigError as e:
+            self.bad_request_settings += 1
+            log.warning("UCMConnector: request %s: %s; it runs on the engine's settings", request.request_id, e)
+            return self.settings
+
     def _begin(self, request: "Request") -> Optional[_ReqState]:
         """The request's state; made (and the request begun in the cache)
         the first time vLLM asks about it."""
@@ -216,7 +231,7 @@ class UCMSchedulerSide:
         keys = self.request_keys(request)
         if keys is None:
             return None
-        st = self._reqs[request.request_id] = _ReqState(keys=keys)
+        st = self._reqs[request.request_id] = _ReqState(keys=keys, settings=self.request_settings(request))
         if keys:
             self._ask("begin_request", None, self._cache.begin_request, request.request_id, keys)
         return st
@@ -296,7 +311,7 @@ class UCMSchedulerSide:
         is looked up, pinned and staged while it waits."""
         try:
             st = self._begin(request)
-            if st is None or not st.keys or self.settings.prefetch_policy == "off" or not self.can_load:
+            if st is None or not st.keys or st.settings.prefetch_policy == "off" or not self.can_load:
                 return
             self._lookup(st)
             if st.hit_blocks:
@@ -317,9 +332,9 @@ class UCMSchedulerSide:
         if wait_for_room(self, st):
             return None, False  # capped: vLLM asks again; the lookup is redone once there is room
         st.local_tokens = num_computed_tokens
-        mode = self.settings.load_mode
+        mode = st.settings.load_mode
         blocks = st.hit_blocks
-        if self.settings.prefetch_policy != "off" and blocks and not st.unstaged:
+        if st.settings.prefetch_policy != "off" and blocks and not st.unstaged:
             if stage(self, st, num_computed_tokens // self.block_tokens):
                 return None, False  # vLLM asks again next step; the request holds no pages meanwhile
             blocks = st.hit_blocks
@@ -335,7 +350,7 @@ class UCMSchedulerSide:
             return 0, False
         first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
         is_async, st.load_stream = choose_load(st.hit_tiers[first:last], self._landing, mode,
-                                               self.settings.load_streaming)
+                                               st.settings.load_streaming)
         st.load_async = is_async
         return hit - num_computed_tokens, is_async
 

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 LOAD_MODES = ("auto", "sync", "async")
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete", "timeout")
 STREAMING = ("off", "auto", "on")
+# The settings a request may override through its `kv_transfer_params`
+# (vLLM: SamplingParams.extra_args["kv_transfer_params"], or the OpenAI
+# server's "kv_transfer_params" field), under the same `ucm_` names. The
+# others name the engine's cache, namespace or worker waits and stay per engine.
+PER_REQUEST = ("load_mode", "load_streaming", "prefetch_policy", "prefetch_timeout_s",
+               "prefetch_timeout_per_1k_tokens_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,25 +57,7 @@ class ConnectorSettings:
     prefetch_timeout_per_1k_tokens_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.load_mode not in LOAD_MODES:
-            raise ConfigError(f"kv_connector_extra_config.ucm_load_mode: {self.load_mode!r} not one of "
-                              f"{list(LOAD_MODES)}")
-        if self.prefetch_policy not in PREFETCH_POLICIES:
-            raise ConfigError(f"kv_connector_extra_config.ucm_prefetch_policy: {self.prefetch_policy!r} not one of "
-                              f"{list(PREFETCH_POLICIES)}")
-        if self.load_streaming not in STREAMING:
-            raise ConfigError(f"kv_connector_extra_config.ucm_load_streaming: {self.load_streaming!r} not one of "
-                              f"{list(STREAMING)}")
-        for name in ("load_timeout_s", "prefetch_timeout_s", "prefetch_timeout_per_1k_tokens_s"):
-            t = getattr(self, name)
-            number = isinstance(t, (int, float)) and not isinstance(t, bool)
-            if not (number and (t > 0 if name == "load_timeout_s" else t >= 0)):
-                bound = "> 0" if name == "load_timeout_s" else ">= 0"
-                raise ConfigError(f"kv_connector_extra_config.ucm_{name} must be a number {bound}, got {t!r}")
-        cap = self.max_waiting_pin_bytes
-        if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap > 0):
-            raise ConfigError(f"kv_connector_extra_config.ucm_max_waiting_pin_bytes must be a positive int "
-                              f"(bytes) or absent, got {cap!r}")
+        _check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "kv_connector_extra_config")
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
@@ -87,6 +75,47 @@ class ConnectorSettings:
                                   f"{sorted(prefix + n if n != 'ucm_config' else n for n in known)}")
             kwargs[name] = v
         return cls(**kwargs)
+
+    def for_request(self, params: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
+        """These settings with a request's overrides: the `ucm_` keys of its
+        `kv_transfer_params` among PER_REQUEST (other keys belong to other
+        connectors). A bad value or a `ucm_` key that is not per request
+        raises ConfigError naming `kv_transfer_params.<key>`."""
+        if not params or not isinstance(params, Mapping):
+            return self
+        kwargs = {}
+        for k, v in params.items():
+            if not isinstance(k, str) or not k.startswith("ucm_"):
+                continue
+            if k[4:] not in PER_REQUEST:
+                raise ConfigError(f"kv_transfer_params: {k!r} cannot be set per request; allowed: "
+                                  f"{['ucm_' + n for n in PER_REQUEST]}")
+            kwargs[k[4:]] = v
+        if not kwargs:
+            return self
+        _check(kwargs, "kv_transfer_params")
+        return dataclasses.replace(self, **kwargs)
+
+
+def _check(values: Mapping[str, Any], where: str) -> None:
+    """Raises ConfigError naming `where`.ucm_<key>, the value and the
+    allowed ones for the first bad value among `values` (field name -> value)."""
+    for name, allowed in (("load_mode", LOAD_MODES), ("prefetch_policy", PREFETCH_POLICIES),
+                          ("load_streaming", STREAMING)):
+        if name in values and values[name] not in allowed:
+            raise ConfigError(f"{where}.ucm_{name}: {values[name]!r} not one of {list(allowed)}")
+    for name in ("load_timeout_s", "prefetch_timeout_s", "prefetch_timeout_per_1k_tokens_s"):
+        if name not in values:
+            continue
+        t = values[name]
+        number = isinstance(t, (int, float)) and not isinstance(t, bool)
+        if not (number and (t > 0 if name == "load_timeout_s" else t >= 0)):
+            bound = "> 0" if name == "load_timeout_s" else ">= 0"
+            raise ConfigError(f"{where}.ucm_{name} must be a number {bound}, got {t!r}")
+    cap = values.get("max_waiting_pin_bytes")
+    if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap > 0):
+        raise ConfigError(f"{where}.ucm_max_waiting_pin_bytes must be a positive int (bytes) or absent, "
+                          f"got {cap!r}")
 
 
 def check_engine(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", block_tokens: int) -> int:

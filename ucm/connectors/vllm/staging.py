@@ -36,6 +36,7 @@ from ucm.connectors.vllm.load_choice import PENDING
 
 if TYPE_CHECKING:
     from ucm.connectors.vllm.scheduler import UCMSchedulerSide
+    from ucm.connectors.vllm.settings import ConnectorSettings
 
 MAX_STAGING_LOSSES = 2  # late stagings after which a request is computed without ucm
 MAX_LOAD_FAILURES = 2  # lost loads after which a request is computed without ucm
@@ -65,12 +66,11 @@ class StagingBudget:
         self.used -= self._held.pop(owner, 0)
 
 
-def wait_s(side: "UCMSchedulerSide", hit_tokens: int) -> float:
-    """How long a request of `hit_tokens` hit tokens may wait under the policy."""
-    wait = side.settings.load_timeout_s
-    if side.settings.prefetch_policy == "timeout":
-        wait = min(wait, side.settings.prefetch_timeout_s
-                   + side.settings.prefetch_timeout_per_1k_tokens_s * hit_tokens / 1000)
+def wait_s(settings: "ConnectorSettings", hit_tokens: int) -> float:
+    """How long a request of `hit_tokens` hit tokens may wait under its policy."""
+    wait = settings.load_timeout_s
+    if settings.prefetch_policy == "timeout":
+        wait = min(wait, settings.prefetch_timeout_s + settings.prefetch_timeout_per_1k_tokens_s * hit_tokens / 1000)
     return wait
 
 
@@ -89,8 +89,8 @@ def _issue(side: "UCMSchedulerSide", st: Any, below: list[Key], first: int) -> b
     counts["blocks_staged"] += len(below)
     st.staging, st.staged = handle, frozenset(below)
     st.staging_since = time.monotonic()
-    st.staging_deadline = st.staging_since + wait_s(side, (st.hit_blocks - first) * side.block_tokens)
-    return side.settings.prefetch_policy != "best_effort"
+    st.staging_deadline = st.staging_since + wait_s(st.settings, (st.hit_blocks - first) * side.block_tokens)
+    return st.settings.prefetch_policy != "best_effort"
 
 
 def admit(side: "UCMSchedulerSide") -> None:
@@ -118,12 +118,12 @@ def wait_for_room(side: "UCMSchedulerSide", st: Any) -> bool:
     """True while a waiting request whose hit the waiting-pin cap cut waits
     for room (the waiting policies only, at most `wait_s`); it looks up
     again when room frees. No loss is counted: the cap is not a fault."""
-    if side.settings.prefetch_policy not in WAITING_POLICIES or st.allocated:
+    if st.settings.prefetch_policy not in WAITING_POLICIES or st.allocated:
         return False
     now = time.monotonic()
     if st.capped and not st.room_since:
         st.room_since = now
-        st.room_deadline = now + wait_s(side, len(st.keys) * side.block_tokens)
+        st.room_deadline = now + wait_s(st.settings, len(st.keys) * side.block_tokens)
         side.staging_counts["capped_waits"] += 1
     waiting = st.room_since > 0
     if waiting and st.capped and now < st.room_deadline:
@@ -139,7 +139,7 @@ def stage(side: "UCMSchedulerSide", st: Any, first: int, arrival: bool = False) 
     (after vLLM's own `first` blocks) by the prefetch policy; True while
     the request should wait for it (vLLM asks again next step). `arrival`:
     vLLM only added the request; a staging over the budget then queues."""
-    policy = side.settings.prefetch_policy
+    policy = st.settings.prefetch_policy
     counts = side.staging_counts
     if st.staging is not None:
         now = time.monotonic()
