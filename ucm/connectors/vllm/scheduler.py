@@ -499,7 +499,8 @@ class UCMSchedulerSide:
         """Releases the pins of every request still known (an engine that
         stops with requests in flight)."""
         if self.staging_counts["stagings"]:
-            log.info("UCMConnector: prefetch policy %s: %s", self.settings.prefetch_policy, self.staging_stats())
+            log.info("UCMConnector: stagings (engine prefetch policy %s; requests may set their own): %s",
+                     self.settings.prefetch_policy, self.staging_stats())
         for st in self._reqs.values():
             self._unpin(st)
         self._reqs.clear()
