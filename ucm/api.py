@@ -25,8 +25,10 @@ import enum
 import logging
 import threading
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
+from ucm.buffers import byte_view
 from ucm.errors import ArgumentError
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,17 @@ class Outcome(enum.Enum):
     MISSING = "missing"  # not cached (or refused: no room, not admitted)
     CORRUPT = "corrupt"  # bytes came back bad; the block was dropped
     FAILED = "failed"  # I/O error or a dead medium or service
+
+
+@dataclass(frozen=True, slots=True)
+class RangeRead:
+    """What `read_ranges` did for one block: its outcome, the tier that
+    served its ranges (None when none did) and the bytes delivered into
+    the caller's ranges."""
+
+    outcome: Outcome
+    tier: Optional[str] = None
+    bytes: int = 0
 
 
 class Handle:
@@ -158,6 +171,28 @@ def check_sizes(keys: Sequence[Key], sizes: Any) -> list[int]:
     return sizes
 
 
+def check_ranges(keys: Sequence[Key], offsets: Any, dsts: Any) -> tuple[list[list[int]], list[list[memoryview]]]:
+    """`read_ranges`' arguments: per key a list of offsets (ints >= 0) and
+    a list of as many writable destinations (their lengths are the ranges'
+    lengths); returns the offsets as lists and the destinations as byte
+    views."""
+    offsets, dsts = list(offsets), list(dsts)
+    if len(offsets) != len(keys) or len(dsts) != len(keys):
+        raise ArgumentError(f"read_ranges: {len(keys)} keys but {len(offsets)} offset lists and {len(dsts)} "
+                            f"destination lists")
+    views, offset_lists = [], []
+    for i, (offs, ds) in enumerate(zip(offsets, dsts)):
+        offs, ds = list(offs), list(ds)
+        offset_lists.append(offs)
+        if len(offs) != len(ds):
+            raise ArgumentError(f"read_ranges: block {i} has {len(offs)} offsets but {len(ds)} destinations")
+        for o in offs:
+            if not isinstance(o, int) or isinstance(o, bool) or o < 0:
+                raise ArgumentError(f"read_ranges: offsets must be integers >= 0, got {o!r}")
+        views.append([byte_view(d, writable=True, what="read_ranges destination") for d in ds])
+    return offset_lists, views
+
+
 def check_output_tokens(value: Any) -> int:
     """`finish`'s output_tokens: an int >= 0, else ArgumentError."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -224,6 +259,18 @@ class CacheAPI(Protocol):
         block, the (offset, length) in `arena` of its bytes (None on a miss,
         or where the stored size is not sizes[i]: CORRUPT) while they are
         held. A `fill` that raises makes its DONE blocks FAILED. Synchronous."""
+
+    def read_ranges(self, keys: Sequence[Key], offsets: Sequence[Sequence[int]], dsts: Sequence[Sequence[Any]],
+                    request_id: Optional[str] = None) -> list[RangeRead]:
+        """Byte ranges of blocks, read where the blocks are, without staging
+        them: copies bytes [offsets[i][j], offsets[i][j] + len(dsts[i][j]))
+        of block keys[i] into the writable buffer dsts[i][j]. A use of the
+        blocks (as a load). Per block a RangeRead: DONE with the tier that
+        served it and the bytes delivered, or MISSING / CORRUPT (also: a
+        range past the block's end) / FAILED, its destinations then
+        unspecified. Synchronous. How much a tier reads for a range is the
+        implementation's (ucm/range_access.py; the service's client stages
+        whole blocks)."""
 
     def register_layout(self, layout: Any) -> None:
         """The `ucm.codecs.layout.KvLayout` of a namespace's blocks, which

@@ -52,6 +52,7 @@ from ucm.placement import Op, Placement, Plan, TierSpec
 from ucm.execution import PlanExecutor
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer
+from ucm.range_access import RangeAccess
 from ucm.slot_access import SlotAccess
 from ucm.staging import Staging
 from ucm.tiers import TierStack
@@ -76,7 +77,7 @@ def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> S
     return cls(capacity_bytes=capacity_bytes, config=options)
 
 
-class UnifiedCache(SlotAccess, Staging):
+class UnifiedCache(SlotAccess, RangeAccess, Staging):
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
     def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None, replay: bool = False,
@@ -310,9 +311,10 @@ class UnifiedCache(SlotAccess, Staging):
         counts["corrupt"] = counts.get("corrupt", 0) + self.tiers.corrupt
         for name, a in zip(self.tier_names, self.adapters):
             tiers[name]["adapter"] = a.stats()
+            tiers[name]["range_bytes"] = counts.pop(f"range_bytes.{name}", 0)
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
                   "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
-                  "finished_requests", "slot_evictions"):
+                  "finished_requests", "slot_evictions", "range_blocks"):
             counts.setdefault(k, 0)
         return {"tiers": tiers, **counts, "requests": requests, "open_requests": open_requests,
                 "accelerators": self.accelerators.stats()}

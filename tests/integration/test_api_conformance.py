@@ -214,6 +214,44 @@ def test_prefetch_stages_blocks_into_the_landing_tier(api):
     assert impl.locate(low) == ["dram"] * 4
 
 
+def test_read_ranges_reads_spans_where_the_blocks_are(api):
+    """Ranges of DRAM blocks and of blocks held only below it: exact bytes,
+    the serving tier named, and (in process) nothing staged; the service
+    stages below-landing blocks whole and says so in the bytes it counts."""
+    impl, kind = api
+    keys, data = chain(40, 11, size=SIZE)  # more than 2 MiB of DRAM: the prefix goes below
+    assert impl.store(keys, data).wait(60) == [Outcome.DONE] * 40
+    impl.flush()
+    where = impl.locate(keys)
+    landing = "nvme" if kind == "cache-no-slots" else "dram"
+    picks = [i for i, t in enumerate(where) if t != landing][:2] + [i for i, t in enumerate(where) if t == landing][:2]
+    spans = [(5, 100), (SIZE // 2, 4096), (SIZE - 7, 7)]
+    dsts = [[bytearray(n) for _, n in spans] for _ in picks]
+    got = impl.read_ranges([keys[i] for i in picks], [[o for o, _ in spans]] * len(picks), dsts)
+    assert [r.outcome for r in got] == [Outcome.DONE] * len(picks)
+    for i, d in zip(picks, dsts):
+        assert [bytes(x) for x in d] == [data[i][o:o + n] for o, n in spans]
+    ranged = sum(n for _, n in spans)
+    for i, r in zip(picks, got):
+        assert r.tier == where[i]
+        assert r.bytes == (SIZE if kind == "service" and where[i] != landing else ranged)
+    if kind != "service":
+        assert impl.locate([keys[i] for i in picks]) == [where[i] for i in picks]  # not staged
+        s = impl.stats()
+        assert s["range_blocks"] == len(picks)
+        assert sum(t["range_bytes"] for t in s["tiers"].values()) == ranged * len(picks)
+
+
+def test_read_ranges_reports_misses_and_ranges_past_the_end(api):
+    impl, _ = api
+    keys, data = chain(2, 12, size=SIZE)
+    impl.store(keys[:1], data[:1]).wait(30)
+    got = impl.read_ranges(keys + keys[:1], [[0], [0], [SIZE - 4]], [[bytearray(8)], [bytearray(8)], [bytearray(8)]])
+    assert [r.outcome for r in got] == [Outcome.DONE, Outcome.MISSING, Outcome.CORRUPT]
+    assert impl.lookup(keys[:1]) == 1  # a range past the end is the caller's, not the block's fault
+    assert impl.read_ranges([], [], []) == []
+
+
 def test_empty_batches(api):
     impl, _ = api
     assert impl.lookup([]) == 0
@@ -252,6 +290,10 @@ def test_pins_finish_stats_flush(api):
     lambda c: c.begin_request(None, [b"\0" * 16]),
     lambda c: c.store([b"\0" * 16], [b"a"], request_id=7),
     lambda c: c.finish([b"\0" * 16], -1),
+    lambda c: c.read_ranges([b"\0" * 16], [[0, 1]], [[bytearray(1)]]),
+    lambda c: c.read_ranges([b"\0" * 16], [[-1]], [[bytearray(1)]]),
+    lambda c: c.read_ranges([b"\0" * 16], [[0]], [[b"read-only"]]),
+    lambda c: c.read_ranges([b"\0" * 16], [], []),
 ])
 def test_misuse_is_an_argument_error(api, call):
     impl, _ = api

@@ -1,8 +1,9 @@
 """Sparse decode's page fetch (ucm/connectors/transformers/sparse_fetch.py)
 over a real UnifiedCache with dram and nvme tiers: the bytes of the picked
 pages of one layer come back exactly; the bytes counted per tier equal what
-the cache and the nvme adapter count themselves; a block that cannot be
-read is a failed fetch (None), never partial pages."""
+the cache counts itself; a block on NVMe is read by ranges (the medium
+reads the chunks covering the pages, not the block) and not staged; a
+block that cannot be read is a failed fetch (None), never partial pages."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -44,8 +45,8 @@ def page_bytes(pages):
 def test_pages_of_one_layer_from_dram_with_exact_counts(nvme_dir):
     with UnifiedCache(cfg(nvme_dir)) as cache:
         keys, blocks = stored(cache, 4, 1)
-        f = PageFetcher(cache, LAY, torch.float32, PT, keys, None, landing="dram")
-        before = cache.stats()["bytes_loaded"]
+        f = PageFetcher(cache, LAY, torch.float32, PT, keys, None)
+        before = cache.stats()["tiers"]["dram"]["range_bytes"]
         units = [6, 1, 3]  # pages of blocks 0, 1 and 3
         got = f.fetch_pages(1, units, pad=5)
         assert got is not None and got.units == (1, 3, 6)
@@ -53,35 +54,35 @@ def test_pages_of_one_layer_from_dram_with_exact_counts(nvme_dir):
         assert torch.equal(got.values, expected(blocks, 1, units, 1))
         assert got.positions.tolist() == [5 + u * PT + t for u in (1, 3, 6) for t in range(PT)]
         c = f.counters
-        assert c.bytes_read == {"dram": page_bytes(3)}
-        assert c.bytes_leased == 3 * LAY.block_bytes == cache.stats()["bytes_loaded"] - before
-        assert (c.fetches, c.blocks_leased, c.pages_copied, c.failed_fetches) == (1, 3, 3, 0)
+        served = cache.stats()["tiers"]["dram"]["range_bytes"] - before
+        assert c.bytes_read == {"dram": page_bytes(3)} == {"dram": served}
+        assert (c.fetches, c.blocks_read, c.pages_copied, c.failed_fetches) == (1, 3, 3, 0)
 
 
-def test_blocks_on_nvme_are_staged_whole_and_counted_as_the_adapter_counts(nvme_dir):
+def test_blocks_on_nvme_are_read_by_ranges_and_not_staged(nvme_dir):
     with UnifiedCache(cfg(nvme_dir)) as cache:
         keys, blocks = stored(cache, 3, 2)
         stored(cache, 8, 3)  # pushes the first three down to NVMe
         assert cache.locate(keys) == ["nvme"] * 3
-        assert cache.flush(30)  # on the medium, not in the adapter's write buffer (whose reads it does not count)
+        assert cache.flush(30)  # on the medium, not in the adapter's write buffer
         nvme_before = cache.stats()["tiers"]["nvme"]["adapter"]["bytes_read"]
-        loaded_before = cache.stats()["bytes_loaded"]
-        f = PageFetcher(cache, LAY, torch.float32, PT, keys, None, landing="dram")
+        f = PageFetcher(cache, LAY, torch.float32, PT, keys, None)
         got = f.fetch_pages(0, [0, 5])  # blocks 0 and 2
         assert got is not None
         assert torch.equal(got.keys, expected(blocks, 0, [0, 5], 0))
         assert torch.equal(got.values, expected(blocks, 0, [0, 5], 1))
         s = cache.stats()
-        assert f.counters.bytes_read == {"nvme": 2 * LAY.block_bytes, "dram": page_bytes(2)}
-        assert f.counters.bytes_read["nvme"] == s["tiers"]["nvme"]["adapter"]["bytes_read"] - nvme_before
-        assert f.counters.bytes_leased == s["bytes_loaded"] - loaded_before
+        assert f.counters.bytes_read == {"nvme": page_bytes(2)} == {"nvme": s["tiers"]["nvme"]["range_bytes"]}
+        medium = s["tiers"]["nvme"]["adapter"]["bytes_read"] - nvme_before
+        assert page_bytes(2) <= medium < 2 * LAY.block_bytes  # the chunks covering the pages, not the blocks
+        assert cache.locate(keys) == ["nvme"] * 3  # nothing staged
 
 
 def test_a_missing_block_fails_the_fetch(nvme_dir):
     with UnifiedCache(cfg(nvme_dir)) as cache:
         keys, _ = stored(cache, 2, 4)
         lost, _ = chain(1, 99, size=LAY.block_bytes)
-        f = PageFetcher(cache, LAY, torch.float32, PT, keys + lost, None, landing="dram")
+        f = PageFetcher(cache, LAY, torch.float32, PT, keys + lost, None)
         assert f.fetch_pages(0, [0, 4]) is None  # page 4 is in the block never stored
         assert f.fetch_pages(0, [7]) is None  # past the known blocks
         assert f.counters.failed_fetches == 1 and f.counters.pages_copied == 0

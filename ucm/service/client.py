@@ -50,8 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ucm import _native
-from ucm.api import (Handle, Key, Outcome, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_request_id, check_sizes, check_timeout, submit)
+from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_keys, check_output_tokens, check_parent,
+                     check_ranges, check_request_id, check_sizes, check_timeout, submit)
 from ucm.buffers import byte_view
 from ucm.codecs.layout import KvLayout
 from ucm.config import UcmConfig
@@ -435,6 +435,14 @@ class CacheClient:
         sizes = check_sizes(keys, sizes)
         rid = check_request_id(request_id)
         return client_slots.read_slots(self, keys, sizes, fill, rid)
+
+    def read_ranges(self, keys: Sequence[Key], offsets: Sequence[Sequence[int]], dsts: Sequence[Sequence[Any]],
+                    request_id: Optional[str] = None) -> list[RangeRead]:
+        """CacheAPI.read_ranges: leases and copies the ranges out; blocks below
+        the landing tier are staged whole (client_slots.read_ranges)."""
+        keys = _keys(keys)
+        offsets, views = check_ranges(keys, offsets, dsts)
+        return client_slots.read_ranges(self, keys, offsets, views, check_request_id(request_id))
 
     def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
                      request_id: Optional[str] = None) -> Any:

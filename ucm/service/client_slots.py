@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ucm.api import Outcome, SlotFn
+from ucm.api import Outcome, RangeRead, SlotFn
 from ucm.errors import ClosedError, CopyAborted, UcmError
 from ucm.service.client_link import Link, Pending, ServiceUnavailable
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PART_BYTES = 16 << 20  # enough to hide a request's round trip under the copy of the part before
+RANGE_PART = 8  # blocks leased at once by read_ranges (it knows no sizes to cut parts by bytes)
 
 
 def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
@@ -154,6 +155,50 @@ def read_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: 
             _release(c, link, leases)
         out.extend(part)
     return out
+
+
+def read_ranges(c: "CacheClient", keys: list[bytes], offsets: Sequence[Sequence[int]],
+                views: list[list[memoryview]], rid: Optional[str]) -> list[RangeRead]:
+    """CacheAPI.read_ranges through the service: the service has no range
+    read, so the blocks are leased as by read_slots (a block below the
+    landing tier is staged into it, whole) and the ranges copied out of the
+    leased slots, RANGE_PART blocks at a time. Each block's tier is where
+    `locate` found it just before; a block staged from below it counts its
+    whole size (what that tier served), one in the landing tier its ranges."""
+    link = _live(c)
+    if link is None or not keys:
+        return [RangeRead(Outcome.FAILED)] * len(keys)
+    tiers = c.locate(keys)  # a fault: None each
+    landing = link.info.get("landing_tier")
+    out: list[RangeRead] = []
+    for i in range(0, len(keys), RANGE_PART):
+        part = keys[i:i + RANGE_PART]
+        leases = _take(c, link, _send(c, link, "acquire", {"keys": part, "request_id": rid, "counted": i == 0}),
+                       len(part), 3)
+        if leases is None:
+            out.extend([RangeRead(Outcome.FAILED)] * len(part))
+            continue
+        try:
+            with memoryview(link.arena.m) as arena:
+                for j, lease in enumerate(leases):
+                    out.append(_ranges_out(arena, lease, offsets[i + j], views[i + j], tiers[i + j], landing))
+        finally:
+            _release(c, link, leases)
+    return out
+
+
+def _ranges_out(arena: memoryview, lease: Optional[list], offsets: Sequence[int], views: list[memoryview],
+                tier: Optional[str], landing: Optional[str]) -> RangeRead:
+    """One leased block's ranges copied out of the arena."""
+    if lease is None:
+        return RangeRead(Outcome.MISSING)
+    start, length = lease[1], lease[2]
+    if any(o + len(v) > length for o, v in zip(offsets, views)):
+        return RangeRead(Outcome.CORRUPT, tier)
+    for o, v in zip(offsets, views):
+        v[:] = arena[start + o:start + o + len(v)]
+    n = sum(len(v) for v in views) if tier in (None, landing) else length
+    return RangeRead(Outcome.DONE, tier or landing, n)
 
 
 def _copy_out(fill: SlotFn, first: int, leases: list, sizes: Sequence[int], link: Link) -> list[Outcome]:

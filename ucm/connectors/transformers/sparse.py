@@ -315,7 +315,7 @@ class _Session:
             return False
         self._summaries = got
         self._fetcher = PageFetcher(conn._cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,
-                                    r.request_id, landing=_landing(conn._cache))
+                                    r.request_id)
         return True
 
     def _select(self, layer: int, query: torch.Tensor, key: torch.Tensor, n: int,
@@ -340,11 +340,3 @@ class _Session:
         st = _LayerState(sel, fetched, torch.from_numpy(np.flatnonzero(mask).astype(np.int64)), n, self.step)
         self.layers[layer] = st
         return st
-
-
-def _landing(cache: Any) -> str:
-    """The name of the tier leases are taken from (UnifiedCache: its landing tier)."""
-    names, placement = getattr(cache, "tier_names", None), getattr(cache, "placement", None)
-    if names is not None and placement is not None:
-        return names[placement.landing]
-    return "dram"

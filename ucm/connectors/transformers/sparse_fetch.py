@@ -2,33 +2,20 @@
 
 Sparse decode (sparse.py) attends, per layer, over the resident tokens
 (sink, local window, tail) and the pages its selector picked. The picked
-pages' K and V are read here from the cache the connector stores blocks in:
-`CacheAPI.read_slots` leases each block holding a picked page (zero-copy in
-the landing tier's shared slots; a block held only below it, on NVMe, is
-staged into the landing tier first, whole), and the fill copies out of the
-slot only this layer's K and V of the picked pages (per KV head, one
-`page_tokens x head_dim` span each of K and V; one native copy call for all
-of them).
+pages' K and V are read here from the cache the connector stores blocks in,
+by `CacheAPI.read_ranges`: per picked page and KV head, one
+`page_tokens x head_dim` span of K and one of V of this layer, copied
+straight into the attention's K and V tensors. The cache reads them where
+the blocks are and stages nothing: out of the landing tier's slots, and
+from a tier below it range by range (nvme reads the verified chunks that
+cover the spans; ucm/range_access.py). Through the service (CacheClient)
+a block below the landing tier is staged whole, and counted whole.
 
-Granularity. The CacheAPI has no sub-block range read: a lease is of a
-whole block and a staging from NVMe reads a whole block (the adapters'
-`get_range` sits below the API). So the bytes copied out of the landing
-tier are exactly the picked pages of one layer, while the bytes read from a
-tier below it are whole blocks. Both are counted (`FetchCounters`):
-
-- `bytes_read[landing]`: bytes copied out of the landing tier's slots (the
-  picked pages' K and V of the layer), per fetch;
-- `bytes_read[tier]` for a block located below the landing tier when read:
-  its whole size (what that tier served to stage it; the nvme adapter's
-  own `bytes_read` counter moves by the same amount when the block is read
-  from the medium, not when it is still in the adapter's write buffer);
-- `bytes_leased`: the size of every block leased (what the cache counts in
-  its `bytes_loaded`).
-
-The tier of a block is `CacheAPI.locate` just before the read (in process,
-nothing else moves blocks between the two calls in the tests; a concurrent
-demotion may move one in between, then its bytes are counted in the tier
-it was located in).
+Counted (`FetchCounters`): `bytes_read[tier]`, the bytes each tier
+delivered for the fetches (RangeRead.bytes: the spans' bytes; a whole
+block where it was staged), equal to the cache's own per-tier
+`range_bytes`; a tier's medium may read more (nvme's `bytes_read` counts
+whole verified chunks); `blocks_read`, the blocks read.
 
 Faults are values: `fetch_pages` returns None when any block is not DONE
 (evicted, corrupt, failed, service gone) or the call raised; the caller
@@ -43,7 +30,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ucm import _native
 from ucm.api import CacheAPI, Key, Outcome
 from ucm.connectors.transformers.kv_copy import byte_view
 from ucm.connectors.transformers.namespace import BlockLayout
@@ -53,17 +39,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class FetchCounters:
-    fetches: int = 0  # read_slots calls
-    blocks_leased: int = 0
-    bytes_leased: int = 0
+    fetches: int = 0  # read_ranges calls
+    blocks_read: int = 0
     pages_copied: int = 0
     failed_fetches: int = 0
     bytes_read: dict[str, int] = field(default_factory=dict)  # tier name -> bytes (module docstring)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"fetches": self.fetches, "blocks_leased": self.blocks_leased, "bytes_leased": self.bytes_leased,
-                "pages_copied": self.pages_copied, "failed_fetches": self.failed_fetches,
-                "bytes_read": dict(self.bytes_read)}
+        return {"fetches": self.fetches, "blocks_read": self.blocks_read, "pages_copied": self.pages_copied,
+                "failed_fetches": self.failed_fetches, "bytes_read": dict(self.bytes_read)}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -83,14 +67,13 @@ class PageFetcher:
     `layout`) of one row's prefix blocks `keys` from `cache`."""
 
     def __init__(self, cache: CacheAPI, layout: BlockLayout, dtype: torch.dtype, page_tokens: int,
-                 keys: Sequence[Key], request_id: Optional[str], landing: str = "dram") -> None:
+                 keys: Sequence[Key], request_id: Optional[str]) -> None:
         if layout.block_tokens % page_tokens:
             raise ValueError(f"page_tokens {page_tokens} must divide block_tokens {layout.block_tokens}")
         self.cache, self.layout, self.dtype = cache, layout, dtype
         self.page_tokens = page_tokens
         self.keys = list(keys)
         self.request_id = request_id
-        self.landing = landing
         self.counters = FetchCounters()
 
     def fetch_pages(self, layer: int, units: Sequence[int], pad: int = 0) -> Optional[FetchedPages]:
@@ -114,52 +97,34 @@ class PageFetcher:
             return FetchedPages(units, positions, kf, vf)
         keys = [self.keys[j] for j in blocks]
         slot_of = {j: i for i, j in enumerate(blocks)}
-        # Per picked page: (index of its block in `keys`, byte offset of the page inside a head's K span).
-        page_src = [(slot_of[u // per_block], (u % per_block) * pt * tok) for u in units]
-        copied = [False] * len(keys)
         kb, vb = byte_view(kf), byte_view(vf)
         span = pt * tok
-
-        def fill(first: int, slots: list, arena: Any) -> None:
-            src_k, src_v, dst = [], [], []
-            for p, (bi, in_head) in enumerate(page_src):
-                i = bi - first
-                if not 0 <= i < len(slots) or slots[i] is None:
-                    continue
-                base = slots[i][0] + layer * lay.layer_bytes + in_head
-                for h in range(heads):
-                    src_k.append(base + h * lay.block_tokens * tok)
-                    src_v.append(base + (heads + h) * lay.block_tokens * tok)
-                    dst.append((h * total + p * pt) * tok)
-            if dst:
-                _native.copy_spans(kb, dst, arena, src_k, span, 1)
-                _native.copy_spans(vb, dst, arena, src_v, span, 1)
-            for i, s in enumerate(slots):
-                if s is not None:
-                    copied[first + i] = True
-
+        # Per block: the offsets of its picked pages' spans (K and V per head)
+        # and the matching slices of kf / vf they land in.
+        offsets: list[list[int]] = [[] for _ in keys]
+        dsts: list[list[memoryview]] = [[] for _ in keys]
+        for p, u in enumerate(units):
+            i = slot_of[u // per_block]
+            base = layer * lay.layer_bytes + (u % per_block) * span
+            for h in range(heads):
+                at = (h * total + p * pt) * tok
+                offsets[i] += [base + h * lay.block_tokens * tok, base + (heads + h) * lay.block_tokens * tok]
+                dsts[i] += [kb[at:at + span], vb[at:at + span]]
         c = self.counters
         try:
-            tiers = self.cache.locate(keys)
-            out = self.cache.read_slots(keys, [lay.block_bytes] * len(keys), fill, request_id=self.request_id)
+            out = self.cache.read_ranges(keys, offsets, dsts, request_id=self.request_id)
         except Exception:
-            log.debug("sparse fetch: read_slots raised", exc_info=True)
+            log.debug("sparse fetch: read_ranges raised", exc_info=True)
             c.failed_fetches += 1
             return None
         c.fetches += 1
-        done = [o is Outcome.DONE and ok for o, ok in zip(out, copied)]
-        # What the cache served is counted whether or not the step may use it.
-        for i, o in enumerate(out):
-            if o is Outcome.DONE:
-                c.blocks_leased += 1
-                c.bytes_leased += lay.block_bytes
-                t = tiers[i]
-                if t is not None and t != self.landing:
-                    c.bytes_read[t] = c.bytes_read.get(t, 0) + lay.block_bytes
-        if not all(done):
+        # What the tiers served is counted whether or not the step may use it.
+        for r in out:
+            if r.outcome is Outcome.DONE:
+                c.blocks_read += 1
+                c.bytes_read[r.tier] = c.bytes_read.get(r.tier, 0) + r.bytes
+        if not all(r.outcome is Outcome.DONE for r in out):
             c.failed_fetches += 1
             return None
         c.pages_copied += len(units)
-        c.bytes_read[self.landing] = c.bytes_read.get(self.landing, 0) + 2 * heads * total * tok
         return FetchedPages(units, positions, kf, vf)
-
