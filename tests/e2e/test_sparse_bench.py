@@ -96,3 +96,32 @@ def test_plots_are_png_files(result):
     for p in result["plots"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_with_the_blocks_on_nvme_the_pages_are_read_from_nvme_by_ranges():
+    """`--tier nvme`: a DRAM tier of 4 blocks over NVMe; every selected
+    page comes from NVMe (exactly its pages' bytes; what the adapter read
+    from its file is reported beside it, not checked: a block still in its
+    write buffer is read from memory), and a full budget still decodes as
+    dense."""
+    import contextlib
+    import io
+
+    from ucm.cli import main
+
+    argv = ["bench", "sparse", "--json", "--context", str(CONTEXT), "--steps", "2", "--budgets", "32",
+            "--top-p", "", "--selectors", "quest", "--sink", str(SINK), "--local", str(LOCAL), "--page-tokens", "16",
+            "--block-tokens", str(BT), "--layers", str(LAYERS), "--new-tokens", str(NEW), "--passkey-lengths", "",
+            "--tier", "nvme"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    cl = json.loads(out.getvalue())["closed_loop"]
+    assert cl["tiers"] == ["dram", "nvme"]
+    rows = {r["budget"]: r for r in cl["rows"]}
+    assert rows["tokens=32"]["bytes_per_token"] == {"nvme": LAYERS * TOKEN_LAYER_BYTES * 32}
+    for r in cl["rows"]:
+        assert r["dense_fallbacks"] == 0 and r["sparse_layer_steps"] == LAYERS * NEW
+        assert "nvme_medium_bytes_per_token" in r
+    full = rows["ratio=1.0"]
+    assert full["greedy_agreement"] == 1.0 and full["tf_kl_mean"] < 1e-6

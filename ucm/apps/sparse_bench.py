@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-samples", type=int, default=5, help="closed loop: tasks per length (default 5)")
     p.add_argument("--no-full-check", action="store_true",
                    help="closed loop: skip the run at a budget covering the whole context")
+    p.add_argument("--tier", choices=("dram", "nvme"), default="dram",
+                   help="closed loop: where the prompt's blocks are at decode: dram (a DRAM tier that holds them), "
+                        "or nvme (a DRAM tier of 4 blocks over NVMe: pages read from NVMe by ranges)")
     p.add_argument("--plots", default="", help="closed loop: write PNG plots of quality against bytes here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -2,13 +2,17 @@
 through the real transformers sparse decode path and compared with dense
 decode of the same model.
 
-Setup: a `UnifiedCache` with one DRAM tier (large enough for every prompt
-of the run) and a `TransformersConnector` over the model (float32, eager
-attention). Dense references go through the connector without sparse
-decode: the first call prefills densely and stores the prompt's blocks, so
-every sparse run after it restores that prefix from ucm (prefill of the
-last, partial block only) and fetches its selected pages from the DRAM
-tier (ucm/connectors/transformers/sparse.py, sparse_fetch.py).
+Setup: a `UnifiedCache` and a `TransformersConnector` over the model
+(float32, eager attention). Dense references go through the connector
+without sparse decode: the first call prefills densely and stores the
+prompt's blocks. `--tier dram` (default): one DRAM tier large enough for
+every prompt of the run, so every sparse run restores the prefix from ucm
+(prefill of the last, partial block only) and fetches its selected pages
+from DRAM. `--tier nvme`: a DRAM tier of 4 blocks over an NVMe tier (a
+temporary directory, page cache allowed); the prompt's blocks sit on NVMe,
+a restore does not fit in DRAM (each sparse run prefills densely, as the
+dense reference did), and the selected pages are read from NVMe by ranges
+(`read_ranges`; ucm/connectors/transformers/sparse.py, sparse_fetch.py).
 
 Per selector and budget, with a fresh `SparseDecoder` (`reselect_every`
 1: a selection per step and layer):
@@ -20,7 +24,11 @@ Per selector and budget, with a fresh `SparseDecoder` (`reselect_every`
   inputs; per step the KL divergence KL(dense || sparse) of the next-token
   distributions and whether their top-1 tokens agree;
 - bytes per decoded token, from the greedy run's counters: read from each
-  tier (the selected pages' K and V, `bytes_read`), attended from the
+  tier (the selected pages' K and V, `bytes_read`; with `--tier nvme` also
+  `nvme_medium_bytes_per_token`, what the NVMe adapter read from its file
+  during the greedy run: the verified chunks covering the spans, and what
+  a restore attempt staged; a block still in the adapter's write buffer is
+  read from memory and not counted), attended from the
   resident tensors (sink, local window, tail), and what dense decode
   attends (every context token's K and V of every layer); `bytes_share` is
   attended over dense, `tier_bytes_share` the tiers' part over dense;
@@ -116,14 +124,24 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
     block_bytes = n_layers * 2 * kv_heads * bt * head_dim * 4
     blocks = args.context // bt + sum(len(ts) * (L // bt + 1) for L, ts in tasks.items())
     cap_mib = max(64, (blocks + 8) * block_bytes * 5 // 4 >> 20)
-    cache = UnifiedCache({"block_tokens": bt, "tiers": [{"adapter": "dram", "capacity": f"{cap_mib}MiB",
-                                                         "options": {"prefault": False}}]})
+    work = None
+    if getattr(args, "tier", "dram") == "nvme":
+        import tempfile
+
+        work = tempfile.TemporaryDirectory(prefix="ucm-sparse-nvme-")
+        tiers = [{"adapter": "dram", "capacity": 4 * block_bytes, "options": {"prefault": False}},
+                 {"adapter": "nvme", "capacity": f"{cap_mib}MiB",
+                  "options": {"path": work.name, "direct_io": False}}]
+    else:
+        tiers = [{"adapter": "dram", "capacity": f"{cap_mib}MiB", "options": {"prefault": False}}]
+    cache = UnifiedCache({"block_tokens": bt, "tiers": tiers, "policy": {"name": "lru"}})
     conn = TransformersConnector(model, cache, block_tokens=bt)
     token_layer_bytes = 2 * kv_heads * head_dim * 4
     try:
         t0 = time.perf_counter()
         dense_tokens, dense_logits = _generate(conn.generate, prompt, new + 1)
         conn.wait_stores(120.0)
+        cache.flush()  # on the medium: reads from the NVMe tier's write buffer would not count as reads
         log(f"dense: {new + 1} tokens over {args.context} in {time.perf_counter() - t0:.0f} s")
         dense_pk: dict[int, dict[str, Any]] = {}
         for L, ts in tasks.items():
@@ -142,10 +160,12 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
         rows = []
         for name, budget in configs:
             t0 = time.perf_counter()
+            medium0 = _medium_bytes(cache)
             dec = SparseDecoder(conn, SparseDecodeConfig(selector=name, budget=budget, sink_tokens=args.sink,
                                                          local_tokens=args.local, page_tokens=args.page_tokens))
             got, _ = _generate(dec.generate, prompt, new + 1)
             stats = dec.stats()
+            medium = (_medium_bytes(cache) - medium0) / max(1, stats["decode_steps"])
             same = [a == b for a, b in zip(got[1:], dense_tokens[1:])]
             prefix = next((i for i, s in enumerate(same) if not s), len(same))
             _, tf_logits = _generate(dec.generate, prompt, new + 1, force=dense_tokens)
@@ -168,13 +188,23 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
                    "decode_steps": stats["decode_steps"], "sparse_layer_steps": stats["sparse_layer_steps"],
                    "dense_fallbacks": total["dense_fallbacks"], "dense_layer_steps": total["dense_layer_steps"],
                    "passkey": pk, "wall_s": round(time.perf_counter() - t0, 1)}
+            if work is not None:
+                row["nvme_medium_bytes_per_token"] = round(medium, 1)
             rows.append(row)
             log(f"{name:<10} {row['budget']:<14} greedy {row['greedy_agreement']:.3f} prefix "
                 f"{row['greedy_prefix']:.3f} KL {kl:.4f} top1 {top1:.3f} bytes {100 * row['bytes_share']:.1f}% "
                 f"passkey {pk} ({row['wall_s']:.0f} s)")
-        return {"new_tokens": new, "reselect_every": 1, "tiers": ["dram"], "dense_tokens": dense_tokens,
+        return {"new_tokens": new, "reselect_every": 1, "tiers": [t["adapter"] for t in tiers],
+                "dense_tokens": dense_tokens,
                 "passkey_dense": {str(L): v for L, v in dense_pk.items()}, "passkey_answer_tokens": ANSWER_TOKENS,
                 "rows": rows, "connector": conn.stats(), "wall_s": round(time.perf_counter() - t_start, 1)}
     finally:
         conn.close()
         cache.close()
+        if work is not None:
+            work.cleanup()
+
+
+def _medium_bytes(cache: Any) -> int:
+    """What the NVMe tier's adapter has read from its file so far (0 without one)."""
+    return int(cache.stats()["tiers"].get("nvme", {}).get("adapter", {}).get("bytes_read", 0))
