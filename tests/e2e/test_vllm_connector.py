@@ -341,6 +341,10 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
         # Push P1's blocks out of DRAM: store one-shot filler blocks of the same size.
         import torch
 
+        from ucm.keys import Namespace, block_keys
+
+        ns = Namespace(model=_model_id(model), kv_dtype=E2E_DTYPE, num_layers=30, num_kv_heads=3, head_size=64,
+                       block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")  # as UCMConnector names them
         fill = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
 
         def push_p1_below_dram() -> list:
@@ -348,10 +352,6 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
                 client.store([os.urandom(16)], [fill]).wait(30)
             return client.locate(block_keys(ns, p1))
 
-        from ucm.keys import Namespace, block_keys
-
-        ns = Namespace(model=_model_id(model), kv_dtype=E2E_DTYPE, num_layers=30, num_kv_heads=3, head_size=64,
-                       block_tokens=BLOCK_TOKENS, layout="vllm-cpu-page128")  # as UCMConnector names them
         result["p1_tiers"] = push_p1_below_dram()
         result["promoted_before"] = client.stats()["tiers"]["dram"]["promotions_in"]
         streamed_before = client.stats().get("streamed_blocks", 0)
