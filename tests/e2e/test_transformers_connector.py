@@ -313,6 +313,7 @@ class _FaultyCache:
     def prefetch(self, *a, **k): return self._call("prefetch", *a, **k)  # noqa: E704
     def write_slots(self, *a, **k): return self._call("write_slots", *a, **k)  # noqa: E704
     def read_slots(self, *a, **k): return self._call("read_slots", *a, **k)  # noqa: E704
+    def read_ranges(self, *a, **k): return self._call("read_ranges", *a, **k)  # noqa: E704
     def register_layout(self, *a, **k): return self._call("register_layout", *a, **k)  # noqa: E704
     def pin(self, *a, **k): return self._call("pin", *a, **k)  # noqa: E704
     def unpin(self, *a, **k): return self._call("unpin", *a, **k)  # noqa: E704

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from ucm.api import Handle, Outcome
+from ucm.api import Handle, Outcome, RangeRead
 
 JOIN_S = 20.0
 
@@ -112,6 +112,23 @@ class FakeCache:
         except Exception:
             return [Outcome.FAILED] * len(keys)
         return [Outcome.DONE if s else Outcome.MISSING for s in slots]
+
+    def read_ranges(self, keys, offsets, dsts, request_id=None):
+        self._check("read_ranges")
+        out = []
+        for k, offs, ds in zip(keys, offsets, dsts):
+            slot = self.slots.get(k) if k not in self.lost else None
+            if slot is None:
+                out.append(RangeRead(Outcome.MISSING))
+                continue
+            off, n = slot
+            if any(o + len(d) > n for o, d in zip(offs, ds)):
+                out.append(RangeRead(Outcome.CORRUPT, self.tiers.get(k)))
+                continue
+            for o, d in zip(offs, ds):
+                memoryview(d).cast("B")[:] = self.arena[off + o:off + o + len(d)]
+            out.append(RangeRead(Outcome.DONE, self.tiers.get(k), sum(len(d) for d in ds)))
+        return out
 
     def blob(self, k):
         off, n = self.slots[k]
