@@ -102,7 +102,10 @@ class RangeAccess:
             adapter = self.adapters[t]
             gap = 0 if isinstance(adapter, SharedSlots) else MERGE_GAP  # slots are read in place: no chunks
             spans = merged_spans(offsets, [len(v) for v in views], gap)
-            bufs = [bytearray(end - start) for start, end, _ in spans]
+            # A span that is one range is read straight into its destination;
+            # a merged one through a buffer, then copied out.
+            bufs = [views[m[0]] if len(m) == 1 and end - start == len(views[m[0]]) else bytearray(end - start)
+                    for start, end, m in spans]
             try:
                 statuses = read_range(adapter, [key] * len(spans), [s[0] for s in spans], bufs)
             except Exception:
@@ -110,9 +113,10 @@ class RangeAccess:
                 return RangeRead(Outcome.FAILED, self.tier_names[t])
             if all(s is Status.OK for s in statuses):
                 for (start, _, members), buf in zip(spans, bufs):
-                    with memoryview(buf) as b:
-                        for j in members:
-                            views[j][:] = b[offsets[j] - start:offsets[j] - start + len(views[j])]
+                    if isinstance(buf, bytearray):
+                        with memoryview(buf) as b:
+                            for j in members:
+                                views[j][:] = b[offsets[j] - start:offsets[j] - start + len(views[j])]
                 return RangeRead(Outcome.DONE, self.tier_names[t], n)
             bad = next(s for s in statuses if s is not Status.OK)
             if bad is not Status.NOT_FOUND:

@@ -125,7 +125,7 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
     blocks = args.context // bt + sum(len(ts) * (L // bt + 1) for L, ts in tasks.items())
     cap_mib = max(64, (blocks + 8) * block_bytes * 5 // 4 >> 20)
     work = None
-    if getattr(args, "tier", "dram") == "nvme":
+    if args.tier == "nvme":
         import tempfile
 
         work = tempfile.TemporaryDirectory(prefix="ucm-sparse-nvme-")
