@@ -10,7 +10,7 @@ the cache only (lookup, locate, pin, unpin, begin_request, finish), never
 payload copies; any exception from the cache is logged and answered as a
 miss, never raised into vLLM.
 
-The state machine of one request (`_ReqState`):
+The state machine of one request (`request_state.ReqState`):
 - `on_new_request` (vLLM added it; it may queue): keys and
   `cache.begin_request` (the access the placement policy counts, once);
   with a prefetch policy, lookup, pins and the staging of its hit below
@@ -41,15 +41,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ucm.api import CacheAPI, Handle, Key
+from ucm.api import CacheAPI, Key
 from ucm.connectors.kv_pages import SKIP
 from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
+from ucm.connectors.vllm.request_state import ReqState as _ReqState
 from ucm.connectors.vllm.namespace import build_namespace
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
 from ucm.connectors.vllm.staging import MAX_LOAD_FAILURES, StagingBudget, leave, stage, wait_for_room
@@ -69,35 +69,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _ReqState:
-    keys: list[Key]  # keys of the prompt's full blocks
-    settings: ConnectorSettings = ConnectorSettings()  # the engine's, with the request's overrides
-    hit_blocks: int = 0  # leading blocks the cache held at lookup (and blocks being saved after them)
-    hit_tiers: list[Optional[str]] = field(default_factory=list)
-    looked_up: bool = False
-    pinned: list[Key] = field(default_factory=list)
-    allocated: bool = False  # vLLM gave it pages (update_state_after_alloc); else it waits
-    capped: bool = False  # its hit was cut at the waiting-pin cap: look up again when there is room
-    local_tokens: int = 0  # vLLM's own (page-aligned) hit at the last lookup
-    load_async: bool = False  # what the last lookup answered vLLM: both sides must agree
-    load_stream: bool = False  # a synchronous load streamed layer by layer (load_choice)
-    page_ids: list[int] = field(default_factory=list)  # the request's vLLM pages
-    next_store: int = 0  # first block neither cached nor planned for saving
-    stores_issued: bool = False
-    load_failures: int = 0  # loads of this request that lost blocks
-    staging: Optional[Handle] = None  # the prefetch of its blocks below the landing tier, in flight
-    staging_since: float = 0.0  # monotonic time the staging was issued
-    staging_deadline: float = 0.0  # monotonic time after which it is answered without waiting
-    staging_losses: int = 0  # stagings that came back late (a short one is no loss)
-    staging_tried: bool = False  # a staging was issued since the last fresh lookup
-    unstaged: bool = False  # not staged (over the budget) or staged short: loaded as without a prefetch policy
-    staged: frozenset = frozenset()  # the blocks its staging brought up (no charge to the waiting-pin cap)
-    pin_charge: int = 0  # of its pins, those the waiting-pin cap counts (0 once allocated)
-    room_since: float = 0.0  # monotonic time it began waiting for room under the cap; -1: waited once
-    room_deadline: float = 0.0
 
 
 class UCMSchedulerSide:
