@@ -4,7 +4,8 @@ blocks, sink 16 and local 32 tokens): with a budget covering every page it
 decodes the tokens dense decode does; a small budget attends exactly to
 sink, local window, tail and the picked pages; a page that cannot be
 fetched makes the step dense, never an exception; the bytes it counts are
-the bytes the cache served."""
+the bytes the cache served, and a page picked again is reused, not read
+again."""
 from __future__ import annotations
 
 import os
@@ -103,7 +104,9 @@ def test_a_budget_covering_the_context_decodes_as_dense(model, ids, dense, selec
     assert s["attended_tokens"] == s["context_tokens"]  # every token, but the candidate pages fetched from ucm
     candidates = (PROMPT - SINK - LOCAL) // BT
     assert s["selections"] == LAYERS * len(range(0, NEW - 1, reselect))
-    assert s["pages_copied"] == candidates * s["selections"]
+    # Every candidate is picked at every selection: read once per layer, then reused.
+    assert s["pages_copied"] == candidates * LAYERS
+    assert s["pages_reused"] == candidates * (s["selections"] - LAYERS)
 
 
 def test_a_small_budget_attends_to_sink_local_tail_and_the_picked_pages_only(model, ids, dense):
@@ -121,7 +124,8 @@ def test_a_small_budget_attends_to_sink_local_tail_and_the_picked_pages_only(mod
         assert sorted(pos) == pos and set(pos) == kept | {u * BT + t for u in picked for t in range(BT)}
         assert len(pos) < n
     assert s["attended_tokens"] < s["context_tokens"]
-    assert s["pages_copied"] == 2 * s["selections"]
+    assert s["pages_copied"] + s["pages_reused"] == 2 * s["selections"]
+    assert s["pages_copied"] >= 2 * LAYERS  # the first selection reads both pages of every layer
 
 
 def test_bytes_counted_are_the_bytes_the_cache_served(model, ids):
@@ -130,7 +134,8 @@ def test_bytes_counted_are_the_bytes_the_cache_served(model, ids):
         before = cache.stats()["tiers"]["dram"]["range_bytes"]
         _, dec = _decode(model, ids, Budget.tokens(48), cache=cache, reselect_every=2)
         s = dec.stats()
-        assert s["bytes_read"] == {"dram": 3 * PAGE_BYTES * s["selections"]}
+        assert s["pages_copied"] + s["pages_reused"] == 3 * s["selections"]
+        assert s["bytes_read"] == {"dram": PAGE_BYTES * s["pages_copied"]}  # reused pages are not read again
         assert s["bytes_read"]["dram"] == cache.stats()["tiers"]["dram"]["range_bytes"] - before
         assert s["bytes_read_per_token"]["dram"] == s["bytes_read"]["dram"] / (NEW - 1)
         assert s["selections"] == LAYERS * len(range(0, NEW - 1, 2))

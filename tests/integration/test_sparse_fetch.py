@@ -12,7 +12,7 @@ from support import chain  # noqa: E402
 from ucm.api import Outcome  # noqa: E402
 from ucm.cache import UnifiedCache  # noqa: E402
 from ucm.connectors.transformers.namespace import BlockLayout  # noqa: E402
-from ucm.connectors.transformers.sparse_fetch import PageFetcher  # noqa: E402
+from ucm.connectors.transformers.sparse_fetch import PageFetcher, reuse_pages  # noqa: E402
 
 LAY = BlockLayout(num_layers=2, num_kv_heads=2, block_tokens=32, head_dim=64, dtype="float32")  # 64 KiB blocks
 PT = 16
@@ -57,6 +57,24 @@ def test_pages_of_one_layer_from_dram_with_exact_counts(nvme_dir):
         served = cache.stats()["tiers"]["dram"]["range_bytes"] - before
         assert c.bytes_read == {"dram": page_bytes(3)} == {"dram": served}
         assert (c.fetches, c.blocks_read, c.pages_copied, c.failed_fetches) == (1, 3, 3, 0)
+
+
+def test_reused_pages_with_fresh_ones_equal_a_fetch_of_all_of_them(nvme_dir):
+    """A new selection keeps pages 3 and 6 of the last one, drops 1 and
+    adds 0 and 5: only 0 and 5 are read, and the gathered pages are the
+    bytes and positions a fetch of all of them gives."""
+    with UnifiedCache(cfg(nvme_dir)) as cache:
+        keys, blocks = stored(cache, 4, 2)
+        f = PageFetcher(cache, LAY, torch.float32, PT, keys, None)
+        held = f.fetch_pages(0, [1, 3, 6])
+        fresh = f.fetch_pages(0, [5, 0])
+        got = reuse_pages(held, fresh, [6, 0, 5, 3], PT)
+        whole = f.fetch_pages(0, [0, 3, 5, 6])
+        assert got.units == whole.units == (0, 3, 5, 6)
+        assert torch.equal(got.keys, expected(blocks, 0, got.units, 0)) and torch.equal(got.keys, whole.keys)
+        assert torch.equal(got.values, expected(blocks, 0, got.units, 1)) and torch.equal(got.values, whole.values)
+        assert got.positions.tolist() == whole.positions.tolist()
+        assert f.counters.pages_copied == 3 + 2 + 4
 
 
 def test_blocks_on_nvme_are_read_by_ranges_and_not_staged(nvme_dir):

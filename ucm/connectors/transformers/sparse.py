@@ -23,10 +23,12 @@ query heads; ucm/accelerators/sparse/base.py):
   blocks it lacks, e.g. a restored prefix, from the resident keys at the
   first step) and picks the pages within the budget; sink, local window and
   tail (decoded tokens and the prompt's last, partial block) are always kept;
-- the picked pages' K and V of layer l are fetched from the cache
-  (sparse_fetch.py: leased whole blocks, only the pages copied; whole blocks
-  staged from NVMe), and kept for the steps until the next selection (the
-  reuse); the other kept tokens come from the layer's resident tensors;
+- the picked pages' K and V of layer l are read from the cache by ranges
+  (sparse_fetch.py: `read_ranges`, only the pages' bytes) and kept for the
+  steps until the next selection; at that selection, pages the layer
+  already holds and picks again are reused, only the newly picked ones are
+  read (`pages_reused`; a stored page never changes, so this is exact); the
+  other kept tokens come from the layer's resident tensors;
 - attention runs over exactly those tokens, in sequence order, with the
   mask's columns of those tokens.
 
@@ -57,7 +59,7 @@ from ucm.accelerators.sparse.index import SummaryIndex
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import layer_units, summarize_keys
 from ucm.connectors.transformers.kv_copy import byte_view
-from ucm.connectors.transformers.sparse_fetch import FetchedPages, PageFetcher
+from ucm.connectors.transformers.sparse_fetch import FetchedPages, PageFetcher, reuse_pages
 from ucm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -163,7 +165,8 @@ class SparseDecoder:
         self._selection = SelectionConfig(config.budget, config.sink_tokens, config.local_tokens)
         self.counters: dict[str, Any] = {
             "decode_steps": 0, "sparse_layer_steps": 0, "dense_layer_steps": 0, "dense_fallbacks": 0,
-            "selections": 0, "attended_tokens": 0, "context_tokens": 0, "summaries_from_layers": 0}
+            "selections": 0, "attended_tokens": 0, "context_tokens": 0, "summaries_from_layers": 0,
+            "pages_reused": 0}
         self._fetch: dict[str, Any] = {}
         self.trace: Optional[list] = None  # set to [] to record (step, layer, positions attended) per sparse step
 
@@ -330,10 +333,15 @@ class _Session:
         step = LayerStep(q, n, pt, key.shape[1], summaries=units, keys=keys, scale=scale)
         sel = d.selector.select(step, d._selection)
         d.counters["selections"] += 1
-        fetched = self._fetcher.fetch_pages(layer, sel.units)
-        if fetched is None:
+        prev = self.layers.get(layer)
+        held = prev.fetched if prev is not None else None
+        have = set(held.units) if held is not None else set()
+        fresh = self._fetcher.fetch_pages(layer, [u for u in sel.units if u not in have])
+        if fresh is None:
             self.layers.pop(layer, None)
             return None
+        fetched = fresh if held is None else reuse_pages(held, fresh, sel.units, pt)
+        d.counters["pages_reused"] += len(fetched.units) - len(fresh.units)
         picked = fetched.positions.numpy()
         mask = sel.mask()
         mask[picked] = False

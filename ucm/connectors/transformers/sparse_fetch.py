@@ -128,3 +128,19 @@ class PageFetcher:
             return None
         c.pages_copied += len(units)
         return FetchedPages(units, positions, kf, vf)
+
+
+def reuse_pages(held: FetchedPages, fresh: FetchedPages, units: Any, page_tokens: int) -> FetchedPages:
+    """The pages `units` (sorted, as `fetch_pages` orders them), each taken
+    from `held` when it holds it, else from `fresh`: K, V and positions
+    gathered per page along the token axis."""
+    units = tuple(sorted(int(u) for u in units))
+    at_held = {u: i for i, u in enumerate(held.units)}
+    at_fresh = {u: len(held.units) + i for i, u in enumerate(fresh.units)}
+    slots = [at_held[u] if u in at_held else at_fresh[u] for u in units]
+    idx = (torch.tensor(slots, dtype=torch.int64).unsqueeze(1) * page_tokens
+           + torch.arange(page_tokens, dtype=torch.int64)).reshape(-1)
+    keys = torch.cat([held.keys, fresh.keys], dim=1).index_select(1, idx)
+    values = torch.cat([held.values, fresh.values], dim=1).index_select(1, idx)
+    positions = torch.cat([held.positions, fresh.positions]).index_select(0, idx)
+    return FetchedPages(units, positions, keys, values)
