@@ -5,7 +5,7 @@ JSON has a row per selector and budget, and the invariants hold that a
 wrong replay, decode or byte count would break: the oracle's recall is the
 best at every fixed budget and 1 at full budget, the full budget decodes
 as dense token for token and attends exactly dense's bytes, a fixed budget
-reads exactly its pages from the DRAM tier."""
+reads exactly the pages it picks and did not hold from the DRAM tier."""
 from __future__ import annotations
 
 import json
@@ -73,13 +73,17 @@ def test_the_closed_loop_decodes_every_selector_and_budget_through_ucm(result):
         assert 0 < r["tier_bytes_share"] < r["bytes_share"] <= 1.0
         assert 0 <= r["greedy_prefix"] <= r["greedy_agreement"] <= 1 and 0 <= r["tf_top1"] <= 1
         assert r["tf_kl_mean"] >= 0
-    for b in (32, 64):  # a fixed budget reads exactly its pages' K and V of every layer, every step
-        assert rows[("quest", f"tokens={b}")]["bytes_per_token"] == {"dram": LAYERS * TOKEN_LAYER_BYTES * b}
+    for b in (32, 64):  # a fixed budget picks its pages in every layer at every step; reads those not held
+        r = rows[("quest", f"tokens={b}")]
+        assert r["pages_read"] + r["pages_reused"] == LAYERS * NEW * b // 16 and r["pages_read"] >= LAYERS * b // 16
+        read = r["pages_read"] * 16 * TOKEN_LAYER_BYTES / NEW
+        assert r["bytes_per_token"] == {"dram": pytest.approx(read, abs=0.1)}
     full = rows[("quest", "ratio=1.0")]
     assert full["greedy_agreement"] == 1.0 and full["tf_top1"] == 1.0 and full["tf_kl_mean"] < 1e-6
     assert full["bytes_share"] == 1.0  # sink, local, tail and every page fetched: dense's bytes
     assert rows[("quest", "tokens=32")]["bytes_share"] < rows[("quest", "tokens=64")]["bytes_share"] < 1.0
-    assert len(cl["dense_tokens"]) == NEW + 1
+    assert cl["samples"] == 1 and [len(t) for t in cl["dense_tokens"]] == [NEW + 1]
+    assert all(len(r["greedy_per_prompt"]) == 1 for r in cl["rows"])
 
 
 def test_passkey_is_reported_only_where_dense_reaches_80_percent(result):
@@ -119,9 +123,51 @@ def test_with_the_blocks_on_nvme_the_pages_are_read_from_nvme_by_ranges():
     cl = json.loads(out.getvalue())["closed_loop"]
     assert cl["tiers"] == ["dram", "nvme"]
     rows = {r["budget"]: r for r in cl["rows"]}
-    assert rows["tokens=32"]["bytes_per_token"] == {"nvme": LAYERS * TOKEN_LAYER_BYTES * 32}
+    r = rows["tokens=32"]
+    assert r["pages_read"] + r["pages_reused"] == LAYERS * NEW * 2
+    assert r["bytes_per_token"] == {"nvme": pytest.approx(r["pages_read"] * 16 * TOKEN_LAYER_BYTES / NEW, abs=0.1)}
     for r in cl["rows"]:
         assert r["dense_fallbacks"] == 0 and r["sparse_layer_steps"] == LAYERS * NEW
         assert "nvme_medium_bytes_per_token" in r
     full = rows["ratio=1.0"]
     assert full["greedy_agreement"] == 1.0 and full["tf_kl_mean"] < 1e-6
+
+
+def test_two_prompts_and_filler_passkeys():
+    """`--samples 2`: two consecutive windows of the document, each against
+    its own dense reference (the row's greedy agreement is their mean);
+    `--passkey-haystack filler`: the tasks hide the key in the original
+    task's filler sentences, `length` tokens in all, the key in the prompt."""
+    import contextlib
+    import io
+
+    from transformers import AutoTokenizer
+
+    from ucm.apps.model import prepare
+    from ucm.apps.sparse_tasks import FILLER, passkey_tasks
+    from ucm.cli import main
+
+    tok = AutoTokenizer.from_pretrained(str(prepare("smollm2")))
+    tasks = passkey_tasks(tok, "", 300, 3, 0, "filler")
+    filler = tok(FILLER, add_special_tokens=False).input_ids
+    for t in tasks:
+        assert len(t.prompt) + len(t.question) == 300 and t.key in tok.decode(t.prompt)
+        needle = tok(f" The pass key is {t.key}. Remember it. {t.key} is the pass key. ",
+                     add_special_tokens=False).input_ids
+        assert tok.decode(t.prompt).count(t.key) == 2 and set(t.prompt) <= set(filler) | set(needle)
+    assert [t.key for t in tasks] != [t.key for t in passkey_tasks(tok, "", 300, 3, 1, "filler")]
+
+    argv = ["bench", "sparse", "--json", "--context", str(CONTEXT), "--steps", "1", "--budgets", "32",
+            "--top-p", "", "--selectors", "quest", "--sink", str(SINK), "--local", str(LOCAL), "--page-tokens", "16",
+            "--block-tokens", str(BT), "--layers", str(LAYERS), "--new-tokens", str(NEW), "--samples", "2",
+            "--passkey-lengths", "200", "--passkey-samples", "1", "--passkey-haystack", "filler",
+            "--no-full-check"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    cl = json.loads(out.getvalue())["closed_loop"]
+    assert cl["samples"] == 2 and len(cl["dense_tokens"]) == 2 and cl["dense_tokens"][0] != cl["dense_tokens"][1]
+    (r,) = cl["rows"]
+    assert len(r["greedy_per_prompt"]) == 2
+    assert r["greedy_agreement"] == pytest.approx(sum(r["greedy_per_prompt"]) / 2, abs=1e-4)
+    assert r["decode_steps"] == 2 * NEW and r["pages_read"] + r["pages_reused"] == 2 * LAYERS * NEW * 2

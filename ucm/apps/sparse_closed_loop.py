@@ -23,8 +23,10 @@ Per selector and budget, with a fresh `SparseDecoder` (`reselect_every`
 - teacher-forced: the same steps with dense greedy's tokens forced as
   inputs; per step the KL divergence KL(dense || sparse) of the next-token
   distributions and whether their top-1 tokens agree;
-- bytes per decoded token, from the greedy run's counters: read from each
-  tier (the selected pages' K and V, `bytes_read`; with `--tier nvme` also
+- bytes per decoded token, from the greedy runs' counters: read from each
+  tier (the K and V of the selected pages a layer did not already hold
+  from its last selection, `bytes_read`; `pages_read` and `pages_reused`
+  count them); with `--tier nvme` also
   `nvme_medium_bytes_per_token`, what the NVMe adapter read from its file
   during the greedy run: the verified chunks covering the spans, and what
   a restore attempt staged; a block still in the adapter's write buffer is
@@ -113,16 +115,19 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
 
     t_start = time.perf_counter()
     new = args.new_tokens
-    prompt = ids[:, :args.context]
-    if prompt.shape[1] < args.context:
-        raise ValueError(f"the document has {prompt.shape[1]} tokens, fewer than {args.context}")
+    samples = getattr(args, "samples", 1)
+    if samples * args.context > ids.shape[1]:
+        raise ValueError(f"{samples} prompts of {args.context} tokens need {samples * args.context} tokens; "
+                         f"the document has {ids.shape[1]}")
+    prompts = [ids[:, i * args.context:(i + 1) * args.context] for i in range(samples)]
     lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
-    tasks = {L: passkey_tasks(tok, text, L, args.passkey_samples, args.seed) for L in lengths}
+    tasks = {L: passkey_tasks(tok, text, L, args.passkey_samples, args.seed,
+                              getattr(args, "passkey_haystack", "document")) for L in lengths}
     model = load_model(model_dir, "eager", args.layers)
     bt = args.block_tokens
     n_layers, kv_heads, head_dim = kv_shape(model)
     block_bytes = n_layers * 2 * kv_heads * bt * head_dim * 4
-    blocks = args.context // bt + sum(len(ts) * (L // bt + 1) for L, ts in tasks.items())
+    blocks = samples * args.context // bt + sum(len(ts) * (L // bt + 1) for L, ts in tasks.items())
     cap_mib = max(64, (blocks + 8) * block_bytes * 5 // 4 >> 20)
     work = None
     if args.tier == "nvme":
@@ -139,10 +144,10 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
     token_layer_bytes = 2 * kv_heads * head_dim * 4
     try:
         t0 = time.perf_counter()
-        dense_tokens, dense_logits = _generate(conn.generate, prompt, new + 1)
+        dense = [_generate(conn.generate, p, new + 1) for p in prompts]
         conn.wait_stores(120.0)
         cache.flush()  # on the medium: reads from the NVMe tier's write buffer would not count as reads
-        log(f"dense: {new + 1} tokens over {args.context} in {time.perf_counter() - t0:.0f} s")
+        log(f"dense: {new + 1} tokens over {args.context}, {samples} prompt(s), in {time.perf_counter() - t0:.0f} s")
         dense_pk: dict[int, dict[str, Any]] = {}
         for L, ts in tasks.items():
             right = 0
@@ -163,13 +168,17 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
             medium0 = _medium_bytes(cache)
             dec = SparseDecoder(conn, SparseDecodeConfig(selector=name, budget=budget, sink_tokens=args.sink,
                                                          local_tokens=args.local, page_tokens=args.page_tokens))
-            got, _ = _generate(dec.generate, prompt, new + 1)
-            stats = dec.stats()
+            greedy, prefixes = [], []
+            for p, (dense_tokens, _) in zip(prompts, dense):
+                got, _ = _generate(dec.generate, p, new + 1)
+                same = [a == b for a, b in zip(got[1:], dense_tokens[1:])]
+                greedy.append(sum(same) / len(same))
+                prefixes.append(next((i for i, s in enumerate(same) if not s), len(same)) / len(same))
+            stats = dec.stats()  # the greedy runs' counters: bytes per decoded token
             medium = (_medium_bytes(cache) - medium0) / max(1, stats["decode_steps"])
-            same = [a == b for a, b in zip(got[1:], dense_tokens[1:])]
-            prefix = next((i for i, s in enumerate(same) if not s), len(same))
-            _, tf_logits = _generate(dec.generate, prompt, new + 1, force=dense_tokens)
-            kl, top1 = _kl_top1(dense_logits[1:], tf_logits[1:])
+            tf = [_kl_top1(dense_logits[1:], _generate(dec.generate, p, new + 1, force=dense_tokens)[1][1:])
+                  for p, (dense_tokens, dense_logits) in zip(prompts, dense)]
+            kl, top1 = sum(t[0] for t in tf) / samples, sum(t[1] for t in tf) / samples
             pk: dict[str, Optional[float]] = {}
             for L, ts in tasks.items():
                 if not dense_pk[L]["reported"]:
@@ -183,9 +192,12 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
                 pk[str(L)] = right / len(ts)
             total = dec.stats()
             row = {"selector": name, "budget": budget_name(budget),
-                   "greedy_agreement": round(sum(same) / len(same), 4), "greedy_prefix": round(prefix / len(same), 4),
+                   "greedy_agreement": round(sum(greedy) / samples, 4),
+                   "greedy_prefix": round(sum(prefixes) / samples, 4),
+                   "greedy_per_prompt": [round(g, 4) for g in greedy],
                    "tf_kl_mean": round(kl, 5), "tf_top1": round(top1, 4), **_bytes(stats, token_layer_bytes),
                    "decode_steps": stats["decode_steps"], "sparse_layer_steps": stats["sparse_layer_steps"],
+                   "pages_read": stats.get("pages_copied", 0), "pages_reused": stats["pages_reused"],
                    "dense_fallbacks": total["dense_fallbacks"], "dense_layer_steps": total["dense_layer_steps"],
                    "passkey": pk, "wall_s": round(time.perf_counter() - t0, 1)}
             if work is not None:
@@ -195,7 +207,7 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
                 f"{row['greedy_prefix']:.3f} KL {kl:.4f} top1 {top1:.3f} bytes {100 * row['bytes_share']:.1f}% "
                 f"passkey {pk} ({row['wall_s']:.0f} s)")
         return {"new_tokens": new, "reselect_every": 1, "tiers": [t["adapter"] for t in tiers],
-                "dense_tokens": dense_tokens,
+                "samples": samples, "dense_tokens": [d[0] for d in dense],
                 "passkey_dense": {str(L): v for L, v in dense_pk.items()}, "passkey_answer_tokens": ANSWER_TOKENS,
                 "rows": rows, "connector": conn.stats(), "wall_s": round(time.perf_counter() - t_start, 1)}
     finally:

