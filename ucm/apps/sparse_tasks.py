@@ -75,9 +75,9 @@ def passkey_tasks(tokenizer: Any, text: str, length: int, count: int, seed: int,
     ("filler"), seeded by (`seed`, `length`)."""
     if haystack not in HAYSTACKS:
         raise ArgumentError(f"passkey haystack {haystack!r} not one of {list(HAYSTACKS)}")
-    if haystack == "filler":
+    if haystack == "filler":  # repeated, a copy may take fewer tokens than one alone: twice what one takes
         one = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
-        text = FILLER * (length // max(1, one) + 2)
+        text = FILLER * (2 * length // max(1, one) + 2)
     hay = tokenizer(text, add_special_tokens=False).input_ids
     question = tokenizer(QUESTION, add_special_tokens=False).input_ids
     rng = random.Random(f"{seed}:{length}")
