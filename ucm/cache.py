@@ -35,7 +35,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from ucm.accelerators.base import BlocksLoaded, BlocksStored, RequestFinished, RequestSeen
 from ucm.accelerators.chain import Accelerators
@@ -312,6 +312,7 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging):
         for name, a in zip(self.tier_names, self.adapters):
             tiers[name]["adapter"] = a.stats()
             tiers[name]["range_bytes"] = counts.pop(f"range_bytes.{name}", 0)
+            tiers[name]["served_blocks"] = counts.pop(f"served_blocks.{name}", 0)
         for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
                   "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
                   "finished_requests", "slot_evictions", "range_blocks"):
@@ -358,6 +359,15 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging):
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:
             self._counts[name] += n
+
+    def _count_served(self, tiers: Iterable[str]) -> None:
+        """One served block per name: the tier a load, lease or range read
+        took the block from (`stats()["tiers"][name]["served_blocks"]`;
+        `hits` is the placement's, filed under the tier that holds the
+        block once the request used it, after any promotion)."""
+        with self._counts_lock:
+            for name in tiers:
+                self._counts[f"served_blocks.{name}"] += 1
 
     def _tier_index(self, name: str) -> int:
         if name not in self.tier_names:
@@ -473,6 +483,7 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging):
         with self._meta:
             self.placement.touch([k for k, o in zip(keys, out) if o is Outcome.DONE])
         done = [o if o is not None else Outcome.FAILED for o in out]
+        self._count_served(self.tier_names[t] for t, o in zip(served, done) if o is Outcome.DONE and t is not None)
         n_ok = sum(o is Outcome.DONE for o in done)
         self._count("loaded_blocks", n_ok)
         self._count("bytes_loaded", sum(len(v) for v, o in zip(views, done) if o is Outcome.DONE))

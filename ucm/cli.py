@@ -81,13 +81,13 @@ def _inspect(args: argparse.Namespace) -> int:
     svc = stats.get("service", {})
     print(f"service pid {svc.get('pid')}  socket {svc.get('socket')}  connections {svc.get('connections')}  "
           f"leases {svc.get('leases')}  metrics {svc.get('metrics') or 'off'}")
-    head = ("tier", "blocks", "used", "capacity", "use%", "hits", "inserts", "evictions", "written")
+    head = ("tier", "blocks", "used", "capacity", "use%", "hits", "served", "inserts", "evictions", "written")
     rows = []
     for name, t in stats["tiers"].items():
         cap = t["capacity_bytes"] or 1
         rows.append((name, t["blocks"], format_size(t["used_bytes"]), format_size(t["capacity_bytes"]),
-                     f"{100 * t['used_bytes'] / cap:.1f}", t["hits"], t["inserts"], t["evictions"],
-                     format_size(t["bytes_written"])))
+                     f"{100 * t['used_bytes'] / cap:.1f}", t["hits"], t.get("served_blocks", 0), t["inserts"],
+                     t["evictions"], format_size(t["bytes_written"])))
     widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
     for r in (head, *rows):
         print("  ".join(str(v).rjust(w) for v, w in zip(r, widths)))

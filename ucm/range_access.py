@@ -88,6 +88,7 @@ class RangeAccess:
             if r.outcome is Outcome.DONE:
                 self._count("range_blocks", 1)
                 self._count(f"range_bytes.{r.tier}", r.bytes)  # stats() files it under its tier
+        self._count_served(r.tier for r in out if r.outcome is Outcome.DONE and r.tier is not None)
         self._count("failed", sum(r.outcome is Outcome.FAILED for r in out))
         self.plans.drain_dropped()
         return out

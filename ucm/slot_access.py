@@ -163,11 +163,10 @@ class SlotAccess:
         if staging:
             self.plans.adopt_shared(keys, [i for i, le in enumerate(leases) if le is None])
             need = [i for i, le in enumerate(leases) if le is None]
-            if self.accelerators:
-                with self._meta:
-                    for i in need:
-                        t = self.placement.where(keys[i])
-                        tiers[i] = None if t is None else self.tier_names[t]
+            with self._meta:  # where each staged block comes from
+                for i in need:
+                    t = self.placement.where(keys[i])
+                    tiers[i] = None if t is None else self.tier_names[t]
 
             def lease_staged() -> None:  # before the staged blocks may be evicted again
                 for i in need:
@@ -175,6 +174,7 @@ class SlotAccess:
 
             self._stage([keys[i] for i in need], force=True, then=lease_staged)
         n_ok = sum(le is not None for le in leases)
+        self._count_served(t for t, le in zip(tiers, leases) if le is not None and t is not None)
         self._count("missing_blocks", len(keys) - n_ok)
         self._count("loaded_blocks", n_ok)
         self._count("bytes_loaded", sum(len(le.view) for le in leases if le is not None))

@@ -68,6 +68,7 @@ class CacheStream(LayerStream):
         self.index = {k: i for i, k in enumerate(self.keys)}
         self.slots: list[Optional[tuple[int, int]]] = [None] * len(keys)
         self.leases: list[Any] = [None] * len(keys)
+        self.served: list[Optional[str]] = [None] * len(keys)  # the tier each block is taken from
         self.pending: set[int] = set()
         self.slots_known = threading.Event()
         self._lock = threading.Lock()
@@ -175,7 +176,13 @@ class LayerStreamer:
                     st.leases[i] = lease
                     st.slots[i] = (lease.offset, lease.length)
                     progress.all_landed(i)
+            landing = cache.tier_names[cache.placement.landing]
+            st.served = [landing if le is not None else None for le in st.leases]
             if need:
+                with cache._meta:
+                    for i in need:
+                        t = cache.placement.where(keys[i])
+                        st.served[i] = None if t is None else cache.tier_names[t]
                 st.pending = set(need)
                 cache.plans.adopt_shared(keys, need)
                 self._jobs.submit(self._stage_job, st, need, arena, request_id)
@@ -343,11 +350,11 @@ class LayerStreamer:
         cache._count("loaded_blocks", n_ok)
         cache._count("missing_blocks", len(done) - n_ok)
         cache._count("bytes_loaded", sum(s for s, d in zip(st.sizes, done) if d))
+        cache._count_served(t for t, d in zip(st.served, done) if d and t is not None)
         with cache._meta:
             cache.placement.touch([k for k, d in zip(st.keys, done) if d])
         if cache.accelerators:
-            landing = cache.tier_names[cache.placement.landing]
             cache.accelerators.blocks_loaded(BlocksLoaded(
                 tuple(st.keys), tuple(Outcome.DONE if d else Outcome.MISSING for d in done),
-                tuple(landing if d else None for d in done), request_id))
+                tuple(t if d else None for t, d in zip(st.served, done)), request_id))
         st.finished()

@@ -12,7 +12,10 @@ TIER_METRICS = (
     ("ucm_tier_capacity_bytes", "gauge", "Configured capacity of the tier", "capacity_bytes"),
     ("ucm_tier_used_bytes", "gauge", "Bytes of blocks resident in the tier", "used_bytes"),
     ("ucm_tier_blocks", "gauge", "Blocks resident in the tier", "blocks"),
-    ("ucm_tier_hits", "counter", "Block accesses served by the tier", "hits"),
+    ("ucm_tier_hits", "counter", "Uses of blocks the tier holds (the placement policy's hits; a block staged up "
+                                 "counts in the tier it was staged into)", "hits"),
+    ("ucm_tier_served_blocks", "counter", "Blocks the tier delivered to loads, leases and range reads "
+                                          "(a block staged up counts in the tier it came from)", "served_blocks"),
     ("ucm_tier_inserts", "counter", "Blocks that entered the tier", "inserts"),
     ("ucm_tier_evictions", "counter", "Blocks evicted from the tier", "evictions"),
     ("ucm_tier_demotions_in", "counter", "Blocks demoted into the tier from the one above", "demotions_in"),
