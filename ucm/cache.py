@@ -7,7 +7,7 @@ request events (`begin_request`, `request_id`) and the placement hint
 `reserve` / `commit` / `abort`, `acquire` / `release` the service serves to
 other processes) is in ucm/slot_access.py; staging (and joining another
 staging of the same block) in ucm/staging.py; streamed loads in
-ucm/streaming.py.
+ucm/streaming.py; `stats` and the counters in ucm/cache_counters.py.
 
 Layers. `ucm.placement.Placement` decides (admission, eviction, demotion,
 promotion) with the configured policy and returns Plans; `ucm.execution.
@@ -35,7 +35,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ucm.accelerators.base import BlocksLoaded, BlocksStored, RequestFinished, RequestSeen
 from ucm.accelerators.chain import Accelerators
@@ -43,6 +43,7 @@ from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
 from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, check_parent,
                      check_request_id, check_timeout, submit)
 from ucm.buffers import byte_view
+from ucm.cache_counters import CacheCounters
 from ucm.codecs.layout import KvLayout
 from ucm.codecs.tier import LayoutBook, with_codec
 from ucm.config import UcmConfig, adapter_options, load_config
@@ -77,7 +78,7 @@ def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> S
     return cls(capacity_bytes=capacity_bytes, config=options)
 
 
-class UnifiedCache(SlotAccess, RangeAccess, Staging):
+class UnifiedCache(SlotAccess, RangeAccess, Staging, CacheCounters):
     """Blocks by key across an ordered stack of tiers (fastest first)."""
 
     def __init__(self, config: Union[None, str, Mapping[str, Any], UcmConfig] = None, replay: bool = False,
@@ -293,33 +294,6 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging):
             self._reclaimer.run_now()
         return self.tiers.flush(timeout_s)
 
-    def stats(self) -> dict[str, Any]:
-        with self._meta:
-            p = self.placement
-            tiers = {}
-            for t, name in enumerate(self.tier_names):
-                c = p.counters(t)
-                tiers[name] = {
-                    "capacity_bytes": p.capacity_bytes(t), "used_bytes": p.used_bytes(t), "blocks": p.blocks(t),
-                    "hits": c.hits, "inserts": c.inserts, "evictions": c.evictions,
-                    "demotions_in": c.demotions_in, "promotions_in": c.promotions_in,
-                    "bytes_written": c.bytes_written,
-                }
-            open_requests, requests = len(self._requests), self._requests_counted
-        with self._counts_lock:
-            counts = dict(self._counts)
-        counts["corrupt"] = counts.get("corrupt", 0) + self.tiers.corrupt
-        for name, a in zip(self.tier_names, self.adapters):
-            tiers[name]["adapter"] = a.stats()
-            tiers[name]["range_bytes"] = counts.pop(f"range_bytes.{name}", 0)
-            tiers[name]["served_blocks"] = counts.pop(f"served_blocks.{name}", 0)
-        for k in ("lookups", "loaded_blocks", "missing_blocks", "corrupt", "failed", "stored_blocks",
-                  "store_refused", "bytes_loaded", "bytes_stored", "headroom_evictions",
-                  "finished_requests", "slot_evictions", "range_blocks"):
-            counts.setdefault(k, 0)
-        return {"tiers": tiers, **counts, "requests": requests, "open_requests": open_requests,
-                "accelerators": self.accelerators.stats()}
-
     def watch_keys(self, on_add: Callable[[Key], None], on_remove: Callable[[Key], None]) -> None:
         """Mirrors the set of cached keys that `lookup` sees (blocks in shared
         tiers put there by other nodes excepted): on_add for every key now and
@@ -355,19 +329,6 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging):
         self.close()
 
     # ---- internals ---------------------------------------------------------
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._counts_lock:
-            self._counts[name] += n
-
-    def _count_served(self, tiers: Iterable[str]) -> None:
-        """One served block per name: the tier a load, lease or range read
-        took the block from (`stats()["tiers"][name]["served_blocks"]`;
-        `hits` is the placement's, filed under the tier that holds the
-        block once the request used it, after any promotion)."""
-        with self._counts_lock:
-            for name in tiers:
-                self._counts[f"served_blocks.{name}"] += 1
 
     def _tier_index(self, name: str) -> int:
         if name not in self.tier_names:
