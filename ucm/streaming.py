@@ -11,7 +11,10 @@ every layer submitted at once to a pool of `threads` threads in layer
 order, so that layer 0 lands first while later layers are still being
 read (two layers per read for SmolLM2's block: `SPAN_BYTES`). A tier
 without range reads (redis, mooncake) is read a whole block at a time, as
-a staging reads it: a range from it would cost a whole-blob read each. Each landed layer advances its block's progress word; a layer that
+a staging reads it: a range from it would cost a whole-blob read each. A
+codec tier (LayerReads) reads and verifies its blocks' frames once, then
+decodes layer by layer across the blocks, landing layer 0 of every block
+before decoding layer 1. Each landed layer advances its block's progress word; a layer that
 fails (missing, corrupt, I/O error) makes its block FAILED at once (the
 reads of its later layers are skipped) and the staging step fails as a
 whole read would (the slot is aborted, a corrupt copy forgotten). A block
@@ -34,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ucm.accelerators.base import BlocksLoaded
-from ucm.adapters.base import RangeReads, Status, StorageAdapter, read_range
+from ucm.adapters.base import LayerReads, RangeReads, Status, StorageAdapter, read_range
 from ucm.api import Key, Outcome
 from ucm.layer_stream import LayerStream, StreamProgress, word_count
 
@@ -292,6 +295,20 @@ class LayerStreamer:
         large enough), every span submitted at once (layer order); returns
         per block OK when all its layers landed, else its first failure."""
         layers = progress.layers
+        if isinstance(adapter, LayerReads) and not isinstance(adapter, RangeReads):  # decoded layer by layer
+            def landed(j: int, first: int, last: int) -> None:
+                for layer in range(first, last):
+                    progress.layer_landed(idx[j], layer)
+
+            try:
+                got = adapter.get_layers(keys, views, layers, landed)
+            except Exception:
+                log.exception("ucm: a streamed layer-by-layer read failed")
+                got = [Status.FAILED] * len(keys)
+            for j, s in enumerate(got):
+                if s is not Status.OK:
+                    progress.fail(idx[j])
+            return list(got)
         if not isinstance(adapter, RangeReads):  # a range would cost a whole-blob read: read each block once
             try:
                 got = adapter.get(keys, views)

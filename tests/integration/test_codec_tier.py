@@ -495,3 +495,61 @@ def test_a_staging_does_not_wait_for_the_victims_it_demotes_into_a_codec_tier(nv
             medium.gate.set()
             reader.join(30)
         assert c.flush(30) and c.stats()["tiers"]["nvme"]["adapter"]["codec_pending_blocks"] == 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "lossless"])
+def test_a_layered_read_lands_each_layer_with_the_bytes_a_whole_decode_gives(codec):
+    """`get_layers` (streamed loads from a codec tier): int8 and int4 decode
+    layer range by layer range, in order, across the blocks, each range's
+    bytes final when it is reported landed and equal to a whole decode;
+    lossless cannot decode part of a block and lands it whole; a
+    corrupted frame lands nothing and is CORRUPT."""
+    book = LayoutBook()
+    book.register(LAYOUT)
+    medium = DictAdapter()
+    a = CodecAdapter(medium, load_codec_class(codec)(), book)
+    keys, data = kv_blocks(3, 11)
+    assert a.put(keys, data) == [Status.OK] * 3 and a.flush(30)
+    whole = [bytearray(LAYOUT.block_bytes) for _ in keys]
+    assert a.get(keys, whole) == [Status.OK] * 3
+    bad = medium.blobs[keys[2]]
+    bad[len(bad) // 2] ^= 0x01
+    layers, w = LAYOUT.num_layers, LAYOUT.layer_bytes
+    outs = [bytearray(b"\xee" * LAYOUT.block_bytes) for _ in keys]
+    seen = []
+
+    def landed(i, first, last):
+        seen.append((i, first, last))
+        assert outs[i][first * w:last * w] == whole[i][first * w:last * w]  # final when reported
+        if last < layers:  # later layers untouched yet (the fill byte)
+            assert set(outs[i][last * w:]) == {0xee}
+
+    assert a.get_layers(keys, outs, layers, landed) == [Status.OK, Status.OK, Status.CORRUPT]
+    assert outs[:2] == whole[:2] and 2 not in {i for i, _, _ in seen}
+    if codec == "lossless":
+        assert sorted(seen) == [(0, 0, layers), (1, 0, layers)]
+    else:
+        assert seen == [(i, layer, layer + 1) for layer in range(layers) for i in (0, 1)]
+        assert a.stats()["codec_layer_decoded_blocks"] == 2
+
+
+def test_a_stream_from_an_int8_tier_lands_layer_by_layer(nvme_dir):
+    """Through the cache: a streamed load of blocks held only in an int8
+    NVMe tier gets the int8-decoded bytes of every layer, decoded layer by
+    layer (the tier's counter), and the blocks are staged into DRAM."""
+    keys, data = kv_blocks(N, 12)
+    with UnifiedCache(cfg(nvme_dir, "int8")) as c:
+        c.register_layout(LAYOUT)
+        assert c.store(keys, data).wait(30) == [Outcome.DONE] * N
+        on_nvme = [i for i, t in enumerate(c.locate(keys)) if t == "nvme"][:4]
+        assert len(on_nvme) == 4
+        s = c.stream_slots([keys[i] for i in on_nvme], [LAYOUT.block_bytes] * 4, LAYOUT.num_layers)
+        try:
+            assert s.outcomes(30.0) == [Outcome.DONE] * 4
+            for j, i in enumerate(on_nvme):
+                off, n = s.slots[j]
+                assert bytes(memoryview(s.arena)[off:off + n]) == int8_decoded(data[i])
+        finally:
+            s.release()
+        assert c.stats()["tiers"]["nvme"]["adapter"]["codec_layer_decoded_blocks"] == 4
+        assert c.locate([keys[i] for i in on_nvme]) == ["dram"] * 4

@@ -277,6 +277,21 @@ class RangeReads(StorageAdapter):
         `check_range_args`)."""
 
 
+class LayerReads(StorageAdapter):
+    """Ability: a read of whole blobs that lands each in `layers` equal
+    ranges, in order (a tier whose stored bytes must be decoded: the codec
+    tier). Streamed loads use it where a tier has no RangeReads, so the
+    first layers can be used before the last are decoded."""
+
+    @abc.abstractmethod
+    def get_layers(self, keys: Sequence[Key], dsts: Sequence[Any], layers: int,
+                   landed: Callable[[int, int, int], None]) -> list[Status]:
+        """As `get`, calling `landed(i, first, last)` once layer ranges
+        [first, last) of dsts[i] hold their final bytes (from the calling
+        thread); a block that fails after some of its layers landed is
+        still reported failed."""
+
+
 def check_range_args(keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
     """The misuse `get_range` raises for: ArgumentError naming the value."""
     if not len(keys) == len(offsets) == len(dsts):

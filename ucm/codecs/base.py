@@ -46,6 +46,16 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, meta: memoryview, body: memoryview, out: memoryview) -> bool: ...
 
+    def decode_layers(self, meta: memoryview, body: memoryview, out: memoryview, first: int, last: int,
+                      layers: int) -> Optional[bool]:
+        """Decodes only what lands in bytes `[first * w, last * w)` of `out`
+        (w = len(out) // layers: the block as `layers` equal layer ranges,
+        as streamed loads see it), writing every byte of that range; None
+        when this codec cannot decode part of this block (the caller
+        decodes it whole), else as `decode`. Codecs without the ability
+        keep this default."""
+        return None
+
 
 class NoneCodec(Codec):
     """The raw bytes (what a codec tier stores when its codec cannot encode

@@ -78,6 +78,19 @@ class _Plan:
         self.body_bytes = at
         self.elem = elem
         self.row_offsets = layout.block_rows()
+        self.num_layers = layout.num_layers
+        self.per_layer = len(layout.segments)
+
+    def layer_tables(self, layers: int) -> Optional[list[np.ndarray]]:
+        """Per range l of `layers` equal ranges of the block, the table rows
+        (segments) that write it: the layout is layer-major and its segments
+        cover each layer exactly once (KvLayout), so range l is layout
+        layers [l * g, (l + 1) * g) with g = num_layers / layers; None when
+        `layers` does not divide num_layers."""
+        if layers <= 0 or self.num_layers % layers:
+            return None
+        rows = self.num_layers // layers * self.per_layer
+        return [self.table[i * rows:(i + 1) * rows] for i in range(layers)]
 
 
 class QuantCodec(Codec):
@@ -167,6 +180,28 @@ class QuantCodec(Codec):
         if len(body) != plan.body_bytes:
             return False
         return bool(_native.kv_decode(body, plan.table, plan.elem, out, plan.row_offsets, self.threads))
+
+    def decode_layers(self, meta: memoryview, body: memoryview, out: memoryview, first: int, last: int,
+                      layers: int) -> Optional[bool]:
+        """Only the segments of layer ranges [first, last) (Codec.decode_layers;
+        None when this block's segments do not split into `layers` ranges)."""
+        got = self.split_meta(meta)
+        if got is None:
+            return False
+        layout, params = got
+        if layout.elem_code is None or len(out) != layout.block_bytes:
+            return False
+        try:
+            plan = self._plan(layout, params)
+        except ValueError:
+            return False
+        if len(body) != plan.body_bytes:
+            return False
+        tables = plan.layer_tables(layers)
+        if tables is None or not 0 <= first < last <= layers:
+            return None
+        part = np.concatenate(tables[first:last])
+        return bool(_native.kv_decode(body, part, plan.elem, out, plan.row_offsets, self.threads))
 
     def tile_steps(self, meta: memoryview, body: memoryview) -> list[np.ndarray]:
         """The quantisation step of every tile of every segment (the error

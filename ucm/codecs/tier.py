@@ -56,9 +56,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ucm.adapters.base import BlockEntry, Key, Status, StorageAdapter, read_range
+from ucm.adapters.base import BlockEntry, Key, LayerReads, Status, StorageAdapter, read_range
 from ucm.buffers import byte_view
 from ucm.codecs import codec_class_by_id
 from ucm.codecs.base import Codec, NoneCodec
@@ -117,10 +117,11 @@ class LayoutBook:
             return list(self._layouts.values())
 
 
-class CodecAdapter(StorageAdapter):
+class CodecAdapter(LayerReads):
     """Encodes on put, verifies and decodes on get, around `inner`. Declares
     no RangeReads: a range costs a whole-frame read and decode, so range
-    readers (`read_range`, streamed loads) read each block once."""
+    readers (`read_range`) read each block once; streamed loads read the
+    frames once and land them layer by layer (LayerReads, `get_layers`)."""
 
     def __init__(self, inner: StorageAdapter, codec: Codec, layouts: LayoutBook) -> None:
         self.inner = inner
@@ -300,37 +301,45 @@ class CodecAdapter(StorageAdapter):
             c = self._decoders.setdefault(codec_id, cls())
         return c
 
-    def _decode(self, frame: memoryview, out: memoryview) -> Status:
+    def _open(self, frame: memoryview, out: memoryview) -> Optional[tuple[Codec, memoryview, memoryview]]:
+        """(codec, meta, body) of a frame that verifies for `out`, else None (counted)."""
         h = verify(frame)
         if h is None:
             self._count("codec_bad_frames")
-            return Status.CORRUPT
+            return None
         if h.raw_bytes != len(out):
             self._count("codec_size_mismatch")
-            return Status.CORRUPT
+            return None
         codec = self._decoder(h.codec_id)
         if codec is None:
             self._count("codec_unknown_id")
-            return Status.CORRUPT
-        meta = frame[HEADER_BYTES:HEADER_BYTES + h.meta_bytes]
-        body = frame[HEADER_BYTES + h.meta_bytes:]
+            return None
+        return codec, frame[HEADER_BYTES:HEADER_BYTES + h.meta_bytes], frame[HEADER_BYTES + h.meta_bytes:]
+
+    def _run(self, codec: Codec, fn: Any, *args: Any) -> Optional[bool]:
         try:
-            ok = codec.decode(meta, body, out)
+            return fn(*args)
         except Exception:  # a codec bug or hostile bytes: a miss, never raised into a load
             log.exception("ucm: codec %s failed to decode a block", codec.name)
-            ok = False
-        if not ok:
+            return False
+
+    def _decode(self, frame: memoryview, out: memoryview) -> Status:
+        opened = self._open(frame, out)
+        if opened is None:
+            return Status.CORRUPT
+        return self._decode_opened(*opened, out)
+
+    def _decode_opened(self, codec: Codec, meta: memoryview, body: memoryview, out: memoryview) -> Status:
+        if not self._run(codec, codec.decode, meta, body, out):
             self._count("codec_decode_failures")
             return Status.CORRUPT
         self._count("codec_decoded_blocks")
         return Status.OK
 
-    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
-        if len(keys) != len(dsts):
-            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
-        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+    def _frames(self, keys: Sequence[Key], out: list[Status]) -> list[tuple[int, bytearray]]:
+        """The stored frames of `keys` read from the medium: (index, frame)
+        of those read; `out` gets each key's read status."""
         self._wait_written(keys)  # read as stored: the decoded bytes, never the raw copy of a lossy codec
-        out: list[Status] = [Status.NOT_FOUND] * len(keys)
         idx, scratch = [], []
         for i, k in enumerate(keys):
             n = self.inner.size_of(k)
@@ -338,9 +347,16 @@ class CodecAdapter(StorageAdapter):
                 idx.append(i)
                 scratch.append(bytearray(n))
         got = self.inner.get([keys[i] for i in idx], scratch) if idx else []
-        todo = [(i, buf) for i, buf, st in zip(idx, scratch, got) if st is Status.OK]
         for i, st in zip(idx, got):
             out[i] = st
+        return [(i, buf) for i, buf, st in zip(idx, scratch, got) if st is Status.OK]
+
+    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        out: list[Status] = [Status.NOT_FOUND] * len(keys)
+        todo = self._frames(keys, out)
         if len(todo) > 1:  # the blocks of a batch in parallel: verify and decode release the GIL
             for (i, _), st in zip(todo, self._decode_pool().map(lambda t: self._decode(memoryview(t[1]), views[t[0]]),
                                                                todo)):
@@ -348,6 +364,61 @@ class CodecAdapter(StorageAdapter):
         elif todo:
             i, buf = todo[0]
             out[i] = self._decode(memoryview(buf), views[i])
+        return out
+
+    def get_layers(self, keys: Sequence[Key], dsts: Sequence[Any], layers: int,
+                   landed: Callable[[int, int, int], None]) -> list[Status]:
+        """`get`, landing each block layer by layer (streamed loads): every
+        frame is read and verified first, then layer range l (of `layers`
+        equal ranges) of every block is decoded, in layer order, and
+        `landed(i, l, l + 1)` called for block i once that range of dsts[i]
+        holds its decoded bytes. A block whose codec cannot decode part of
+        it is decoded whole first (`landed(i, 0, layers)`). A block that
+        fails at any point is CORRUPT (after what landed before)."""
+        if len(keys) != len(dsts):
+            raise ArgumentError(f"get_layers: {len(keys)} keys but {len(dsts)} destinations")
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
+        out: list[Status] = [Status.NOT_FOUND] * len(keys)
+        parts: list[tuple[int, Codec, memoryview, memoryview]] = []
+        whole: list[tuple[int, bytearray]] = []
+        for i, frame in self._frames(keys, out):
+            opened = self._open(memoryview(frame), views[i])
+            if opened is None:
+                out[i] = Status.CORRUPT
+                continue
+            codec, meta, body = opened
+            if layers > 1 and type(codec).decode_layers is not Codec.decode_layers:
+                parts.append((i, codec, meta, body))
+            else:
+                whole.append((i, frame))
+        pool = self._decode_pool()
+        for (i, _), st in zip(whole, pool.map(lambda t: self._decode(memoryview(t[1]), views[t[0]]), whole)):
+            out[i] = st
+            if st is Status.OK:
+                landed(i, 0, layers)
+        for layer in range(layers):
+            if not parts:
+                break
+            got = list(pool.map(lambda p: self._run(p[1], p[1].decode_layers, p[2], p[3], views[p[0]], layer,
+                                                    layer + 1, layers), parts))
+            left = []
+            for p, ok in zip(parts, got):
+                if ok is None and layer == 0:  # this block does not split: whole
+                    st = self._decode_opened(p[1], p[2], p[3], views[p[0]])
+                    out[p[0]] = st
+                    if st is Status.OK:
+                        landed(p[0], 0, layers)
+                elif not ok:
+                    self._count("codec_decode_failures")
+                    out[p[0]] = Status.CORRUPT
+                else:
+                    landed(p[0], layer, layer + 1)
+                    left.append(p)
+            parts = left
+        for i, _, _, _ in parts:
+            out[i] = Status.OK
+            self._count("codec_decoded_blocks")
+            self._count("codec_layer_decoded_blocks")
         return out
 
     def _decode_pool(self) -> ThreadPoolExecutor:
