@@ -2,7 +2,7 @@
 (issue #21), without an engine.
 
     python -m ucm.bench.codec_hit [--codecs none,int8,lossless] [--samples 7]
-                                  [--dram-blocks 48] [--headroom 0] [--inproc]
+                                  [--dram-blocks 48] [--headroom 0] [--inproc] [--stream]
 
 Per codec a private service (`ucm.connect`) with a DRAM tier of
 `--dram-blocks` SmolLM2-sized blocks (2,949,120 B, bf16, layout
@@ -10,8 +10,12 @@ registered) over a direct-I/O nvme tier with that codec. 23 blocks are
 stored; before each sample filler blocks push them to NVMe (as `ucm bench
 vllm` does), then they are read back with `read_slots`, as vLLM's connector
 loads (16 MiB `acquire` parts, each staging NVMe -> DRAM and demoting as
-many DRAM blocks as it stages), and again (a DRAM hit). Prints one JSON
-line per codec: every NVMe-only hit's seconds and the medians.
+many DRAM blocks as it stages), and again (a DRAM hit). `--stream`: then
+pushed to NVMe again and streamed back (`stream_slots`, 30 layers, as the
+connector's layer-wise load does): the seconds until layer 0 of every
+block landed (when an engine's first layer could start) and until all
+did. Prints one JSON line per codec: every NVMe-only hit's seconds and the
+medians.
 
 `--inproc`: the same hit on a UnifiedCache in this process (`acquire` in
 parts of 5 blocks), with the seconds spent per stage and thread (encode,
@@ -88,7 +92,21 @@ def push_to_nvme(client, keys, fill_src, limit=200):
     return client.locate(keys)
 
 
-def service_run(work, codec, samples, dram_blocks, headroom):
+def stream_times(client, keys):
+    """A streamed load of `keys` (as vLLM's connector streams an NVMe-only
+    hit): seconds until layer 0 of every block landed, and until all did."""
+    t0 = time.perf_counter()
+    s = client.stream_slots(keys, [BB] * DOC, LAYOUT.num_layers)
+    try:
+        assert all(s.wait_layer(0, 60.0)), "layer 0 did not land"
+        first = time.perf_counter() - t0
+        assert all(o.name == "DONE" for o in s.outcomes(60.0))
+        return first, time.perf_counter() - t0
+    finally:
+        s.release()
+
+
+def service_run(work, codec, samples, dram_blocks, headroom, stream=False):
     import ucm
     path = config(work, codec, dram_blocks, headroom)
     client = ucm.connect(str(path))
@@ -108,7 +126,7 @@ def service_run(work, codec, samples, dram_blocks, headroom):
                     o, n = s
                     dst[(first + i) * BB:(first + i + 1) * BB] = a[o:o + n]
 
-        nvme_s, dram_s, tiers = [], [], []
+        nvme_s, dram_s, tiers, first_s = [], [], [], []
         for _ in range(samples):
             where = push_to_nvme(client, keys, fill_src)
             tiers.append(sum(t == "nvme" for t in where))
@@ -122,11 +140,21 @@ def service_run(work, codec, samples, dram_blocks, headroom):
             t0 = time.perf_counter()
             out = client.read_slots(keys, [BB] * DOC, fill)
             dram_s.append(time.perf_counter() - t0)
+            if stream:
+                push_to_nvme(client, keys, fill_src)
+                time.sleep(0.5)
+                first_s.append(stream_times(client, keys))
         st = client.stats()["tiers"]["nvme"]["adapter"]
-        return {"codec": codec, "nvme_hit_s": [round(x, 4) for x in nvme_s],
-                "nvme_hit_median_s": round(statistics.median(nvme_s), 4),
-                "dram_hit_median_s": round(statistics.median(dram_s), 4),
-                "on_nvme": tiers, "codec_ratio": st.get("codec_ratio")}
+        out = {"codec": codec, "nvme_hit_s": [round(x, 4) for x in nvme_s],
+               "nvme_hit_median_s": round(statistics.median(nvme_s), 4),
+               "dram_hit_median_s": round(statistics.median(dram_s), 4),
+               "on_nvme": tiers, "codec_ratio": st.get("codec_ratio")}
+        if stream:
+            out["stream_layer0_s"] = [round(a, 4) for a, _ in first_s]
+            out["stream_layer0_median_s"] = round(statistics.median(a for a, _ in first_s), 4)
+            out["stream_all_median_s"] = round(statistics.median(b for _, b in first_s), 4)
+            out["codec_layer_decoded_blocks"] = st.get("codec_layer_decoded_blocks", 0)
+        return out
     finally:
         client.close()  # the private service exits once idle
 
@@ -138,13 +166,17 @@ def main():
     ap.add_argument("--dram-blocks", type=int, default=48)
     ap.add_argument("--headroom", type=float, default=0.0)
     ap.add_argument("--inproc", action="store_true")
+    ap.add_argument("--stream", action="store_true",
+                    help="also a streamed NVMe-only hit per sample: time to layer 0 of every block, and to all")
     a = ap.parse_args()
     import ucm
     print("ucm from", ucm.__file__, file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="ucm-codec-probe-", dir="/var/tmp"))
     os.chdir(work)
-    run = inproc_run if a.inproc else service_run
-    res = [run(work, c, a.samples, a.dram_blocks, a.headroom) for c in a.codecs.split(",")]
+    if a.inproc:
+        res = [inproc_run(work, c, a.samples, a.dram_blocks, a.headroom) for c in a.codecs.split(",")]
+    else:
+        res = [service_run(work, c, a.samples, a.dram_blocks, a.headroom, a.stream) for c in a.codecs.split(",")]
     for r in res:
         print(json.dumps(r))
 
