@@ -380,22 +380,20 @@ class CodecAdapter(LayerReads):
         views = [byte_view(d, writable=True, what="destination") for d in dsts]
         out: list[Status] = [Status.NOT_FOUND] * len(keys)
         parts: list[tuple[int, Codec, memoryview, memoryview]] = []
-        whole: list[tuple[int, bytearray]] = []
-        for i, frame in self._frames(keys, out):
-            opened = self._open(memoryview(frame), views[i])
+        whole: list[tuple[int, Codec, memoryview, memoryview]] = []
+        pool = self._decode_pool()
+        frames = self._frames(keys, out)  # verified in parallel: the checksums release the GIL
+        for (i, _), opened in zip(frames, pool.map(lambda t: self._open(memoryview(t[1]), views[t[0]]), frames)):
             if opened is None:
                 out[i] = Status.CORRUPT
                 continue
-            codec, meta, body = opened
-            if layers > 1 and type(codec).decode_layers is not Codec.decode_layers:
-                parts.append((i, codec, meta, body))
-            else:
-                whole.append((i, frame))
-        pool = self._decode_pool()
-        for (i, _), st in zip(whole, pool.map(lambda t: self._decode(memoryview(t[1]), views[t[0]]), whole)):
-            out[i] = st
+            codec = opened[0]
+            split = layers > 1 and type(codec).decode_layers is not Codec.decode_layers
+            (parts if split else whole).append((i, *opened))
+        for p, st in zip(whole, pool.map(lambda p: self._decode_opened(*p[1:], views[p[0]]), whole)):
+            out[p[0]] = st
             if st is Status.OK:
-                landed(i, 0, layers)
+                landed(p[0], 0, layers)
         for layer in range(layers):
             if not parts:
                 break
