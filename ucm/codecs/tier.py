@@ -38,10 +38,14 @@ of a waiting block cancels its write. A write the medium refuses (after
 failed region writes are. `flush` waits for the writer, then flushes the
 medium.
 
-Range reads (layer ranges, for streaming and prefetch) read the whole
-frame, verify and decode it, and copy the range out: exactly the decoded
-bytes of that range (for `lossless`, the original bytes). Verification
-needs the whole frame, which is why a range is not read alone.
+Range reads (`read_range`) read the whole frame, verify and decode it,
+and copy the range out: exactly the decoded bytes of that range (for
+`lossless`, the original bytes). Verification needs the whole frame,
+which is why a range is not read alone. Streamed loads (`get_layers`,
+the LayerReads ability) read and verify the frames of a batch once, then
+decode layer 0 of every block, then layer 1, ... (int8 and int4 decode a
+layer range from their segment table; lossless decodes whole), so that
+the engine's first layers can run while later ones are decoded.
 
 Thread-safe: the codecs are, and the size table, the write-behind queue
 and the counters share one lock (`_lock`, with `_cond`), a leaf: no codec
