@@ -134,7 +134,7 @@ def test_with_the_blocks_on_nvme_the_pages_are_read_from_nvme_by_ranges():
 
 
 def test_two_prompts_and_filler_passkeys():
-    """`--samples 2`: two consecutive windows of the document, each against
+    """`--steps 0`: no offline replay. `--samples 2`: two consecutive windows of the document, each against
     its own dense reference (the row's greedy agreement is their mean);
     `--passkey-haystack filler`: the tasks hide the key in the original
     task's filler sentences, `length` tokens in all, the key in the prompt."""
@@ -157,7 +157,7 @@ def test_two_prompts_and_filler_passkeys():
         assert tok.decode(t.prompt).count(t.key) == 2 and set(t.prompt) <= set(filler) | set(needle)
     assert [t.key for t in tasks] != [t.key for t in passkey_tasks(tok, "", 300, 3, 1, "filler")]
 
-    argv = ["bench", "sparse", "--json", "--context", str(CONTEXT), "--steps", "1", "--budgets", "32",
+    argv = ["bench", "sparse", "--json", "--context", str(CONTEXT), "--steps", "0", "--budgets", "32",
             "--top-p", "", "--selectors", "quest", "--sink", str(SINK), "--local", str(LOCAL), "--page-tokens", "16",
             "--block-tokens", str(BT), "--layers", str(LAYERS), "--new-tokens", str(NEW), "--samples", "2",
             "--passkey-lengths", "200", "--passkey-samples", "1", "--passkey-haystack", "filler",
@@ -165,7 +165,9 @@ def test_two_prompts_and_filler_passkeys():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
-    cl = json.loads(out.getvalue())["closed_loop"]
+    result = json.loads(out.getvalue())
+    assert "offline" not in result  # --steps 0: the closed loop only
+    cl = result["closed_loop"]
     assert cl["samples"] == 2 and len(cl["dense_tokens"]) == 2 and cl["dense_tokens"][0] != cl["dense_tokens"][1]
     (r,) = cl["rows"]
     assert len(r["greedy_per_prompt"]) == 2

