@@ -22,7 +22,7 @@ from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_clas
 from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import planar_layout
 from ucm.codecs.quant import Int8Codec
-from ucm.codecs.tier import CodecAdapter, LayoutBook
+from ucm.codecs.tier import LAYER_RANGES, CodecAdapter, LayoutBook, layer_ranges
 from ucm.errors import ArgumentError, ConfigError
 
 LAYOUT = planar_layout("bfloat16", 4, 2, 32, 64)  # 64 KiB blocks
@@ -500,7 +500,7 @@ def test_a_staging_does_not_wait_for_the_victims_it_demotes_into_a_codec_tier(nv
 @pytest.mark.parametrize("codec", ["int8", "int4", "lossless"])
 def test_a_layered_read_lands_each_layer_with_the_bytes_a_whole_decode_gives(codec):
     """`get_layers` (streamed loads from a codec tier): int8 and int4 decode
-    layer range by layer range, in order, across the blocks, each range's
+    layer range by layer range (`layer_ranges`), in order, across the blocks, each range's
     bytes final when it is reported landed and equal to a whole decode;
     lossless cannot decode part of a block and lands it whole; a
     corrupted frame lands nothing and is CORRUPT."""
@@ -529,8 +529,23 @@ def test_a_layered_read_lands_each_layer_with_the_bytes_a_whole_decode_gives(cod
     if codec == "lossless":
         assert sorted(seen) == [(0, 0, layers), (1, 0, layers)]
     else:
-        assert seen == [(i, layer, layer + 1) for layer in range(layers) for i in (0, 1)]
+        assert seen == [(i, first, last) for first, last in layer_ranges(layers) for i in (0, 1)]
+        assert len(layer_ranges(layers)) > 1  # the layout splits: a real range-by-range landing
         assert a.stats()["codec_layer_decoded_blocks"] == 2
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 4, 5, 30, 61])
+def test_layer_ranges_cover_every_layer_once_in_order(layers):
+    """The ranges of a streamed codec decode: consecutive, covering
+    [0, layers), LAYER_RANGES at most, none empty, the first no larger
+    than a later one (it lands soonest)."""
+    got = layer_ranges(layers)
+    assert got[0][0] == 0 and got[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    assert all(last > first for first, last in got)
+    assert len(got) == min(LAYER_RANGES, layers)
+    sizes = [last - first for first, last in got]
+    assert sizes[0] == min(sizes) and max(sizes) - min(sizes) <= 1
 
 
 def test_a_stream_from_an_int8_tier_lands_layer_by_layer(nvme_dir):

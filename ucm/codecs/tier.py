@@ -43,9 +43,10 @@ and copy the range out: exactly the decoded bytes of that range (for
 `lossless`, the original bytes). Verification needs the whole frame,
 which is why a range is not read alone. Streamed loads (`get_layers`,
 the LayerReads ability) read and verify the frames of a batch once, then
-decode layer 0 of every block, then layer 1, ... (int8 and int4 decode a
-layer range from their segment table; lossless decodes whole), so that
-the engine's first layers can run while later ones are decoded.
+decode the first range of layers of every block, then the next, ...
+(LAYER_RANGES ranges at most; int8 and int4 decode a layer range from
+their segment table; lossless decodes whole), so that the engine's first
+layers can run while later ones are decoded.
 
 Thread-safe: the codecs are, and the size table, the write-behind queue
 and the counters share one lock (`_lock`, with `_cond`), a leaf: no codec
@@ -80,6 +81,25 @@ WRITE_BEHIND_BYTES = 128 << 20
 
 # Threads that verify and decode the blocks of one batched read in parallel.
 DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+# Layer ranges a streamed load (`get_layers`) decodes in turn, at most: each
+# range is one pass over the batch's blocks. One pass per layer (30 on
+# SmolLM2) cost more than it brought on 2 cores: the int8 NVMe-only hit of
+# 23 blocks took 0.15-0.17 s to its last layer against 0.07-0.09 s decoding
+# whole, and its first layer no sooner (reading and verifying the frames
+# come first and dominate; docs/benchmarks.md, "Codecs: streamed loads").
+LAYER_RANGES = 4
+
+
+def layer_ranges(layers: int) -> list[tuple[int, int]]:
+    """The consecutive layer ranges [first, last) a streamed load of
+    `layers` layers decodes in turn: LAYER_RANGES at most, as equal as
+    integers allow, earlier ones no larger (the first lands soonest)."""
+    if layers < 1:
+        raise ArgumentError(f"layer_ranges: layers must be at least 1, got {layers}")
+    n = min(LAYER_RANGES, layers)
+    bounds = [layers * k // n for k in range(n + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(n)]
 
 
 @dataclass(eq=False, slots=True)
@@ -372,13 +392,14 @@ class CodecAdapter(LayerReads):
 
     def get_layers(self, keys: Sequence[Key], dsts: Sequence[Any], layers: int,
                    landed: Callable[[int, int, int], None]) -> list[Status]:
-        """`get`, landing each block layer by layer (streamed loads): every
-        frame is read and verified first, then layer range l (of `layers`
-        equal ranges) of every block is decoded, in layer order, and
-        `landed(i, l, l + 1)` called for block i once that range of dsts[i]
-        holds its decoded bytes. A block whose codec cannot decode part of
-        it is decoded whole first (`landed(i, 0, layers)`). A block that
-        fails at any point is CORRUPT (after what landed before)."""
+        """`get`, landing each block range of layers by range (streamed
+        loads): every frame is read and verified first, then layers
+        [first, last) of every block are decoded, one range of
+        `layer_ranges(layers)` after another, and `landed(i, first, last)`
+        called for block i once that range of dsts[i] holds its decoded
+        bytes. A block whose codec cannot decode part of it is decoded whole
+        first (`landed(i, 0, layers)`). A block that fails at any point is
+        CORRUPT (after what landed before)."""
         if len(keys) != len(dsts):
             raise ArgumentError(f"get_layers: {len(keys)} keys but {len(dsts)} destinations")
         views = [byte_view(d, writable=True, what="destination") for d in dsts]
@@ -398,14 +419,14 @@ class CodecAdapter(LayerReads):
             out[p[0]] = st
             if st is Status.OK:
                 landed(p[0], 0, layers)
-        for layer in range(layers):
+        for first, last in layer_ranges(layers):
             if not parts:
                 break
-            got = list(pool.map(lambda p: self._run(p[1], p[1].decode_layers, p[2], p[3], views[p[0]], layer,
-                                                    layer + 1, layers), parts))
+            got = list(pool.map(lambda p: self._run(p[1], p[1].decode_layers, p[2], p[3], views[p[0]], first,
+                                                    last, layers), parts))
             left = []
             for p, ok in zip(parts, got):
-                if ok is None and layer == 0:  # this block does not split: whole
+                if ok is None and first == 0:  # this block does not split: whole
                     st = self._decode_opened(p[1], p[2], p[3], views[p[0]])
                     out[p[0]] = st
                     if st is Status.OK:
@@ -414,7 +435,7 @@ class CodecAdapter(LayerReads):
                     self._count("codec_decode_failures")
                     out[p[0]] = Status.CORRUPT
                 else:
-                    landed(p[0], layer, layer + 1)
+                    landed(p[0], first, last)
                     left.append(p)
             parts = left
         for i, _, _, _ in parts:
