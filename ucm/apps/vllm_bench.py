@@ -33,6 +33,8 @@ warm-up request:
 - ucm with a codec on the NVMe tier (`--codecs`, default lossless,int8): per
   codec a private service and an engine, NVMe-only hits decoded on staging
   (ucm/apps/vllm_bench_codec.py); lossless must equal vLLM's own hit.
+  `--codec-streaming off,auto` measures each codec twice: loaded
+  asynchronously (`off`, the default) and streamed layer by layer (`auto`).
 
 Every hit is measured `--repeat` times over all the documents (pass 2 again;
 before each NVMe-only round the filler pushes the documents out of DRAM
@@ -90,6 +92,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codecs", default="lossless,int8",
                    help="codecs of the NVMe tier to measure NVMe-only hits with, comma-separated "
                         "(default lossless,int8; '' for none)")
+    p.add_argument("--codec-streaming", default="off",
+                   help="ucm_load_streaming of the codec runs, comma-separated: off (default; the "
+                        "asynchronous whole-block load), auto (streamed layer by layer), or off,auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -189,7 +194,8 @@ def _run_config(spec: dict) -> dict:
         kv = {"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.connectors.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"ucm_config": spec["ucm_config"],
-                                            "ucm_load_streaming": UCM_STREAMING.get(name, "off")}}
+                                            "ucm_load_streaming": spec.get("codec_streaming", "off")
+                                            if name == "ucm_codec" else UCM_STREAMING.get(name, "off")}}
     llm = _engine(spec["model"], max_len, prefix_caching=(name == "apc"), kv=kv)
     _timed(llm, [warm])  # first forward pays one-time costs in every configuration
     out: dict[str, Any] = {}
@@ -313,14 +319,20 @@ def _median(xs: list[float]) -> float:
 
 
 def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
-            repeat: int = 3, codecs: tuple[str, ...] = ()) -> dict[str, Any]:
+            repeat: int = 3, codecs: tuple[str, ...] = (),
+            codec_streaming: tuple[str, ...] = ("off",)) -> dict[str, Any]:
     if repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {repeat}")
+    from ucm.apps.vllm_bench_codec import CODEC_STREAMING
     from ucm.codecs import codec_names
 
     unknown = [c for c in codecs if c not in codec_names()]
     if unknown:
         raise ValueError(f"--codecs: unknown codec(s) {unknown}; allowed: {codec_names()}")
+    bad = [m for m in codec_streaming if m not in CODEC_STREAMING]
+    if bad or not codec_streaming or len(set(codec_streaming)) != len(codec_streaming):
+        raise ValueError(f"--codec-streaming: got {list(codec_streaming)}; allowed: distinct values of "
+                         f"{list(CODEC_STREAMING)}")
     import yaml
 
     import ucm
@@ -359,7 +371,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
         client = ucm.connect(str(cfg_path))  # the private service outlives the engine
         if not client.connected:
             raise RuntimeError("could not start the ucm service")
-        with bar(total=6 + len(codecs), desc="bench vllm", unit="config") as configs:
+        with bar(total=6 + len(codecs) * len(codec_streaming), desc="bench vllm", unit="config") as configs:
             for name in UCM_STREAMING:
                 log(f"[bench vllm] {name} ...")
                 configs.set_postfix_str(name)
@@ -382,7 +394,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
                     configs.update(1)
                     return out
 
-                res["codecs"] = run_codecs(list(codecs), cfg, work, base, one, log)
+                res["codecs"] = run_codecs(list(codecs), cfg, work, base, one, log, codec_streaming)
     finally:
         if client is not None:
             client.close()
@@ -462,7 +474,9 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     try:
         codecs = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
-        r = measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat, codecs=codecs)
+        modes = tuple(m.strip() for m in args.codec_streaming.split(",") if m.strip())
+        r = measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat, codecs=codecs,
+                    codec_streaming=modes)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
         print(f"ucm bench vllm: {e}", file=sys.stderr)
         return 1

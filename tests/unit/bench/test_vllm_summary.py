@@ -118,6 +118,62 @@ def test_a_codec_config_has_its_own_socket_and_nvme_directory(tmp_path):
     assert load_config(str(path)).tiers[1].codec == "int8"
 
 
+def test_a_streamed_codec_run_is_keyed_apart_and_lossless_still_must_equal():
+    """`--codec-streaming off,auto`: the same codec measured twice, keyed
+    `int8` and `int8_streamed`, each with its codec and mode; a streamed
+    lossless run that disagrees with vLLM's own hit fails the bench."""
+    res = _results()
+    hit = [11, 22] * 3
+    res["codecs"] = {"int8": {**_codec_run(hit, [[11, 1], [22, 2]]), "codec": "int8", "load_streaming": "off"},
+                     "int8_streamed": {**_codec_run(hit, [[11, 1], [22, 2]], ttft=[0.36] * 6), "codec": "int8",
+                                       "load_streaming": "auto"},
+                     "lossless_streamed": {**_codec_run(hit, [[11, 1], [22, 9]]), "codec": "lossless",
+                                           "load_streaming": "auto"}}
+    c = bv.summarize(res, 2, 3000, 3020, 3021, 3, {})["ucm_nvme_codecs"]
+    assert (c["int8"]["load_streaming"], c["int8_streamed"]["load_streaming"]) == ("off", "auto")
+    assert c["int8_streamed"]["codec"] == "int8" and c["int8_streamed"]["nvme_hit_ttft_s"] == 0.36
+    r = bv.summarize(res, 2, 3000, 3020, 3021, 3, {})
+    assert r["outputs_equal_detail"]["ucm_nvme_hit_lossless_codecs_vs_apc"] is False
+
+
+def test_codec_runs_per_streaming_mode_get_their_own_service(tmp_path, monkeypatch):
+    """run_codecs: one private service and one engine spec per codec and
+    mode, the mode passed to the engine as `codec_streaming`."""
+    import ucm
+    from ucm.apps import vllm_bench_codec as vc
+
+    class FakeClient:
+        connected = True
+
+        def stats(self):
+            return {"tiers": {"nvme": {"adapter": {"codec_ratio": 1.9, "other": 1}, "bytes_used": 5}}}
+
+        def close(self):
+            pass
+
+    opened = []
+    monkeypatch.setattr(ucm, "connect", lambda path: opened.append(path) or FakeClient())
+    cfg = {"block_tokens": 128,
+           "tiers": [{"adapter": "dram", "capacity": "64MiB"},
+                     {"adapter": "nvme", "capacity": "1024MiB", "options": {"path": str(tmp_path / "nvme")}}],
+           "service": {"name": "b", "socket": str(tmp_path / "ucm.sock")}}
+    specs = []
+    out = vc.run_codecs(["int8"], cfg, tmp_path, {"repeat": 1}, lambda spec: specs.append(spec) or {},
+                        lambda *a: None, ("off", "auto"))
+    assert list(out) == ["int8", "int8_streamed"]
+    assert [s["codec_streaming"] for s in specs] == ["off", "auto"]
+    assert len(set(opened)) == 2 and (tmp_path / "nvme-int8_streamed").is_dir()
+    assert out["int8_streamed"]["codec_stats"] == {"codec_ratio": 1.9}
+    assert (out["int8_streamed"]["codec"], out["int8_streamed"]["load_streaming"]) == ("int8", "auto")
+
+
+def test_a_bad_codec_streaming_mode_is_refused_before_any_engine_starts():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"--codec-streaming: got \['on'\]; allowed: "):
+        bv.measure(1, 256, codecs=("int8",), codec_streaming=("on",))
+
+
 def test_an_unknown_codec_is_refused_before_any_engine_starts():
     import pytest
 
