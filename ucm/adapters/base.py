@@ -288,8 +288,9 @@ class LayerReads(StorageAdapter):
                    landed: Callable[[int, int, int], None]) -> list[Status]:
         """As `get`, calling `landed(i, first, last)` once layer ranges
         [first, last) of dsts[i] hold their final bytes (from the calling
-        thread); a block that fails after some of its layers landed is
-        still reported failed."""
+        thread; one call may cover several layers, and the calls for a
+        block cover [0, layers) in order); a block that fails after some of
+        its layers landed is still reported failed."""
 
 
 def check_range_args(keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
