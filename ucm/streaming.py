@@ -13,8 +13,9 @@ read (two layers per read for SmolLM2's block: `SPAN_BYTES`). A tier
 without range reads (redis, mooncake) is read a whole block at a time, as
 a staging reads it: a range from it would cost a whole-blob read each. A
 codec tier (LayerReads) reads and verifies its blocks' frames once, then
-decodes layer by layer across the blocks, landing layer 0 of every block
-before decoding layer 1. Each landed layer advances its block's progress word; a layer that
+decodes range of layers by range across the blocks (4 ranges at most,
+ucm/codecs/tier.py), landing the first range of every block before
+decoding the next. Each landed layer advances its block's progress word; a layer that
 fails (missing, corrupt, I/O error) makes its block FAILED at once (the
 reads of its later layers are skipped) and the staging step fails as a
 whole read would (the slot is aborted, a corrupt copy forgotten). A block
