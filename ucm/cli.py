@@ -23,6 +23,7 @@ BENCHES["sglang"] = "ucm.apps.sglang_bench"
 BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
 BENCHES["codec"] = "ucm.apps.codec_bench"
 BENCHES["sparse"] = "ucm.apps.sparse_bench"
+BENCHES["pages"] = "ucm.apps.page_copy_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
