@@ -94,11 +94,10 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
     tdtype = getattr(torch, dtype)
     ppb = block_tokens // page_tokens
     num_pages = 2 * blocks * ppb  # twice what a round touches: its pages are a random half
-    g = torch.Generator().manual_seed(seed)
-    kv = [torch.empty((2, num_pages, page_tokens, kv_heads, head_size), dtype=tdtype, device=dev)
+    g = torch.Generator().manual_seed(seed)  # the pages each round picks
+    on_dev = torch.Generator(device=dev).manual_seed(seed)
+    kv = [torch.randn((2, num_pages, page_tokens, kv_heads, head_size), generator=on_dev, device=dev).to(tdtype)
           for _ in range(layers)]
-    for t in kv:
-        t.copy_(torch.randn(t.shape, generator=g).to(tdtype), non_blocking=False)
     layouts, storages = [], []
     for i, t in enumerate(kv):
         strides = [s * t.element_size() for s in t.stride()]
