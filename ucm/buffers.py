@@ -13,8 +13,8 @@ def byte_view(obj: Any, writable: bool = False, what: str = "buffer") -> memoryv
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
-            raise ArgumentError(f"{what}: a {obj.device.type} tensor has no host view; "
-                                "use a CPU tensor or the hbm adapter")
+            raise ArgumentError(f"{what}: a {obj.device.type} tensor has no host view; use a CPU tensor "
+                                "(only a cache whose every tier is hbm takes device tensors)")
         if not obj.is_contiguous():
             raise ArgumentError(f"{what}: tensor must be contiguous (shape {tuple(obj.shape)}, "
                                 f"stride {obj.stride()})")
@@ -30,3 +30,17 @@ def byte_view(obj: Any, writable: bool = False, what: str = "buffer") -> memoryv
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
+
+
+def block_buffer(obj: Any, writable: bool, what: str, device_ok: bool) -> Any:
+    """`byte_view(obj)`, except that with `device_ok` a torch tensor on an
+    accelerator stays where it is, as a flat uint8 tensor over the same
+    memory (its len is its size in bytes, as a memoryview's): the buffer a
+    cache of `device_buffers` tiers (ucm.adapters.base) hands them."""
+    torch = sys.modules.get("torch")
+    if device_ok and torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        if not obj.is_contiguous():
+            raise ArgumentError(f"{what}: tensor must be contiguous (shape {tuple(obj.shape)}, "
+                                f"stride {obj.stride()})")
+        return obj.reshape(-1).view(torch.uint8)
+    return byte_view(obj, writable=writable, what=what)

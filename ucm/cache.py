@@ -42,7 +42,7 @@ from ucm.accelerators.chain import Accelerators
 from ucm.adapters.base import Status, StorageAdapter, load_adapter_class
 from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, check_parent,
                      check_request_id, check_timeout, submit)
-from ucm.buffers import byte_view
+from ucm.buffers import block_buffer
 from ucm.cache_counters import CacheCounters
 from ucm.codecs.layout import KvLayout
 from ucm.codecs.tier import LayoutBook, with_codec
@@ -122,6 +122,8 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging, CacheCounters):
             if tier.codec != "none":  # the codec's tier: encoded below, raw above (ucm/codecs/tier.py)
                 self.adapters[i] = with_codec(self.adapters[i], tier.codec, i, self.layouts)
         self.tiers = TierStack(self.adapters, self.tier_names)
+        # Every tier takes device tensors (an hbm-only cache, as the transformers front): store and load pass them.
+        self._device_buffers = all(a.device_buffers for a in self.adapters)
         self.heat = HeatTracker(half_life=cfg.heat.half_life_requests, history_bytes=cfg.heat.history_bytes)
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
@@ -343,7 +345,8 @@ class UnifiedCache(SlotAccess, RangeAccess, Staging, CacheCounters):
         self._check_open()
         if len(keys) != len(bufs):
             raise ArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
-        views = [byte_view(b, writable=writable, what="destination" if writable else "source") for b in bufs]
+        device_ok = self._device_buffers
+        views = [block_buffer(b, writable, "destination" if writable else "source", device_ok) for b in bufs]
         for v in views:
             if len(v) == 0:
                 raise ArgumentError("buffers must not be empty")

@@ -210,6 +210,38 @@ def test_the_hbm_tier_holds_bytes_from_host_buffers_and_device_tensors(device):
     assert a.delete([k2]) == [True] and a.put([b"5" * 16], [big[:40 << 10]]) == [Status.OK]
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_hbm_only_cache_stores_and_loads_device_tensors_in_place(device):
+    """The transformers front: a UnifiedCache of one hbm tier takes the
+    connector's device tensors as they are; a cache with a host tier
+    refuses them (typed error), never reads them as host bytes."""
+    from ucm.cache import UnifiedCache
+    from ucm.errors import ArgumentError
+
+    g = torch.Generator().manual_seed(2)
+    blocks = [torch.randn(2, 3, 16, 8, generator=g).to(device=device, dtype=_dtype(device)) for _ in range(3)]
+    keys = [bytes([70 + i]) * 16 for i in range(3)]
+    cfg = {"block_tokens": 16, "landing_tier": "hbm",
+           "tiers": [{"adapter": "hbm", "capacity": "1MiB", "options": {"device": device}}]}
+    with UnifiedCache(cfg) as cache:
+        assert cache.store(keys, blocks).wait(10) == [Outcome.DONE] * 3
+        for b in blocks:
+            b.zero_()  # the cache holds its own copy once the store is done
+        out = [torch.empty(2, 3, 16, 8, dtype=_dtype(device), device=device) for _ in range(3)]
+        assert cache.load(keys, out).wait(10) == [Outcome.DONE] * 3
+        g = torch.Generator().manual_seed(2)
+        for o in out:
+            assert o.device.type == device
+            assert torch.equal(o.cpu(), torch.randn(2, 3, 16, 8, generator=g).to(_dtype(device)))
+        assert cache.stats()["bytes_loaded"] == 3 * blocks[0].numel() * blocks[0].element_size()
+    if device != "cpu":
+        with UnifiedCache({"block_tokens": 16, "tiers": [{"adapter": "dram", "capacity": "1MiB",
+                                                          "options": {"prefault": False}}]}) as cache:
+            with pytest.raises(ArgumentError, match="only a cache whose every tier is hbm"):
+                cache.store(keys, blocks)
+
+
 # ---- the transformers connector -----------------------------------------------------------------
 def _tiny(device):
     """A 4-layer Llama with random, seeded weights on `device`."""

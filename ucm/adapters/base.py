@@ -77,6 +77,12 @@ class StorageAdapter(abc.ABC):
     # True for a medium other nodes write to as well (a cluster store): the
     # cache asks it directly for blocks it has no record of.
     shared: ClassVar[bool] = False
+    # True when put, get (and get_range) also take contiguous torch tensors on
+    # an accelerator as sources and destinations, and a put's copy is done
+    # when it returns (the `hbm` tier). A cache whose every tier says so
+    # passes such tensors through (ucm.buffers.block_buffer); any other
+    # cache refuses them with an ArgumentError.
+    device_buffers: ClassVar[bool] = False
 
     @abc.abstractmethod
     def put(self, keys: Sequence[Key], blobs: Sequence[Any]) -> list[Status]:

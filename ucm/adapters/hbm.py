@@ -41,6 +41,7 @@ def _torch():
 class HbmAdapter(RangeReads):
     name = "hbm"
     Config = HbmConfig
+    device_buffers = True
 
     def __init__(self, capacity_bytes: int, config: Optional[HbmConfig] = None) -> None:
         self.config = config or HbmConfig()
@@ -90,6 +91,8 @@ class HbmAdapter(RangeReads):
             except BaseException:
                 self._slots.abort(key)
                 raise
+            if src.device.type == "cuda":  # queued on the stream: done before OK, the source may change after
+                _torch().cuda.current_stream(src.device).synchronize()
             self._slots.commit(key)
             out.append(Status.OK)
         return out

@@ -18,6 +18,8 @@ bytes per second), the median of `rounds` after one round of warm-up:
   uses for CUDA tensors) between an anonymous mmap registered as pinned
   memory and the scattered pages: one host-to-device copy per block into
   staging, then a scatter of the pages' chunks (a save: the reverse);
+- `copier_load_1`, `copier_save_1`: the same, one block per call (the
+  service's parts below are 16 MiB: one block of the default geometry);
 - `service_load`, `service_save`: the same copier inside `read_slots` /
   `write_slots` of a client of `ucm serve` (the service started for the
   run, its DRAM tier the arena the worker maps), as vLLM's worker loads a
@@ -139,6 +141,9 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
         plan = [(i * bb, pages) for i, pages in enumerate(sets)]
         add("copier_save", _timed(lambda: copier.copy(True, plan, arena), sync))
         add("copier_load", _timed(lambda: copier.copy(False, plan, arena), sync))
+        # One block per call, as the service's parts of 16 MiB (client_slots.PART_BYTES) call it.
+        add("copier_save_1", _timed(lambda: [copier.copy(True, [b], arena) for b in plan], sync))
+        add("copier_load_1", _timed(lambda: [copier.copy(False, [b], arena) for b in plan], sync))
     registered = bool(cuda and all(a.registered for a in copier._arenas.values()))
     copier.close()
     del host_arena
