@@ -17,6 +17,7 @@ from support import SIZE, chain, start_service, stop_service
 @pytest.fixture
 def service(tmp_path, monkeypatch):
     monkeypatch.setattr(client_slots, "PART_BYTES", 2 * SIZE)  # two blocks a part
+    monkeypatch.setattr(client_slots, "PART_BLOCKS", 1)
     sock = str(tmp_path / "ucm.sock")
     cfg = {"tiers": [{"adapter": "dram", "capacity": "32MiB"}], "policy": {"name": "lru"},
            "service": {"socket": sock}}
@@ -72,6 +73,24 @@ def test_parts_are_pipelined_and_the_bytes_exact(service):
     out = [bytearray(SIZE) for _ in keys]
     assert service.read_slots(keys, [SIZE] * 9, reader(out)) == [Outcome.DONE] * 9
     assert [bytes(o) for o in out] == data
+    assert settled(service) == (0, 0)
+
+
+def test_large_blocks_go_several_to_a_part(service, monkeypatch):
+    """PART_BLOCKS blocks a part where they are more than PART_BYTES: a
+    copier's fixed cost per call is shared (ucm bench pages)."""
+    monkeypatch.setattr(client_slots, "PART_BLOCKS", 3)
+    keys, data = chain(8, 5)
+    seen = []
+    assert service.write_slots(keys, [SIZE] * 8, writer(data, seen, service)) == [Outcome.DONE] * 8
+    assert [f for f, _ in seen] == [0, 3, 6]
+    firsts = []
+    out = [bytearray(SIZE) for _ in keys]
+    read = reader(out)
+    assert service.read_slots(keys, [SIZE] * 8,
+                              lambda first, slots, arena: (firsts.append(first), read(first, slots, arena))) \
+        == [Outcome.DONE] * 8
+    assert firsts == [0, 3, 6] and [bytes(o) for o in out] == data
     assert settled(service) == (0, 0)
 
 

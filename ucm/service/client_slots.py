@@ -1,10 +1,10 @@
 """read_slots / write_slots through the service: the client half, pipelined.
 
-A call is cut into parts of at most `PART_BYTES` (and 1/8 of the arena of
-the link it goes over, so only once that is connected; at least one block
-each). The request for part n + 1 (`reserve` or `acquire`)
-is sent before part n is copied, so the service places, evicts or stages
-it while this process copies (ucm/service/client_link.py: replies are read
+A call is cut into parts of `PART_BYTES`, or of `PART_BLOCKS` blocks where
+that is more (at most 1/8 of the arena of the link it goes over, so only
+once that is connected; at least one block each). The request for part
+n + 1 (`reserve` or `acquire`) is sent before part n is copied, so the
+service places, evicts or stages it while this process copies (ucm/service/client_link.py: replies are read
 in order). At most two parts hold slots at once.
 
 Stores keep the sequential meaning exactly: a part is committed only after
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PART_BYTES = 16 << 20  # enough to hide a request's round trip under the copy of the part before
+# ...and at least this many blocks: a copier's fixed cost per call (a CUDA copier launches kernels per
+# layer, ~1 ms a call on an H200) is then shared by several blocks (`ucm bench pages`, docs/benchmarks.md).
+PART_BLOCKS = 4
 RANGE_PART = 8  # blocks leased at once by read_ranges (it knows no sizes to cut parts by bytes)
 
 
@@ -239,10 +242,12 @@ def _live(c: "CacheClient") -> Optional[Link]:
 
 
 def _parts(c: "CacheClient", link: Link, sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """The call's parts, cut by the arena of the link that carries them (its
-    hello announced the size: a client that never connected knows none
-    before `_live`)."""
-    return c._chunks(sizes, PART_BYTES, link.info["arena_bytes"])
+    """The call's parts: PART_BYTES, or PART_BLOCKS of the largest block if
+    that is more, cut by the arena of the link that carries them (at most
+    1/8 of it; its hello announced the size: a client that never connected
+    knows none before `_live`)."""
+    part = max(PART_BYTES, PART_BLOCKS * max(sizes, default=0))
+    return c._chunks(sizes, part, link.info["arena_bytes"])
 
 
 def _send(c: "CacheClient", link: Link, op: str, args: dict) -> Optional[Pending]:
