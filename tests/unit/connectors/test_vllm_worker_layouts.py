@@ -6,7 +6,8 @@ into other pages reproduces them exactly; SKIP pages are left alone.
 
 Both copy paths run here: the native one (CPU tensors) and TorchPageCopier
 (the path for CUDA tensors) forced onto CPU tensors. The CUDA specifics of
-the latter (pinned arena, streams, events) have not been run on a GPU."""
+the latter (pinned arena, streams, events) are tested where a CUDA device
+is present: tests/e2e/test_device_paths.py."""
 import time
 
 import pytest

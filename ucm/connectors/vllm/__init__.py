@@ -57,9 +57,9 @@ dimension of size num_blocks indexes pages and a page is made of contiguous
 chunks (refused at register_kv_caches otherwise, or when several
 dimensions have that size and the engine's block stride does not tell them
 apart); attention kernels that split a page into smaller kernel blocks are
-refused. Run end to end on the CPU backend only: the CUDA path
-(`torch_pages.TorchPageCopier`: pinning, streams, events) has not been run
-on a GPU; its gather/scatter code is tested on CPU tensors.
+refused. Run end to end on the CPU backend only: the CUDA copy path
+(`torch_pages.TorchPageCopier`: pinning, streams, events) ran on an H200
+outside vLLM (tests/e2e/test_device_paths.py), not yet under vLLM.
 """
 from __future__ import annotations
 
