@@ -24,6 +24,7 @@ BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
 BENCHES["codec"] = "ucm.apps.codec_bench"
 BENCHES["sparse"] = "ucm.apps.sparse_bench"
 BENCHES["pages"] = "ucm.apps.page_copy_bench"
+BENCHES["gpu-ttft"] = "ucm.apps.gpu_ttft_bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
