@@ -23,6 +23,8 @@ from ucm.placement import Op, Plan
 
 log = logging.getLogger(__name__)
 
+READ_PART_SHARE = 8  # a read_slots part stages at most 1/8 of the landing tier, as the client's parts of its arena
+
 
 class SlotAccess:
     """reserve / commit / abort, acquire / release, write_slots / read_slots."""
@@ -274,23 +276,44 @@ class SlotAccess:
             out = self._load(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], request_id)
             slots = [(offsets[i], sizes[i]) if o is Outcome.DONE else None for i, o in enumerate(out)]
             return self._fill_out(slots, out, scratch, fill)
-        leases = self.acquire(keys, request_id=request_id)
-        try:
-            slots, out = [], []
-            for lease, size in zip(leases, sizes):
-                if lease is None:
-                    slots.append(None)
-                    out.append(Outcome.MISSING)
-                elif lease.length != size:
-                    slots.append(None)
-                    out.append(Outcome.CORRUPT)
-                else:
-                    slots.append((lease.offset, lease.length))
-                    out.append(Outcome.DONE)
-            segment = arena.segment_view()
-            return self._fill_out(slots, out, segment, fill)
-        finally:
-            self.release(leases)
+        with self._meta:  # the whole call is one access; its parts are not counted again
+            self._record_locked(keys, None, request_id)
+        out: list[Outcome] = []
+        for i, j in self._read_parts(sizes):
+            leases = self.acquire(keys[i:j], request_id=request_id, counted=False)
+            try:
+                slots, part = [], []
+                for lease, size in zip(leases, sizes[i:j]):
+                    if lease is None:
+                        slots.append(None)
+                        part.append(Outcome.MISSING)
+                    elif lease.length != size:
+                        slots.append(None)
+                        part.append(Outcome.CORRUPT)
+                    else:
+                        slots.append((lease.offset, lease.length))
+                        part.append(Outcome.DONE)
+                out.extend(self._fill_out(slots, part, arena.segment_view(), fill, first=i))
+            finally:
+                self.release(leases)
+        return out
+
+    def _read_parts(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """`read_slots`' parts: index ranges of at most 1/READ_PART_SHARE of
+        the landing tier's capacity (at least one block each), so that a hit
+        longer than the landing tier is staged and copied part by part, as
+        the service's client cuts its calls (ucm/service/client_slots.py),
+        instead of losing every block past what the tier holds at once."""
+        budget = max(1, self.adapters[self.placement.landing].capacity_bytes // READ_PART_SHARE)
+        out, i = [], 0
+        while i < len(sizes):
+            j, size = i, 0
+            while j < len(sizes) and (j == i or size + sizes[j] <= budget):
+                size += sizes[j]
+                j += 1
+            out.append((i, j))
+            i = j
+        return out
 
     def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
                      request_id: Optional[str] = None, words: Optional[memoryview] = None,
@@ -317,10 +340,10 @@ class SlotAccess:
         return streamer.start(keys, sizes, layers, request_id, words, on_done)
 
     @staticmethod
-    def _fill_out(slots: list, out: list[Outcome], arena: Any, fill: SlotFn) -> list[Outcome]:
+    def _fill_out(slots: list, out: list[Outcome], arena: Any, fill: SlotFn, first: int = 0) -> list[Outcome]:
         if any(s is not None for s in slots):
             try:
-                fill(0, slots, arena)
+                fill(first, slots, arena)
             except Exception:
                 log.debug("ucm: a fill out of leased slots raised", exc_info=True)
                 return [Outcome.FAILED if o is Outcome.DONE else o for o in out]

@@ -6,6 +6,22 @@ from __future__ import annotations
 
 import torch
 
+TINY = dict(layers=4, kv_heads=2, head=32)  # tiny_llama's shape
+TINY_ID = "tiny-llama-seed0"  # random weights name no files: the connector's namespace takes this id
+
+
+def tiny_llama(device="cpu", dtype=torch.float32):
+    """A 4-layer Llama with random, seeded weights on `device`: the
+    connector's paths depend on shapes and bytes, not on what weights
+    learnt, and no model file is needed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=TINY["layers"],
+                      num_attention_heads=4, num_key_value_heads=TINY["kv_heads"], head_dim=TINY["head"],
+                      max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
 
 def plain(model, ids, new, mask=None):
     with torch.no_grad():

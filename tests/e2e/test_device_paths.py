@@ -30,7 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_support import cold_then_restored, generate, plain, reference  # noqa: E402
+from hf_support import TINY, TINY_ID, cold_then_restored, generate, plain, reference, tiny_llama  # noqa: E402
 from ucm.api import Outcome  # noqa: E402
 from ucm.connectors.kv_pages import SKIP  # noqa: E402
 
@@ -38,8 +38,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                  reason="no CUDA device"))]
 BT = 16  # tokens per ucm block (transformers tests)
 NEW = 6
-LAYERS, KV_HEADS, HEAD = 4, 2, 32
-MODEL_ID = "tiny-llama-seed0"  # random weights name no files: the namespace takes this id
+LAYERS, KV_HEADS, HEAD = TINY["layers"], TINY["kv_heads"], TINY["head"]
+MODEL_ID = TINY_ID
 
 
 def _dtype(device):
@@ -245,14 +245,7 @@ def test_an_hbm_only_cache_stores_and_loads_device_tensors_in_place(device):
 
 # ---- the transformers connector -----------------------------------------------------------------
 def _tiny(device):
-    """A 4-layer Llama with random, seeded weights on `device`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD,
-                      max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=_dtype(device)).eval()
+    return tiny_llama(device, _dtype(device))
 
 
 def _block_bytes(device):

@@ -125,6 +125,13 @@ class Restorer:
         cap, item = ks[0].shape[2], ks[0].element_size()
         if self._streams:
             return self._stream_into(r, first, last, b, want, kb, vb, cap, item, deferred)
+        return self._slots_into(r, first, last, b, want, kb, vb, cap, item)
+
+    def _slots_into(self, r: "_Row", first: int, last: int, b: int, want: int, kb: list, vb: list, cap: int,
+                    item: int) -> int:
+        """`_read_into` by `read_slots`: every layer of the blocks at once, in
+        the parts the cache or its client cuts the call into."""
+        lay = self.layout
         copied = [False] * (last - first)
 
         def fill(start: int, slots: list, arena: Any) -> None:
@@ -161,6 +168,11 @@ class Restorer:
         kept = False
         try:
             ok = d.copy(0, len(keys))
+            if ok < len(keys) and list(st.slots)[ok] is None:
+                # No slot for block `ok`: a hit longer than the landing tier holds at once (a stream
+                # stages every block before any is released). Read it in parts instead.
+                d.release()
+                return self._slots_into(r, first, last, b, want, kb, vb, cap, item)
             if ok and deferred is not None and lay.num_layers > 1:
                 d.claimed = ok
                 deferred.append(d)
