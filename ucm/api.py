@@ -171,6 +171,21 @@ def check_sizes(keys: Sequence[Key], sizes: Any) -> list[int]:
     return sizes
 
 
+def cut_parts(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Index ranges [i, j) of consecutive blocks whose sizes add up to at
+    most `budget` bytes, at least one block each: the parts a slot read or
+    write is cut into (the service's client, UnifiedCache.read_slots)."""
+    out, i = [], 0
+    while i < len(sizes):
+        j, size = i, 0
+        while j < len(sizes) and (j == i or size + sizes[j] <= budget):
+            size += sizes[j]
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
 def check_ranges(keys: Sequence[Key], offsets: Any, dsts: Any) -> tuple[list[list[int]], list[list[memoryview]]]:
     """`read_ranges`' arguments: per key a list of offsets (ints >= 0) and
     a list of as many writable destinations (their lengths are the ranges'

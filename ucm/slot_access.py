@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 from ucm.accelerators.base import BlocksLoaded, BlocksStored
 from ucm.adapters.base import SharedSlots
-from ucm.api import Key, Outcome, SlotFn, check_keys, check_parent, check_request_id, check_sizes
+from ucm.api import Key, Outcome, SlotFn, check_keys, check_parent, check_request_id, check_sizes, cut_parts
 from ucm.errors import ArgumentError
 from ucm.placement import Op, Plan
 
@@ -304,16 +304,7 @@ class SlotAccess:
         longer than the landing tier is staged and copied part by part, as
         the service's client cuts its calls (ucm/service/client_slots.py),
         instead of losing every block past what the tier holds at once."""
-        budget = max(1, self.adapters[self.placement.landing].capacity_bytes // READ_PART_SHARE)
-        out, i = [], 0
-        while i < len(sizes):
-            j, size = i, 0
-            while j < len(sizes) and (j == i or size + sizes[j] <= budget):
-                size += sizes[j]
-                j += 1
-            out.append((i, j))
-            i = j
-        return out
+        return cut_parts(sizes, max(1, self.adapters[self.placement.landing].capacity_bytes // READ_PART_SHARE))
 
     def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
                      request_id: Optional[str] = None, words: Optional[memoryview] = None,

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ucm import _native
 from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_ranges, check_request_id, check_sizes, check_timeout, submit)
+                     check_ranges, check_request_id, check_sizes, check_timeout, cut_parts, submit)
 from ucm.buffers import byte_view
 from ucm.codecs.layout import KvLayout
 from ucm.config import UcmConfig
@@ -532,15 +532,7 @@ class CacheClient:
         budget = max(1, (arena_bytes or int(self.service_info.get("arena_bytes", 0))) // 8)
         if part_bytes is not None:
             budget = min(budget, part_bytes)
-        out, i = [], 0
-        while i < len(sizes):
-            j, size = i, 0
-            while j < len(sizes) and (j == i or size + sizes[j] <= budget):
-                size += sizes[j]
-                j += 1
-            out.append((i, j))
-            i = j
-        return out
+        return cut_parts(sizes, budget)
 
     def _load(self, keys: list[bytes], views: list[memoryview], request_id: Optional[str]) -> list[Outcome]:
         def fill(first: int, slots: list, arena: Any) -> None:
