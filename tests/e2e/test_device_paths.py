@@ -61,15 +61,9 @@ def _flash_kv(device):
 def _copier(kv):
     """The copier the worker builds (`UCMWorkerSide.register_kv_caches`)
     for these tensors."""
-    from ucm.connectors.kv_pages import find_page_dim, page_layout
-    from ucm.connectors.torch_pages import TorchPageCopier
+    from ucm.connectors.torch_pages import TorchPageCopier, page_views
 
-    layouts, storages = [], []
-    for i, t in enumerate(kv):
-        dim = find_page_dim(f"layer{i}", t.shape, NUM_PAGES)
-        layouts.append(page_layout(f"layer{i}", t.shape, t.stride(), t.element_size(), t.storage_offset(), dim))
-        st = t.untyped_storage()
-        storages.append(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st))
+    layouts, _, storages = page_views([(f"layer{i}", t) for i, t in enumerate(kv)], NUM_PAGES)
     return TorchPageCopier(storages, layouts, PPB)
 
 

@@ -37,10 +37,9 @@ def _prompts():
             torch.cat([doc, torch.randint(3, 512, (1, 7), generator=g)], 1))
 
 
-def _check(cache):
+def _check(model, cache):
     from ucm.connectors.transformers import TransformersConnector
 
-    model = tiny_llama()
     a, b = _prompts()
     conn = TransformersConnector(model, cache, model_id=TINY_ID)
     try:
@@ -58,25 +57,27 @@ def _check(cache):
         conn.close()
 
 
-def _block_bytes():
+def _block_bytes(model):
     from ucm.connectors.transformers import build_namespace
 
-    return build_namespace(tiny_llama(), BT, TINY_ID)[1].block_bytes
+    return build_namespace(model, BT, TINY_ID)[1].block_bytes
 
 
 def test_in_process(nvme_dir):
     from ucm.cache import UnifiedCache
 
-    with UnifiedCache(_config(nvme_dir, _block_bytes())) as cache:
-        _check(cache)
+    model = tiny_llama()
+    with UnifiedCache(_config(nvme_dir, _block_bytes(model))) as cache:
+        _check(model, cache)
 
 
 def test_through_the_service(nvme_dir, tmp_path):
     import ucm
 
-    client = ucm.connect(_config(nvme_dir, _block_bytes(),
+    model = tiny_llama()
+    client = ucm.connect(_config(nvme_dir, _block_bytes(model),
                                  service={"name": f"small-{os.getpid()}", "socket": str(tmp_path / "s.sock")}))
     try:
-        _check(client)
+        _check(model, client)
     finally:
         client.close()

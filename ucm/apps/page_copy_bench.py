@@ -87,8 +87,7 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
 
     import ucm
     from ucm.api import Outcome
-    from ucm.connectors.kv_pages import find_page_dim, page_layout
-    from ucm.connectors.torch_pages import TorchPageCopier
+    from ucm.connectors.torch_pages import TorchPageCopier, page_views
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
@@ -100,13 +99,8 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
     on_dev = torch.Generator(device=dev).manual_seed(seed)
     kv = [torch.randn((2, num_pages, page_tokens, kv_heads, head_size), generator=on_dev, device=dev).to(tdtype)
           for _ in range(layers)]
-    layouts, storages = [], []
-    for i, t in enumerate(kv):
-        strides = [s * t.element_size() for s in t.stride()]
-        dim = find_page_dim(f"layer{i}", t.shape, num_pages, strides, strides[1])  # as vLLM states its stride
-        layouts.append(page_layout(f"layer{i}", t.shape, t.stride(), t.element_size(), t.storage_offset(), dim))
-        st = t.untyped_storage()
-        storages.append(torch.empty(0, dtype=torch.uint8, device=dev).set_(st))
+    strides = {f"layer{i}": t.stride(1) * t.element_size() for i, t in enumerate(kv)}  # as vLLM states them
+    layouts, _, storages = page_views([(f"layer{i}", t) for i, t in enumerate(kv)], num_pages, strides)
     copier = TorchPageCopier(storages, layouts, ppb)
     bb = copier.block_bytes
     nbytes = blocks * bb

@@ -35,11 +35,46 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ucm.connectors.kv_pages import SKIP, PageLayout
+from ucm.connectors.kv_pages import SKIP, PageLayout, find_page_dim, page_layout
+from ucm.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 << 20  # staging per batch of slots (at least one block)
+
+
+def page_views(named: Sequence[tuple[str, torch.Tensor]], num_blocks: int,
+               block_strides: Optional[dict[str, int]] = None
+               ) -> tuple[list[PageLayout], list[int], list[torch.Tensor]]:
+    """Per layer tensor (in layer order): where its pages lie
+    (`kv_pages.page_layout` over the dimension of `num_blocks` pages; the
+    engine's byte stride between blocks, `block_strides[name]`, tells apart
+    dimensions of that size), that dimension, and its whole storage as a
+    flat uint8 tensor (one tensor per storage that several layers share):
+    what a page copier is built over. Refuses (ConfigError) unequal page
+    sizes and pages past their storage."""
+    block_strides = block_strides or {}
+    layouts, dims = [], []
+    for name, t in named:
+        itemsize = t.element_size()
+        dim = find_page_dim(name, t.shape, num_blocks, [s * itemsize for s in t.stride()], block_strides.get(name))
+        layouts.append(page_layout(name, t.shape, t.stride(), itemsize, t.storage_offset(), dim))
+        dims.append(dim)
+    sizes = {lay.page_bytes for lay in layouts}
+    if len(sizes) != 1:
+        raise ConfigError(f"UCMConnector needs equal page sizes in every layer, got {sorted(sizes)} bytes")
+    storages: list[torch.Tensor] = []
+    seen: dict[int, torch.Tensor] = {}
+    for (name, t), lay in zip(named, layouts):
+        st = t.untyped_storage()
+        flat = seen.get(st.data_ptr())
+        if flat is None:
+            flat = seen[st.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+        if lay.storage_extent() > flat.numel():
+            raise ConfigError(f"KV tensor {name}: pages reach byte {lay.storage_extent()} of a "
+                              f"{flat.numel()}-byte storage")
+        storages.append(flat)
+    return layouts, dims, storages
 
 
 class _PinnedArena:

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 
 from ucm.api import CacheAPI, Key, Outcome
-from ucm.connectors.kv_pages import SKIP, PageCopier, PageLayout, find_page_dim, page_layout
+from ucm.connectors.kv_pages import SKIP, PageCopier, PageLayout
+from ucm.connectors.torch_pages import TorchPageCopier, page_views
 from ucm.connectors.vllm.layer_loads import LayerLoads
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.settings import ConnectorSettings
@@ -63,8 +64,6 @@ def default_copier(storages: Sequence[torch.Tensor], layouts: Sequence[PageLayou
         from ucm.connectors.vllm.cpu_pages import NativePageCopier
 
         return NativePageCopier(storages, layouts, pages_per_block)
-    from ucm.connectors.torch_pages import TorchPageCopier
-
     return TorchPageCopier(storages, layouts, pages_per_block)
 
 
@@ -178,27 +177,8 @@ class UCMWorkerSide:
         if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
             raise ConfigError(f"UCMConnector copies KV tensors on one CPU or CUDA device, "
                               f"got {sorted(map(str, devices))}")
-        layouts, page_dims = [], []
-        for name in names:
-            t = kv_caches[name]
-            itemsize = t.element_size()
-            dim = find_page_dim(name, t.shape, num_blocks, [s * itemsize for s in t.stride()],
-                                self._block_strides.get(name))
-            layouts.append(page_layout(name, t.shape, t.stride(), itemsize, t.storage_offset(), dim))
-            page_dims.append(dim)
-        sizes = {lay.page_bytes for lay in layouts}
-        if len(sizes) != 1:
-            raise ConfigError(f"UCMConnector needs equal page sizes in every layer, got {sorted(sizes)} bytes")
-        storages, seen = [], {}
-        for name, lay in zip(names, layouts):
-            st = kv_caches[name].untyped_storage()
-            flat = seen.get(st.data_ptr())
-            if flat is None:
-                flat = seen[st.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-            if lay.storage_extent() > flat.numel():
-                raise ConfigError(f"KV tensor {name}: pages reach byte {lay.storage_extent()} of a "
-                                  f"{flat.numel()}-byte storage")
-            storages.append(flat)
+        layouts, page_dims, storages = page_views([(n, kv_caches[n]) for n in names], num_blocks,
+                                                  self._block_strides)
         self._copier = self._copier_factory(storages, layouts, self.pages_per_block)
         self._layouts = layouts
         self._layer_index = {name: i for i, name in enumerate(names)}
