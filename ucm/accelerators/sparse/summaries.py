@@ -4,9 +4,10 @@ A summary is computed once from a block's bytes through the `KvLayout` its
 connector registered (ucm/codecs/layout.py): for every layer and KV head,
 per page of `page_tokens` consecutive tokens (16 by default, Quest's page)
 the per-channel minimum and maximum of the keys (Quest's bounds) and their
-mean (UCM's ESA/GSA baseline keeps one mean key per block). The whole
-block's min, max and mean are reductions of the pages' (pages hold the same
-number of tokens), computed when asked, not stored.
+mean (UCM's ESA/GSA baseline keeps one mean key per block); the `moment`
+selector reads all three (selectors.py). The whole block's min, max and
+mean are reductions of the pages' (pages hold the same number of tokens),
+computed when asked, not stored.
 
 Everything is float32, whatever the block's dtype (float32, float16 and
 bfloat16 are read; bfloat16 without a numpy extension: its 16 bits are the
