@@ -4,103 +4,24 @@ What a cluster relies on: nodes share blocks through the tier; a killed
 server means misses, not errors nor hangs, and the tier works again when the
 server is back, without restarting anything; bytes that are not exactly what
 was stored under a key (damaged, foreign, truncated) are never returned.
+The fs tier's own guarantees are in test_fs_tier.py.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import signal
-import threading
 import time
 
 import pytest
-from cluster_servers import (MooncakeMaster, NodeProcess, adapter_class, blocks, digest,  # noqa: F401
+from cluster_backends import SIZE, FsBackend, MooncakeBackend, RedisBackend
+from cluster_servers import (MooncakeMaster, NodeProcess, blocks, digest,  # noqa: F401
                              mooncake_master, mooncake_metadata, redis_server, require, require_module)
 
 from ucm.adapters import framing
 from ucm.adapters.base import Status
 
-SIZE = 256 << 10
-CAP = 64 << 20
-
 OK, NOT_FOUND, CORRUPT, FAILED, NO_SPACE = Status.OK, Status.NOT_FOUND, Status.CORRUPT, Status.FAILED, Status.NO_SPACE
-
-
-class Backend:
-    """One shared store and the adapters (nodes) built on it."""
-
-    name = ""
-    server = None  # the killable server, if any
-
-    def __init__(self) -> None:
-        self.made = []
-
-    def options(self, **over):
-        raise NotImplementedError
-
-    def make(self, capacity=CAP, **over):
-        cls = adapter_class(self.name)
-        a = cls(capacity_bytes=capacity, config=cls.Config(**self.options(**over)))
-        self.made.append(a)
-        return a
-
-    def raw_set(self, adapter, key: bytes, value: bytes) -> None:
-        """Writes `value` under the block key, bypassing the adapter."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        for a in self.made:
-            a.close()
-
-
-class RedisBackend(Backend):
-    name = "redis"
-
-    def __init__(self, server) -> None:
-        super().__init__()
-        import redis
-
-        self.server = server
-        self.raw = redis.Redis.from_url(server.url)
-
-    def options(self, **over):
-        return {"url": self.server.url, "retry_after_s": 0.3, "socket_timeout_s": 1.0, **over}
-
-    def raw_set(self, adapter, key, value):
-        self.raw.set(adapter.config.key_prefix.encode() + key.hex().encode(), value)
-
-
-class MooncakeBackend(Backend):
-    name = "mooncake"
-
-    def __init__(self, master, metadata_server: str = "P2PHANDSHAKE") -> None:
-        super().__init__()
-        self.server = master
-        self.metadata_server = metadata_server
-
-    def options(self, **over):
-        return {"master": self.server.address, "metadata_server": self.metadata_server, "segment_size": "64MiB",
-                "local_buffer_size": "16MiB", "probe_interval_s": 0.2, "retry_after_s": 0.3, **over}
-
-    def raw_set(self, adapter, key, value):
-        name = adapter.key_name(key)
-        adapter.client.remove(name, True)
-        assert adapter.client.put(name, value) == 0
-
-
-class FsBackend(Backend):
-    name = "fs"
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def options(self, **over):
-        return {"path": self.path, "io_threads": 4, **over}
-
-    def raw_set(self, adapter, key, value):
-        with open(adapter.path_of(key), "wb") as f:
-            f.write(value)
 
 
 @pytest.fixture(params=["mooncake", "redis", "fs"])
@@ -415,99 +336,6 @@ def test_mooncake_staging_and_registered_memory(mooncake_master):
         backend.close()
 
 
-# ---- fs specifics -------------------------------------------------------------------------
-def test_fs_readers_never_see_half_written_blocks(tmp_path):
-    backend = FsBackend(str(tmp_path / "shared"))
-    try:
-        writer, reader = backend.make(), backend.make()
-        big = 4 << 20
-        keys, data = blocks(17, 12, big)
-        done, first_pass = threading.Event(), threading.Event()
-        seen: list[Status] = []
-
-        def read_loop():
-            # A pass before the first write and one after the last, whatever the
-            # scheduler does, and as many as it allows while the writes go on.
-            out = [bytearray(big) for _ in keys]
-            while True:
-                last = done.is_set()
-                st = reader.get(keys, out)
-                for s, o, d in zip(st, out, data):
-                    seen.append(s)
-                    assert s in (OK, NOT_FOUND), s
-                    if s is OK:
-                        assert bytes(o) == d
-                first_pass.set()
-                if last:
-                    return
-
-        t = threading.Thread(target=read_loop)
-        t.start()
-        assert first_pass.wait(30)
-        for i in range(12):
-            assert writer.put(keys[i:i + 1], data[i:i + 1]) == [OK]
-        done.set()
-        t.join()
-        assert seen[:12] == [NOT_FOUND] * 12 and seen[-12:] == [OK] * 12
-        leftovers = [f for _, _, files in os.walk(backend.path) for f in files if f.endswith(".tmp")]
-        assert leftovers == []
-    finally:
-        backend.close()
-
-
-def test_fs_capacity_is_enforced_without_scanning(tmp_path, monkeypatch):
-    backend = FsBackend(str(tmp_path / "shared"))
-    try:
-        slot = SIZE + framing.chunked_header_bytes(SIZE)  # header, chunk table, payload
-        a = backend.make(capacity=10 * slot)
-        refuse = backend.make(capacity=10 * slot, key_prefix="refusing", on_full="refuse")
-
-        def no_scan(*args, **kw):
-            raise AssertionError("a write scanned the tree")
-
-        monkeypatch.setattr(os, "walk", no_scan)
-        monkeypatch.setattr(os, "scandir", no_scan)
-        monkeypatch.setattr(os, "listdir", no_scan)
-        keys, data = blocks(18, 25, SIZE)
-        for i in range(0, 25, 5):
-            assert a.put(keys[i:i + 5], data[i:i + 5]) == [OK] * 5
-            assert a.used_bytes <= 10 * slot
-        dropped = a.drain_dropped()
-        assert dropped == keys[:15]  # least recently used first
-        assert a.contains(keys) == [False] * 15 + [True] * 10
-        assert refuse.put(keys[:12], data[:12]) == [OK] * 10 + [NO_SPACE] * 2
-        assert refuse.drain_dropped() == []
-    finally:
-        monkeypatch.undo()
-        backend.close()
-
-
-def test_fs_restart_and_other_nodes(tmp_path):
-    backend = FsBackend(str(tmp_path / "shared"))
-    try:
-        a = backend.make()
-        keys, data = blocks(19, 4, SIZE)
-        a.put(keys, data)
-        shard = os.path.dirname(a.path_of(keys[0]))
-        stale = os.path.join(shard, ".deadbeef.otherhost.1.0.tmp")
-        fresh = os.path.join(shard, ".cafe.otherhost.1.1.tmp")
-        for p in (stale, fresh):
-            with open(p, "wb") as f:
-                f.write(b"partial")
-        os.utime(stale, (time.time() - 7200, time.time() - 7200))
-        b = backend.make()  # a restarted (or another) node: one scan at start
-        assert sorted(b.iter_keys()) == sorted(keys)
-        assert b.used_bytes == 4 * (SIZE + framing.chunked_header_bytes(SIZE)) == 4 * b.footprint_bytes(SIZE)
-        assert not os.path.exists(stale) and os.path.exists(fresh)
-        assert b.delete(keys[:1]) == [True]
-        assert a.get(keys[:1], [bytearray(SIZE)]) == [NOT_FOUND]  # deleted by the other node
-        assert a.drain_dropped() == keys[:1]
-        a.rescan()
-        assert sorted(a.iter_keys()) == sorted(keys[1:])
-    finally:
-        backend.close()
-
-
 # ---- the benchmark ---------------------------------------------------------------------
 @pytest.mark.parametrize("tier", ["mooncake", "redis", "fs"])
 def test_bench_reports_tier_and_raw(tier, tmp_path):
@@ -525,24 +353,3 @@ def test_bench_reports_tier_and_raw(tier, tmp_path):
         assert res[k] > 0
     assert res["ok"] is True
     assert res["blocks"] == 16
-
-
-def test_fs_files_of_the_earlier_layout_are_neither_read_nor_removed(tmp_path):
-    backend = FsBackend(str(tmp_path / "shared"))
-    try:
-        a = backend.make()
-        keys, data = blocks(23, 2, SIZE)
-        old = a.path_of(keys[0])[:-len(".v2")]  # `<32 hex>`, one checksum per file
-        os.makedirs(os.path.dirname(old), exist_ok=True)
-        with open(old, "wb") as f:
-            f.write(framing.pack_header(keys[0], data[0]) + data[0])
-        b = backend.make()  # its scan at start does not index it
-        assert list(b.iter_keys()) == [] and b.contains(keys[:1]) == [False]
-        assert b.get(keys[:1], [bytearray(SIZE)]) == [NOT_FOUND]
-        assert b.get_range(keys[:1], [0], [bytearray(10)]) == [NOT_FOUND]
-        assert b.put(keys, data) == [OK, OK]  # the new layout beside it
-        out = [bytearray(SIZE), bytearray(SIZE)]
-        assert b.get(keys, out) == [OK, OK] and [bytes(o) for o in out] == data
-        assert os.path.exists(old)
-    finally:
-        backend.close()
