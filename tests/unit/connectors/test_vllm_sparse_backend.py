@@ -146,6 +146,47 @@ def test_sinklocal_row_attends_exactly_sink_and_local(monkeypatch):
     assert not torch.allclose(got[t], ref[t], atol=1e-3)  # the row really attended fewer tokens
 
 
+@pytest.mark.parametrize("selector", ["quest", "mean", "moment"])
+def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeypatch, selector):
+    """The long decode row attends exactly the pages the selector picks from
+    summaries computed straight from the row's logical keys (so the page
+    summaries kept over vLLM's blocks hold what the selector reads: min,
+    max and, for `mean` and `moment`, the mean)."""
+    from ucm.accelerators.sparse.base import LayerStep
+    from ucm.accelerators.sparse.selectors import make_selector
+    from ucm.accelerators.sparse.summaries import units_from_keys
+    from ucm.connectors.vllm import sparse_backend as sb
+    from ucm.connectors.vllm.sparse_pages import range_positions, vec_kv_views
+
+    monkeypatch.setenv(ENV_SPARSE, f"{{selector: {selector}, budget: {{tokens: 128}}, sink_tokens: 64, "
+                                   f"local_tokens: 128, min_context_tokens: 256}}")
+    kv, table, query, layer, metadata, starts = _batch(seed=2)
+    # keys that make the pick depend on each summary: a per-page offset along
+    # some channels (the mean) and a per-page spread (min / max)
+    g = torch.Generator().manual_seed(3)
+    kv2 = kv.clone()
+    kk, _ = vec_kv_views(kv2)
+    for page in range(700 // 16):
+        idx = torch.arange(page * 16, page * 16 + 16)
+        b = table[1][idx // BT].long()
+        shift = torch.randn(H, D, generator=g) * 0.8
+        widen = 0.5 + 2 * torch.rand(H, 1, D, generator=g)
+        kk[b, :, idx % BT] = (kk[b, :, idx % BT] * widen.transpose(0, 1) + shift).contiguous()
+    k, v = _logical(kv2, table, 1, 700)
+    t = starts[1]
+    sb.reset_counters()
+    got = _forward(_impl(sb.UcmSparseCpuImpl, monkeypatch), kv2, query, layer, metadata())
+    step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16),
+                     scale=1 / math.sqrt(D))
+    sel = make_selector(selector).select(step, sb.sparse_from_env().selection())
+    pos = range_positions(sel.ranges)
+    assert sel.extra_tokens == 128 and len(sel.units) == 8
+    assert sb.counters()["attended_tokens"] == pos.numel() < 700
+    for h in range(QH):
+        w = torch.softmax(k[pos, h // (QH // H)].double() @ query[t, h].double() / math.sqrt(D), dim=0)
+        torch.testing.assert_close(got[t, h].double(), w @ v[pos, h // (QH // H)].double(), rtol=1e-5, atol=1e-5)
+
+
 def test_the_impl_refuses_to_run_with_sparse_off(monkeypatch):
     from ucm.connectors.vllm import sparse_backend as sb
 

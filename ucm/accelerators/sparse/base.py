@@ -180,6 +180,7 @@ class Selector(abc.ABC):
 
     name: str = ""
     needs_keys: bool = False  # scores from the real keys (the oracle), not summaries
+    needs_mean: bool = False  # reads `UnitSummaries.mean` (callers may skip keeping it otherwise)
 
     @abc.abstractmethod
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

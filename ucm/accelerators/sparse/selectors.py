@@ -111,6 +111,7 @@ class QuestSelector(Selector):
 
 class MeanSelector(Selector):
     name = "mean"
+    needs_mean = True
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = _summaries(step, self.name)
@@ -120,6 +121,7 @@ class MeanSelector(Selector):
 
 class MomentSelector(Selector):
     name = "moment"
+    needs_mean = True
 
     def __init__(self, spread: float = 1.5) -> None:
         if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread <= 100:

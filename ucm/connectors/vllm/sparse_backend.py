@@ -139,7 +139,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         if s is None or (s.num_blocks, s.kv_heads, s.block_tokens) != (nb, heads, bt):
             self.sparse_config.check_block_size(bt)
             s = self.summaries = PageSummaries(nb, heads, bt, self.head_size, self.sparse_config.page_tokens,
-                                               keep_mean=self.sparse_config.selector == "mean")
+                                               keep_mean=self.selector.needs_mean)
         return s
 
     # ---- forward ---------------------------------------------------------------------
