@@ -16,8 +16,9 @@ tokens inside a block (16 by default, Quest's page: 8 pages in a 128-token
 CPU block).
 
 `PageSummaries` keeps, per physical block and page, the per-channel min,
-max (and mean, for the `mean` selector) of the page's keys, float32, with a
-stale flag per page. Every write vLLM makes through the layer
+max (and mean, for the selectors that read it: `mean`, `moment`) of the
+page's keys, float32, with a stale flag per page. Every write vLLM makes
+through the layer
 (`mark_written(slot_mapping)`) marks its page stale, and so does the
 caller for pages written behind the layer's back (a prefill's context: a
 prefix-cache hit or a KV connector's load); a stale page is summarised
