@@ -18,9 +18,8 @@ CPU block).
 `PageSummaries` keeps, per physical block and page, the per-channel min,
 max (and mean, for the selectors that read it: `mean`, `moment`) of the
 page's keys, float32, with a stale flag per page. Every write vLLM makes
-through the layer
-(`mark_written(slot_mapping)`) marks its page stale, and so does the
-caller for pages written behind the layer's back (a prefill's context: a
+through the layer (`mark_written(slot_mapping)`) marks its page stale,
+and so does the caller for pages written behind the layer's back (a prefill's context: a
 prefix-cache hit or a KV connector's load); a stale page is summarised
 again from the KV cache the next time a decode row reads its summary, so
 a page is read once per change, not once per step. Cost: 2 (3 with the
