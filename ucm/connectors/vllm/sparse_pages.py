@@ -18,13 +18,13 @@ CPU block).
 `PageSummaries` keeps, per physical block and page, the per-channel min,
 max (and mean, for the selectors that read it: `mean`, `moment`) of the
 page's keys, float32, with a stale flag per page. Every write vLLM makes
-through the layer (`mark_written(slot_mapping)`) marks its page stale,
-and so does the caller for pages written behind the layer's back (a prefill's context: a
-prefix-cache hit or a KV connector's load); a stale page is summarised
-again from the KV cache the next time a decode row reads its summary, so
-a page is read once per change, not once per step. Cost: 2 (3 with the
-mean) x 4 bytes x kv_heads x head_dim per page, 6.25 % (9.4 %) of a float32
-KV cache at 16-token pages.
+through the layer (`mark_written(slot_mapping)`) marks its page stale, and
+so does the caller for pages written behind the layer's back (a prefill's
+context: a prefix-cache hit or a KV connector's load); a stale page is
+summarised again from the KV cache the next time a decode row reads its
+summary, so a page is read once per change, not once per step. Cost: 2 (3
+with the mean) x 4 bytes x kv_heads x head_dim per page, 6.25 % (9.4 %) of
+a float32 KV cache at 16-token pages.
 
 Runs in the worker's model thread; no lock (each layer owns its
 summaries).
