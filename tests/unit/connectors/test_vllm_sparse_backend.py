@@ -26,25 +26,25 @@ NUM_BLOCKS = 24
 ROWS = ((40, 300), (1, 700), (1, 100))  # (query tokens, seq_len): a prefill chunk, a long decode, a short decode
 
 
-def _batch(seed=0):
+def _batch(seed=0, rows=ROWS):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
 
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(NUM_BLOCKS, H, BT, 2 * D, generator=g)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    table = torch.zeros(len(ROWS), 8, dtype=torch.int32)
+    table = torch.zeros(len(rows), 8, dtype=torch.int32)
     at = 0
-    for r, (_, n) in enumerate(ROWS):
+    for r, (_, n) in enumerate(rows):
         nb = math.ceil(n / BT)
         table[r, :nb] = torch.tensor(perm[at:at + nb])
         at += nb
-    q_lens = [q for q, _ in ROWS]
+    q_lens = [q for q, _ in rows]
     starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    seq_lens = torch.tensor([n for _, n in ROWS], dtype=torch.int32)
+    seq_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
     isa = _get_attn_isa(torch.float32, BT, D)
     sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(ROWS), num_heads=QH, num_kv_heads=H, head_dim=D, seq_lens=seq_lens, dtype=torch.float32,
+        num_reqs=len(rows), num_heads=QH, num_kv_heads=H, head_dim=D, seq_lens=seq_lens, dtype=torch.float32,
         query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True,
         dynamic_causal=None, kv_cache_dtype="auto")
 
@@ -185,6 +185,53 @@ def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeyp
     for h in range(QH):
         w = torch.softmax(k[pos, h // (QH // H)].double() @ query[t, h].double() / math.sqrt(D), dim=0)
         torch.testing.assert_close(got[t, h].double(), w @ v[pos, h // (QH // H)].double(), rtol=1e-5, atol=1e-5)
+
+
+def test_reselect_every_holds_the_selection_and_adds_the_decoded_tokens(monkeypatch):
+    """reselect_every 3: the long row selects at 700 tokens; at 701 and 702
+    it attends that selection plus the tokens decoded since, with its new
+    query (not what the new query would pick); at 703 it selects again."""
+    from ucm.accelerators.sparse.base import LayerStep
+    from ucm.accelerators.sparse.selectors import make_selector
+    from ucm.accelerators.sparse.summaries import units_from_keys
+    from ucm.connectors.vllm import sparse_backend as sb
+    from ucm.connectors.vllm.sparse_pages import range_positions
+
+    monkeypatch.setenv(ENV_SPARSE, "{selector: quest, budget: {tokens: 128}, sink_tokens: 64, local_tokens: 128, "
+                                   "min_context_tokens: 256, reselect_every: 3}")
+    kv, table, query, layer, metadata, starts = _batch(seed=4)
+    impl = _impl(sb.UcmSparseCpuImpl, monkeypatch)
+    sb.reset_counters()
+    g = torch.Generator().manual_seed(5)
+    t = starts[1]
+    slot = int(table[1][700 // BT]) * BT + 700 % BT  # token 700 lands here, 701 and 702 after it
+
+    def pick(q, n):
+        k, _ = _logical(kv, table, 1, n)
+        step = LayerStep(q.numpy(), n, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16),
+                         scale=1 / math.sqrt(D))
+        return range_positions(make_selector("quest").select(step, sb.sparse_from_env().selection()).ranges)
+
+    first = pick(query[t], 700)
+    _forward(impl, kv, query, layer, metadata())
+    held_steps = []
+    for n in (701, 702, 703):
+        new_kv = torch.randn(2, 1, H, D, generator=g)
+        impl.do_kv_cache_update(layer, new_kv[0], new_kv[1], kv, torch.tensor([slot + n - 701]))
+        _, _, q2, _, md, _ = _batch(seed=4, rows=((40, 300), (1, n), (1, 100)))
+        q2 = torch.randn(q2.shape, generator=g)
+        got = _forward(impl, kv, q2, layer, md())
+        pos = torch.cat([first, torch.arange(700, n)]) if n < 703 else pick(q2[t], n)
+        if n < 703:
+            held_steps.append(not torch.equal(pick(q2[t], n), pos))
+        k, v = _logical(kv, table, 1, n)
+        for h in range(QH):
+            w = torch.softmax(k[pos, h // (QH // H)].double() @ q2[t, h].double() / math.sqrt(D), dim=0)
+            torch.testing.assert_close(got[t, h].double(), w @ v[pos, h // (QH // H)].double(), rtol=1e-5,
+                                       atol=1e-5)
+    c = sb.counters()
+    assert (c["selections"], c["selections_reused"], c["fallbacks"]) == (2, 2, 0)
+    assert any(held_steps)  # a fresh pick would have differed: the test sees the held selection
 
 
 def test_the_impl_refuses_to_run_with_sparse_off(monkeypatch):

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig  # noqa: E402
 from ucm.accelerators.sparse.selectors import make_selector  # noqa: E402
-from ucm.connectors.vllm.sparse_pages import (PageSummaries, attend, context_keys, gather_tokens,  # noqa: E402
-                                              range_positions)
+from ucm.connectors.vllm.sparse_pages import (HeldSelections, PageSummaries, attend, context_keys,  # noqa: E402
+                                              gather_tokens, range_positions)
 from ucm.errors import ArgumentError  # noqa: E402
 
 BT, PT, H, D, QH = 128, 16, 3, 64, 9  # block tokens, page tokens, KV heads, head size, query heads
@@ -120,3 +120,55 @@ def test_quest_over_paged_summaries_picks_the_page_that_holds_the_match():
 def test_bad_page_size_is_refused():
     with pytest.raises(ArgumentError, match="page_tokens 24 must divide block_tokens 128"):
         PageSummaries(4, H, BT, D, 24)
+
+
+def _held_at(every, n0=700, seed=0):
+    """A HeldSelections holding one selection made at `n0` tokens (forward 1)."""
+    kv, kc, vc, row, k, v = _paged(n0 + 8, seed=seed)
+    s = PageSummaries(12, H, BT, D, PT)
+    s.units(kc, row, n0)
+    held = HeldSelections(every, BT, PT)
+    held.tick()
+    picked = torch.cat([torch.arange(0, 64), torch.arange(320, 336), torch.arange(n0 - 128, n0)])
+    held.keep(s, row, n0, picked)
+    return held, s, row, picked
+
+
+def test_a_held_selection_is_reused_for_every_steps_with_the_new_tokens():
+    held, s, row, picked = _held_at(3)
+    assert len(held) == 1
+    held.tick()  # forward 2: one token decoded
+    assert torch.equal(held.find(s, row, 701), torch.cat([picked, torch.tensor([700])]))
+    s.mark_written(row[700 // BT] * BT + torch.tensor([701 % BT]))  # the next token's write: a page past n0
+    held.tick()  # forward 3
+    assert torch.equal(held.find(s, row, 702), torch.cat([picked, torch.tensor([700, 701])]))
+    held.tick()  # forward 4: made 3 forwards ago, expired
+    assert held.find(s, row, 703) is None and len(held) == 0
+
+
+def test_a_held_selection_is_dropped_when_its_pages_or_blocks_change():
+    held, s, row, _ = _held_at(4)
+    held.tick()
+    s.mark_written(row[2] * BT + torch.tensor([5]))  # token 261 of the context rewritten
+    assert held.find(s, row, 701) is None
+    held, s, row, _ = _held_at(4)
+    held.tick()
+    s.mark_written(row[696 // BT] * BT + torch.tensor([696 % BT]))  # the partial last page: not held, re-read
+    assert held.find(s, row, 701) is not None
+    s.mark_blocks(row[:1])  # a prefill over the row's first block (a prefix hit of another row)
+    assert held.find(s, row, 701) is None
+    held, s, row, _ = _held_at(4)
+    held.tick()
+    other = row.clone()
+    other[1] = 11 if int(row[1]) != 11 else 10  # the same last block, another block in between
+    assert held.find(s, other, 701) is None
+    assert held.find(s, row, 701) is not None
+
+
+def test_every_one_holds_nothing_and_a_bad_every_is_refused():
+    held, s, row, _ = _held_at(1)
+    assert len(held) == 0
+    held.tick()
+    assert held.find(s, row, 701) is None
+    with pytest.raises(ArgumentError, match="every must be an int >= 1"):
+        HeldSelections(0, BT, PT)

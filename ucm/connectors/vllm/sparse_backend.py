@@ -14,7 +14,10 @@ forward:
   with the row's query by ucm's selector (`quest` by default), sink, local
   window and tail are kept, pages are picked within the budget, and the
   row attends in torch, float32, over exactly the selected tokens gathered
-  from the paged KV (sparse_pages.gather_tokens / attend);
+  from the paged KV (sparse_pages.gather_tokens / attend); with
+  `reselect_every` s > 1 a row's selection is held for s steps and the
+  tokens decoded meanwhile are added to it (sparse_pages.HeldSelections,
+  reused only while the held pages are unchanged);
 - every other row (prefill, short contexts) goes to the stock kernel
   (`ops.cpu_attention_with_kv_cache`), the whole batch at once when no row
   is sparse (the stock forward, unchanged), or the stock rows alone with
@@ -57,8 +60,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ucm.accelerators.sparse.base import LayerStep
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.connectors.vllm.sparse_config import ENV_SPARSE, VllmSparseConfig, sparse_from_env
-from ucm.connectors.vllm.sparse_pages import (PageSummaries, attend, context_keys, gather_tokens, range_positions,
-                                              vec_kv_views)
+from ucm.connectors.vllm.sparse_pages import (HeldSelections, PageSummaries, attend, context_keys, gather_tokens,
+                                              range_positions, vec_kv_views)
 from ucm.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ _COUNTERS: dict[str, int] = {
     "context_tokens": 0,  # their contexts' tokens, summed
     "pages_summarized": 0,
     "fallbacks": 0,  # sparse layer steps that failed and ran the stock kernel
+    "selections": 0,  # sparse (layer, row) pairs that scored and picked
+    "selections_reused": 0,  # ... that attended a held selection (`reselect_every`)
 }
 
 
@@ -118,6 +123,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         self.selector = make_selector(cfg.selector)
         self._selection = cfg.selection()
         self.summaries: Optional[PageSummaries] = None
+        self.held: Optional[HeldSelections] = None
         self.covered = (self.attn_type == AttentionType.DECODER and self.alibi_slopes is None
                         and not self.logits_soft_cap and self.sinks is None and self.sliding_window == -1
                         and not self.is_fp8_kv_cache)
@@ -140,6 +146,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
             self.sparse_config.check_block_size(bt)
             s = self.summaries = PageSummaries(nb, heads, bt, self.head_size, self.sparse_config.page_tokens,
                                                keep_mean=self.selector.needs_mean)
+            self.held = HeldSelections(self.sparse_config.reselect_every, bt, self.sparse_config.page_tokens)
         return s
 
     # ---- forward ---------------------------------------------------------------------
@@ -152,6 +159,8 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
                  or output_block_scale is not None or not attn_metadata.causal
                  or attn_metadata.dynamic_causal is not None or attn_metadata.encoder_cache is not None)
         summaries = None if stock else self._summaries(kv_cache)
+        if self.held is not None:
+            self.held.tick()
         if stock or summaries is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
@@ -167,8 +176,8 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         try:
             if plan.stock:
                 self._stock_rows(layer, query, key_cache, value_cache, attn_metadata, output, plan)
-            picked = [self._sparse_row(summaries, query, key_cache, value_cache, bt[r], plan, r, output)
-                      for r in plan.sparse]
+            rows = [self._sparse_row(summaries, query, key_cache, value_cache, bt[r], plan, r, output)
+                    for r in plan.sparse]
         except Exception:
             log.warning("ucm sparse decode: a layer step failed; the stock kernel attends it", exc_info=True)
             _COUNTERS["fallbacks"] += 1
@@ -176,7 +185,10 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         _COUNTERS["pages_summarized"] += summaries.pages_summarized - before
         _COUNTERS["sparse_layer_rows"] += len(plan.sparse)
         _COUNTERS["stock_layer_rows"] += len(plan.stock)
-        _COUNTERS["attended_tokens"] += sum(picked)
+        _COUNTERS["attended_tokens"] += sum(tokens for tokens, _ in rows)
+        held = sum(1 for _, was_held in rows if was_held)
+        _COUNTERS["selections_reused"] += held
+        _COUNTERS["selections"] += len(rows) - held
         _COUNTERS["context_tokens"] += sum(plan.seq_lens[r] for r in plan.sparse)
         return output
 
@@ -194,20 +206,27 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         return plan
 
     def _sparse_row(self, summaries: PageSummaries, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_row: torch.Tensor, plan: _Plan, r: int, output: torch.Tensor) -> int:
-        """Attends row r's one query token over its selection; the tokens attended."""
+                    block_row: torch.Tensor, plan: _Plan, r: int, output: torch.Tensor) -> tuple[int, bool]:
+        """Attends row r's one query token over its selection (a held one,
+        or picked now); the tokens attended and whether the selection was held."""
         n, t = plan.seq_lens[r], plan.starts[r]
         q = query[t]  # [q_heads, head_dim], after RoPE
-        units = summaries.units(key_cache, block_row, n)
-        keys = context_keys(key_cache, block_row, n) if self.selector.needs_keys else None
-        step = LayerStep(q.detach().float().numpy(), n, self.sparse_config.page_tokens, key_cache.shape[1],
-                         summaries=units, keys=keys, scale=self.scale)
-        sel = self.selector.select(step, self._selection)
-        pos = range_positions(sel.ranges)
+        held = self.held
+        pos = held.find(summaries, block_row, n) if held is not None else None
+        reused = pos is not None
+        if pos is None:
+            units = summaries.units(key_cache, block_row, n)
+            keys = context_keys(key_cache, block_row, n) if self.selector.needs_keys else None
+            step = LayerStep(q.detach().float().numpy(), n, self.sparse_config.page_tokens, key_cache.shape[1],
+                             summaries=units, keys=keys, scale=self.scale)
+            sel = self.selector.select(step, self._selection)
+            pos = range_positions(sel.ranges)
+            if held is not None:
+                held.keep(summaries, block_row, n, pos)
         k = gather_tokens(key_cache, block_row, pos)
         v = gather_tokens(value_cache, block_row, pos)
         output[t] = attend(q, k, v, self.scale).to(output.dtype)
-        return int(pos.numel())
+        return int(pos.numel()), reused
 
     def _stock_rows(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     md: CPUAttentionMetadata, output: torch.Tensor, plan: _Plan) -> None:

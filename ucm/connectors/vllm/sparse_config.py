@@ -19,7 +19,10 @@ defaults; unset, empty, `off` or `false` is off.
 - `page_tokens` (16): the unit scored and picked, a divisor of vLLM's
   block size (128 on CPU);
 - `min_context_tokens` (1024): decode rows with a shorter context go to
-  the stock kernel.
+  the stock kernel;
+- `reselect_every` (1): a row's selection is held for this many steps
+  (the tokens decoded meanwhile are attended too) before the selector
+  scores again, as in the transformers path.
 
 Bad values raise `ConfigError` naming `UCM_VLLM_SPARSE.<key>` and what is
 allowed. Pure data: no vLLM or torch import here.
@@ -52,6 +55,7 @@ class VllmSparseConfig(BaseModel):
     local_tokens: int = Field(default=256, ge=0)
     page_tokens: int = Field(default=16, gt=0)
     min_context_tokens: int = Field(default=1024, ge=0)
+    reselect_every: int = Field(default=1, ge=1)
 
     @field_validator("selector")
     @classmethod

@@ -31,6 +31,7 @@ summaries).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -55,6 +56,7 @@ class PageSummaries:
         self.max = torch.zeros(shape, dtype=torch.float32)
         self.mean: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_mean else None
         self.stale = torch.ones((num_blocks, self.pages_per_block), dtype=torch.bool)
+        self.writes = torch.zeros((num_blocks, self.pages_per_block), dtype=torch.int64)  # marks per page, ever
         self.pages_summarized = 0
 
     def mark_written(self, slot_mapping: torch.Tensor) -> None:
@@ -63,12 +65,16 @@ class PageSummaries:
         s = slot_mapping.reshape(-1).to(torch.int64)
         s = s[s >= 0]
         if s.numel():
-            self.stale[s // self.block_tokens, (s % self.block_tokens) // self.page_tokens] = True
+            b, j = s // self.block_tokens, (s % self.block_tokens) // self.page_tokens
+            self.stale[b, j] = True
+            self.writes.index_put_((b, j), torch.ones_like(b), accumulate=True)
 
     def mark_blocks(self, blocks: torch.Tensor) -> None:
         """Every page of `blocks` is stale (written where the layer did not see it)."""
         if blocks.numel():
-            self.stale[blocks.to(torch.int64)] = True
+            b = blocks.to(torch.int64)
+            self.stale[b] = True
+            self.writes.index_add_(0, b, torch.ones((b.numel(), self.pages_per_block), dtype=torch.int64))
 
     def units(self, key_cache: torch.Tensor, block_row: torch.Tensor, n_tokens: int) -> UnitSummaries:
         """The summaries of the sequence's full pages (`n_tokens //
@@ -92,9 +98,89 @@ class PageSummaries:
         self.stale[blocks, pages] = False
         self.pages_summarized += int(blocks.numel())
 
+    def page_writes(self, block_row: torch.Tensor, n_pages: int) -> torch.Tensor:
+        """The write marks of a sequence's first `n_pages` pages, in token order."""
+        b, j = self._pages(block_row, n_pages)
+        return self.writes[b, j]
+
     def _pages(self, block_row: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = torch.arange(n_pages, dtype=torch.int64)
         return block_row[p // self.pages_per_block].to(torch.int64), p % self.pages_per_block
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Held:
+    forward: int  # the layer forward that selected
+    n_tokens: int  # the row's context then
+    blocks: torch.Tensor  # the row's block ids over those tokens
+    writes: torch.Tensor  # the write marks of their full pages then
+    positions: torch.Tensor  # the tokens picked (sink, local, tail, pages), all < n_tokens
+
+
+class HeldSelections:
+    """One layer's selections, each reused for `every` forwards of the
+    layer (vLLM runs every layer once per engine step), as the transformers
+    path's `reselect_every` does: a decode row whose context grew from
+    `n0` to `n` tokens within them attends the tokens picked at `n0` plus
+    every token from `n0` on (the tokens decoded meanwhile; the local
+    window at `n` lies inside them), with no scoring.
+
+    A selection is found by the block holding the row's last token when it
+    was made (`(block id, n0)`; vLLM never shares a block still being
+    written) and reused only when exact: the row's blocks over `[0, n0)`
+    are the same ids and none of their full pages was written since
+    (`PageSummaries.page_writes`), so the held tokens hold the same keys
+    and values as when they were picked. Otherwise the row selects again.
+    `every = 1`: nothing is held (select at every step). Selections older
+    than `every` forwards are dropped at each `tick`."""
+
+    def __init__(self, every: int, block_tokens: int, page_tokens: int) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ArgumentError(f"HeldSelections: every must be an int >= 1, got {every!r}")
+        self.every, self.block_tokens, self.page_tokens = every, block_tokens, page_tokens
+        self.forward = 0
+        self._held: dict[tuple[int, int], _Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def tick(self) -> None:
+        """One forward of the layer: selections made `every` forwards ago expire."""
+        self.forward += 1
+        if self._held:
+            old = [k for k, h in self._held.items() if self.forward - h.forward >= self.every]
+            for k in old:
+                del self._held[k]
+
+    def find(self, summaries: PageSummaries, block_row: torch.Tensor, n_tokens: int) -> Optional[torch.Tensor]:
+        """The positions a row of `n_tokens` attends under a held
+        selection, or None (select again)."""
+        if self.every == 1:
+            return None
+        for back in range(1, self.every):
+            n0 = n_tokens - back
+            if n0 < 1:
+                return None
+            h = self._held.get((int(block_row[(n0 - 1) // self.block_tokens]), n0))
+            if h is None:
+                continue
+            nb = h.blocks.numel()
+            if (self.forward - h.forward >= self.every or block_row.numel() < nb
+                    or not torch.equal(block_row[:nb].to(torch.int64), h.blocks)
+                    or not torch.equal(summaries.page_writes(block_row, n0 // self.page_tokens), h.writes)):
+                return None
+            return torch.cat([h.positions, torch.arange(n0, n_tokens, dtype=torch.int64)])
+        return None
+
+    def keep(self, summaries: PageSummaries, block_row: torch.Tensor, n_tokens: int,
+             positions: torch.Tensor) -> None:
+        """Holds the selection a row of `n_tokens` just made (`positions`)."""
+        if self.every == 1 or n_tokens < 1:
+            return
+        nb = -(-n_tokens // self.block_tokens)
+        self._held[(int(block_row[(n_tokens - 1) // self.block_tokens]), n_tokens)] = _Held(
+            self.forward, n_tokens, block_row[:nb].to(torch.int64).clone(),
+            summaries.page_writes(block_row, n_tokens // self.page_tokens).clone(), positions)
 
 
 def vec_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

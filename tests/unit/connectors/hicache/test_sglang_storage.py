@@ -2,8 +2,6 @@
 (pin_memory=False) in each of the three layouts, built by SGLang's real
 StorageBackendFactory as a dynamic backend with interface_v1, over an
 in-process ucm service (ucm.connect's private one), no engine, no shim."""
-import json
-import os
 
 import pytest
 
