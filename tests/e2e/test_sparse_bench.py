@@ -140,6 +140,7 @@ def test_with_the_blocks_on_nvme_the_pages_are_read_from_nvme_by_ranges():
 def test_two_prompts_and_filler_passkeys():
     """`--steps 0`: no offline replay. `--samples 2`: two consecutive windows of the document, each against
     its own dense reference (the row's greedy agreement is their mean);
+    `--reselect-every 1,3`: a row each, the second selecting one step in 3;
     `--passkey-haystack filler`: the tasks hide the key in the original
     task's filler sentences, `length` tokens in all, the key in the prompt."""
     import contextlib
@@ -165,7 +166,7 @@ def test_two_prompts_and_filler_passkeys():
             "--top-p", "", "--selectors", "quest", "--sink", str(SINK), "--local", str(LOCAL), "--page-tokens", "16",
             "--block-tokens", str(BT), "--layers", str(LAYERS), "--new-tokens", str(NEW), "--samples", "2",
             "--passkey-lengths", "200", "--passkey-samples", "1", "--passkey-haystack", "filler",
-            "--no-full-check"]
+            "--no-full-check", "--reselect-every", "1,3"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
@@ -173,7 +174,11 @@ def test_two_prompts_and_filler_passkeys():
     assert "offline" not in result  # --steps 0: the closed loop only
     cl = result["closed_loop"]
     assert cl["samples"] == 2 and len(cl["dense_tokens"]) == 2 and cl["dense_tokens"][0] != cl["dense_tokens"][1]
-    (r,) = cl["rows"]
+    r, held = cl["rows"]
+    assert cl["reselect_every"] == [1, 3] and (r["reselect_every"], held["reselect_every"]) == (1, 3)
     assert len(r["greedy_per_prompt"]) == 2
     assert r["greedy_agreement"] == pytest.approx(sum(r["greedy_per_prompt"]) / 2, abs=1e-4)
     assert r["decode_steps"] == 2 * NEW and r["pages_read"] + r["pages_reused"] == 2 * LAYERS * NEW * 2
+    # --reselect-every 3: each layer selects at decode steps 1 and 4 of 6, two pages each time
+    assert held["decode_steps"] == 2 * NEW and held["pages_read"] + held["pages_reused"] == 2 * LAYERS * 2 * 2
+    assert held["sparse_layer_steps"] == 2 * LAYERS * NEW and held["dense_fallbacks"] == 0

@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=1,
                    help="closed loop: prompts, consecutive windows of --context tokens of the document (default 1)")
     p.add_argument("--passkey-samples", type=int, default=5, help="closed loop: tasks per length (default 5)")
+    p.add_argument("--reselect-every", default="1",
+                   help="closed loop: steps a layer's selection is held before it selects again (comma-separated "
+                        "to compare, e.g. 1,4; default 1)")
     p.add_argument("--no-full-check", action="store_true",
                    help="closed loop: skip the run at a budget covering the whole context")
     p.add_argument("--tier", choices=("dram", "nvme"), default="dram",
@@ -89,6 +92,18 @@ def budgets_of(args: argparse.Namespace) -> list:
 
     out = [Budget.tokens(int(b)) for b in args.budgets.split(",") if b]
     return out + [Budget.top_p(float(p)) for p in args.top_p.split(",") if p]
+
+
+def reselect_every(args: argparse.Namespace) -> list[int]:
+    """The `--reselect-every` values, each an int >= 1."""
+    raw = getattr(args, "reselect_every", "1")
+    try:
+        out = [int(x) for x in str(raw).split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v < 1 for v in out):
+        raise ArgumentError(f"--reselect-every {raw!r}: expected comma-separated ints >= 1, e.g. 1,4")
+    return out
 
 
 def budget_name(b: Any) -> str:
@@ -252,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     from ucm.apps.model import prepare
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    reselect_every(args)  # an ArgumentError before any model is loaded
     if args.steps < 0 or (args.steps == 0 and (args.offline or args.plots)):
         raise ArgumentError(f"--steps {args.steps}: must be >= 0, and > 0 with --offline or --plots (the replay "
                             f"they report)")
@@ -294,9 +310,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['select_us_mean']:>8.1f}")
     if "closed_loop" in result:
         cl = result["closed_loop"]
-        log(f"{'selector':<10} {'budget':<14} {'greedy':>7} {'prefix':>7} {'KL':>8} {'top1':>6} {'bytes %':>8} "
-            f"passkey")
+        log(f"{'selector':<10} {'budget':<14} {'every':>5} {'greedy':>7} {'prefix':>7} {'KL':>8} {'top1':>6} "
+            f"{'bytes %':>8} passkey")
         for r in cl["rows"]:
-            log(f"{r['selector']:<10} {r['budget']:<14} {r['greedy_agreement']:>7.3f} {r['greedy_prefix']:>7.3f} "
-                f"{r['tf_kl_mean']:>8.4f} {r['tf_top1']:>6.3f} {100 * r['bytes_share']:>7.1f}% {r['passkey']}")
+            log(f"{r['selector']:<10} {r['budget']:<14} {r['reselect_every']:>5} {r['greedy_agreement']:>7.3f} "
+                f"{r['greedy_prefix']:>7.3f} {r['tf_kl_mean']:>8.4f} {r['tf_top1']:>6.3f} "
+                f"{100 * r['bytes_share']:>7.1f}% {r['passkey']}")
     return 0

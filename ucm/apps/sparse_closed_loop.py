@@ -16,8 +16,9 @@ leaves its last blocks in DRAM, and the selected pages are read by ranges
 from NVMe or from those (`read_ranges`; ucm/connectors/transformers/
 sparse.py, sparse_fetch.py).
 
-Per selector and budget, with a fresh `SparseDecoder` (`reselect_every`
-1: a selection per step and layer):
+Per selector, budget and `--reselect-every` value s (default 1: a
+selection per step and layer; s > 1 holds each layer's selection for s
+steps, the pages it already holds reused), with a fresh `SparseDecoder`:
 - greedy: `new_tokens + 1` tokens decoded greedily; the first comes from
   the (dense) prefill, the next `new_tokens` from sparse decode steps.
   `greedy_agreement` is the share of those positions whose token equals
@@ -106,7 +107,7 @@ def _bytes(stats: dict[str, Any], token_layer_bytes: int) -> dict[str, Any]:
 def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Namespace,
                 log: Callable[..., None]) -> dict[str, Any]:
     from ucm.accelerators.sparse.base import Budget
-    from ucm.apps.sparse_bench import budget_name, budgets_of, load_model
+    from ucm.apps.sparse_bench import budget_name, budgets_of, load_model, reselect_every
     from ucm.apps.sparse_tasks import passkey_tasks
     from ucm.cache import UnifiedCache
     from ucm.connectors.transformers import TransformersConnector
@@ -161,15 +162,17 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
             dense_pk[L] = {"accuracy": acc, "samples": len(ts), "reported": acc >= PASSKEY_MIN_DENSE}
             log(f"dense passkey at {L} tokens: {acc:.2f}")
         conn.wait_stores(120.0)
-        configs = [(s, b) for b in budgets_of(args) for s in args.selectors.split(",") if s]
+        every = reselect_every(args)
+        configs = [(s, b, e) for e in every for b in budgets_of(args) for s in args.selectors.split(",") if s]
         if not args.no_full_check:
-            configs.append(("quest", Budget.ratio(1.0)))
+            configs.append(("quest", Budget.ratio(1.0), every[0]))
         rows = []
-        for name, budget in configs:
+        for name, budget, each in configs:
             t0 = time.perf_counter()
             medium0 = _medium_bytes(cache)
             dec = SparseDecoder(conn, SparseDecodeConfig(selector=name, budget=budget, sink_tokens=args.sink,
-                                                         local_tokens=args.local, page_tokens=args.page_tokens))
+                                                         local_tokens=args.local, page_tokens=args.page_tokens,
+                                                         reselect_every=each))
             greedy, prefixes = [], []
             for p, (dense_tokens, _) in zip(prompts, dense):
                 got, _ = _generate(dec.generate, p, new + 1)
@@ -193,7 +196,7 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
                     right += t.correct(tok.decode(ans[len(t.question):]))
                 pk[str(L)] = right / len(ts)
             total = dec.stats()
-            row = {"selector": name, "budget": budget_name(budget),
+            row = {"selector": name, "budget": budget_name(budget), "reselect_every": each,
                    "greedy_agreement": round(sum(greedy) / samples, 4),
                    "greedy_prefix": round(sum(prefixes) / samples, 4),
                    "greedy_per_prompt": [round(g, 4) for g in greedy],
@@ -205,10 +208,10 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
             if work is not None:
                 row["nvme_medium_bytes_per_token"] = round(medium, 1)
             rows.append(row)
-            log(f"{name:<10} {row['budget']:<14} greedy {row['greedy_agreement']:.3f} prefix "
+            log(f"{name:<10} {row['budget']:<14} s={each} greedy {row['greedy_agreement']:.3f} prefix "
                 f"{row['greedy_prefix']:.3f} KL {kl:.4f} top1 {top1:.3f} bytes {100 * row['bytes_share']:.1f}% "
                 f"passkey {pk} ({row['wall_s']:.0f} s)")
-        return {"new_tokens": new, "reselect_every": 1, "tiers": [t["adapter"] for t in tiers],
+        return {"new_tokens": new, "reselect_every": every, "tiers": [t["adapter"] for t in tiers],
                 "samples": samples, "dense_tokens": [d[0] for d in dense],
                 "passkey_dense": {str(L): v for L, v in dense_pk.items()}, "passkey_answer_tokens": ANSWER_TOKENS,
                 "rows": rows, "connector": conn.stats(), "wall_s": round(time.perf_counter() - t_start, 1)}
