@@ -146,12 +146,12 @@ def test_sinklocal_row_attends_exactly_sink_and_local(monkeypatch):
     assert not torch.allclose(got[t], ref[t], atol=1e-3)  # the row really attended fewer tokens
 
 
-@pytest.mark.parametrize("selector", ["quest", "mean", "moment"])
+@pytest.mark.parametrize("selector", ["quest", "mean", "moment", "blend"])
 def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeypatch, selector):
     """The long decode row attends exactly the pages the selector picks from
     summaries computed straight from the row's logical keys (so the page
     summaries kept over vLLM's blocks hold what the selector reads: min,
-    max and, for `mean` and `moment`, the mean)."""
+    max and, for `mean`, `moment` and `blend`, the mean)."""
     from ucm.accelerators.sparse.base import LayerStep
     from ucm.accelerators.sparse.selectors import make_selector
     from ucm.accelerators.sparse.summaries import units_from_keys

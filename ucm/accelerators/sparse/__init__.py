@@ -7,5 +7,5 @@ blocks that matter.
 - index.py: `SummaryIndex`, the summaries by block key in memory;
 - mass.py: true and estimated attention mass (GQA), recall;
 - units.py: which units are kept, which are candidates, what a budget takes;
-- selectors.py: `oracle`, `quest`, `mean`, `moment`, `sinklocal`, `random`.
+- selectors.py: `oracle`, `quest`, `mean`, `moment`, `blend`, `sinklocal`, `random`.
 """

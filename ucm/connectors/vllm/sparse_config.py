@@ -9,7 +9,7 @@ defaults; unset, empty, `off` or `false` is off.
 
     UCM_VLLM_SPARSE='{selector: quest, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
 
-- `selector`: `quest` (default), `moment`, `mean`, `sinklocal`, `random`, `oracle`
+- `selector`: `quest` (default), `blend`, `moment`, `mean`, `sinklocal`, `random`, `oracle`
   (ucm/accelerators/sparse/selectors.py; `oracle` reads every key of the
   context at every step: a measurement, not a saving);
 - `budget`: one of `{tokens: n}` (default 1024), `{ratio: r}`, `{top_p: p}`

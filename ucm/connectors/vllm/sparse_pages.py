@@ -16,15 +16,15 @@ tokens inside a block (16 by default, Quest's page: 8 pages in a 128-token
 CPU block).
 
 `PageSummaries` keeps, per physical block and page, the per-channel min,
-max (and mean, for the selectors that read it: `mean`, `moment`) of the
-page's keys, float32, with a stale flag per page. Every write vLLM makes
-through the layer (`mark_written(slot_mapping)`) marks its page stale, and
-so does the caller for pages written behind the layer's back (a prefill's
-context: a prefix-cache hit or a KV connector's load); a stale page is
-summarised again from the KV cache the next time a decode row reads its
-summary, so a page is read once per change, not once per step. Cost: 2 (3
-with the mean) x 4 bytes x kv_heads x head_dim per page, 6.25 % (9.4 %) of
-a float32 KV cache at 16-token pages.
+max (and mean, for the selectors that read it: `mean`, `moment`, `blend`)
+of the page's keys, float32, with a stale flag per page. Every write vLLM
+makes through the layer (`mark_written(slot_mapping)`) marks its page
+stale, and so does the caller for pages written behind the layer's back (a
+prefill's context: a prefix-cache hit or a KV connector's load); a stale
+page is summarised again from the KV cache the next time a decode row
+reads its summary, so a page is read once per change, not once per step.
+Cost: 2 (3 with the mean) x 4 bytes x kv_heads x head_dim per page, 6.25 %
+(9.4 %) of a float32 KV cache at 16-token pages.
 
 Runs in the worker's model thread; no lock (each layer owns its
 summaries).

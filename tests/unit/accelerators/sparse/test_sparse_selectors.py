@@ -5,14 +5,17 @@ top-p takes the fewest units that reach p; Quest finds a planted key that
 only one KV head's query group can see; `moment` is exact on constant
 units, estimates a normal unit's log attention mass within 0.25 (where
 mean and Quest are off by 0.5 and 5), and ranks a spread unit above a
-tight one of the same mean."""
+tight one of the same mean; `blend` is quest's and moment's scores mixed
+by its weight and ranks by the heads' summed scores (the product of their
+masses), so a unit every head rates fairly beats one only one head is sure
+of."""
 import numpy as np
 import pytest
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
 from ucm.accelerators.sparse.mass import recall, token_mass
-from ucm.accelerators.sparse.selectors import (SELECTORS, expected_range, make_selector, mean_score,
-                                               moment_score, quest_bound)
+from ucm.accelerators.sparse.selectors import (SELECTORS, blend_score, expected_range, make_selector,
+                                               mean_score, moment_score, quest_bound)
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.errors import ArgumentError, ConfigError
 
@@ -112,7 +115,7 @@ def test_oracle_top_p_takes_the_fewest_units_that_reach_p(p):
     assert got == sorted(got, reverse=True)
 
 
-@pytest.mark.parametrize("name", ["quest", "mean", "moment", "oracle"])
+@pytest.mark.parametrize("name", ["quest", "mean", "moment", "blend", "oracle"])
 @pytest.mark.parametrize("unit", UNITS)
 def test_a_key_that_one_query_group_sees_is_selected(name, unit):
     rng = np.random.default_rng(9)
@@ -143,6 +146,11 @@ def test_bad_names_budgets_and_steps_are_refused():
     for bad in (-1, "2", True, 1e9):
         with pytest.raises(ConfigError, match="spread"):
             make_selector("moment", spread=bad)
+        with pytest.raises(ConfigError, match="spread"):
+            make_selector("blend", spread=bad)
+    for bad in (-0.1, 1.5, "0.5", True, None):
+        with pytest.raises(ConfigError, match="'blend': weight must be a number in \\[0, 1\\]"):
+            make_selector("blend", weight=bad)
     with pytest.raises(ArgumentError):
         Budget.top_p(0.0)
     with pytest.raises(ArgumentError):
@@ -209,3 +217,40 @@ def test_moment_ranks_a_spread_unit_above_a_tight_one_of_the_same_mean():
     assert make_selector("moment").select(s, config(Budget.tokens(16))).units == (32,)
     mean_units = make_selector("mean").select(s, config(Budget.tokens(16))).units
     assert mean_units != (32,)  # the mean key cannot tell it from the rest
+
+
+def test_blend_mixes_quest_and_moment_by_its_weight():
+    rng = np.random.default_rng(11)
+    keys = (rng.standard_normal((KV_HEADS, N, DIM)) * rng.uniform(0.2, 2, (KV_HEADS, 1, DIM))).astype(np.float32)
+    query = rng.standard_normal((KV_HEADS * GROUP, DIM)).astype(np.float32)
+    su, scale = units_from_keys(keys, 16), 0.25
+    q, m = quest_bound(query, su.min, su.max), moment_score(query, su.mean, su.min, su.max, 16, scale, 1.5)
+    for w in (0.0, 0.3, 1.0):
+        np.testing.assert_allclose(blend_score(query, su.mean, su.min, su.max, 16, scale, w), w * q + (1 - w) * m,
+                                   rtol=1e-5, atol=1e-5)
+    s = step(16, keys=keys, query=query)
+    cfg = config(Budget.tokens(160))
+    rank = (0.5 * q + 0.5 * m).mean(axis=0)  # the candidates' order: the heads' mean blended score
+    cands = [u for u in range(N // 16) if u * 16 >= 64 and (u + 1) * 16 <= N - 128]
+    want = tuple(sorted(cands, key=lambda u: -rank[u])[:10])
+    assert make_selector("blend").select(s, cfg).units == want
+
+
+def test_blend_ranks_what_every_head_rates_above_one_heads_pick():
+    """Unit 10 is one query head's clear favourite and no other head's;
+    unit 40 is every head's second choice. The mean of the heads' masses
+    (quest, moment) picks unit 10; blend, adding up the heads' log
+    estimates, picks unit 40."""
+    keys = np.zeros((1, N, DIM), dtype=np.float32)
+    query = np.zeros((3, DIM), dtype=np.float32)
+    query[0, 0] = query[1, 1] = query[2, 2] = 4.0
+    keys[0, 160:176, 0] = 3.0  # unit 10: head 0 alone, strongly
+    keys[0, 640:656, :3] = 1.5  # unit 40: every head, less
+    keys[0, 300:316, 1] = 2.0  # unit 18 and 19: heads 1 and 2 each like one more than unit 40
+    keys[0, 320:336, 2] = 2.0
+    s = LayerStep(query=query, n_tokens=N, unit_tokens=16, kv_heads=1, summaries=units_from_keys(keys, 16),
+                  keys=keys)
+    cfg = config(Budget.tokens(16))
+    assert make_selector("blend").select(s, cfg).units == (40,)
+    assert make_selector("quest").select(s, cfg).units == (10,)
+    assert make_selector("moment").select(s, cfg).units == (10,)
