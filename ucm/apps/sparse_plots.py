@@ -25,7 +25,7 @@ def write_plots(result: dict[str, Any], out_dir: str) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     recall = {(r["selector"], r["budget"]): r["recall_mean"] for r in result["offline"]["rows"]
               if r["units"] == "pages"}
-    first = min(r.get("reselect_every", 1) for r in result["closed_loop"]["rows"])  # one curve per selector
+    first = min((r.get("reselect_every", 1) for r in result["closed_loop"]["rows"]), default=1)  # a curve each
     rows = [r for r in result["closed_loop"]["rows"] if not r["budget"].startswith("ratio")
             and r.get("reselect_every", 1) == first]
     title = (f"SmolLM2-135M, {result['context']}-token context, sink {result['sink']} + local {result['local']}, "

@@ -165,7 +165,7 @@ class HeldSelections:
             if h is None:
                 continue
             nb = h.blocks.numel()
-            if (self.forward - h.forward >= self.every or block_row.numel() < nb
+            if (block_row.numel() < nb  # (expired ones are gone: `tick` runs first in each forward)
                     or not torch.equal(block_row[:nb].to(torch.int64), h.blocks)
                     or not torch.equal(summaries.page_writes(block_row, n0 // self.page_tokens), h.writes)):
                 return None
