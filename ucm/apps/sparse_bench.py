@@ -61,7 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", type=int, default=256, help="local tokens always kept (default 256)")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--block-tokens", type=int, default=128, help="tokens per ucm block (default 128)")
-    p.add_argument("--selectors", default="oracle,quest,blend,moment,mean,sinklocal,random")
+    p.add_argument("--selectors", default="oracle,lowrank,quest,blend,moment,mean,sinklocal,random")
+    p.add_argument("--rank", type=int, default=4,
+                   help="lowrank: the key basis's rank, fitted on the prompt's keys (default 4)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
     p.add_argument("--layers", type=int, default=0, help="keep only the first N layers (0: all; for tests)")
     p.add_argument("--seed", type=int, default=0, help="the random selector's and the tasks' seed")
@@ -197,27 +199,33 @@ def replay(rec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
     from ucm.accelerators.sparse.base import LayerStep, SelectionConfig
     from ucm.accelerators.sparse.index import SummaryIndex
+    from ucm.accelerators.sparse.lowrank import fit_key_basis
     from ucm.accelerators.sparse.selectors import make_selector
     from ucm.accelerators.sparse.summaries import layer_units, summary_nbytes
     from ucm.connectors.transformers.kv_copy import byte_view
 
     layout = rec["layout"].kv_layout()
     payload = rec["payload"]
-    index = SummaryIndex(capacity_bytes=payload.shape[0] * summary_nbytes(layout, args.page_tokens) + 1,
+    names = [n for n in args.selectors.split(",") if n]
+    selectors = {n: make_selector(n, **({"seed": args.seed} if n == "random" else {})) for n in names}
+    # as the transformers path does: the basis fitted on the prompt's full blocks' keys
+    basis = fit_key_basis([k[:, :payload.shape[0] * rec["layout"].block_tokens] for k in rec["keys"]], args.rank) \
+        if any(s.needs_proj for s in selectors.values()) else None
+    rank = basis.rank if basis is not None else 0
+    index = SummaryIndex(capacity_bytes=payload.shape[0] * summary_nbytes(layout, args.page_tokens, rank) + 1,
                          page_tokens=args.page_tokens)
     keys = [j.to_bytes(8, "little") for j in range(payload.shape[0])]
     for j, key in enumerate(keys):
-        index.add(key, byte_view(payload[j].contiguous()), layout)
+        index.add(key, byte_view(payload[j].contiguous()), layout, basis)
     blocks = index.get_many(keys)
     budgets = budgets_of(args)
     if not args.no_full_check:
         from ucm.accelerators.sparse.base import Budget
 
         budgets.append(Budget.ratio(1.0))
-    names = [n for n in args.selectors.split(",") if n]
     units = {"pages": args.page_tokens, "blocks": args.block_tokens}
-    per_layer_units = {g: [layer_units(blocks, l, u) for l in range(layout.num_layers)] for g, u in units.items()}
-    selectors = {n: make_selector(n, **({"seed": args.seed} if n == "random" else {})) for n in names}
+    per_layer_units = {g: [layer_units(blocks, l, u, basis) for l in range(layout.num_layers)]
+                       for g, u in units.items()}
     got: dict[tuple, dict[str, list[float]]] = {}
     for step in rec["steps"]:
         for layer, (q, n, scale) in enumerate(step):
@@ -255,6 +263,8 @@ def replay(rec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                      "attended_share_mean": round(float(np.mean(c["share"])), 4),
                      "select_us_mean": round(float(np.mean(c["us"])), 1), "samples": len(r)})
     return {"steps": len(rec["steps"]), "summary_bytes_per_block": summary_nbytes(layout, args.page_tokens),
+            "lowrank_rank": rank, "summary_bytes_per_block_with_projections": summary_nbytes(layout, args.page_tokens,
+                                                                                            rank),
             "block_bytes_float32": layout.block_bytes, "rows": rows}
 
 
@@ -268,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     reselect_every(args)  # an ArgumentError before any model is loaded
+    if args.rank < 1:
+        raise ArgumentError(f"--rank {args.rank}: must be an int >= 1 (at most the model's head_dim)")
     if args.steps < 0 or (args.steps == 0 and (args.offline or args.plots)):
         raise ArgumentError(f"--steps {args.steps}: must be >= 0, and > 0 with --offline or --plots (the replay "
                             f"they report)")
@@ -301,7 +313,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     if "offline" in result:
-        log(f"summary bytes per block: {result['offline']['summary_bytes_per_block']:,}")
+        off = result["offline"]
+        log(f"summary bytes per block: {off['summary_bytes_per_block']:,} (with lowrank's rank-{off['lowrank_rank']} "
+            f"projections: {off['summary_bytes_per_block_with_projections']:,})")
         log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} {'extra':>7} "
             f"{'sel us':>8}")
         for r in sorted(result["offline"]["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):

@@ -172,7 +172,7 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
             medium0 = _medium_bytes(cache)
             dec = SparseDecoder(conn, SparseDecodeConfig(selector=name, budget=budget, sink_tokens=args.sink,
                                                          local_tokens=args.local, page_tokens=args.page_tokens,
-                                                         reselect_every=each))
+                                                         reselect_every=each, rank=args.rank))
             greedy, prefixes = [], []
             for p, (dense_tokens, _) in zip(prompts, dense):
                 got, _ = _generate(dec.generate, p, new + 1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"oracle": "black", "quest": "tab:blue", "blend": "tab:cyan", "moment": "tab:purple",
-          "mean": "tab:orange", "sinklocal": "tab:green", "random": "tab:red"}
+COLORS = {"oracle": "black", "lowrank": "tab:olive", "quest": "tab:blue", "blend": "tab:cyan",
+          "moment": "tab:purple", "mean": "tab:orange", "sinklocal": "tab:green", "random": "tab:red"}
 
 
 def write_plots(result: dict[str, Any], out_dir: str) -> list[str]:

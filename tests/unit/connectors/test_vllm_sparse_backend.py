@@ -261,7 +261,7 @@ def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch)
         assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
         assert AttentionBackendEnum.CPU_ATTN.get_class().get_name() == "CPU_ATTN"
         monkeypatch.setenv(ENV_SPARSE, "{selector: nope}")
-        with pytest.raises(ConfigError, match=r"UCM_VLLM_SPARSE.selector: unknown selector 'nope'"):
+        with pytest.raises(ConfigError, match=r"UCM_VLLM_SPARSE.selector: selector 'nope' is not available here; allowed: \['blend'"):
             sparse_plugin.register()
     finally:
         AttentionBackendEnum.CPU_ATTN.clear_override()
@@ -273,6 +273,9 @@ def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch)
     ("{budget: {top_p: 0}}", r"UCM_VLLM_SPARSE.budget: Budget top_p: value must be a number in \(0, 1\]"),
     ("{local: 3}", r"UCM_VLLM_SPARSE.local: unknown key; allowed: \['budget', 'local_tokens'"),
     ("{page_tokens: 0}", r"UCM_VLLM_SPARSE.page_tokens"),
+    ("{selector: lowrank}", r"UCM_VLLM_SPARSE.selector: selector 'lowrank' is not available here \(its projected keys "
+                            r"are kept by the transformers path only\); allowed: \['blend', 'mean', 'moment', 'oracle', "
+                            r"'quest', 'random', 'sinklocal'\]"),
     ("[quest]", r"UCM_VLLM_SPARSE: expected a mapping"),
     ("{a: [", r"UCM_VLLM_SPARSE: the value is not valid YAML"),
 ])

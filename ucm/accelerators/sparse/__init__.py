@@ -6,6 +6,8 @@ blocks that matter.
 - summaries.py: a block's key summaries from its bytes through its `KvLayout`;
 - index.py: `SummaryIndex`, the summaries by block key in memory;
 - mass.py: true and estimated attention mass (GQA), recall;
+- lowrank.py: `KeyBasis`, the low-rank key projections `lowrank` scores tokens with;
 - units.py: which units are kept, which are candidates, what a budget takes;
-- selectors.py: `oracle`, `quest`, `mean`, `moment`, `blend`, `sinklocal`, `random`.
+- selectors.py: `oracle`, `quest`, `mean`, `moment`, `blend`, `lowrank`, `sinklocal`,
+  `random`.
 """

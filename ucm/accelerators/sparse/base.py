@@ -99,6 +99,10 @@ class UnitSummaries:
     min: np.ndarray
     max: np.ndarray
     mean: np.ndarray
+    # the units' tokens' projected keys `[kv_heads, units x unit_tokens, rank]` and the layer's basis
+    # `[kv_heads, head_dim, rank]` (lowrank.py), when the summaries were made with one
+    proj: Optional[np.ndarray] = None
+    basis: Optional[np.ndarray] = None
 
     @property
     def units(self) -> int:
@@ -181,6 +185,7 @@ class Selector(abc.ABC):
     name: str = ""
     needs_keys: bool = False  # scores from the real keys (the oracle), not summaries
     needs_mean: bool = False  # reads `UnitSummaries.mean` (callers may skip keeping it otherwise)
+    needs_proj: bool = False  # reads `UnitSummaries.proj` and `.basis` (summaries made with a KeyBasis)
 
     @abc.abstractmethod
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from ucm.accelerators.sparse.lowrank import KeyBasis
 from ucm.accelerators.sparse.summaries import BlockSummary, summarize
 from ucm.codecs.layout import KvLayout
 from ucm.errors import ArgumentError
@@ -47,11 +48,13 @@ class SummaryIndex:
         self._counts = {"summaries_added": 0, "summaries_evicted": 0, "summaries_refused": 0,
                         "lookups": 0, "lookup_misses": 0}
 
-    def add(self, key: bytes, block: object, layout: KvLayout) -> Optional[BlockSummary]:
+    def add(self, key: bytes, block: object, layout: KvLayout,
+            basis: Optional[KeyBasis] = None) -> Optional[BlockSummary]:
         """Summarises `block` (its bytes under `layout`, at this index's
-        page size) and keeps it under `key`; the summary, or None when it
-        alone is larger than the index (counted `summaries_refused`)."""
-        return self.put(key, summarize(block, layout, self.page_tokens))
+        page size, projected on `basis` when given) and keeps it under
+        `key`; the summary, or None when it alone is larger than the index
+        (counted `summaries_refused`)."""
+        return self.put(key, summarize(block, layout, self.page_tokens, basis))
 
     def put(self, key: bytes, summary: BlockSummary) -> Optional[BlockSummary]:
         """Keeps `summary` under `key` (replacing one kept before)."""

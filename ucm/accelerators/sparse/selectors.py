@@ -23,6 +23,12 @@
   the blend holds more of the attention than either at 8K
   (docs/benchmarks.md, "the `blend` selector"). Reads the same three
   summaries; `weight` (0.5) is quest's share;
+- `lowrank`: the oracle's rule over approximate keys: every token's key
+  projected on a per-layer, per-head basis of `rank` leading directions
+  (Loki; lowrank.py), kept in the summaries, gives each token's logit and
+  so each unit's attention mass. Needs summaries made with a `KeyBasis`
+  (`UnitSummaries.proj`); it holds more of the attention than the page
+  summaries' selectors at every budget at 8K (docs/benchmarks.md);
 - `sinklocal`: no scoring; the budget widens the local window (the most
   recent candidates first, StreamingLLM);
 - `random`: candidates in a seeded random order.
@@ -40,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ucm.accelerators.sparse.base import LayerStep, Selector, UnitSummaries
+from ucm.accelerators.sparse.lowrank import lowrank_mass
 from ucm.accelerators.sparse.mass import estimated_mass, grouped, token_mass
 from ucm.errors import ArgumentError, ConfigError
 
@@ -174,6 +181,20 @@ class BlendSelector(Selector):
         return est.mean(axis=0, dtype=np.float64), estimated_mass(est, step.softmax_scale)
 
 
+class LowRankSelector(Selector):
+    name = "lowrank"
+    needs_proj = True
+
+    def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s = _summaries(step, self.name)
+        if s.proj is None or s.basis is None:
+            raise ArgumentError("selector 'lowrank' needs summaries made with a KeyBasis (UnitSummaries.proj)")
+        u = step.unit_tokens
+        mass = lowrank_mass(step.query, s.basis, s.proj[:, :step.scored_units * u], step.softmax_scale)
+        per_unit = mass.reshape(-1, u).sum(axis=1)[candidates]
+        return per_unit, per_unit
+
+
 class SinkLocalSelector(Selector):
     name = "sinklocal"
 
@@ -192,8 +213,8 @@ class RandomSelector(Selector):
 
 
 SELECTORS: dict[str, type[Selector]] = {c.name: c for c in (OracleSelector, QuestSelector, MeanSelector,
-                                                           MomentSelector, BlendSelector, SinkLocalSelector,
-                                                           RandomSelector)}
+                                                           MomentSelector, BlendSelector, LowRankSelector,
+                                                           SinkLocalSelector, RandomSelector)}
 
 
 def make_selector(name: str, **options: Any) -> Selector:

@@ -19,15 +19,23 @@ Cost, per block: `3 x layers x kv_heads x pages x head_dim x 4` bytes
 (30 layers, 3 KV heads, head size 64, 128 tokens in bfloat16: 2,949,120
 bytes) at 16-token pages that is 552,960 bytes, 18.75 % of the block (the
 min and max alone 12.5 %); at whole-block pages (`page_tokens` = 128) 2.3 %.
+
+With a `KeyBasis` (lowrank.py) a summary also keeps every token's
+projected key, `[layers, kv_heads, tokens, rank]` float32 (`rank x 4`
+bytes per token, layer and head: 184,320 bytes, 6.25 % of the SmolLM2
+block, at rank 4), and the basis's digest; `layer_units` hands them to
+the selectors only when every block was projected with the basis asked
+for.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ucm.accelerators.sparse.base import UnitSummaries
+from ucm.accelerators.sparse.lowrank import KeyBasis
 from ucm.codecs.layout import KvLayout, KvSegmentSpec
 from ucm.errors import ArgumentError
 
@@ -46,6 +54,12 @@ class BlockSummary:
     page_min: np.ndarray
     page_max: np.ndarray
     page_mean: np.ndarray
+    proj: Optional[np.ndarray] = None  # [layers, kv_heads, block_tokens, rank], with a KeyBasis
+    basis_digest: bytes = b""  # the KeyBasis.digest `proj` was made with
+
+    def projected_with(self, basis: Optional[KeyBasis]) -> bool:
+        """Whether this summary keeps projections made with `basis`."""
+        return basis is not None and self.proj is not None and self.basis_digest == basis.digest
 
     @property
     def num_layers(self) -> int:
@@ -69,7 +83,8 @@ class BlockSummary:
 
     @property
     def nbytes(self) -> int:
-        return self.page_min.nbytes + self.page_max.nbytes + self.page_mean.nbytes
+        return self.page_min.nbytes + self.page_max.nbytes + self.page_mean.nbytes + \
+            (self.proj.nbytes if self.proj is not None else 0)
 
     # The whole block, `[layers, kv_heads, head_dim]`.
     @property
@@ -85,11 +100,12 @@ class BlockSummary:
         return self.page_mean.mean(axis=2, dtype=np.float32)
 
 
-def summary_nbytes(layout: KvLayout, page_tokens: int) -> int:
-    """The bytes of one block's summary under `layout` (see the module docstring)."""
+def summary_nbytes(layout: KvLayout, page_tokens: int, rank: int = 0) -> int:
+    """The bytes of one block's summary under `layout`, with projections
+    of `rank` (0: none) (see the module docstring)."""
     k = key_segment(layout)
     check_page_tokens(k.tokens, page_tokens)
-    return 3 * layout.num_layers * k.heads * (k.tokens // page_tokens) * k.channels * 4
+    return (3 * (k.tokens // page_tokens) * k.channels + k.tokens * rank) * layout.num_layers * k.heads * 4
 
 
 def key_segment(layout: KvLayout) -> KvSegmentSpec:
@@ -134,26 +150,33 @@ def block_keys(block: object, layout: KvLayout) -> np.ndarray:
     return strided.astype(np.float32).reshape(shape)
 
 
-def summarize_keys(keys: np.ndarray, page_tokens: int = 16) -> BlockSummary:
-    """The summary of keys `[layers, kv_heads, block_tokens, head_dim]`."""
+def summarize_keys(keys: np.ndarray, page_tokens: int = 16, basis: Optional[KeyBasis] = None) -> BlockSummary:
+    """The summary of keys `[layers, kv_heads, block_tokens, head_dim]`,
+    with their projections when a `basis` is given."""
     keys = np.asarray(keys, dtype=np.float32)
     if keys.ndim != 4:
         raise ArgumentError(f"summarize_keys: keys must be [layers, kv_heads, tokens, head_dim], got {keys.shape}")
     layers, heads, tokens, dim = keys.shape
     check_page_tokens(tokens, page_tokens)
     pages = keys.reshape(layers, heads, tokens // page_tokens, page_tokens, dim)
-    return BlockSummary(page_tokens, pages.min(axis=3), pages.max(axis=3), pages.mean(axis=3, dtype=np.float32))
+    proj = basis.project(keys) if basis is not None else None
+    return BlockSummary(page_tokens, pages.min(axis=3), pages.max(axis=3), pages.mean(axis=3, dtype=np.float32),
+                        proj, basis.digest if basis is not None else b"")
 
 
-def summarize(block: object, layout: KvLayout, page_tokens: int = 16) -> BlockSummary:
+def summarize(block: object, layout: KvLayout, page_tokens: int = 16,
+              basis: Optional[KeyBasis] = None) -> BlockSummary:
     """The summary of one block's bytes under `layout` (see the module docstring)."""
-    return summarize_keys(block_keys(block, layout), page_tokens)
+    return summarize_keys(block_keys(block, layout), page_tokens, basis)
 
 
-def layer_units(blocks: Sequence[BlockSummary], layer: int, unit_tokens: int) -> UnitSummaries:
+def layer_units(blocks: Sequence[BlockSummary], layer: int, unit_tokens: int,
+                basis: Optional[KeyBasis] = None) -> UnitSummaries:
     """One layer's summaries of consecutive blocks at units of
     `unit_tokens` (a multiple of their page size dividing their tokens: a
-    page, several, or the whole block), in token order."""
+    page, several, or the whole block), in token order; with the blocks'
+    projected keys and the layer's basis when `basis` is given and every
+    block was projected with it (otherwise none: `lowrank` cannot score)."""
     if not blocks:
         raise ArgumentError("layer_units: no block summaries")
     first = blocks[0]
@@ -171,18 +194,27 @@ def layer_units(blocks: Sequence[BlockSummary], layer: int, unit_tokens: int) ->
         x = reduce(x, axis=3)
         return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(-1, heads, dim), dtype=np.float32)
 
+    proj = lbasis = None
+    if basis is not None and all(b.projected_with(basis) for b in blocks):
+        proj = np.ascontiguousarray(np.concatenate([b.proj[layer] for b in blocks], axis=1))  # type: ignore[index]
+        lbasis = basis.vectors[layer]
     return UnitSummaries(unit_tokens,
                          units([b.page_min[layer] for b in blocks], np.min),
                          units([b.page_max[layer] for b in blocks], np.max),
-                         units([b.page_mean[layer] for b in blocks], np.mean))
+                         units([b.page_mean[layer] for b in blocks], np.mean), proj, lbasis)
 
 
-def units_from_keys(keys: np.ndarray, unit_tokens: int) -> UnitSummaries:
+def units_from_keys(keys: np.ndarray, unit_tokens: int, basis: Optional[np.ndarray] = None) -> UnitSummaries:
     """One layer's summaries straight from its keys `[kv_heads, n_tokens,
-    head_dim]`, for the `n_tokens // unit_tokens` full units."""
+    head_dim]`, for the `n_tokens // unit_tokens` full units; with their
+    projections on the layer's `basis` `[kv_heads, head_dim, rank]` when
+    given."""
     heads, n, dim = keys.shape
     full = n // unit_tokens
     x = np.asarray(keys[:, :full * unit_tokens], dtype=np.float32).reshape(heads, full, unit_tokens, dim)
+    proj = None
+    if basis is not None:
+        proj = np.einsum("htd,hdr->htr", x.reshape(heads, -1, dim), basis, optimize=True).astype(np.float32)
     x = x.transpose(1, 0, 2, 3)
     return UnitSummaries(unit_tokens, np.ascontiguousarray(x.min(axis=2)), np.ascontiguousarray(x.max(axis=2)),
-                         np.ascontiguousarray(x.mean(axis=2, dtype=np.float32)))
+                         np.ascontiguousarray(x.mean(axis=2, dtype=np.float32)), proj, basis)

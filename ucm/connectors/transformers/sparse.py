@@ -40,6 +40,13 @@ service down) makes that layer attend densely over the resident KV for the
 step (`dense_fallbacks`), never over wrong or missing bytes, and nothing
 raises into generate.
 
+`lowrank` (selectors.py) scores tokens from their projected keys, which
+the summaries keep when made with the decoder's `KeyBasis` (`rank`
+leading directions per layer and KV head): the basis is fitted on the
+first prompt decoded sparsely, from its full blocks' resident keys, and
+kept for the decoder's life; blocks summarised before it (or restored)
+are summarised again from the resident keys at that first step.
+
 Before the first sparse step the decoder waits for the connector's stores
 of the prompt (`wait_stores`), so that the prompt's blocks can be read.
 Runs in the caller's thread; a decoder serves one generate call at a time.
@@ -56,6 +63,7 @@ import torch
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, Selection, SelectionConfig
 from ucm.accelerators.sparse.index import SummaryIndex
+from ucm.accelerators.sparse.lowrank import KeyBasis, fit_key_basis
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import layer_units, summarize_keys
 from ucm.connectors.transformers.kv_copy import byte_view
@@ -82,12 +90,15 @@ class SparseDecodeConfig:
     base: str = "eager"  # the dense attention of prefill and of a fallback
     summary_capacity_bytes: int = 256 << 20
     wait_stores_s: float = 30.0
+    rank: int = 4  # the key basis of selectors that read projected keys (`lowrank`)
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
             raise ConfigError(f"SparseDecodeConfig.base {self.base!r} not one of {list(BASES)}")
         if not isinstance(self.reselect_every, int) or self.reselect_every < 1:
             raise ConfigError(f"SparseDecodeConfig.reselect_every must be an int >= 1, got {self.reselect_every!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ConfigError(f"SparseDecodeConfig.rank must be an int >= 1, got {self.rank!r}")
         SelectionConfig(self.budget, self.sink_tokens, self.local_tokens)  # validates
         make_selector(self.selector)  # names the known ones when unknown
 
@@ -156,12 +167,18 @@ class SparseDecoder:
         if lay.block_tokens % config.page_tokens:
             raise ConfigError(f"page_tokens {config.page_tokens} must divide the connector's block_tokens "
                               f"{lay.block_tokens}")
+        self.selector = make_selector(config.selector)
+        if self.selector.needs_proj and config.rank > lay.head_dim:
+            raise ConfigError(f"SparseDecodeConfig.rank {config.rank} must be at most the model's head_dim "
+                              f"{lay.head_dim}")
         register()
         self.connector, self.config = connector, config
         self.index = SummaryIndex(config.summary_capacity_bytes, config.page_tokens)
         self._kv_layout = lay.kv_layout()
+        # the key basis of `lowrank` (lowrank.py): fitted on the first prompt decoded sparsely (its full
+        # blocks' keys, every layer and head), then kept for every later summary; None until then
+        self.basis: Optional[KeyBasis] = None
         connector.block_observer = self._blocks_stored
-        self.selector = make_selector(config.selector)
         self._selection = SelectionConfig(config.budget, config.sink_tokens, config.local_tokens)
         self.counters: dict[str, Any] = {
             "decode_steps": 0, "sparse_layer_steps": 0, "dense_layer_steps": 0, "dense_fallbacks": 0,
@@ -174,9 +191,10 @@ class SparseDecoder:
         """The connector's store thread: summaries of the blocks it is about
         to store (`payload` `[n, layers, 2, kv_heads, block_tokens, head_dim]`
         on the CPU, bytes in hand)."""
+        basis = self.basis if self.selector.needs_proj else None
         for i, key in enumerate(keys):
-            if key not in self.index:
-                self.index.add(key, byte_view(payload[i]), self._kv_layout)
+            if key not in self.index or (basis is not None and not self.index.get(key).projected_with(basis)):
+                self.index.add(key, byte_view(payload[i]), self._kv_layout, basis)
 
     def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
         """`connector.generate(...)` with sparse decode; the model's attention
@@ -306,15 +324,24 @@ class _Session:
             return False
         conn.wait_stores(d.config.wait_stores_s)
         r = rows[0]
-        missing = [j for j, s in enumerate(d.index.get_many(r.keys)) if s is None]
-        if missing:  # restored blocks (and any the index forgot): from the resident keys, the same bytes
-            bt = conn.layout.block_tokens
-            for j in missing:
-                keys = torch.stack([ly.keys[0, :, j * bt:(j + 1) * bt] for ly in cache.layers]).float().cpu().numpy()
-                d.index.put(r.keys[j], summarize_keys(keys, d.config.page_tokens))
-                d.counters["summaries_from_layers"] += 1
+        bt = conn.layout.block_tokens
+        basis = None
+        if d.selector.needs_proj:
+            if d.basis is None:  # the first prompt: its full blocks' resident keys
+                end = len(r.keys) * bt
+                d.basis = fit_key_basis([ly.keys[0, :, :end].float().cpu().numpy() for ly in cache.layers],
+                                        d.config.rank)
+            basis = d.basis
+        missing = [j for j, s in enumerate(d.index.get_many(r.keys))
+                   if s is None or (basis is not None and not s.projected_with(basis))]
+        # restored blocks (and any the index forgot or summarised before the basis): from the resident
+        # keys, the same bytes
+        for j in missing:
+            keys = torch.stack([ly.keys[0, :, j * bt:(j + 1) * bt] for ly in cache.layers]).float().cpu().numpy()
+            d.index.put(r.keys[j], summarize_keys(keys, d.config.page_tokens, basis))
+            d.counters["summaries_from_layers"] += 1
         got = d.index.get_many(r.keys)
-        if any(s is None for s in got):
+        if any(s is None or (basis is not None and not s.projected_with(basis)) for s in got):
             return False
         self._summaries = got
         self._fetcher = PageFetcher(conn._cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,
@@ -327,7 +354,8 @@ class _Session:
         pt = d.config.page_tokens
         units = self._units.get(layer)
         if units is None:
-            units = self._units[layer] = layer_units(self._summaries, layer, pt)
+            units = self._units[layer] = layer_units(self._summaries, layer, pt,
+                                                     d.basis if d.selector.needs_proj else None)
         q = query[0, :, 0, :].detach().float().cpu().numpy()
         keys = key[0].detach().float().cpu().numpy() if d.selector.needs_keys else None
         step = LayerStep(q, n, pt, key.shape[1], summaries=units, keys=keys, scale=scale)

@@ -11,7 +11,9 @@ defaults; unset, empty, `off` or `false` is off.
 
 - `selector`: `quest` (default), `blend`, `moment`, `mean`, `sinklocal`, `random`, `oracle`
   (ucm/accelerators/sparse/selectors.py; `oracle` reads every key of the
-  context at every step: a measurement, not a saving);
+  context at every step: a measurement, not a saving); not `lowrank`,
+  whose per-token projected keys this path does not keep (the transformers
+  path does);
 - `budget`: one of `{tokens: n}` (default 1024), `{ratio: r}`, `{top_p: p}`
   (ucm/accelerators/sparse/base.py): tokens picked on top of sink, local
   window and tail;
@@ -60,8 +62,10 @@ class VllmSparseConfig(BaseModel):
     @field_validator("selector")
     @classmethod
     def _selector(cls, v: str) -> str:
-        if v not in SELECTORS:
-            raise ValueError(f"unknown selector {v!r}; allowed: {sorted(SELECTORS)}")
+        allowed = sorted(n for n, c in SELECTORS.items() if not c.needs_proj)
+        if v not in allowed:
+            why = " (its projected keys are kept by the transformers path only)" if v in SELECTORS else ""
+            raise ValueError(f"selector {v!r} is not available here{why}; allowed: {allowed}")
         return v
 
     @field_validator("budget", mode="before")

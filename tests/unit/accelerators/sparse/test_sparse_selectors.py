@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
+from ucm.accelerators.sparse.lowrank import fit_key_basis
 from ucm.accelerators.sparse.mass import recall, token_mass
 from ucm.accelerators.sparse.selectors import (SELECTORS, blend_score, expected_range, make_selector,
                                                mean_score, moment_score, quest_bound)
@@ -23,14 +24,16 @@ KV_HEADS, GROUP, DIM = 3, 3, 16
 N = 1000  # 62 full 16-token pages and a tail of 8 tokens; 7 full 128-token blocks and a tail of 104
 
 
-def step(unit, seed=0, n=N, keys=None, query=None):
+def step(unit, seed=0, n=N, keys=None, query=None, rank=4):
+    """Summaries with the units' keys projected on a rank-`rank` basis fitted on the keys (for lowrank)."""
     rng = np.random.default_rng(seed)
     if keys is None:
         keys = (rng.standard_normal((KV_HEADS, n, DIM)) * 2).astype(np.float32)
     if query is None:
         query = (rng.standard_normal((KV_HEADS * GROUP, DIM)) * 2).astype(np.float32)
+    basis = fit_key_basis([keys], rank).vectors[0]
     return LayerStep(query=query, n_tokens=n, unit_tokens=unit, kv_heads=KV_HEADS,
-                     summaries=units_from_keys(keys, unit), keys=keys)
+                     summaries=units_from_keys(keys, unit, basis), keys=keys)
 
 
 def config(budget, sink=64, local=128):
