@@ -13,6 +13,7 @@ through ucm's; the plugin and the settings.
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -146,13 +147,16 @@ def test_sinklocal_row_attends_exactly_sink_and_local(monkeypatch):
     assert not torch.allclose(got[t], ref[t], atol=1e-3)  # the row really attended fewer tokens
 
 
-@pytest.mark.parametrize("selector", ["quest", "mean", "moment", "blend"])
+@pytest.mark.parametrize("selector", ["quest", "mean", "moment", "blend", "lowrank"])
 def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeypatch, selector):
     """The long decode row attends exactly the pages the selector picks from
     summaries computed straight from the row's logical keys (so the page
     summaries kept over vLLM's blocks hold what the selector reads: min,
-    max and, for `mean`, `moment` and `blend`, the mean)."""
+    max and, for `mean`, `moment` and `blend`, the mean; for `lowrank`
+    every token's key projected on the basis fitted on the row's full
+    pages)."""
     from ucm.accelerators.sparse.base import LayerStep
+    from ucm.accelerators.sparse.lowrank import fit_key_basis
     from ucm.accelerators.sparse.selectors import make_selector
     from ucm.accelerators.sparse.summaries import units_from_keys
     from ucm.connectors.vllm import sparse_backend as sb
@@ -175,8 +179,14 @@ def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeyp
     k, v = _logical(kv2, table, 1, 700)
     t = starts[1]
     sb.reset_counters()
-    got = _forward(_impl(sb.UcmSparseCpuImpl, monkeypatch), kv2, query, layer, metadata())
-    step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16),
+    impl = _impl(sb.UcmSparseCpuImpl, monkeypatch)
+    got = _forward(impl, kv2, query, layer, metadata())
+    basis = None
+    if selector == "lowrank":  # fitted once, on the keys of the row's 43 full pages
+        basis = fit_key_basis([k[:688].transpose(0, 1).numpy()], 4).vectors[0]
+        np.testing.assert_allclose(impl.summaries.basis, basis, atol=1e-5)
+        assert sb.counters()["bases_fitted"] == 1
+    step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16, basis),
                      scale=1 / math.sqrt(D))
     sel = make_selector(selector).select(step, sb.sparse_from_env().selection())
     pos = range_positions(sel.ranges)
@@ -261,7 +271,7 @@ def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch)
         assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
         assert AttentionBackendEnum.CPU_ATTN.get_class().get_name() == "CPU_ATTN"
         monkeypatch.setenv(ENV_SPARSE, "{selector: nope}")
-        with pytest.raises(ConfigError, match=r"UCM_VLLM_SPARSE.selector: selector 'nope' is not available here; allowed: \['blend'"):
+        with pytest.raises(ConfigError, match=r"UCM_VLLM_SPARSE.selector: unknown selector 'nope'"):
             sparse_plugin.register()
     finally:
         AttentionBackendEnum.CPU_ATTN.clear_override()
@@ -273,9 +283,7 @@ def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch)
     ("{budget: {top_p: 0}}", r"UCM_VLLM_SPARSE.budget: Budget top_p: value must be a number in \(0, 1\]"),
     ("{local: 3}", r"UCM_VLLM_SPARSE.local: unknown key; allowed: \['budget', 'local_tokens'"),
     ("{page_tokens: 0}", r"UCM_VLLM_SPARSE.page_tokens"),
-    ("{selector: lowrank}", r"UCM_VLLM_SPARSE.selector: selector 'lowrank' is not available here \(its projected keys "
-                            r"are kept by the transformers path only\); allowed: \['blend', 'mean', 'moment', 'oracle', "
-                            r"'quest', 'random', 'sinklocal'\]"),
+    ("{rank: 0}", r"UCM_VLLM_SPARSE.rank: Input should be greater than or equal to 1"),
     ("[quest]", r"UCM_VLLM_SPARSE: expected a mapping"),
     ("{a: [", r"UCM_VLLM_SPARSE: the value is not valid YAML"),
 ])

@@ -80,6 +80,29 @@ def test_a_written_page_is_summarised_again_and_only_it():
     assert float(u.min[0].min()) == -100.0 and s.pages_summarized == before + 1 + BT // PT
 
 
+def test_with_a_basis_the_projections_are_the_logical_keys_projected_and_follow_the_writes():
+    from ucm.accelerators.sparse.lowrank import fit_key_basis
+
+    n = 300
+    _, key_cache, _, row, k, _ = _paged(n)
+    s = PageSummaries(12, H, BT, D, PT)
+    assert s.units(key_cache, row, n).proj is None  # no basis yet
+    basis = fit_key_basis([k.transpose(0, 1).numpy()], 4).vectors[0]
+    before = s.pages_summarized
+    s.set_basis(basis)
+    u = s.units(key_cache, row, n)
+    assert s.pages_summarized == before + n // PT  # every page again, now with its projections
+    want = np.einsum("thd,hdr->htr", k[:n // PT * PT].numpy(), basis)
+    np.testing.assert_allclose(u.proj, want, rtol=1e-5, atol=1e-5)
+    assert u.basis is s.basis and u.proj.shape == (H, n // PT * PT, 4)
+    key_cache[row[1], :, 5] = 3.0  # token 133
+    s.mark_written(torch.tensor([int(row[1]) * BT + 5]))
+    u = s.units(key_cache, row, n)
+    np.testing.assert_allclose(u.proj[:, 133], np.einsum("hd,hdr->hr", np.full((H, D), 3.0), basis), rtol=1e-5)
+    with pytest.raises(ArgumentError, match=r"basis \(2, 64, 4\) is not \[3, 64, rank\]"):
+        s.set_basis(basis[:2])
+
+
 def test_gathered_tokens_are_the_sequence_tokens():
     n = 400
     _, key_cache, value_cache, row, k, v = _paged(n, seed=1)

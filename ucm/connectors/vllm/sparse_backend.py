@@ -11,8 +11,10 @@ forward:
   `min_context_tokens` are attended sparsely: the layer's page summaries
   (sparse_pages.PageSummaries, 16-token pages inside vLLM's 128-token
   blocks, refreshed from the KV cache when vLLM wrote a page) are scored
-  with the row's query by ucm's selector (`quest` by default), sink, local
-  window and tail are kept, pages are picked within the budget, and the
+  with the row's query by ucm's selector (`quest` by default; `lowrank`
+  scores every token from its key projected on a basis the layer fits on
+  the first context it decodes sparsely), sink, local window and tail are
+  kept, pages are picked within the budget, and the
   row attends in torch, float32, over exactly the selected tokens gathered
   from the paged KV (sparse_pages.gather_tokens / attend); with
   `reselect_every` s > 1 a row's selection is held for s steps and the
@@ -58,6 +60,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ucm.accelerators.sparse.base import LayerStep
+from ucm.accelerators.sparse.lowrank import fit_key_basis
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.connectors.vllm.sparse_config import ENV_SPARSE, VllmSparseConfig, sparse_from_env
 from ucm.connectors.vllm.sparse_pages import (HeldSelections, PageSummaries, attend, context_keys, gather_tokens,
@@ -78,6 +81,7 @@ _COUNTERS: dict[str, int] = {
     "fallbacks": 0,  # sparse layer steps that failed and ran the stock kernel
     "selections": 0,  # sparse (layer, row) pairs that scored and picked
     "selections_reused": 0,  # ... that attended a held selection (`reselect_every`)
+    "bases_fitted": 0,  # layers that fitted `lowrank`'s key basis
 }
 
 
@@ -121,6 +125,9 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
                               f"when {ENV_SPARSE} asks for sparse decode")
         self.sparse_config: VllmSparseConfig = cfg
         self.selector = make_selector(cfg.selector)
+        if self.selector.needs_proj and cfg.rank > self.head_size:
+            raise ConfigError(f"{ENV_SPARSE}.rank: {cfg.rank} is more than the model's head size {self.head_size}; "
+                              f"allowed: 1 to {self.head_size}")
         self._selection = cfg.selection()
         self.summaries: Optional[PageSummaries] = None
         self.held: Optional[HeldSelections] = None
@@ -215,6 +222,8 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         pos = held.find(summaries, block_row, n) if held is not None else None
         reused = pos is not None
         if pos is None:
+            if self.selector.needs_proj and summaries.basis is None:  # the layer's first sparse context
+                self._fit_basis(summaries, key_cache, block_row, n)
             units = summaries.units(key_cache, block_row, n)
             keys = context_keys(key_cache, block_row, n) if self.selector.needs_keys else None
             step = LayerStep(q.detach().float().numpy(), n, self.sparse_config.page_tokens, key_cache.shape[1],
@@ -227,6 +236,15 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         v = gather_tokens(value_cache, block_row, pos)
         output[t] = attend(q, k, v, self.scale).to(output.dtype)
         return int(pos.numel()), reused
+
+    def _fit_basis(self, summaries: PageSummaries, key_cache: torch.Tensor, block_row: torch.Tensor,
+                   n: int) -> None:
+        """`lowrank`'s basis for this layer, from the keys of the context's
+        full pages (ucm/accelerators/sparse/lowrank.py), kept from now on."""
+        full = n // summaries.page_tokens * summaries.page_tokens
+        keys = context_keys(key_cache, block_row, full)
+        summaries.set_basis(fit_key_basis([keys], self.sparse_config.rank).vectors[0])
+        _COUNTERS["bases_fitted"] += 1
 
     def _stock_rows(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     md: CPUAttentionMetadata, output: torch.Tensor, plan: _Plan) -> None:

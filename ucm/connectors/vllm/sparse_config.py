@@ -9,11 +9,12 @@ defaults; unset, empty, `off` or `false` is off.
 
     UCM_VLLM_SPARSE='{selector: quest, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
 
-- `selector`: `quest` (default), `blend`, `moment`, `mean`, `sinklocal`, `random`, `oracle`
+- `selector`: `quest` (default), `lowrank`, `blend`, `moment`, `mean`, `sinklocal`, `random`,
+  `oracle`
   (ucm/accelerators/sparse/selectors.py; `oracle` reads every key of the
-  context at every step: a measurement, not a saving); not `lowrank`,
-  whose per-token projected keys this path does not keep (the transformers
-  path does);
+  context at every step: a measurement, not a saving); `lowrank` also
+  keeps every token's key projected on a basis of `rank` directions per
+  KV head, fitted by each layer on the first context it decodes sparsely;
 - `budget`: one of `{tokens: n}` (default 1024), `{ratio: r}`, `{top_p: p}`
   (ucm/accelerators/sparse/base.py): tokens picked on top of sink, local
   window and tail;
@@ -25,6 +26,7 @@ defaults; unset, empty, `off` or `false` is off.
 - `reselect_every` (1): a row's selection is held for this many steps
   (the tokens decoded meanwhile are attended too) before the selector
   scores again, as in the transformers path.
+- `rank` (4): `lowrank`'s basis rank, at most the model's head size.
 
 Bad values raise `ConfigError` naming `UCM_VLLM_SPARSE.<key>` and what is
 allowed. Pure data: no vLLM or torch import here.
@@ -58,14 +60,13 @@ class VllmSparseConfig(BaseModel):
     page_tokens: int = Field(default=16, gt=0)
     min_context_tokens: int = Field(default=1024, ge=0)
     reselect_every: int = Field(default=1, ge=1)
+    rank: int = Field(default=4, ge=1)
 
     @field_validator("selector")
     @classmethod
     def _selector(cls, v: str) -> str:
-        allowed = sorted(n for n, c in SELECTORS.items() if not c.needs_proj)
-        if v not in allowed:
-            why = " (its projected keys are kept by the transformers path only)" if v in SELECTORS else ""
-            raise ValueError(f"selector {v!r} is not available here{why}; allowed: {allowed}")
+        if v not in SELECTORS:
+            raise ValueError(f"unknown selector {v!r}; allowed: {sorted(SELECTORS)}")
         return v
 
     @field_validator("budget", mode="before")

@@ -25,6 +25,12 @@ page is summarised again from the KV cache the next time a decode row
 reads its summary, so a page is read once per change, not once per step.
 Cost: 2 (3 with the mean) x 4 bytes x kv_heads x head_dim per page, 6.25 %
 (9.4 %) of a float32 KV cache at 16-token pages.
+For `lowrank`, once the layer has a basis (`set_basis`: `[kv_heads,
+head_dim, rank]`, fitted by the backend on the first context it decodes
+sparsely), every token's key projected on it too, `rank x 4` bytes per
+token and head (3.1 % of a float32 KV cache at rank 4), refreshed with the
+page's other summaries; setting the basis marks every page stale, so no
+projection made with another basis is ever read.
 
 Runs in the worker's model thread; no lock (each layer owns its
 summaries).
@@ -58,6 +64,20 @@ class PageSummaries:
         self.stale = torch.ones((num_blocks, self.pages_per_block), dtype=torch.bool)
         self.writes = torch.zeros((num_blocks, self.pages_per_block), dtype=torch.int64)  # marks per page, ever
         self.pages_summarized = 0
+        self.basis: Optional[np.ndarray] = None  # [kv_heads, head_dim, rank] float32, for `lowrank`
+        self.proj: Optional[torch.Tensor] = None  # [num_blocks, kv_heads, pages, page_tokens, rank] with a basis
+
+    def set_basis(self, basis: np.ndarray) -> None:
+        """Keeps every token's key projected on `basis` `[kv_heads,
+        head_dim, rank]` from now on; every page is summarised again before
+        its summaries are read."""
+        if basis.ndim != 3 or basis.shape[:2] != (self.kv_heads, self.head_dim):
+            raise ArgumentError(f"PageSummaries.set_basis: basis {basis.shape} is not [{self.kv_heads}, "
+                                f"{self.head_dim}, rank]")
+        self.basis = np.ascontiguousarray(basis, dtype=np.float32)
+        self.proj = torch.zeros((self.num_blocks, self.kv_heads, self.pages_per_block, self.page_tokens,
+                                 basis.shape[2]), dtype=torch.float32)
+        self.stale[:] = True
 
     def mark_written(self, slot_mapping: torch.Tensor) -> None:
         """Pages holding the slots vLLM just wrote (`block * block_tokens +
@@ -86,7 +106,10 @@ class PageSummaries:
             self.refresh(key_cache, b[stale], j[stale])
         mn, mx = self.min[b, :, j], self.max[b, :, j]  # [pages, kv_heads, head_dim]
         mean = self.mean[b, :, j] if self.mean is not None else torch.zeros_like(mn)
-        return UnitSummaries(self.page_tokens, mn.numpy(), mx.numpy(), mean.numpy())
+        proj = None
+        if self.proj is not None:  # [pages, kv_heads, page_tokens, rank] -> [kv_heads, tokens, rank]
+            proj = self.proj[b, :, j].transpose(0, 1).reshape(self.kv_heads, -1, self.proj.shape[4]).numpy()
+        return UnitSummaries(self.page_tokens, mn.numpy(), mx.numpy(), mean.numpy(), proj, self.basis)
 
     def refresh(self, key_cache: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Summarises pages `(blocks[i], pages[i])` from the keys in `key_cache`."""
@@ -95,6 +118,8 @@ class PageSummaries:
         self.max[blocks, :, pages] = keys.amax(dim=2)
         if self.mean is not None:
             self.mean[blocks, :, pages] = keys.mean(dim=2)
+        if self.proj is not None:
+            self.proj[blocks, :, pages] = torch.einsum("nhtd,hdr->nhtr", keys, torch.from_numpy(self.basis))
         self.stale[blocks, pages] = False
         self.pages_summarized += int(blocks.numel())
 
