@@ -4,13 +4,14 @@
 per forward, the context growing by one token per forward as in decode
 (each new token written through the impl's own cache update). Per context
 length: the stock kernel, and ucm's impl at a 1,024-token budget with
-`reselect_every` 1 and 4; mean (median) milliseconds per forward over
-`calls` forwards, one thread.
+`reselect_every` 1 and 4, with `selector` (quest by default; lowrank's
+first forward also fits its basis and summarises every page again); mean
+(median) milliseconds per forward over `calls` forwards, one thread.
 
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/vllm_sparse_row_cost.py 200
+    PYTHONPATH=. .venv/bin/python docs/experiments/vllm_sparse_row_cost.py 200 [selector]
 """
 import math
 import os
@@ -24,7 +25,7 @@ import torch
 QH, H, D, BT = 9, 3, 64, 128
 
 
-def run(contexts=(1024, 4096, 8192), calls=200):
+def run(contexts=(1024, 4096, 8192), calls=200, selector="quest"):
     from vllm import _custom_ops as ops
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
@@ -35,7 +36,7 @@ def run(contexts=(1024, 4096, 8192), calls=200):
     cpu_attn.get_current_vllm_config = lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
     isa = _get_attn_isa(torch.float32, BT, D)
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
-    print(f"kernel {isa}; mean (median) ms per forward, one decode row, {calls} forwards")
+    print(f"kernel {isa}; {selector}; mean (median) ms per forward, one decode row, {calls} forwards")
     print("| context | stock kernel | sparse, reselect_every 1 | sparse, reselect_every 4 |")
     print("|---|---|---|---|")
     for n0 in contexts:
@@ -46,8 +47,8 @@ def run(contexts=(1024, 4096, 8192), calls=200):
         row = []
         for name, every in (("stock", 0), ("s1", 1), ("s4", 4)):
             if every:
-                os.environ["UCM_VLLM_SPARSE"] = (f"{{budget: {{tokens: 1024}}, min_context_tokens: 256, "
-                                                 f"reselect_every: {every}}}")
+                os.environ["UCM_VLLM_SPARSE"] = (f"{{selector: {selector}, budget: {{tokens: 1024}}, "
+                                                 f"min_context_tokens: 256, reselect_every: {every}}}")
                 cls = sb.UcmSparseCpuImpl
             else:
                 cls = CPUAttentionBackendImpl
@@ -78,4 +79,4 @@ def run(contexts=(1024, 4096, 8192), calls=200):
 
 
 if __name__ == "__main__":
-    run(calls=int(sys.argv[1]) if len(sys.argv) > 1 else 200)
+    run(calls=int(sys.argv[1]) if len(sys.argv) > 1 else 200, selector=sys.argv[2] if len(sys.argv) > 2 else "quest")
