@@ -27,8 +27,11 @@
   projected on a per-layer, per-head basis of `rank` leading directions
   (Loki; lowrank.py), kept in the summaries, gives each token's logit and
   so each unit's attention mass. Needs summaries made with a `KeyBasis`
-  (`UnitSummaries.proj`); it holds more of the attention than the page
-  summaries' selectors at every budget at 8K (docs/benchmarks.md);
+  (`UnitSummaries.proj`). Offline it holds more of the attention than
+  the page summaries' selectors at every budget at 8K, but at rank 4 it
+  is behind quest and mean in the closed loop: it misses the few tokens
+  a head needs whose match lies outside its directions
+  (docs/benchmarks.md);
 - `sinklocal`: no scoring; the budget widens the local window (the most
   recent candidates first, StreamingLLM);
 - `random`: candidates in a seeded random order.
