@@ -183,7 +183,7 @@ def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeyp
     got = _forward(impl, kv2, query, layer, metadata())
     basis = None
     if selector == "lowrank":  # fitted once, on the keys of the row's 43 full pages
-        basis = fit_key_basis([k[:688].transpose(0, 1).numpy()], 4).vectors[0]
+        basis = fit_key_basis([k[:688].transpose(0, 1).numpy()], 16).vectors[0]  # the default rank
         np.testing.assert_allclose(impl.summaries.basis, basis, atol=1e-5)
         assert sb.counters()["bases_fitted"] == 1
     step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16, basis),

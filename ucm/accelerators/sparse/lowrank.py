@@ -17,9 +17,11 @@ moment, blend) stay 0.02-0.11 behind, and a basis fitted on another
 document does as well as the document's own; in the closed loop rank 4
 decodes worse than quest and mean (the tokens it misses are the ones a
 head needed), and the KL falls with the rank (at 2K: 0.0094 at rank 4,
-0.0052 at 32, the oracle's 0.0047). Cost: `rank x 4` bytes per token, layer and KV head
-(rank 4 on SmolLM2: 1,440 bytes per token, 6.25 % of its bfloat16 K and
-V; the 16-token page summaries take 18.75 %).
+0.0052 at 32, the oracle's 0.0047); at 8K rank 16 decodes as the oracle
+does by greedy agreement and is ahead of mean by KL, so 16 is the
+connectors' default. Cost: `rank x 4` bytes per token, layer and KV head
+(rank 16 on SmolLM2: 5,760 bytes per token, 25 % of its bfloat16 K and
+V, 6.25 % at rank 4; the 16-token page summaries take 18.75 %).
 
 The basis is part of what a projection means: a summary records the
 digest of the basis it was made with (`KeyBasis.digest`), and projections

@@ -22,8 +22,8 @@ min and max alone 12.5 %); at whole-block pages (`page_tokens` = 128) 2.3 %.
 
 With a `KeyBasis` (lowrank.py) a summary also keeps every token's
 projected key, `[layers, kv_heads, tokens, rank]` float32 (`rank x 4`
-bytes per token, layer and head: 184,320 bytes, 6.25 % of the SmolLM2
-block, at rank 4), and the basis's digest; `layer_units` hands them to
+bytes per token, layer and head: 737,280 bytes, 25 % of the SmolLM2
+block, at the default rank 16; 6.25 % at rank 4), and the basis's digest; `layer_units` hands them to
 the selectors only when every block was projected with the basis asked
 for.
 """

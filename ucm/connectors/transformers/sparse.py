@@ -90,7 +90,7 @@ class SparseDecodeConfig:
     base: str = "eager"  # the dense attention of prefill and of a fallback
     summary_capacity_bytes: int = 256 << 20
     wait_stores_s: float = 30.0
-    rank: int = 4  # the key basis of selectors that read projected keys (`lowrank`)
+    rank: int = 16  # the key basis of selectors that read projected keys (`lowrank`; docs/benchmarks.md)
 
     def __post_init__(self) -> None:
         if self.base not in BASES:

@@ -26,7 +26,7 @@ defaults; unset, empty, `off` or `false` is off.
 - `reselect_every` (1): a row's selection is held for this many steps
   (the tokens decoded meanwhile are attended too) before the selector
   scores again, as in the transformers path.
-- `rank` (4): `lowrank`'s basis rank, at most the model's head size.
+- `rank` (16): `lowrank`'s basis rank, at most the model's head size.
 
 Bad values raise `ConfigError` naming `UCM_VLLM_SPARSE.<key>` and what is
 allowed. Pure data: no vLLM or torch import here.
@@ -60,7 +60,7 @@ class VllmSparseConfig(BaseModel):
     page_tokens: int = Field(default=16, gt=0)
     min_context_tokens: int = Field(default=1024, ge=0)
     reselect_every: int = Field(default=1, ge=1)
-    rank: int = Field(default=4, ge=1)
+    rank: int = Field(default=16, ge=1)
 
     @field_validator("selector")
     @classmethod

@@ -28,7 +28,7 @@ Cost: 2 (3 with the mean) x 4 bytes x kv_heads x head_dim per page, 6.25 %
 For `lowrank`, once the layer has a basis (`set_basis`: `[kv_heads,
 head_dim, rank]`, fitted by the backend on the first context it decodes
 sparsely), every token's key projected on it too, `rank x 4` bytes per
-token and head (3.1 % of a float32 KV cache at rank 4), refreshed with the
+token and head (12.5 % of a float32 KV cache at rank 16), refreshed with the
 page's other summaries; setting the basis marks every page stale, so no
 projection made with another basis is ever read.
 
