@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ucm.accelerators.sparse.mass import grouped, softmax_rows
+from ucm.accelerators.sparse.mass import grouped, token_mass
 from ucm.errors import ArgumentError
 
 
@@ -59,10 +59,6 @@ class KeyBasis:
     @property
     def rank(self) -> int:
         return self.vectors.shape[3]
-
-    @property
-    def num_layers(self) -> int:
-        return self.vectors.shape[0]
 
     def project(self, keys: np.ndarray) -> np.ndarray:
         """`keys` `[layers, kv_heads, tokens, head_dim]` -> `[layers,
@@ -110,7 +106,6 @@ def lowrank_mass(query: np.ndarray, basis: np.ndarray, proj: np.ndarray, scale: 
             or basis.shape[1] != query.shape[1]:
         raise ArgumentError(f"lowrank_mass: query {query.shape}, basis {basis.shape} and projections {proj.shape} "
                             f"do not match")
-    qg = grouped(query, basis.shape[0])  # [kv_heads, group, head_dim]
-    qp = np.einsum("hgd,hdr->hgr", qg, basis, optimize=True)
-    logits = np.einsum("hgr,htr->hgt", qp, proj, dtype=np.float32, optimize=True) * np.float32(scale)
-    return softmax_rows(logits.reshape(query.shape[0], -1)).mean(axis=0)
+    # each query head projected on its KV head's basis: then the true mass's rule over the projections
+    qp = np.einsum("hgd,hdr->hgr", grouped(query, basis.shape[0]), basis, optimize=True)
+    return token_mass(np.ascontiguousarray(qp.reshape(query.shape[0], -1), dtype=np.float32), proj, scale)

@@ -24,7 +24,7 @@ def grouped(query: np.ndarray, kv_heads: int) -> np.ndarray:
     return query.reshape(kv_heads, q_heads // kv_heads, dim)
 
 
-def softmax_rows(logits: np.ndarray) -> np.ndarray:
+def _softmax_rows(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
@@ -40,7 +40,7 @@ def token_mass(query: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
         raise ArgumentError(f"token_mass: keys {keys.shape} do not match query {query.shape}")
     qg = grouped(query, keys.shape[0])
     logits = np.einsum("hgd,htd->hgt", qg, keys, dtype=np.float32, optimize=True) * np.float32(scale)
-    probs = softmax_rows(logits.reshape(query.shape[0], -1))
+    probs = _softmax_rows(logits.reshape(query.shape[0], -1))
     return probs.mean(axis=0)
 
 
@@ -51,7 +51,7 @@ def estimated_mass(scores: np.ndarray, scale: float, tokens_per_unit: int = 1) -
     if scores.shape[1] == 0:
         return np.zeros(0, dtype=np.float64)
     logits = scores * np.float32(scale) + np.float32(np.log(tokens_per_unit))
-    return softmax_rows(logits).mean(axis=0)
+    return _softmax_rows(logits).mean(axis=0)
 
 
 def recall(step: LayerStep, selection: Selection) -> float:

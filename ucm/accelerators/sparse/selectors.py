@@ -60,6 +60,12 @@ def _summaries(step: LayerStep, who: str) -> UnitSummaries:
     return step.summaries
 
 
+def _unit_sums(mass: np.ndarray, step: LayerStep, candidates: np.ndarray) -> np.ndarray:
+    """Per-token `mass` summed over each scored unit, for `candidates`."""
+    u = step.unit_tokens
+    return mass[:step.scored_units * u].reshape(-1, u).sum(axis=1)[candidates]
+
+
 def quest_bound(query: np.ndarray, key_min: np.ndarray, key_max: np.ndarray) -> np.ndarray:
     """Quest's bound `[q_heads, units]` of q . k over every key of a unit,
     from `key_min` / `key_max` `[units, kv_heads, head_dim]` (GQA grouped):
@@ -111,9 +117,7 @@ class OracleSelector(Selector):
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if step.keys is None:
             raise ArgumentError("selector 'oracle' needs the real keys (LayerStep.keys)")
-        mass = token_mass(step.query, step.keys, step.softmax_scale)
-        u = step.unit_tokens
-        per_unit = mass[:step.scored_units * u].reshape(-1, u).sum(axis=1)[candidates]
+        per_unit = _unit_sums(token_mass(step.query, step.keys, step.softmax_scale), step, candidates)
         return per_unit, per_unit
 
 
@@ -192,9 +196,8 @@ class LowRankSelector(Selector):
         s = _summaries(step, self.name)
         if s.proj is None or s.basis is None:
             raise ArgumentError("selector 'lowrank' needs summaries made with a KeyBasis (UnitSummaries.proj)")
-        u = step.unit_tokens
-        mass = lowrank_mass(step.query, s.basis, s.proj[:, :step.scored_units * u], step.softmax_scale)
-        per_unit = mass.reshape(-1, u).sum(axis=1)[candidates]
+        proj = s.proj[:, :step.scored_units * step.unit_tokens]
+        per_unit = _unit_sums(lowrank_mass(step.query, s.basis, proj, step.softmax_scale), step, candidates)
         return per_unit, per_unit
 
 
