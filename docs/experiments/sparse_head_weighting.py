@@ -30,7 +30,7 @@ PT, SINK, LOCAL = 16, 128, 256
 
 def summaries(k, n_units):
     kk = k[:, :n_units * PT].reshape(k.shape[0], n_units, PT, -1)
-    return UnitSummaries(PT, kk.min(2).transpose(1, 0, 2).copy(), kk.max(2).transpose(1, 0, 2).copy(),
+    return UnitSummaries(PT, n_units, kk.min(2).transpose(1, 0, 2).copy(), kk.max(2).transpose(1, 0, 2).copy(),
                          kk.mean(2).transpose(1, 0, 2).copy())
 
 

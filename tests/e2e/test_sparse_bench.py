@@ -58,6 +58,12 @@ def test_the_replay_has_every_cell_and_the_oracle_bounds_the_others(result):
             assert all(cells[(s, u, b)]["recall_mean"] <= best + 1e-9 for s in SELECTORS)
         assert cells[("oracle", u, "tokens=32")]["recall_mean"] <= cells[("oracle", u, "tokens=64")]["recall_mean"]
     assert cells[("quest", "pages", "tokens=32")]["extra_tokens_mean"] == 32
+    # what each selector's summaries keep per block: page bounds 2 x 4 bytes, the mean 4, per layer, head and
+    # channel of the block's one page; lowrank every token's 16 float16 projections
+    page = LAYERS * 3 * 64 * 4
+    assert off["summary_bytes_per_block"] == {"lowrank": LAYERS * 3 * BT * 16 * 2, "quest": 2 * page,
+                                              "blend": 3 * page, "moment": 3 * page, "mean": page,
+                                              "sinklocal": 0, "random": 0}
 
 
 def test_the_closed_loop_decodes_every_selector_and_budget_through_ucm(result):

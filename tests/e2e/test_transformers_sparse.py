@@ -151,7 +151,13 @@ def test_lowrank_fits_its_basis_on_the_first_prompt_and_keeps_it(model, ids):
         from ucm.connectors.transformers.namespace import build_namespace
 
         ns, _ = build_namespace(model, BT)
-        assert all(dec.index.get(k).projected_with(basis) for k in block_keys(ns, ids[0].numpy()))
+        got = [dec.index.get(k) for k in block_keys(ns, ids[0].numpy())]
+        assert got and all(g.projected_with(basis) for g in got)
+        # lowrank's summaries are its float16 projections alone: no page bounds or mean
+        from ucm.accelerators.sparse.summaries import SummaryParts, summary_nbytes
+
+        per_block = summary_nbytes(conn.layout.kv_layout(), 16, 4, SummaryParts(bounds=False, mean=False))
+        assert all(g.page_min is None and g.page_mean is None and g.nbytes == per_block for g in got)
     finally:
         conn.close()
         cache.close()

@@ -201,7 +201,7 @@ def replay(rec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from ucm.accelerators.sparse.index import SummaryIndex
     from ucm.accelerators.sparse.lowrank import fit_key_basis
     from ucm.accelerators.sparse.selectors import make_selector
-    from ucm.accelerators.sparse.summaries import layer_units, summary_nbytes
+    from ucm.accelerators.sparse.summaries import SummaryParts, layer_units, summary_nbytes
     from ucm.connectors.transformers.kv_copy import byte_view
 
     layout = rec["layout"].kv_layout()
@@ -262,9 +262,10 @@ def replay(rec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                      "extra_tokens_mean": round(float(np.mean(c["extra"])), 1),
                      "attended_share_mean": round(float(np.mean(c["share"])), 4),
                      "select_us_mean": round(float(np.mean(c["us"])), 1), "samples": len(r)})
-    return {"steps": len(rec["steps"]), "summary_bytes_per_block": summary_nbytes(layout, args.page_tokens),
-            "lowrank_rank": rank, "summary_bytes_per_block_with_projections": summary_nbytes(layout, args.page_tokens,
-                                                                                            rank),
+    # what each selector's summaries keep per block in a connector (the replay keeps every part for all)
+    kept = {n: summary_nbytes(layout, args.page_tokens, rank if s.needs_proj else 0, SummaryParts.of(s))
+            for n, s in selectors.items() if not s.needs_keys}
+    return {"steps": len(rec["steps"]), "lowrank_rank": rank, "summary_bytes_per_block": kept,
             "block_bytes_float32": layout.block_bytes, "rows": rows}
 
 
@@ -314,8 +315,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if "offline" in result:
         off = result["offline"]
-        log(f"summary bytes per block: {off['summary_bytes_per_block']:,} (with lowrank's rank-{off['lowrank_rank']} "
-            f"projections: {off['summary_bytes_per_block_with_projections']:,})")
+        log("summary bytes per float32 block of " + f"{off['block_bytes_float32']:,}: " +
+            ", ".join(f"{n} {b:,}" for n, b in off["summary_bytes_per_block"].items()))
         log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} {'extra':>7} "
             f"{'sel us':>8}")
         for r in sorted(result["offline"]["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):

@@ -186,6 +186,9 @@ def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeyp
         basis = fit_key_basis([k[:688].transpose(0, 1).numpy()], 16).vectors[0]  # the default rank
         np.testing.assert_allclose(impl.summaries.basis, basis, atol=1e-5)
         assert sb.counters()["bases_fitted"] == 1
+    # the layer keeps what its selector reads: no bounds for lowrank and mean, no mean for quest and lowrank
+    assert (impl.summaries.min is None) == (selector in ("lowrank", "mean"))
+    assert (impl.summaries.mean is None) == (selector in ("lowrank", "quest"))
     step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16, basis),
                      scale=1 / math.sqrt(D))
     sel = make_selector(selector).select(step, sb.sparse_from_env().selection())

@@ -93,14 +93,35 @@ def test_with_a_basis_the_projections_are_the_logical_keys_projected_and_follow_
     u = s.units(key_cache, row, n)
     assert s.pages_summarized == before + n // PT  # every page again, now with its projections
     want = np.einsum("thd,hdr->htr", k[:n // PT * PT].numpy(), basis)
-    np.testing.assert_allclose(u.proj, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(u.proj, want, rtol=2.0 ** -10, atol=1e-5)  # kept as float16
     assert u.basis is s.basis and u.proj.shape == (H, n // PT * PT, 4)
     key_cache[row[1], :, 5] = 3.0  # token 133
     s.mark_written(torch.tensor([int(row[1]) * BT + 5]))
     u = s.units(key_cache, row, n)
-    np.testing.assert_allclose(u.proj[:, 133], np.einsum("hd,hdr->hr", np.full((H, D), 3.0), basis), rtol=1e-5)
+    np.testing.assert_allclose(u.proj[:, 133], np.einsum("hd,hdr->hr", np.full((H, D), 3.0), basis), rtol=2.0 ** -10)
     with pytest.raises(ArgumentError, match=r"basis \(2, 64, 4\) is not \[3, 64, rank\]"):
         s.set_basis(basis[:2])
+    assert s.proj.dtype == torch.float16  # kept as the transformers path keeps them
+
+
+def test_summaries_keep_only_what_the_selector_reads():
+    n = 300
+    _, key_cache, _, row, k, _ = _paged(n)
+    lowrank = PageSummaries(12, H, BT, D, PT, keep_bounds=False)  # lowrank's: projections only
+    assert lowrank.min is None and lowrank.max is None and lowrank.mean is None
+    from ucm.accelerators.sparse.lowrank import fit_key_basis
+
+    lowrank.set_basis(fit_key_basis([k.transpose(0, 1).numpy()], 4).vectors[0])
+    u = lowrank.units(key_cache, row, n)
+    assert u.min is None and u.max is None and u.mean is None and u.units == n // PT and u.proj.shape[1] == u.units * PT
+    with pytest.raises(ArgumentError, match="selector 'quest' needs summaries that keep the key bounds"):
+        make_selector("quest").select(LayerStep(np.ones((QH, D), np.float32), n, PT, H, summaries=u),
+                                      SelectionConfig(Budget.tokens(32), 16, 16))
+    mean = PageSummaries(12, H, BT, D, PT, keep_bounds=False, keep_mean=True)  # `mean`'s
+    u = mean.units(key_cache, row, n)
+    assert u.min is None and u.proj is None
+    want = k[:n // PT * PT].reshape(-1, PT, H, D).mean(dim=1).numpy()  # [pages, H, D]
+    np.testing.assert_allclose(u.mean, want, rtol=1e-5, atol=1e-6)
 
 
 def test_gathered_tokens_are_the_sequence_tokens():

@@ -92,21 +92,29 @@ class SelectionConfig:
 @dataclass(frozen=True, slots=True, eq=False)
 class UnitSummaries:
     """One layer's key summaries of the first `units` units of the context
-    (unit u covers tokens `[u * unit_tokens, (u + 1) * unit_tokens)`), each
-    `[units, kv_heads, head_dim]` float32."""
+    (unit u covers tokens `[u * unit_tokens, (u + 1) * unit_tokens)`):
+    `min`, `max` and `mean`, each `[units, kv_heads, head_dim]` float32, or
+    None where the summaries do not keep that part (`Selector.needs_*`
+    says who reads which)."""
 
     unit_tokens: int
-    min: np.ndarray
-    max: np.ndarray
-    mean: np.ndarray
-    # the units' tokens' projected keys `[kv_heads, units x unit_tokens, rank]` and the layer's basis
+    units: int
+    min: Optional[np.ndarray]
+    max: Optional[np.ndarray]
+    mean: Optional[np.ndarray]
+    # the units' tokens' projected keys `[kv_heads, units x unit_tokens, rank]` float32 and the layer's basis
     # `[kv_heads, head_dim, rank]` (lowrank.py), when the summaries were made with one
     proj: Optional[np.ndarray] = None
     basis: Optional[np.ndarray] = None
 
-    @property
-    def units(self) -> int:
-        return self.min.shape[0]
+    def __post_init__(self) -> None:
+        for name in ("min", "max", "mean"):
+            a = getattr(self, name)
+            if a is not None and a.shape[0] != self.units:
+                raise ArgumentError(f"UnitSummaries.{name} has {a.shape[0]} units, not {self.units}")
+        if self.proj is not None and self.proj.shape[1] != self.units * self.unit_tokens:
+            raise ArgumentError(f"UnitSummaries.proj covers {self.proj.shape[1]} tokens, not "
+                                f"{self.units} x {self.unit_tokens}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -184,6 +192,7 @@ class Selector(abc.ABC):
 
     name: str = ""
     needs_keys: bool = False  # scores from the real keys (the oracle), not summaries
+    needs_bounds: bool = False  # reads `UnitSummaries.min` and `.max` (callers may skip keeping them otherwise)
     needs_mean: bool = False  # reads `UnitSummaries.mean` (callers may skip keeping it otherwise)
     needs_proj: bool = False  # reads `UnitSummaries.proj` and `.basis` (summaries made with a KeyBasis)
 

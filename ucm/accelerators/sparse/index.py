@@ -13,7 +13,9 @@ Restart. Nothing is persisted: a summary is a function of the stored bytes
 and the layout (ucm/accelerators/sparse/summaries.py), so after a restart it
 is rebuilt from the block itself, by `add` when the block is read or
 stored again. Its cost in memory is `summaries.summary_nbytes` per block
-(552,960 bytes for a SmolLM2 block of 128 tokens at 16-token pages).
+(for a SmolLM2 block of 128 tokens at 16-token pages: 552,960 bytes with
+every page part, 368,640 for quest's bounds or lowrank's rank-16
+projections alone).
 
 Fed explicitly (`add(key, block_bytes, layout)` where the bytes are in
 hand, `put(key, summary)`). No accelerator feeds it from `blocks_stored`
@@ -29,7 +31,7 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 from ucm.accelerators.sparse.lowrank import KeyBasis
-from ucm.accelerators.sparse.summaries import BlockSummary, summarize
+from ucm.accelerators.sparse.summaries import BlockSummary, SummaryParts, summarize
 from ucm.codecs.layout import KvLayout
 from ucm.errors import ArgumentError
 
@@ -37,11 +39,12 @@ from ucm.errors import ArgumentError
 class SummaryIndex:
     """Block summaries by key, least recently used forgotten first."""
 
-    def __init__(self, capacity_bytes: int, page_tokens: int = 16) -> None:
+    def __init__(self, capacity_bytes: int, page_tokens: int = 16, parts: SummaryParts = SummaryParts()) -> None:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ArgumentError(f"SummaryIndex: capacity_bytes must be an int > 0, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.page_tokens = page_tokens
+        self.parts = parts  # the page summaries `add` keeps
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, BlockSummary] = OrderedDict()
         self._used = 0
@@ -50,11 +53,11 @@ class SummaryIndex:
 
     def add(self, key: bytes, block: object, layout: KvLayout,
             basis: Optional[KeyBasis] = None) -> Optional[BlockSummary]:
-        """Summarises `block` (its bytes under `layout`, at this index's
-        page size, projected on `basis` when given) and keeps it under
+        """Summarises `block` (its bytes under `layout`, this index's parts
+        at its page size, projected on `basis` when given) and keeps it under
         `key`; the summary, or None when it alone is larger than the index
         (counted `summaries_refused`)."""
-        return self.put(key, summarize(block, layout, self.page_tokens, basis))
+        return self.put(key, summarize(block, layout, self.page_tokens, basis, self.parts))
 
     def put(self, key: bytes, summary: BlockSummary) -> Optional[BlockSummary]:
         """Keeps `summary` under `key` (replacing one kept before)."""

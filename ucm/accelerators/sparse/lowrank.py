@@ -5,7 +5,7 @@ holds, per layer and KV head, the `rank` leading right singular vectors of
 a sample of keys (`fit_key_basis`: the keys themselves, not centred, so
 `q . k` is approximated by `(q P) . (k P)`); a block's summary then keeps
 every token's projected key `k P` (`rank` floats per token, layer and
-head: summaries.py). At a decode step the `lowrank` selector
+head, kept as float16: summaries.py). At a decode step the `lowrank` selector
 (selectors.py) projects the query once per layer, approximates every
 context token's logit from the projections, and ranks pages by their
 approximate attention mass: the oracle's rule over approximate keys.
@@ -19,9 +19,12 @@ decodes worse than quest and mean (the tokens it misses are the ones a
 head needed), and the KL falls with the rank (at 2K: 0.0094 at rank 4,
 0.0052 at 32, the oracle's 0.0047); at 8K rank 16 decodes as the oracle
 does by greedy agreement and is ahead of mean by KL, so 16 is the
-connectors' default. Cost: `rank x 4` bytes per token, layer and KV head
-(rank 16 on SmolLM2: 5,760 bytes per token, 25 % of its bfloat16 K and
-V, 6.25 % at rank 4; the 16-token page summaries take 18.75 %).
+connectors' default. Cost: `rank x 2` bytes per token, layer and KV head
+(`store_projections`: float16, clamped to its finite range; rank 16 on
+SmolLM2: 2,880 bytes per token, 12.5 % of its bfloat16 K and V, 3.1 % at
+rank 4; the 16-token page summaries' min and max take 12.5 %, with the
+mean 18.75 %). float16's rounding (a relative 2^-11 per projection) is far
+below what the rank leaves out (docs/benchmarks.md).
 
 The basis is part of what a projection means: a summary records the
 digest of the basis it was made with (`KeyBasis.digest`), and projections
@@ -37,6 +40,9 @@ import numpy as np
 
 from ucm.accelerators.sparse.mass import grouped, token_mass
 from ucm.errors import ArgumentError
+
+PROJ_DTYPE = np.dtype(np.float16)  # how summaries keep projected keys
+_PROJ_MAX = float(np.finfo(np.float16).max)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,6 +77,13 @@ class KeyBasis:
                          optimize=True).astype(np.float32, copy=False)
 
 
+def store_projections(proj: np.ndarray) -> np.ndarray:
+    """Projected keys as summaries keep them: float16, values beyond its
+    finite range clamped to it (a key that far along a direction is picked
+    anyway; never an inf that would turn a softmax into NaN)."""
+    return np.clip(proj, -_PROJ_MAX, _PROJ_MAX).astype(PROJ_DTYPE)
+
+
 def fit_key_basis(layer_keys: Sequence[np.ndarray], rank: int) -> KeyBasis:
     """The basis of `rank` leading right singular vectors of each layer's
     keys `[kv_heads, n_tokens, head_dim]` (one array per layer, n_tokens >=
@@ -100,12 +113,14 @@ def fit_key_basis(layer_keys: Sequence[np.ndarray], rank: int) -> KeyBasis:
 def lowrank_mass(query: np.ndarray, basis: np.ndarray, proj: np.ndarray, scale: float) -> np.ndarray:
     """The attention of `query` `[q_heads, head_dim]` per token, averaged
     over query heads, from one layer's `basis` `[kv_heads, head_dim, rank]`
-    and projected keys `proj` `[kv_heads, n_tokens, rank]`: `[n_tokens]`,
-    summing to 1 (mass.token_mass over the keys `proj P^T`)."""
+    and projected keys `proj` `[kv_heads, n_tokens, rank]` (any float
+    dtype; float32 arithmetic): `[n_tokens]`, summing to 1 (mass.token_mass
+    over the keys `proj P^T`)."""
     if basis.ndim != 3 or proj.ndim != 3 or proj.shape[0] != basis.shape[0] or proj.shape[2] != basis.shape[2] \
             or basis.shape[1] != query.shape[1]:
         raise ArgumentError(f"lowrank_mass: query {query.shape}, basis {basis.shape} and projections {proj.shape} "
                             f"do not match")
     # each query head projected on its KV head's basis: then the true mass's rule over the projections
     qp = np.einsum("hgd,hdr->hgr", grouped(query, basis.shape[0]), basis, optimize=True)
-    return token_mass(np.ascontiguousarray(qp.reshape(query.shape[0], -1), dtype=np.float32), proj, scale)
+    return token_mass(np.ascontiguousarray(qp.reshape(query.shape[0], -1), dtype=np.float32),
+                      proj.astype(np.float32, copy=False), scale)

@@ -54,10 +54,19 @@ from ucm.accelerators.sparse.mass import estimated_mass, grouped, token_mass
 from ucm.errors import ArgumentError, ConfigError
 
 
-def _summaries(step: LayerStep, who: str) -> UnitSummaries:
-    if step.summaries is None:
+def _summaries(step: LayerStep, selector: Selector) -> UnitSummaries:
+    """The step's summaries, holding every part `selector` reads."""
+    s = step.summaries
+    who = selector.name
+    if s is None:
         raise ArgumentError(f"selector {who!r} needs the units' key summaries (LayerStep.summaries)")
-    return step.summaries
+    if selector.needs_bounds and (s.min is None or s.max is None):
+        raise ArgumentError(f"selector {who!r} needs summaries that keep the key bounds (UnitSummaries.min, .max)")
+    if selector.needs_mean and s.mean is None:
+        raise ArgumentError(f"selector {who!r} needs summaries that keep the mean key (UnitSummaries.mean)")
+    if selector.needs_proj and (s.proj is None or s.basis is None):
+        raise ArgumentError(f"selector {who!r} needs summaries made with a KeyBasis (UnitSummaries.proj)")
+    return s
 
 
 def _unit_sums(mass: np.ndarray, step: LayerStep, candidates: np.ndarray) -> np.ndarray:
@@ -123,9 +132,10 @@ class OracleSelector(Selector):
 
 class QuestSelector(Selector):
     name = "quest"
+    needs_bounds = True
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = _summaries(step, self.name)
+        s = _summaries(step, self)
         bound = quest_bound(step.query, s.min[candidates], s.max[candidates])
         mass = estimated_mass(bound, step.softmax_scale)
         return mass, mass
@@ -136,13 +146,14 @@ class MeanSelector(Selector):
     needs_mean = True
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = _summaries(step, self.name)
+        s = _summaries(step, self)
         mass = estimated_mass(mean_score(step.query, s.mean[candidates]), step.softmax_scale)
         return mass, mass
 
 
 class MomentSelector(Selector):
     name = "moment"
+    needs_bounds = True
     needs_mean = True
 
     def __init__(self, spread: float = 1.5) -> None:
@@ -151,7 +162,7 @@ class MomentSelector(Selector):
         self.spread = float(spread)
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = _summaries(step, self.name)
+        s = _summaries(step, self)
         est = moment_score(step.query, s.mean[candidates], s.min[candidates], s.max[candidates], s.unit_tokens,
                            step.softmax_scale, self.spread)
         mass = estimated_mass(est, step.softmax_scale)
@@ -169,6 +180,7 @@ def blend_score(query: np.ndarray, key_mean: np.ndarray, key_min: np.ndarray, ke
 
 class BlendSelector(Selector):
     name = "blend"
+    needs_bounds = True
     needs_mean = True
 
     def __init__(self, weight: float = 0.5, spread: float = 1.5) -> None:
@@ -178,7 +190,7 @@ class BlendSelector(Selector):
         self.weight, self.spread = float(weight), float(spread)
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = _summaries(step, self.name)
+        s = _summaries(step, self)
         est = blend_score(step.query, s.mean[candidates], s.min[candidates], s.max[candidates], s.unit_tokens,
                           step.softmax_scale, self.weight, self.spread)
         # ranked by the heads' mean score, which orders the units as the product of the heads' estimated
@@ -193,9 +205,7 @@ class LowRankSelector(Selector):
     needs_proj = True
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = _summaries(step, self.name)
-        if s.proj is None or s.basis is None:
-            raise ArgumentError("selector 'lowrank' needs summaries made with a KeyBasis (UnitSummaries.proj)")
+        s = _summaries(step, self)
         proj = s.proj[:, :step.scored_units * step.unit_tokens]
         per_unit = _unit_sums(lowrank_mass(step.query, s.basis, proj, step.softmax_scale), step, candidates)
         return per_unit, per_unit

@@ -9,23 +9,26 @@ selector reads all three (selectors.py). The whole block's min, max and
 mean are reductions of the pages' (pages hold the same number of tokens),
 computed when asked, not stored.
 
-Everything is float32, whatever the block's dtype (float32, float16 and
-bfloat16 are read; bfloat16 without a numpy extension: its 16 bits are the
-top half of a float32). Pure numpy, vectorised over layers, heads and
-tokens; runs in the caller's thread.
+Page summaries are float32, whatever the block's dtype (float32, float16
+and bfloat16 are read; bfloat16 without a numpy extension: its 16 bits
+are the top half of a float32). Pure numpy, vectorised over layers, heads
+and tokens; runs in the caller's thread.
 
-Cost, per block: `3 x layers x kv_heads x pages x head_dim x 4` bytes
-(`BlockSummary.nbytes`). For the transformers connector's SmolLM2 block
-(30 layers, 3 KV heads, head size 64, 128 tokens in bfloat16: 2,949,120
-bytes) at 16-token pages that is 552,960 bytes, 18.75 % of the block (the
-min and max alone 12.5 %); at whole-block pages (`page_tokens` = 128) 2.3 %.
+What a summary keeps is what its selector reads (`SummaryParts.of`):
+the bounds (min and max: quest, moment, blend), the mean (mean, moment,
+blend), and with a `KeyBasis` (lowrank.py) every token's projected key,
+`[layers, kv_heads, tokens, rank]` float16 (`lowrank`), with the basis's
+digest. `layer_units` hands a part to the selectors only when every block
+keeps it (projections: made with the basis asked for).
 
-With a `KeyBasis` (lowrank.py) a summary also keeps every token's
-projected key, `[layers, kv_heads, tokens, rank]` float32 (`rank x 4`
-bytes per token, layer and head: 737,280 bytes, 25 % of the SmolLM2
-block, at the default rank 16; 6.25 % at rank 4), and the basis's digest; `layer_units` hands them to
-the selectors only when every block was projected with the basis asked
-for.
+Cost, per block (`summary_nbytes`, `BlockSummary.nbytes`): `layers x
+kv_heads x (pages x head_dim x 4 x (2 bounds + 1 mean) + tokens x rank
+x 2)` bytes. For the transformers connector's SmolLM2 block (30 layers, 3
+KV heads, head size 64, 128 tokens in bfloat16: 2,949,120 bytes) at
+16-token pages: bounds 368,640 bytes (12.5 % of the block), the mean
+184,320 (6.25 %), rank-16 projections 368,640 (12.5 %). So quest keeps
+12.5 %, mean 6.25 %, moment and blend 18.75 %, lowrank 12.5 %; whole-block
+pages (`page_tokens` = 128) cut the page parts eightfold.
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ucm.accelerators.sparse.base import UnitSummaries
-from ucm.accelerators.sparse.lowrank import KeyBasis
+from ucm.accelerators.sparse.base import Selector, UnitSummaries
+from ucm.accelerators.sparse.lowrank import PROJ_DTYPE, KeyBasis, store_projections
 from ucm.codecs.layout import KvLayout, KvSegmentSpec
 from ucm.errors import ArgumentError
 
@@ -44,68 +47,93 @@ _RAW = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.d
 SUMMARY_DTYPES = tuple(sorted(_RAW))
 
 
+@dataclass(frozen=True, slots=True)
+class SummaryParts:
+    """Which page summaries to keep: `bounds` (per-channel min and max),
+    `mean`. Projections come with a basis, whatever the parts."""
+
+    bounds: bool = True
+    mean: bool = True
+
+    @classmethod
+    def of(cls, selector: Selector) -> "SummaryParts":
+        """What `selector` reads (its `needs_bounds`, `needs_mean`)."""
+        return cls(bounds=selector.needs_bounds, mean=selector.needs_mean)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class BlockSummary:
-    """One block's key summaries, each `[layers, kv_heads, pages,
-    head_dim]` float32 (page p covers tokens `[p * page_tokens, (p + 1) *
-    page_tokens)` of the block)."""
+    """One block's key summaries: the page parts kept (`page_min`,
+    `page_max`, `page_mean`: `[layers, kv_heads, pages, head_dim]`
+    float32, page p covering tokens `[p * page_tokens, (p + 1) *
+    page_tokens)`; None when not kept) and, with a basis, the projected
+    keys. `keys_shape` is the summarised keys' `[layers, kv_heads,
+    block_tokens, head_dim]`."""
 
     page_tokens: int
-    page_min: np.ndarray
-    page_max: np.ndarray
-    page_mean: np.ndarray
-    proj: Optional[np.ndarray] = None  # [layers, kv_heads, block_tokens, rank], with a KeyBasis
+    keys_shape: tuple[int, int, int, int]
+    page_min: Optional[np.ndarray] = None
+    page_max: Optional[np.ndarray] = None
+    page_mean: Optional[np.ndarray] = None
+    proj: Optional[np.ndarray] = None  # [layers, kv_heads, block_tokens, rank] PROJ_DTYPE, with a KeyBasis
     basis_digest: bytes = b""  # the KeyBasis.digest `proj` was made with
 
     def projected_with(self, basis: Optional[KeyBasis]) -> bool:
         """Whether this summary keeps projections made with `basis`."""
         return basis is not None and self.proj is not None and self.basis_digest == basis.digest
 
+    def keeps(self, parts: SummaryParts, basis: Optional[KeyBasis] = None) -> bool:
+        """Whether this summary holds every part of `parts` and, when
+        `basis` is given, projections made with it."""
+        return (not parts.bounds or self.page_min is not None) and (not parts.mean or self.page_mean is not None) \
+            and (basis is None or self.projected_with(basis))
+
     @property
     def num_layers(self) -> int:
-        return self.page_min.shape[0]
+        return self.keys_shape[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.page_min.shape[1]
-
-    @property
-    def pages(self) -> int:
-        return self.page_min.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.page_min.shape[3]
+        return self.keys_shape[1]
 
     @property
     def block_tokens(self) -> int:
-        return self.pages * self.page_tokens
+        return self.keys_shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys_shape[3]
+
+    @property
+    def pages(self) -> int:
+        return self.block_tokens // self.page_tokens
 
     @property
     def nbytes(self) -> int:
-        return self.page_min.nbytes + self.page_max.nbytes + self.page_mean.nbytes + \
-            (self.proj.nbytes if self.proj is not None else 0)
+        return sum(a.nbytes for a in (self.page_min, self.page_max, self.page_mean, self.proj) if a is not None)
 
-    # The whole block, `[layers, kv_heads, head_dim]`.
+    # The whole block, `[layers, kv_heads, head_dim]` (reductions of the pages': the parts kept).
     @property
-    def block_min(self) -> np.ndarray:
-        return self.page_min.min(axis=2)
-
-    @property
-    def block_max(self) -> np.ndarray:
-        return self.page_max.max(axis=2)
+    def block_min(self) -> Optional[np.ndarray]:
+        return self.page_min.min(axis=2) if self.page_min is not None else None
 
     @property
-    def block_mean(self) -> np.ndarray:
-        return self.page_mean.mean(axis=2, dtype=np.float32)
+    def block_max(self) -> Optional[np.ndarray]:
+        return self.page_max.max(axis=2) if self.page_max is not None else None
+
+    @property
+    def block_mean(self) -> Optional[np.ndarray]:
+        return self.page_mean.mean(axis=2, dtype=np.float32) if self.page_mean is not None else None
 
 
-def summary_nbytes(layout: KvLayout, page_tokens: int, rank: int = 0) -> int:
-    """The bytes of one block's summary under `layout`, with projections
-    of `rank` (0: none) (see the module docstring)."""
+def summary_nbytes(layout: KvLayout, page_tokens: int, rank: int = 0, parts: SummaryParts = SummaryParts()) -> int:
+    """The bytes of one block's summary under `layout`: the page `parts`,
+    and projections of `rank` (0: none) (see the module docstring)."""
     k = key_segment(layout)
     check_page_tokens(k.tokens, page_tokens)
-    return (3 * (k.tokens // page_tokens) * k.channels + k.tokens * rank) * layout.num_layers * k.heads * 4
+    page_arrays = 2 * parts.bounds + parts.mean
+    return (page_arrays * (k.tokens // page_tokens) * k.channels * 4 + k.tokens * rank * PROJ_DTYPE.itemsize) \
+        * layout.num_layers * k.heads
 
 
 def key_segment(layout: KvLayout) -> KvSegmentSpec:
@@ -150,33 +178,37 @@ def block_keys(block: object, layout: KvLayout) -> np.ndarray:
     return strided.astype(np.float32).reshape(shape)
 
 
-def summarize_keys(keys: np.ndarray, page_tokens: int = 16, basis: Optional[KeyBasis] = None) -> BlockSummary:
-    """The summary of keys `[layers, kv_heads, block_tokens, head_dim]`,
-    with their projections when a `basis` is given."""
+def summarize_keys(keys: np.ndarray, page_tokens: int = 16, basis: Optional[KeyBasis] = None,
+                   parts: SummaryParts = SummaryParts()) -> BlockSummary:
+    """The summary of keys `[layers, kv_heads, block_tokens, head_dim]`:
+    the page `parts`, and their projections when a `basis` is given."""
     keys = np.asarray(keys, dtype=np.float32)
     if keys.ndim != 4:
         raise ArgumentError(f"summarize_keys: keys must be [layers, kv_heads, tokens, head_dim], got {keys.shape}")
     layers, heads, tokens, dim = keys.shape
     check_page_tokens(tokens, page_tokens)
     pages = keys.reshape(layers, heads, tokens // page_tokens, page_tokens, dim)
-    proj = basis.project(keys) if basis is not None else None
-    return BlockSummary(page_tokens, pages.min(axis=3), pages.max(axis=3), pages.mean(axis=3, dtype=np.float32),
-                        proj, basis.digest if basis is not None else b"")
+    return BlockSummary(page_tokens, (layers, heads, tokens, dim),
+                        pages.min(axis=3) if parts.bounds else None, pages.max(axis=3) if parts.bounds else None,
+                        pages.mean(axis=3, dtype=np.float32) if parts.mean else None,
+                        store_projections(basis.project(keys)) if basis is not None else None,
+                        basis.digest if basis is not None else b"")
 
 
-def summarize(block: object, layout: KvLayout, page_tokens: int = 16,
-              basis: Optional[KeyBasis] = None) -> BlockSummary:
+def summarize(block: object, layout: KvLayout, page_tokens: int = 16, basis: Optional[KeyBasis] = None,
+              parts: SummaryParts = SummaryParts()) -> BlockSummary:
     """The summary of one block's bytes under `layout` (see the module docstring)."""
-    return summarize_keys(block_keys(block, layout), page_tokens, basis)
+    return summarize_keys(block_keys(block, layout), page_tokens, basis, parts)
 
 
 def layer_units(blocks: Sequence[BlockSummary], layer: int, unit_tokens: int,
                 basis: Optional[KeyBasis] = None) -> UnitSummaries:
     """One layer's summaries of consecutive blocks at units of
     `unit_tokens` (a multiple of their page size dividing their tokens: a
-    page, several, or the whole block), in token order; with the blocks'
-    projected keys and the layer's basis when `basis` is given and every
-    block was projected with it (otherwise none: `lowrank` cannot score)."""
+    page, several, or the whole block), in token order: each page part
+    that every block keeps (else None), and the blocks' projected keys
+    (float32) with the layer's basis when `basis` is given and every block
+    was projected with it (otherwise none: `lowrank` cannot score)."""
     if not blocks:
         raise ArgumentError("layer_units: no block summaries")
     first = blocks[0]
@@ -189,32 +221,36 @@ def layer_units(blocks: Sequence[BlockSummary], layer: int, unit_tokens: int,
     r = unit_tokens // pt
     heads, dim = first.num_kv_heads, first.head_dim
 
-    def units(arrays: list[np.ndarray], reduce: Any) -> np.ndarray:
-        x = np.stack(arrays).reshape(len(arrays), heads, bt // unit_tokens, r, dim)
+    def units(part: str, reduce: Any) -> Optional[np.ndarray]:
+        arrays = [getattr(b, part) for b in blocks]
+        if any(a is None for a in arrays):
+            return None
+        x = np.stack([a[layer] for a in arrays]).reshape(len(arrays), heads, bt // unit_tokens, r, dim)
         x = reduce(x, axis=3)
         return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(-1, heads, dim), dtype=np.float32)
 
     proj = lbasis = None
     if basis is not None and all(b.projected_with(basis) for b in blocks):
-        proj = np.ascontiguousarray(np.concatenate([b.proj[layer] for b in blocks], axis=1))  # type: ignore[index]
+        proj = np.concatenate([b.proj[layer] for b in blocks], axis=1).astype(np.float32)  # type: ignore[index]
         lbasis = basis.vectors[layer]
-    return UnitSummaries(unit_tokens,
-                         units([b.page_min[layer] for b in blocks], np.min),
-                         units([b.page_max[layer] for b in blocks], np.max),
-                         units([b.page_mean[layer] for b in blocks], np.mean), proj, lbasis)
+    return UnitSummaries(unit_tokens, len(blocks) * (bt // unit_tokens), units("page_min", np.min),
+                         units("page_max", np.max), units("page_mean", np.mean), proj, lbasis)
 
 
 def units_from_keys(keys: np.ndarray, unit_tokens: int, basis: Optional[np.ndarray] = None) -> UnitSummaries:
     """One layer's summaries straight from its keys `[kv_heads, n_tokens,
-    head_dim]`, for the `n_tokens // unit_tokens` full units; with their
-    projections on the layer's `basis` `[kv_heads, head_dim, rank]` when
-    given."""
+    head_dim]`, for the `n_tokens // unit_tokens` full units, as stored
+    summaries give them: every page part, and with the layer's `basis`
+    `[kv_heads, head_dim, rank]` the projections rounded as they are kept
+    (`store_projections`), as float32."""
     heads, n, dim = keys.shape
     full = n // unit_tokens
     x = np.asarray(keys[:, :full * unit_tokens], dtype=np.float32).reshape(heads, full, unit_tokens, dim)
     proj = None
     if basis is not None:
-        proj = np.einsum("htd,hdr->htr", x.reshape(heads, -1, dim), basis, optimize=True).astype(np.float32)
+        exact = np.einsum("htd,hdr->htr", x.reshape(heads, -1, dim), basis, optimize=True)
+        proj = store_projections(exact).astype(np.float32)
     x = x.transpose(1, 0, 2, 3)
-    return UnitSummaries(unit_tokens, np.ascontiguousarray(x.min(axis=2)), np.ascontiguousarray(x.max(axis=2)),
-                         np.ascontiguousarray(x.mean(axis=2, dtype=np.float32)), proj, basis)
+    return UnitSummaries(unit_tokens, full, np.ascontiguousarray(x.min(axis=2)),
+                         np.ascontiguousarray(x.max(axis=2)), np.ascontiguousarray(x.mean(axis=2, dtype=np.float32)),
+                         proj, basis)

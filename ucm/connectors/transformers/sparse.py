@@ -65,7 +65,7 @@ from ucm.accelerators.sparse.base import Budget, LayerStep, Selection, Selection
 from ucm.accelerators.sparse.index import SummaryIndex
 from ucm.accelerators.sparse.lowrank import KeyBasis, fit_key_basis
 from ucm.accelerators.sparse.selectors import make_selector
-from ucm.accelerators.sparse.summaries import layer_units, summarize_keys
+from ucm.accelerators.sparse.summaries import SummaryParts, layer_units, summarize_keys
 from ucm.connectors.transformers.kv_copy import byte_view
 from ucm.connectors.transformers.sparse_fetch import FetchedPages, PageFetcher, reuse_pages
 from ucm.errors import ConfigError
@@ -173,7 +173,9 @@ class SparseDecoder:
                               f"{lay.head_dim}")
         register()
         self.connector, self.config = connector, config
-        self.index = SummaryIndex(config.summary_capacity_bytes, config.page_tokens)
+        # summaries keep what the selector reads (quest: the bounds; lowrank: the projections alone)
+        self.parts = SummaryParts.of(self.selector)
+        self.index = SummaryIndex(config.summary_capacity_bytes, config.page_tokens, self.parts)
         self._kv_layout = lay.kv_layout()
         # the key basis of `lowrank` (lowrank.py): fitted on the first prompt decoded sparsely (its full
         # blocks' keys, every layer and head), then kept for every later summary; None until then
@@ -193,7 +195,8 @@ class SparseDecoder:
         on the CPU, bytes in hand)."""
         basis = self.basis if self.selector.needs_proj else None
         for i, key in enumerate(keys):
-            if key not in self.index or (basis is not None and not self.index.get(key).projected_with(basis)):
+            got = self.index.get(key)
+            if got is None or not got.keeps(self.parts, basis):
                 self.index.add(key, byte_view(payload[i]), self._kv_layout, basis)
 
     def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
@@ -332,16 +335,15 @@ class _Session:
                 d.basis = fit_key_basis([ly.keys[0, :, :end].float().cpu().numpy() for ly in cache.layers],
                                         d.config.rank)
             basis = d.basis
-        missing = [j for j, s in enumerate(d.index.get_many(r.keys))
-                   if s is None or (basis is not None and not s.projected_with(basis))]
+        missing = [j for j, s in enumerate(d.index.get_many(r.keys)) if s is None or not s.keeps(d.parts, basis)]
         # restored blocks (and any the index forgot or summarised before the basis): from the resident
         # keys, the same bytes
         for j in missing:
             keys = torch.stack([ly.keys[0, :, j * bt:(j + 1) * bt] for ly in cache.layers]).float().cpu().numpy()
-            d.index.put(r.keys[j], summarize_keys(keys, d.config.page_tokens, basis))
+            d.index.put(r.keys[j], summarize_keys(keys, d.config.page_tokens, basis, d.parts))
             d.counters["summaries_from_layers"] += 1
         got = d.index.get_many(r.keys)
-        if any(s is None or (basis is not None and not s.projected_with(basis)) for s in got):
+        if any(s is None or not s.keeps(d.parts, basis) for s in got):
             return False
         self._summaries = got
         self._fetcher = PageFetcher(conn._cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,

@@ -152,6 +152,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         if s is None or (s.num_blocks, s.kv_heads, s.block_tokens) != (nb, heads, bt):
             self.sparse_config.check_block_size(bt)
             s = self.summaries = PageSummaries(nb, heads, bt, self.head_size, self.sparse_config.page_tokens,
+                                               keep_bounds=self.selector.needs_bounds,
                                                keep_mean=self.selector.needs_mean)
             self.held = HeldSelections(self.sparse_config.reselect_every, bt, self.sparse_config.page_tokens)
         return s

@@ -15,22 +15,24 @@ differently and are not read here. A page is `page_tokens` consecutive
 tokens inside a block (16 by default, Quest's page: 8 pages in a 128-token
 CPU block).
 
-`PageSummaries` keeps, per physical block and page, the per-channel min,
-max (and mean, for the selectors that read it: `mean`, `moment`, `blend`)
-of the page's keys, float32, with a stale flag per page. Every write vLLM
+`PageSummaries` keeps, per physical block and page, what the selector
+reads of the page's keys (`Selector.needs_*`): the per-channel min and
+max (`quest`, `moment`, `blend`), the mean (`mean`, `moment`, `blend`),
+float32, with a stale flag per page. Every write vLLM
 makes through the layer (`mark_written(slot_mapping)`) marks its page
 stale, and so does the caller for pages written behind the layer's back (a
 prefill's context: a prefix-cache hit or a KV connector's load); a stale
 page is summarised again from the KV cache the next time a decode row
 reads its summary, so a page is read once per change, not once per step.
-Cost: 2 (3 with the mean) x 4 bytes x kv_heads x head_dim per page, 6.25 %
-(9.4 %) of a float32 KV cache at 16-token pages.
-For `lowrank`, once the layer has a basis (`set_basis`: `[kv_heads,
+Cost: 4 bytes x kv_heads x head_dim per page for each of min, max and
+mean, 3.1 % of a float32 KV cache each at 16-token pages. For `lowrank`
+(no page part), once the layer has a basis (`set_basis`: `[kv_heads,
 head_dim, rank]`, fitted by the backend on the first context it decodes
-sparsely), every token's key projected on it too, `rank x 4` bytes per
-token and head (12.5 % of a float32 KV cache at rank 16), refreshed with the
-page's other summaries; setting the basis marks every page stale, so no
-projection made with another basis is ever read.
+sparsely), every token's key projected on it, float16 as the transformers
+path keeps them (lowrank.store_projections), `rank x 2` bytes per token
+and head (6.25 % of a float32 KV cache at rank 16), refreshed when the
+page is; setting the basis marks every page stale, so no projection made
+with another basis is ever read.
 
 Runs in the worker's model thread; no lock (each layer owns its
 summaries).
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 
 from ucm.accelerators.sparse.base import UnitSummaries
+from ucm.accelerators.sparse.lowrank import PROJ_DTYPE, store_projections
 from ucm.errors import ArgumentError
 
 
@@ -51,21 +54,22 @@ class PageSummaries:
     """One layer's key summaries per page of every KV block (module docstring)."""
 
     def __init__(self, num_blocks: int, kv_heads: int, block_tokens: int, head_dim: int, page_tokens: int = 16,
-                 keep_mean: bool = False) -> None:
+                 keep_bounds: bool = True, keep_mean: bool = False) -> None:
         if page_tokens <= 0 or block_tokens % page_tokens:
             raise ArgumentError(f"PageSummaries: page_tokens {page_tokens} must divide block_tokens {block_tokens}")
         self.num_blocks, self.kv_heads, self.head_dim = num_blocks, kv_heads, head_dim
         self.block_tokens, self.page_tokens = block_tokens, page_tokens
         self.pages_per_block = block_tokens // page_tokens
         shape = (num_blocks, kv_heads, self.pages_per_block, head_dim)
-        self.min = torch.zeros(shape, dtype=torch.float32)
-        self.max = torch.zeros(shape, dtype=torch.float32)
+        self.min: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_bounds else None
+        self.max: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_bounds else None
         self.mean: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_mean else None
         self.stale = torch.ones((num_blocks, self.pages_per_block), dtype=torch.bool)
         self.writes = torch.zeros((num_blocks, self.pages_per_block), dtype=torch.int64)  # marks per page, ever
         self.pages_summarized = 0
         self.basis: Optional[np.ndarray] = None  # [kv_heads, head_dim, rank] float32, for `lowrank`
-        self.proj: Optional[torch.Tensor] = None  # [num_blocks, kv_heads, pages, page_tokens, rank] with a basis
+        # [num_blocks, kv_heads, pages, page_tokens, rank] float16, with a basis
+        self.proj: Optional[torch.Tensor] = None
 
     def set_basis(self, basis: np.ndarray) -> None:
         """Keeps every token's key projected on `basis` `[kv_heads,
@@ -76,7 +80,7 @@ class PageSummaries:
                                 f"{self.head_dim}, rank]")
         self.basis = np.ascontiguousarray(basis, dtype=np.float32)
         self.proj = torch.zeros((self.num_blocks, self.kv_heads, self.pages_per_block, self.page_tokens,
-                                 basis.shape[2]), dtype=torch.float32)
+                                 basis.shape[2]), dtype=getattr(torch, PROJ_DTYPE.name))
         self.stale[:] = True
 
     def mark_written(self, slot_mapping: torch.Tensor) -> None:
@@ -104,22 +108,27 @@ class PageSummaries:
         stale = self.stale[b, j]
         if bool(stale.any()):
             self.refresh(key_cache, b[stale], j[stale])
-        mn, mx = self.min[b, :, j], self.max[b, :, j]  # [pages, kv_heads, head_dim]
-        mean = self.mean[b, :, j] if self.mean is not None else torch.zeros_like(mn)
+
+        def part(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+            return t[b, :, j].numpy() if t is not None else None  # [pages, kv_heads, head_dim]
+
         proj = None
-        if self.proj is not None:  # [pages, kv_heads, page_tokens, rank] -> [kv_heads, tokens, rank]
-            proj = self.proj[b, :, j].transpose(0, 1).reshape(self.kv_heads, -1, self.proj.shape[4]).numpy()
-        return UnitSummaries(self.page_tokens, mn.numpy(), mx.numpy(), mean.numpy(), proj, self.basis)
+        if self.proj is not None:  # [pages, kv_heads, page_tokens, rank] -> [kv_heads, tokens, rank], float32
+            proj = self.proj[b, :, j].transpose(0, 1).reshape(self.kv_heads, -1, self.proj.shape[4]).float().numpy()
+        return UnitSummaries(self.page_tokens, int(b.numel()), part(self.min), part(self.max), part(self.mean),
+                             proj, self.basis)
 
     def refresh(self, key_cache: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Summarises pages `(blocks[i], pages[i])` from the keys in `key_cache`."""
         keys = key_cache.unflatten(2, (self.pages_per_block, self.page_tokens))[blocks, :, pages].float()
-        self.min[blocks, :, pages] = keys.amin(dim=2)  # keys: [n, kv_heads, page_tokens, head_dim]
-        self.max[blocks, :, pages] = keys.amax(dim=2)
+        if self.min is not None and self.max is not None:  # keys: [n, kv_heads, page_tokens, head_dim]
+            self.min[blocks, :, pages] = keys.amin(dim=2)
+            self.max[blocks, :, pages] = keys.amax(dim=2)
         if self.mean is not None:
             self.mean[blocks, :, pages] = keys.mean(dim=2)
         if self.proj is not None:
-            self.proj[blocks, :, pages] = torch.einsum("nhtd,hdr->nhtr", keys, torch.from_numpy(self.basis))
+            proj = torch.einsum("nhtd,hdr->nhtr", keys, torch.from_numpy(self.basis)).numpy()
+            self.proj[blocks, :, pages] = torch.from_numpy(store_projections(proj))
         self.stale[blocks, pages] = False
         self.pages_summarized += int(blocks.numel())
 

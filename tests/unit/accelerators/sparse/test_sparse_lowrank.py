@@ -10,7 +10,7 @@ import pytest
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
 from ucm.accelerators.sparse.index import SummaryIndex
-from ucm.accelerators.sparse.lowrank import KeyBasis, fit_key_basis, lowrank_mass
+from ucm.accelerators.sparse.lowrank import KeyBasis, fit_key_basis, lowrank_mass, store_projections
 from ucm.accelerators.sparse.mass import token_mass
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import layer_units, summarize, summarize_keys, summary_nbytes, units_from_keys
@@ -120,8 +120,11 @@ def test_summaries_keep_the_projections_of_a_blocks_bytes_and_count_them():
     basis = fit_key_basis(list(keys), 4)
     s = summarize(kv.tobytes(), layout, 16, basis)
     assert s.projected_with(basis) and not s.projected_with(None)
-    assert np.allclose(s.proj, np.einsum("lhtd,lhdr->lhtr", keys, basis.vectors), atol=1e-5)
-    assert s.nbytes == summary_nbytes(layout, 16, 4) == summary_nbytes(layout, 16) + layers * heads * tokens * 4 * 4
+    # kept as float16: each projection within float16's rounding (2^-11 relative) of the exact one
+    assert s.proj.dtype == np.float16
+    np.testing.assert_allclose(s.proj.astype(np.float32), np.einsum("lhtd,lhdr->lhtr", keys, basis.vectors),
+                               rtol=2.0 ** -10, atol=1e-6)
+    assert s.nbytes == summary_nbytes(layout, 16, 4) == summary_nbytes(layout, 16) + layers * heads * tokens * 4 * 2
     plain = summarize(kv.tobytes(), layout, 16)
     assert plain.proj is None and plain.nbytes == summary_nbytes(layout, 16)
     index = SummaryIndex(10 * s.nbytes, 16)
@@ -137,9 +140,29 @@ def test_layer_units_hand_over_projections_only_made_with_the_basis_asked_for():
     summaries = [summarize_keys(k, 16, basis) for k in blocks_keys]
     u = layer_units(summaries, 1, 16, basis)
     whole = np.concatenate([k[1] for k in blocks_keys], axis=1)  # [kv_heads, 384, DIM]
-    assert u.proj.shape == (KV_HEADS, 384, 4) and np.array_equal(u.basis, basis.vectors[1])
-    assert np.allclose(u.proj, np.einsum("htd,hdr->htr", whole, basis.vectors[1]), atol=1e-5)
+    assert u.proj.shape == (KV_HEADS, 384, 4) and u.proj.dtype == np.float32
+    assert np.array_equal(u.basis, basis.vectors[1])
+    np.testing.assert_allclose(u.proj, np.einsum("htd,hdr->htr", whole, basis.vectors[1]), rtol=2.0 ** -10, atol=1e-6)
     assert layer_units(summaries, 1, 16).proj is None  # not asked for
     assert layer_units(summaries, 1, 16, other).proj is None  # made with another basis
     mixed = summaries[:2] + [summarize_keys(blocks_keys[2], 16)]
     assert layer_units(mixed, 1, 16, basis).proj is None  # one block without
+
+
+def test_projections_are_kept_as_float16_and_a_key_beyond_its_range_stays_finite():
+    x = np.array([1.0, -3.14159, 7e4, -1e9, 65504.0], dtype=np.float32)
+    got = store_projections(x)
+    assert got.dtype == np.float16 and np.isfinite(got).all()
+    assert got.tolist() == [1.0, np.float16(-3.14159), 65504.0, -65504.0, 65504.0]
+    # a block whose key is far along the basis: summarised, scored, and picked, never a NaN mass
+    keys, _ = keys_and_query(9)
+    basis = fit_key_basis([keys], 4)
+    lead = basis.vectors[0, :, :, 0]  # [kv_heads, DIM]: each head's first direction
+    keys[:, 700, :] = lead * 1e6
+    s = summarize_keys(keys[None], 16, basis)
+    assert np.isfinite(s.proj).all() and np.abs(s.proj).max() == 65504.0
+    units = layer_units([s], 0, 16, basis)  # one 1,024-token "block"
+    query = np.repeat(lead, GROUP, axis=0) * 2  # every query head along its KV head's first direction
+    step = LayerStep(query=query, n_tokens=N, unit_tokens=16, kv_heads=KV_HEADS, summaries=units)
+    sel = make_selector("lowrank").select(step, SelectionConfig(Budget.tokens(16), 64, 128))
+    assert sel.units == (700 // 16,)

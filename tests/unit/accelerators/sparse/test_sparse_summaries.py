@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from ucm.accelerators.sparse.selectors import quest_bound
-from ucm.accelerators.sparse.summaries import (block_keys, layer_units, summarize, summarize_keys, summary_nbytes,
-                                               units_from_keys)
+from ucm.accelerators.sparse.selectors import SELECTORS, make_selector
+from ucm.accelerators.sparse.summaries import (SummaryParts, block_keys, layer_units, summarize, summarize_keys,
+                                               summary_nbytes, units_from_keys)
 from ucm.codecs.layout import opaque_layout, paged_head_major_layout, planar_layout
 from ucm.errors import ArgumentError
 
@@ -128,6 +129,55 @@ def test_summary_size_of_a_smollm2_block():
     assert summary_nbytes(layout.kv_layout(), 128) == 69_120
     keys = np.zeros((30, 3, 128, 64), dtype=np.float32)
     assert summarize_keys(keys, 16).nbytes == 552_960
+    # what each selector keeps (module docstring): quest the bounds (12.5 % of the block), mean the mean
+    # (6.25 %), lowrank only its rank-16 float16 projections (12.5 %)
+    kv = layout.kv_layout()
+    bounds, mean, none = SummaryParts(True, False), SummaryParts(False, True), SummaryParts(False, False)
+    assert summary_nbytes(kv, 16, parts=bounds) == 368_640 == layout.block_bytes // 8
+    assert summary_nbytes(kv, 16, parts=mean) == 184_320
+    assert summary_nbytes(kv, 16, 16, none) == 368_640
+    assert summary_nbytes(kv, 16, 16) == 552_960 + 368_640
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_summaries_keep_the_parts_their_selector_reads_and_count_only_those(name):
+    sel = make_selector(name)
+    parts = SummaryParts.of(sel)
+    assert parts == SummaryParts(bounds=name in ("quest", "moment", "blend"), mean=name in ("mean", "moment", "blend"))
+    keys, block, layout = random_block("float32", "planar", 7)
+    got = summarize(block, layout, 16, parts=parts)
+    assert (got.page_min is not None, got.page_max is not None, got.page_mean is not None) == \
+        (parts.bounds, parts.bounds, parts.mean)
+    assert got.nbytes == summary_nbytes(layout, 16, parts=parts) and got.keeps(parts)
+    assert got.keeps(SummaryParts(False, False)) and got.keeps(SummaryParts()) == (parts == SummaryParts())
+    full = summarize(block, layout, 16)
+    if parts.bounds:
+        np.testing.assert_array_equal(got.page_min, full.page_min)
+        np.testing.assert_array_equal(got.block_max, full.block_max)
+    else:
+        assert got.block_min is None and got.block_max is None
+    # the units a selector is handed hold a part only when every block keeps it
+    u = layer_units([full, got], 1, 16)
+    assert (u.min is None, u.mean is None) == (not parts.bounds, not parts.mean) and u.units == 2 * TOKENS // 16
+    assert layer_units([full, full], 1, 16).min is not None
+
+
+@pytest.mark.parametrize("name,missing", [("quest", "bounds"), ("moment", "mean"), ("blend", "bounds"),
+                                          ("mean", "mean")])
+def test_a_selector_refuses_summaries_without_the_part_it_reads(name, missing):
+    from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig, UnitSummaries
+
+    keys, _, _ = random_block("float32", "planar", 8)
+    u = units_from_keys(keys[0].astype(np.float32), 16)
+    lacking = UnitSummaries(16, u.units, None if missing == "bounds" else u.min, None if missing == "bounds" else u.max,
+                            None if missing == "mean" else u.mean)
+    query = np.ones((HEADS * 3, DIM), dtype=np.float32)
+    step = LayerStep(query, TOKENS, 16, HEADS, summaries=lacking)
+    word = "key bounds" if missing == "bounds" else "mean key"
+    with pytest.raises(ArgumentError, match=f"selector '{name}' needs summaries that keep the {word}"):
+        make_selector(name).select(step, SelectionConfig(Budget.tokens(16), 16, 16))
+    with pytest.raises(ArgumentError, match="has 3 units, not 4"):
+        UnitSummaries(16, 4, u.min[:3], u.max, u.mean)
 
 
 def test_unreadable_layouts_and_bad_page_sizes_are_refused():
