@@ -182,7 +182,8 @@ def test_two_prompts_and_filler_passkeys():
     assert cl["samples"] == 2 and len(cl["dense_tokens"]) == 2 and cl["dense_tokens"][0] != cl["dense_tokens"][1]
     r, held = cl["rows"]
     assert cl["reselect_every"] == [1, 3] and (r["reselect_every"], held["reselect_every"]) == (1, 3)
-    assert len(r["greedy_per_prompt"]) == 2
+    assert len(r["greedy_per_prompt"]) == 2 and len(r["tf_kl_per_prompt"]) == 2
+    assert r["tf_kl_mean"] == pytest.approx(sum(r["tf_kl_per_prompt"]) / 2, abs=1e-5)
     assert r["greedy_agreement"] == pytest.approx(sum(r["greedy_per_prompt"]) / 2, abs=1e-4)
     assert r["decode_steps"] == 2 * NEW and r["pages_read"] + r["pages_reused"] == 2 * LAYERS * NEW * 2
     # --reselect-every 3: each layer selects at decode steps 1 and 4 of 6, two pages each time

@@ -287,6 +287,7 @@ def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch)
     ("{local: 3}", r"UCM_VLLM_SPARSE.local: unknown key; allowed: \['budget', 'local_tokens'"),
     ("{page_tokens: 0}", r"UCM_VLLM_SPARSE.page_tokens"),
     ("{rank: 0}", r"UCM_VLLM_SPARSE.rank: Input should be greater than or equal to 1"),
+    ("{min_context_tokens: 31}", r"UCM_VLLM_SPARSE.min_context_tokens: 31 is below rank \+ page_tokens \(16 \+ 16\)"),
     ("[quest]", r"UCM_VLLM_SPARSE: expected a mapping"),
     ("{a: [", r"UCM_VLLM_SPARSE: the value is not valid YAML"),
 ])
@@ -300,7 +301,7 @@ def test_settings_off_on_and_values():
     for off in ("", "off", "false", "0"):
         assert sparse_from_env({ENV_SPARSE: off}) is None
     on = sparse_from_env({ENV_SPARSE: "on"})
-    assert (on.selector, on.budget.kind, on.budget.value, on.page_tokens) == ("quest", "tokens", 1024, 16)
+    assert (on.selector, on.budget.kind, on.budget.value, on.page_tokens, on.rank) == ("lowrank", "tokens", 1024, 16, 16)
     got = parse_sparse('{"selector": "mean", "budget": {"top_p": 0.9}, "sink_tokens": 32}')
     assert (got.selector, got.budget.kind, got.budget.value, got.sink_tokens) == ("mean", "top_p", 0.9, 32)
     with pytest.raises(ConfigError, match="page_tokens: 48 does not divide vLLM's block size 128"):

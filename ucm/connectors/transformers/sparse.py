@@ -1,7 +1,7 @@
 """Sparse decode for transformers: each decode step attends, per layer, only
 over the tokens a selector picked, the picked pages read from ucm.
 
-    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="quest", budget=Budget.tokens(1024)))
+    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="lowrank", budget=Budget.tokens(1024)))
     out = decoder.generate(input_ids, max_new_tokens=64)   # connector.generate, decoded sparsely
     decoder.stats()                                        # bytes read per tier per decoded token, ...
 
@@ -81,7 +81,7 @@ _ACTIVE: contextvars.ContextVar[Optional["_Session"]] = contextvars.ContextVar("
 
 @dataclass(frozen=True, slots=True)
 class SparseDecodeConfig:
-    selector: str = "quest"
+    selector: str = "lowrank"  # the closest to the oracle at 8K (docs/benchmarks.md); summaries as small as quest's
     budget: Budget = Budget.tokens(1024)
     sink_tokens: int = 128
     local_tokens: int = 256

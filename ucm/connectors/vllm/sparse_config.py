@@ -7,9 +7,9 @@ inherit it, and the `vllm.general_plugins` entry point
 Its value is a YAML (or JSON) mapping of the keys below, or `on` for the
 defaults; unset, empty, `off` or `false` is off.
 
-    UCM_VLLM_SPARSE='{selector: quest, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
+    UCM_VLLM_SPARSE='{selector: lowrank, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
 
-- `selector`: `quest` (default), `lowrank`, `blend`, `moment`, `mean`, `sinklocal`, `random`,
+- `selector`: `lowrank` (default), `quest`, `blend`, `moment`, `mean`, `sinklocal`, `random`,
   `oracle`
   (ucm/accelerators/sparse/selectors.py; `oracle` reads every key of the
   context at every step: a measurement, not a saving); `lowrank` also
@@ -22,7 +22,8 @@ defaults; unset, empty, `off` or `false` is off.
 - `page_tokens` (16): the unit scored and picked, a divisor of vLLM's
   block size (128 on CPU);
 - `min_context_tokens` (1024): decode rows with a shorter context go to
-  the stock kernel;
+  the stock kernel; with `lowrank`, at least `rank + page_tokens` (its
+  basis is fitted on the full pages of a layer's first sparse context);
 - `reselect_every` (1): a row's selection is held for this many steps
   (the tokens decoded meanwhile are attended too) before the selector
   scores again, as in the transformers path.
@@ -53,7 +54,7 @@ class VllmSparseConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    selector: str = "quest"
+    selector: str = "lowrank"
     budget: Budget = Budget.tokens(1024)
     sink_tokens: int = Field(default=128, ge=0)
     local_tokens: int = Field(default=256, ge=0)
@@ -86,6 +87,16 @@ class VllmSparseConfig(BaseModel):
     def selection(self) -> SelectionConfig:
         return SelectionConfig(self.budget, self.sink_tokens, self.local_tokens)
 
+    def check_basis_context(self) -> None:
+        """ConfigError when the selector fits a key basis (`lowrank`) and
+        `min_context_tokens` could let a context with fewer than `rank`
+        tokens in full pages be the one it is fitted on."""
+        if SELECTORS[self.selector].needs_proj and self.min_context_tokens < self.rank + self.page_tokens:
+            raise ConfigError(f"{ENV_SPARSE}.min_context_tokens: {self.min_context_tokens} is below rank + "
+                              f"page_tokens ({self.rank} + {self.page_tokens}); selector {self.selector!r} fits its "
+                              f"basis on the full pages of a layer's first sparse context; use at least "
+                              f"{self.rank + self.page_tokens}")
+
     def check_block_size(self, block_tokens: int) -> None:
         """ConfigError unless `page_tokens` divides vLLM's block size."""
         if block_tokens % self.page_tokens:
@@ -109,9 +120,11 @@ def parse_sparse(value: Optional[str]) -> Optional[VllmSparseConfig]:
         raise ConfigError(f"{ENV_SPARSE}: expected a mapping of {sorted(VllmSparseConfig.model_fields)}, "
                           f"or on / off, got {value!r}")
     try:
-        return VllmSparseConfig.model_validate(raw)
+        cfg = VllmSparseConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, VllmSparseConfig, prefix=f"{ENV_SPARSE}.")) from None
+    cfg.check_basis_context()
+    return cfg
 
 
 def sparse_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[VllmSparseConfig]:
