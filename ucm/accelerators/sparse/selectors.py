@@ -28,9 +28,10 @@
   (Loki; lowrank.py), kept in the summaries, gives each token's logit and
   so each unit's attention mass. Needs summaries made with a `KeyBasis`
   (`UnitSummaries.proj`). Offline it holds more of the attention than
-  the page summaries' selectors at every budget at 8K, but at rank 4 it
-  is behind quest and mean in the closed loop: it misses the few tokens
-  a head needs whose match lies outside its directions
+  the page summaries' selectors at every budget at 8K; at rank 4 it
+  is behind quest and mean in the closed loop (it misses the few tokens
+  a head needs whose match lies outside its directions), at rank 16
+  ahead of both on four 8K prompts, so it is the connectors' default
   (docs/benchmarks.md);
 - `sinklocal`: no scoring; the budget widens the local window (the most
   recent candidates first, StreamingLLM);
