@@ -81,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="closed loop: steps a layer's selection is held before it selects again (comma-separated "
                         "to compare, e.g. 1,4; default 1)")
     p.add_argument("--no-full-check", action="store_true",
-                   help="closed loop: skip the run at a budget covering the whole context")
+                   help="closed loop: skip the default selector's run at a budget covering the whole context")
     p.add_argument("--tier", choices=("dram", "nvme"), default="dram",
                    help="closed loop: where the prompt's blocks are at decode: dram (a DRAM tier that holds them), "
                         "or nvme (a DRAM tier of 4 blocks over NVMe: pages read from NVMe by ranges)")

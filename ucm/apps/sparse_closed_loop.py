@@ -165,7 +165,7 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
         every = reselect_every(args)
         configs = [(s, b, e) for e in every for b in budgets_of(args) for s in args.selectors.split(",") if s]
         if not args.no_full_check:
-            configs.append(("quest", Budget.ratio(1.0), every[0]))
+            configs.append((SparseDecodeConfig().selector, Budget.ratio(1.0), every[0]))  # the default selector
         rows = []
         for name, budget, each in configs:
             t0 = time.perf_counter()
