@@ -96,6 +96,13 @@ class SummaryIndex:
             self._counts["lookup_misses"] += sum(1 for s in out if s is None)
         return out
 
+    def peek(self, key: bytes) -> Optional[BlockSummary]:
+        """The summary kept under `key`, or None, without counting a lookup
+        or making it the most recently used (a producer checking what it
+        must add, not a reader)."""
+        with self._lock:
+            return self._entries.get(key)
+
     def discard(self, key: bytes) -> None:
         with self._lock:
             self._drop(key)

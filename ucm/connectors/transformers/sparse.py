@@ -195,7 +195,7 @@ class SparseDecoder:
         on the CPU, bytes in hand)."""
         basis = self.basis if self.selector.needs_proj else None
         for i, key in enumerate(keys):
-            got = self.index.get(key)
+            got = self.index.peek(key)  # not a lookup: the store thread checks what it must summarise
             if got is None or not got.keeps(self.parts, basis):
                 self.index.add(key, byte_view(payload[i]), self._kv_layout, basis)
 

@@ -56,3 +56,14 @@ def test_bad_capacity_and_page_size_are_refused():
     index = SummaryIndex(capacity_bytes=1 << 20, page_tokens=32)
     with pytest.raises(ArgumentError, match="pages"):
         index.put(b"a", summarize(block(0), LAYOUT, 16))
+
+
+def test_peek_neither_counts_a_lookup_nor_refreshes_recency():
+    index = SummaryIndex(capacity_bytes=2 * EACH + EACH // 2)
+    first = index.add(b"\x00", block(0), LAYOUT)
+    index.add(b"\x01", block(1), LAYOUT)
+    assert index.peek(b"\x00") is first and index.peek(b"\x09") is None
+    c = index.counters()
+    assert (c["lookups"], c["lookup_misses"]) == (0, 0)
+    index.add(b"\x02", block(2), LAYOUT)  # 0 is still the least recently used: it goes
+    assert b"\x00" not in index and b"\x01" in index
