@@ -40,12 +40,12 @@ ucm::KvElem elem_of(int e) {
   return static_cast<ucm::KvElem>(e);
 }
 
-constexpr int kCols = 8;  // rows, cols, tile_rows, tile_cols, bits, outliers, row_start, enc_offset
+constexpr int kCols = 9;  // rows, cols, tile_rows, tile_cols, bits, outliers, row_start, enc_offset, paired
 
 // The segment table, checked against the row table, the raw and the encoded buffer.
 std::vector<ucm::KvSegmentAt> segments_of(const View& table, const View& rows, std::size_t raw_len,
                                           std::size_t enc_len, ucm::KvElem e) {
-  if (table.len % (8 * kCols)) throw std::invalid_argument("segments must be an int64 array of 8 columns");
+  if (table.len % (8 * kCols)) throw std::invalid_argument("segments must be an int64 array of 9 columns");
   if (rows.len % 8) throw std::invalid_argument("row_offsets must be an int64 array");
   const auto* t = reinterpret_cast<const std::int64_t*>(table.ptr);
   const auto* ro = reinterpret_cast<const std::int64_t*>(rows.ptr);
@@ -53,7 +53,7 @@ std::vector<ucm::KvSegmentAt> segments_of(const View& table, const View& rows, s
   std::vector<ucm::KvSegmentAt> out(table.len / (8 * kCols));
   for (std::size_t i = 0; i < out.size(); ++i, t += kCols) {
     ucm::KvSegmentAt& g = out[i];
-    g.seg = ucm::KvSegment{t[0], t[1], t[2], t[3], static_cast<int>(t[4]), t[5]};
+    g.seg = ucm::KvSegment{t[0], t[1], t[2], t[3], static_cast<int>(t[4]), t[5], t[8] != 0};
     std::size_t size = ucm::kv_encoded_bytes(g.seg, e);  // throws for a bad spec
     if (t[6] < 0 || t[6] + g.seg.rows > n_rows) throw std::invalid_argument("segment rows beyond row_offsets");
     if (t[7] < 0 || static_cast<std::size_t>(t[7]) + size > enc_len)
@@ -75,11 +75,13 @@ void bind_kv_quant(py::module_& m) {
   m.def(
       "kv_encoded_bytes",
       [](std::int64_t rows, std::int64_t cols, std::int64_t tile_rows, std::int64_t tile_cols, int bits,
-         std::int64_t outliers, int elem) {
-        return ucm::kv_encoded_bytes(ucm::KvSegment{rows, cols, tile_rows, tile_cols, bits, outliers}, elem_of(elem));
+         std::int64_t outliers, int elem, bool paired) {
+        return ucm::kv_encoded_bytes(ucm::KvSegment{rows, cols, tile_rows, tile_cols, bits, outliers, paired},
+                                     elem_of(elem));
       },
       py::arg("rows"), py::arg("cols"), py::arg("tile_rows"), py::arg("tile_cols"), py::arg("bits"),
-      py::arg("outliers"), py::arg("elem"), "Bytes of one encoded KV segment (format in kv_quant.hpp).");
+      py::arg("outliers"), py::arg("elem"), py::arg("paired") = false,
+      "Bytes of one encoded KV segment (format in kv_quant.hpp).");
   m.def(
       "kv_encode",
       [](const py::buffer& raw, const py::buffer& row_offsets, const py::buffer& segments, int elem,
@@ -95,7 +97,7 @@ void bind_kv_quant(py::module_& m) {
       py::arg("raw"), py::arg("row_offsets"), py::arg("segments"), py::arg("elem"), py::arg("out"),
       py::arg("threads") = 1,
       "Encodes the segments of one block (int64 table: rows, cols, tile_rows, tile_cols, bits, outliers, "
-      "row_start, enc_offset) into `out`; False if a segment holds non-finite values.");
+      "row_start, enc_offset, paired) into `out`; False if a segment holds non-finite values.");
   m.def(
       "kv_decode",
       [](const py::buffer& enc, const py::buffer& segments, int elem, const py::buffer& raw_out,
@@ -113,9 +115,9 @@ void bind_kv_quant(py::module_& m) {
   m.def(
       "kv_tile_steps",
       [](const py::buffer& enc, std::size_t offset, std::int64_t rows, std::int64_t cols, std::int64_t tile_rows,
-         std::int64_t tile_cols, int bits, std::int64_t outliers, int elem) {
+         std::int64_t tile_cols, int bits, std::int64_t outliers, int elem, bool paired) {
         ucm::KvElem e = elem_of(elem);
-        ucm::KvSegment s{rows, cols, tile_rows, tile_cols, bits, outliers};
+        ucm::KvSegment s{rows, cols, tile_rows, tile_cols, bits, outliers, paired};
         std::size_t size = ucm::kv_encoded_bytes(s, e);
         View c = view_of(enc, false, "enc");
         if (offset + size > c.len) throw std::invalid_argument("segment beyond the encoded buffer");
@@ -124,6 +126,6 @@ void bind_kv_quant(py::module_& m) {
         return py::bytes(out);
       },
       py::arg("enc"), py::arg("offset"), py::arg("rows"), py::arg("cols"), py::arg("tile_rows"),
-      py::arg("tile_cols"), py::arg("bits"), py::arg("outliers"), py::arg("elem"),
+      py::arg("tile_cols"), py::arg("bits"), py::arg("outliers"), py::arg("elem"), py::arg("paired") = false,
       "The quantisation step of each tile of an encoded segment (float32s): the error bound is half of it.");
 }

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <queue>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -131,6 +133,9 @@ inline float put(float f, float*) { return f; }
   }
 
 UCM_DEQUANT_KERNELS(bf16, std::uint16_t)
+UCM_CLONES void store_row_bf16(const float* y, std::uint16_t* o, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) o[i] = bf16_bits(y[i]);
+}
 UCM_DEQUANT_KERNELS(f32, float)
 #undef UCM_DEQUANT_KERNELS
 
@@ -176,11 +181,37 @@ inline std::int64_t load_index(const std::uint8_t* at, std::size_t width, std::i
   return width == 2 ? load_le<std::uint16_t>(at + 2 * k) : load_le<std::uint32_t>(at + 4 * k);
 }
 
+// One paired-width tile: `rows` codes of W bits (LSB first), eight at a
+// time from W bytes (8 W bits), into out[r * stride] = (q + off) * s.
+template <int W>
+void unpack_tile_w(const std::uint8_t* in, std::int64_t rows, float off, float s, float* out, std::int64_t stride) {
+  constexpr std::uint64_t mask = (std::uint64_t{1} << W) - 1u;
+  for (std::int64_t r = 0; r < rows; r += 8, in += W) {
+    std::uint64_t v = 0;
+    std::memcpy(&v, in, W);
+    for (int i = 0; i < 8; ++i) out[(r + i) * stride] = (static_cast<float>((v >> (i * W)) & mask) + off) * s;
+  }
+}
+
+void unpack_tile(int w, const std::uint8_t* in, std::int64_t rows, float off, float s, float* out,
+                 std::int64_t stride) {
+  switch (w) {
+    case 1: return unpack_tile_w<1>(in, rows, off, s, out, stride);
+    case 2: return unpack_tile_w<2>(in, rows, off, s, out, stride);
+    case 3: return unpack_tile_w<3>(in, rows, off, s, out, stride);
+    case 4: return unpack_tile_w<4>(in, rows, off, s, out, stride);
+    case 5: return unpack_tile_w<5>(in, rows, off, s, out, stride);
+    case 6: return unpack_tile_w<6>(in, rows, off, s, out, stride);
+    case 7: return unpack_tile_w<7>(in, rows, off, s, out, stride);
+    default: return unpack_tile_w<8>(in, rows, off, s, out, stride);
+  }
+}
+
 // ---- layout of an encoded segment --------------------------------------------
 struct Parts {
   std::int64_t n_tiles, n_tc;
-  std::size_t idx_bytes;                      // bytes of one outlier index (4-bit)
-  std::size_t params, idx, raw, data, total;  // offsets (total = size)
+  std::size_t idx_bytes;                              // bytes of one outlier index (4-bit)
+  std::size_t params, widths, idx, raw, data, total;  // offsets (total = size)
 };
 
 void check_spec(const KvSegment& s, KvElem e) {
@@ -194,6 +225,8 @@ void check_spec(const KvSegment& s, KvElem e) {
   if (s.rows * s.cols > (std::int64_t{1} << 32)) bad("a segment holds at most 2^32 elements");
   if (s.outliers < 0 || s.outliers > s.rows * s.cols) bad("outliers out of range");
   if (s.bits == 8 && s.outliers) bad("8-bit segments keep no outliers");
+  if (s.paired && (s.bits != 4 || s.tile_cols != 1 || s.tile_rows % 8 || s.cols % 2))
+    bad("paired widths need bits 4, tile_cols 1, tile_rows a multiple of 8 and an even number of cols");
 }
 
 Parts parts_of(const KvSegment& s, KvElem e) {
@@ -204,12 +237,13 @@ Parts parts_of(const KvSegment& s, KvElem e) {
   const std::size_t n = static_cast<std::size_t>(s.rows * s.cols);
   if (s.bits == 8) {
     p.params = 0;
-    p.idx = p.raw = p.data = 2 * static_cast<std::size_t>(p.n_tiles);
+    p.widths = p.idx = p.raw = p.data = 2 * static_cast<std::size_t>(p.n_tiles);
     p.total = p.data + n;
   } else {
     p.params = 4;
     p.idx_bytes = kv_outlier_index_bytes(s);
-    p.idx = p.params + 2 * static_cast<std::size_t>(p.n_tiles);
+    p.widths = p.params + 2 * static_cast<std::size_t>(p.n_tiles);
+    p.idx = p.widths + (s.paired ? (static_cast<std::size_t>(p.n_tiles / 2) + 1) / 2 : 0);
     p.raw = p.idx + p.idx_bytes * static_cast<std::size_t>(s.outliers);
     p.data = p.raw + kv_elem_bytes(e) * static_cast<std::size_t>(s.outliers);
     p.total = p.data + n / 2;
@@ -258,6 +292,18 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
              KvElem e, const Parts& p, std::uint8_t* out) {
   const std::int64_t D = s.cols, tr = s.tile_rows, tc = s.tile_cols, nb = s.rows / tr;
   const std::size_t eb = kv_elem_bytes(e);
+  const std::int64_t half = D / 2;
+  // paired: the mean energy of each RoPE pair of each row block, outliers included.
+  std::vector<double> energy;
+  if (s.paired) {
+    energy.assign(static_cast<std::size_t>(nb * half), 0.0);
+    for (std::int64_t b = 0; b < nb; ++b)
+      for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
+        for (std::int64_t c = 0; c < half; ++c) {
+          double a = x[r * D + c], z = x[r * D + c + half];
+          energy[b * half + c] += (a * a + z * z) / static_cast<double>(tr);
+        }
+  }
   // Tile means: the centre outliers are measured from and put back to.
   std::vector<float> mean(static_cast<std::size_t>(p.n_tiles), 0.0f);
   if (s.outliers) {
@@ -303,8 +349,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     }
   }
   // Per tile: the step each needs, then the base and the codes.
-  std::vector<float> need(static_cast<std::size_t>(p.n_tiles)), lo_t(need.size()), lo(D), hi(D);
-  float base = 0.0f;
+  std::vector<float> need(static_cast<std::size_t>(p.n_tiles)), lo_t(need.size()), hi_t(need.size()), lo(D), hi(D);
   for (std::int64_t b = 0; b < nb; ++b) {
     std::fill(lo.begin(), lo.end(), INFINITY);
     std::fill(hi.begin(), hi.end(), -INFINITY);
@@ -313,14 +358,49 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
       float mn = *std::min_element(lo.begin() + c * tc, lo.begin() + (c + 1) * tc);
       float mx = *std::max_element(hi.begin() + c * tc, hi.begin() + (c + 1) * tc);
       if (!(mn <= mx)) mn = mx = 0.0f;  // every element of the tile is an outlier
-      // z = round(mn / s) puts mn within s / 2 of the grid's first level, so
-      // s >= (mx - mn) / 15 reaches mx within s / 2 of the last (all 16
-      // levels used); |z| <= 127 needs s >= |mn| / 127.
-      float n = std::max((mx - mn) / 15.0f, std::fabs(mn) / 127.0f);
-      need[b * p.n_tc + c] = n;
       lo_t[b * p.n_tc + c] = mn;
-      base = std::max(base, n);
+      hi_t[b * p.n_tc + c] = mx;
     }
+  }
+  // Widths: 4 per tile, or (paired) 1..8 per pair, 4 on average.
+  std::vector<int> width(need.size(), 4);
+  if (s.paired) {
+    const std::int64_t n_pairs = nb * half;
+    std::vector<int> w(static_cast<std::size_t>(n_pairs), 1);
+    std::priority_queue<std::pair<double, std::int64_t>> heap;  // (priority, -pair): ties go to the lowest pair
+    for (std::int64_t q = 0; q < n_pairs; ++q) {
+      std::int64_t t0 = (q / half) * D + q % half;
+      double r0 = static_cast<double>(hi_t[t0]) - lo_t[t0], r1 = static_cast<double>(hi_t[t0 + half]) - lo_t[t0 + half];
+      double v = energy[q] * (r0 * r0 + r1 * r1);
+      heap.emplace(v > 0.0 && std::isfinite(v) ? std::log2(v) : -HUGE_VAL, -q);
+    }
+    for (std::int64_t left = 3 * n_pairs; left > 0; --left) {  // all 8: 7 n_pairs > 3 n_pairs, never empty
+      auto [prio, mq] = heap.top();
+      heap.pop();
+      if (++w[-mq] < 8) heap.emplace(prio - 2.0, mq);  // one bit more: the error model's 4^-w
+    }
+    for (std::int64_t q = 0; q < n_pairs; ++q) {
+      std::int64_t t0 = (q / half) * D + q % half;
+      width[t0] = width[t0 + half] = w[q];
+      std::uint8_t& nib = out[p.widths + q / 2];
+      if (q % 2 == 0) nib = static_cast<std::uint8_t>(w[q] - 1);
+      else nib = static_cast<std::uint8_t>(nib | ((w[q] - 1) << 4));
+    }
+  }
+  // The step each tile needs. Width w <= 4: z = round(mn / s) puts mn
+  // within s / 2 of the grid's first level, so s >= (mx - mn) / (2^w - 1)
+  // reaches mx within s / 2 of the last; |z| <= 127 needs s >= |mn| / 127.
+  // w > 4: the grid starts at z f s with f = 2^(w-4) and z = floor(mn /
+  // (f s)), within f s below mn: s >= (mx - mn) / (2^w - 1/2 - f) reaches
+  // mx, s >= |mn| / (127 f) keeps z in an i8.
+  float base = 0.0f;
+  for (std::size_t t = 0; t < need.size(); ++t) {
+    const int w = width[t];
+    const float levels = static_cast<float>((1 << w) - 1), f = w > 4 ? static_cast<float>(1 << (w - 4)) : 1.0f;
+    const float span = hi_t[t] - lo_t[t];
+    need[t] = w > 4 ? std::max(span / (levels + 0.5f - f), std::fabs(lo_t[t]) / (127.0f * f))
+                    : std::max(span / levels, std::fabs(lo_t[t]) / 127.0f);
+    base = std::max(base, need[t]);
   }
   if (!std::isfinite(base)) return false;
   store_le<float>(out, base);
@@ -333,12 +413,46 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
       while (c > 0 && base * kPow2.v[c] < need[t]) --c;
     }
     float st = base * kPow2.v[c];
-    float z = st > 0.0f ? std::floor(lo_t[t] / st + 0.5f) : 0.0f;
+    float z;
+    if (width[t] > 4) {
+      const float u = st * static_cast<float>(1 << (width[t] - 4));
+      z = u > 0.0f ? std::floor(lo_t[t] / u) : 0.0f;
+      if (z * u > lo_t[t]) z -= 1.0f;  // the division rounded up
+    } else {
+      z = st > 0.0f ? std::floor(lo_t[t] / st + 0.5f) : 0.0f;
+    }
     z = std::min(127.0f, std::max(-128.0f, z));
     out[p.params + 2 * t] = static_cast<std::uint8_t>(c);
     out[p.params + 2 * t + 1] = static_cast<std::uint8_t>(static_cast<std::int8_t>(z));
     step[t] = st;
     zero[t] = z;
+  }
+  if (s.paired) {  // per tile, in tile order: tile_rows codes of w bits
+    std::uint8_t* data = out + p.data;
+    std::size_t at = 0;
+    for (std::int64_t b = 0; b < nb; ++b) {
+      for (std::int64_t c = 0; c < D; ++c) {
+        const std::size_t t = static_cast<std::size_t>(b * D + c);
+        const int w = width[t];
+        const float levels = static_cast<float>((1 << w) - 1);
+        const float off = zero[t] * (w > 4 ? static_cast<float>(1 << (w - 4)) : 1.0f);
+        const float inv = step[t] > 0.0f ? 1.0f / step[t] : 0.0f;
+        std::uint64_t acc = 0;
+        int nbits = 0;
+        for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r) {
+          float v = x[r * D + c] * inv - off;  // an outlier's NaN: code 0
+          v = std::min(levels, std::max(0.0f, v)) + 0.5f;
+          acc |= static_cast<std::uint64_t>(static_cast<int>(v)) << nbits;
+          nbits += w;
+          while (nbits >= 8) {
+            data[at++] = static_cast<std::uint8_t>(acc);
+            acc >>= 8;
+            nbits -= 8;
+          }
+        }
+      }
+    }
+    return true;
   }
   std::vector<float> inv(D), zc(D);
   for (std::int64_t b = 0; b < nb; ++b) {
@@ -403,7 +517,42 @@ bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8
     return s.bits == 4 ? static_cast<float>(static_cast<std::int8_t>(enc[p.params + 2 * t + 1])) : 0.0f;
   };
   const std::uint8_t* data = enc + p.data;
-  for (std::int64_t b = 0; b < nb; ++b) {
+  if (s.paired) {  // widths 1..8 summing to 4 per tile, else the bytes are not ours
+    const std::int64_t half = D / 2, n_pairs = nb * half;
+    std::vector<int> width(static_cast<std::size_t>(n_pairs));
+    std::int64_t bits_total = 0;
+    for (std::int64_t q = 0; q < n_pairs; ++q) {
+      int nib = (enc[p.widths + q / 2] >> (4 * (q % 2))) & 0x0F;
+      if (nib > 7) return false;
+      width[q] = nib + 1;
+      bits_total += 2 * width[q];
+    }
+    if (bits_total != 4 * p.n_tiles) return false;
+    std::vector<float> blk(static_cast<std::size_t>(tr * D));
+    std::size_t at = 0;
+    for (std::int64_t b = 0; b < nb; ++b) {
+      for (std::int64_t c = 0; c < D; ++c) {
+        const std::size_t t = static_cast<std::size_t>(b * D + c);
+        const int w = width[b * half + c % half];
+        const float f = w > 4 ? static_cast<float>(1 << (w - 4)) : 1.0f;
+        const float sv = st[t], off = zero_of(t) * f;
+        unpack_tile(w, data + at, tr, off, sv, blk.data() + c, D);
+        at += static_cast<std::size_t>(tr * w / 8);
+      }
+      for (std::int64_t r = 0; r < tr; ++r) {
+        std::uint8_t* o = dst + row_offsets[b * tr + r];
+        const float* y = blk.data() + r * D;
+        if (e == KvElem::F32) {
+          std::memcpy(o, y, static_cast<std::size_t>(D) * 4);
+        } else if (e == KvElem::BF16) {
+          store_row_bf16(y, reinterpret_cast<std::uint16_t*>(o), D);
+        } else {
+          for (std::int64_t d = 0; d < D; ++d) store_le<std::uint16_t>(o + 2 * d, kv_f32_to_f16(y[d]));
+        }
+      }
+    }
+  }
+  for (std::int64_t b = 0; b < nb && !s.paired; ++b) {
     if (tr > 1) {  // steps per column, shared by the block's rows (keys)
       for (std::int64_t d = 0; d < D; ++d) {
         std::size_t t = static_cast<std::size_t>(b * p.n_tc + d / tc);

@@ -514,6 +514,34 @@ static void test_kv_quant() {
       CHECK(!ucm::kv_decode(enc.data(), s, ucm::KvElem::F32, reinterpret_cast<std::uint8_t*>(y.data()), rows.data()));
     }
   }
+  // Paired widths (keys): the same bound per tile at every width, the size
+  // of bits 4 plus a nibble per pair, and widths that do not sum to 4 per
+  // tile are refused. Pair 0 carries the energy (it gets the most bits).
+  for (std::int64_t outliers : {0, 4}) {
+    std::vector<float> k(x);
+    for (std::int64_t r = 0; r < R; ++r) k[r * D] = k[r * D + D / 2] = 10000.0f + 100.0f * static_cast<float>(r);
+    ucm::KvSegment s{R, D, 32, 1, 4, outliers, true};
+    ucm::KvSegment plain{R, D, 32, 1, 4, outliers};
+    std::size_t n_tiles = static_cast<std::size_t>(R / 32 * D);
+    CHECK(ucm::kv_encoded_bytes(s, ucm::KvElem::F32) == ucm::kv_encoded_bytes(plain, ucm::KvElem::F32) + n_tiles / 4);
+    std::vector<std::uint8_t> enc(ucm::kv_encoded_bytes(s, ucm::KvElem::F32));
+    CHECK(ucm::kv_encode(reinterpret_cast<const std::uint8_t*>(k.data()), rows.data(), s, ucm::KvElem::F32,
+                         enc.data()));
+    std::vector<float> y(R * D), steps(n_tiles);
+    CHECK(ucm::kv_decode(enc.data(), s, ucm::KvElem::F32, reinterpret_cast<std::uint8_t*>(y.data()), rows.data()));
+    ucm::kv_tile_steps(enc.data(), s, ucm::KvElem::F32, steps.data());
+    for (std::int64_t i = 0; i < R * D; ++i) {
+      float bound = steps[(i / D) / 32 * D + i % D] / 2 * 1.0001f;
+      CHECK(std::fabs(k[i] - y[i]) <= bound || k[i] == y[i]);
+    }
+    const std::size_t widths_at = 4 + 2 * n_tiles;
+    int w0 = (enc[widths_at] & 0x0F) + 1;
+    CHECK(w0 == 8);
+    enc[widths_at] = static_cast<std::uint8_t>((enc[widths_at] & 0xF0) | 0x06);  // 7 bits: the sum is off
+    CHECK(!ucm::kv_decode(enc.data(), s, ucm::KvElem::F32, reinterpret_cast<std::uint8_t*>(y.data()), rows.data()));
+    enc[widths_at] = static_cast<std::uint8_t>((enc[widths_at] & 0xF0) | 0x08);  // 9 bits: no such width
+    CHECK(!ucm::kv_decode(enc.data(), s, ucm::KvElem::F32, reinterpret_cast<std::uint8_t*>(y.data()), rows.data()));
+  }
 }
 
 int main() {

@@ -214,21 +214,23 @@ def test_unknown_codec_ids_and_raw_bytes_are_misses():
     assert a.stats()["codec_unknown_id"] == 1 and a.stats()["codec_bad_frames"] == 1
 
 
-def test_a_frame_of_the_retired_int4_format_is_a_miss():
-    """int4's first format (codec id 3: u32 outlier indexes) is no codec's
-    any more: a block stored by it is a miss for an int4 tier of today,
-    never decoded with the new format's offsets."""
+@pytest.mark.parametrize("retired", [3, 4])
+def test_a_frame_of_a_retired_int4_format_is_a_miss(retired):
+    """int4's earlier formats (codec id 3: u32 outlier indexes; id 4: every
+    key tile at 4 bits, with key outliers) are no codec's any more: a block
+    stored by one is a miss for an int4 tier of today, never decoded with
+    the new format's offsets."""
     from ucm.codecs.quant import Int4Codec
 
-    assert Int4Codec.codec_id == 4 and codec_class_by_id(3) is None
+    assert Int4Codec.codec_id == 5 and codec_class_by_id(retired) is None
     medium = DictAdapter()
     book = LayoutBook()
     book.register(LAYOUT)
     a = CodecAdapter(medium, Int4Codec(), book)
     keys, data = kv_blocks(2, 9)
     enc = Int4Codec().encode(memoryview(data[0]), LAYOUT)
-    medium.blobs[keys[0]] = pack(3, len(data[0]), enc.meta, enc.body)  # well formed, checksums good, id 3
-    medium.blobs[keys[1]] = pack(4, len(data[1]), enc.meta, enc.body)  # the same bytes under today's id
+    medium.blobs[keys[0]] = pack(retired, len(data[0]), enc.meta, enc.body)  # well formed, checksums good
+    medium.blobs[keys[1]] = pack(5, len(data[1]), enc.meta, enc.body)  # the same bytes under today's id
     assert a.get(keys[:1], [bytearray(len(data[0]))]) == [Status.CORRUPT]
     assert a.stats()["codec_unknown_id"] == 1
     assert a.get(keys[1:], [bytearray(len(data[1]))]) == [Status.OK]

@@ -6,17 +6,27 @@ key outliers sit in fixed channels, value outliers in tokens):
 - `int8`, symmetric: a key tile is one channel of one head over the
   block's tokens, a value tile one token of one head over its channels;
   one fp16 step per tile (rounded up so |x| / s <= 127).
-- `int4` (codec id 4), asymmetric, groups of 32: a key tile is one
+- `int4` (codec id 5), asymmetric, groups of 32: a key tile is one
   channel over 32 tokens, a value tile 32 channels of one token; per tile
   a u8 step code (s = base * 2^(-c/16), base an f32 per segment) and an
-  i8 zero point (x' = (q + z) * s, q in 0..15), with s the smallest code
-  >= max((max - min) / 15, |min| / 127) and z = round(min / s), so the 16
-  levels span the tile; per segment the 0.2 % of elements farthest from
-  their tile's mean are kept exact (KVQuant's dense-and-sparse split) with
-  u16 indexes, so one spike does not widen its group's step. Codec id 3
-  was the first int4 (steps of (max - min) / 14, 0.1 % outliers with u32
-  indexes); its frames are misses now (no codec has id 3), as any frame of
-  a codec this process lacks.
+  i8 zero point. Values: 4 bits (x' = (q + z) * s, q in 0..15), with s
+  the smallest code >= max((max - min) / 15, |min| / 127) and z =
+  round(min / s), so the 16 levels span the tile; per segment the 0.2 %
+  of elements farthest from their tile's mean are kept exact (KVQuant's
+  dense-and-sparse split) with u16 indexes, so one spike does not widen
+  its group's step. Keys: each RoPE pair of channels (c, c + D/2, the
+  rotate_half convention of Llama-style models in vLLM and transformers)
+  of each 32-token group gets its own width of 1-8 bits, 4 on average per
+  segment, given where a query would feel the error: the logit error of a
+  pair is q . dk, and queries are large in the pairs where keys are, so
+  the encoder gives bits greedily to the pair with the largest (its keys'
+  mean energy) x (its squared ranges) x 4^-w (format in
+  cpp/include/ucm/kv_quant.hpp, "paired"). On four SmolLM2 documents
+  that cut int4's teacher-forced KL from 0.0045 to 0.0017 at the same
+  size (docs/benchmarks.md, "int4 keys: bits where the queries look").
+  Codec ids 3 and 4 were the earlier int4 formats (4: every key tile at
+  4 bits with 0.2 % outliers); their frames are misses now (no codec has
+  those ids), as any frame of a codec this process lacks.
 
 Every element of a non-outlier comes back within s / 2 of its value (plus
 the rounding of x' to the KV dtype); `tile_steps` returns the s of every
@@ -26,16 +36,17 @@ Encoded size of a block (all integers; n = heads x tokens x channels of
 one segment, t = its tiles, o = its outliers, e = element bytes):
 
     int8: 48 + |layout| + 20 + layers x sum over K, V of (2 t + n)
-    int4: 48 + |layout| + 20 + layers x sum over K, V of
-          (4 + 2 t + o (i + e) + n / 2),   o = floor(2 n / 1000),
-                                           i = 2 if n <= 65536 else 4
+    int4: 48 + |layout| + 20 + layers x (K + V),
+          K = 4 + 2 t + ceil(t / 4) + n / 2   (a nibble per pair of tiles)
+          V = 4 + 2 t + o (i + e) + n / 2,     o = floor(2 n / 1000),
+                                               i = 2 if n <= 65536 else 4
 
 where 48 is the frame header (ucm.codecs.frame), |layout| the KvLayout's
 encoding and 20 the codec's parameters (`encoded_bytes` computes it). For
 SmolLM2 in bf16 at 128 tokens (3 heads, 64 channels, 30 layers; a
-126-byte layout) that is 1,509,314 bytes for int8 (1.954x) and 841,634
-bytes for int4 (3.504x) against 2,949,120 raw (n = 24,576, t = 768,
-o = 49 per segment).
+126-byte layout) that is 1,509,314 bytes for int8 (1.954x) and 841,514
+bytes for int4 (3.505x) against 2,949,120 raw (n = 24,576, t = 768,
+o = 49 per value segment).
 
 Blocks the layout does not describe (no layout registered, another size,
 a dtype other than float32 / float16 / bfloat16) are not encoded (the
@@ -60,7 +71,8 @@ _PARAMS = struct.Struct("<IIIII")  # k tile rows, k tile cols, v tile rows, v ti
 class _Plan:
     """The native segment table of one (layout, parameters) pair."""
 
-    def __init__(self, layout: KvLayout, bits: int, params: tuple[int, int, int, int, int]) -> None:
+    def __init__(self, layout: KvLayout, bits: int, params: tuple[int, int, int, int, int],
+                 paired_keys: bool = False) -> None:
         ktr, ktc, vtr, vtc, per_mille = params
         rows = []
         row_start, at = 0, 0
@@ -68,10 +80,11 @@ class _Plan:
         for _layer in range(layout.num_layers):
             for s in layout.segments:
                 tr, tc = (ktr, ktc) if s.kind == "k" else (vtr, vtc)
+                paired = paired_keys and s.kind == "k"
                 n = s.rows * s.channels
-                out = n * per_mille // 1000 if bits == 4 else 0
-                size = _native.kv_encoded_bytes(s.rows, s.channels, tr, tc, bits, out, elem)
-                rows.append((s.rows, s.channels, tr, tc, bits, out, row_start, at))
+                out = n * per_mille // 1000 if bits == 4 and not paired else 0
+                size = _native.kv_encoded_bytes(s.rows, s.channels, tr, tc, bits, out, elem, paired)
+                rows.append((s.rows, s.channels, tr, tc, bits, out, row_start, at, int(paired)))
                 row_start += s.rows
                 at += size
         self.table = np.array(rows, dtype=np.int64)
@@ -98,6 +111,7 @@ class QuantCodec(Codec):
 
     lossy = True
     bits: int
+    paired_keys = False  # keys with a width per RoPE pair of tiles (int4, codec id 5)
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads
@@ -117,13 +131,16 @@ class QuantCodec(Codec):
             return (t, 1, 1, c, 0)
         if c % 2:
             return None
-        return (GROUP if t % GROUP == 0 else t, 1, 1, GROUP if c % GROUP == 0 else c, OUTLIER_PER_MILLE)
+        ktr = GROUP if t % GROUP == 0 else t
+        if self.paired_keys and ktr % 8:  # a key tile's codes must fill whole bytes at any width
+            return None
+        return (ktr, 1, 1, GROUP if c % GROUP == 0 else c, OUTLIER_PER_MILLE)
 
     def _plan(self, layout: KvLayout, params: tuple[int, int, int, int, int]) -> _Plan:
         key = (layout.layout_bytes(), params)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(layout, self.bits, params)
+            plan = self._plans[key] = _Plan(layout, self.bits, params, self.paired_keys)
         return plan
 
     def encoded_bytes(self, layout: KvLayout) -> Optional[int]:
@@ -208,7 +225,8 @@ class QuantCodec(Codec):
         bound of an element is half its tile's step), in table order."""
         layout, params = self.split_meta(meta)
         plan = self._plan(layout, params)
-        return [np.frombuffer(_native.kv_tile_steps(body, int(r[7]), *map(int, r[:6]), plan.elem), np.float32)
+        return [np.frombuffer(_native.kv_tile_steps(body, int(r[7]), *map(int, r[:6]), plan.elem, bool(r[8])),
+                              np.float32)
                 for r in plan.table]
 
 
@@ -221,6 +239,7 @@ class Int8Codec(QuantCodec):
 
 class Int4Codec(QuantCodec):
     name = "int4"
-    codec_id = 4  # 3: the first int4 format, retired (its frames are misses)
+    codec_id = 5  # 3 and 4: the first two int4 formats, retired (their frames are misses)
     bits = 4
+    paired_keys = True
     nominal_ratio = 3.5

@@ -22,6 +22,23 @@
 //                        tile the smallest code with s >= max((max - min)
 //                        / 15, |min| / 127) and z = round(min / s), so all
 //                        16 levels span the tile's range.
+//   bits 4, `paired` (keys, tile_cols 1, tile_rows a multiple of 8, D
+//   even): as bits 4, but each pair of tiles (c, c + D/2) of a row block
+//   (one RoPE pair of channels, rotate_half convention) has its own width
+//   w of 1..8 bits instead of 4: f32 base || n_tiles x (u8 c, i8 z)
+//   || n_tiles / 2 nibbles of w - 1 (pair p = b * D/2 + c, c < D/2, low
+//   nibble first) || outliers as above || per tile, in tile order,
+//   tile_rows * w / 8 bytes of w-bit codes (code i at bit i * w, LSB
+//   first). The widths of a segment sum to 4 per tile, so its size is that
+//   of bits 4 plus the nibbles. The encoder gives the bits where a query
+//   would feel their error: greedily, to the pair with the largest
+//   (its keys' mean energy) x (the sum of its two tiles' squared ranges)
+//   x 4^-w (the logit error q.dk of a RoPE pair scales with both its
+//   query's and its key's energy, and queries are large where keys are).
+//   x' = (q + z f) s with f = 2^(w-4) for w > 4 (then z = floor(min / (f
+//   s)) and s >= max((max - min) / (2^w - 1/2 - f), |min| / (127 f)))
+//   and f = 1 otherwise (z = round(min / s), s >= max((max - min) /
+//   (2^w - 1), |min| / 127)).
 // Reconstruction error per element is at most s / 2 (plus the rounding of
 // x' to the element type); `outliers` elements per segment (those farthest
 // from their tile's mean) are kept exact.
@@ -41,6 +58,7 @@ struct KvSegment {
   std::int64_t tile_cols = 1;  // divides D
   int bits = 8;                // 8 or 4
   std::int64_t outliers = 0;   // kept exact (bits 4 only)
+  bool paired = false;         // bits 4: a width per RoPE pair of key tiles (above)
 };
 
 std::size_t kv_elem_bytes(KvElem e);

@@ -74,18 +74,55 @@ def test_every_element_is_within_half_its_tile_step(codec_cls, dtype, which):
     assert (out.float().abs().max() >= 59.0)  # the spikes survive (int8: scaled; int4: kept exact)
 
 
-def test_a_spike_is_kept_exact_by_int4():
+def test_a_spike_in_the_values_is_kept_exact_by_int4():
     layout = planar_layout("bfloat16", 1, 1, 32, 64)
     x = torch.zeros(layout.block_bytes // 2, dtype=torch.bfloat16)
     x[:] = torch.linspace(-1, 1, x.numel()).to(torch.bfloat16)
-    x[100] = 1232.0  # representable in bf16
+    spike = 2048 + 100  # in V (K is the layer's first 32 x 64 elements)
+    x[spike] = 1232.0  # representable in bf16
     codec = Int4Codec()
     enc = codec.encode(memoryview(x.view(torch.uint8).numpy()), layout)
     out = torch.empty_like(x)
     assert codec.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out.view(torch.uint8).numpy()))
-    assert out[100].item() == 1232.0
+    assert out[spike].item() == 1232.0
     # Without the spike in it, its group keeps the step of its neighbours (range 0.97 / 15: error <= 0.034).
-    assert (out.float() - x.float()).abs()[torch.arange(x.numel()) != 100].max() < 0.034
+    err = (out.float() - x.float()).abs()
+    assert err[2048:][torch.arange(2048) != 100].max() < 0.034
+
+
+def key_widths(body, row, n_tiles):
+    """The widths (1-8) of a paired key segment's pairs of tiles, from its bytes."""
+    at = int(row[7]) + 4 + 2 * n_tiles
+    nib = np.frombuffer(bytes(body[at:at + (n_tiles // 2 + 1) // 2]), np.uint8)
+    return (np.stack([nib & 0x0F, nib >> 4], 1).reshape(-1)[:n_tiles // 2] + 1).astype(int)
+
+
+def test_int4_gives_key_bits_where_the_queries_look():
+    """Keys: a width per RoPE pair (c, c + D/2) of each 32-token tile, 4 per
+    tile on average; a pair with large keys and a wide range (where a query
+    is large too, and feels the error) gets more bits and a finer step than
+    a quiet pair of the same range, which gets fewer."""
+    layout = planar_layout("float32", 1, 1, 64, 64)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(64, 64, generator=g) * 0.5
+    k[:, 5] += 20.0  # pair 5: channels 5 and 37, large keys
+    k[:, 37] += 20.0
+    x = torch.cat([k.reshape(-1), torch.randn(64 * 64, generator=g)])
+    codec = Int4Codec()
+    enc = codec.encode(memoryview(x.numpy().view(np.uint8)), layout)
+    plan = codec._plan(layout, codec.params(layout))
+    krow = plan.table[0]
+    assert int(krow[8]) == 1 and int(krow[5]) == 0  # keys paired, no key outliers; values not paired
+    assert int(plan.table[1][8]) == 0 and int(plan.table[1][5]) > 0
+    w = key_widths(enc.body, krow, 2 * 64).reshape(2, 32)  # [token group, pair]
+    assert w.sum() == 4 * 2 * 32 and w.min() >= 1 and w.max() <= 8
+    assert (w[:, 5] > 4).all() and (w[:, 5] >= w.max(1)).all()
+    out = torch.empty_like(x)
+    assert codec.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out.numpy().view(np.uint8)))
+    err = (out[:4096] - x[:4096]).abs().reshape(64, 64)
+    assert err[:, [5, 37]].max() < err[:, [6, 38]].max()  # finer where the bits went
+    steps = codec.tile_steps(memoryview(enc.meta), memoryview(enc.body))[0].reshape(2, 64)
+    assert (err.reshape(2, 32, 64) <= torch.tensor(steps)[:, None, :] / 2 * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -104,10 +141,12 @@ def test_int4_steps_span_each_tile_with_all_16_levels(dtype):
     checked = 0
     body = np.frombuffer(bytes(enc.body), np.uint8)
     for a, st, row in zip(segments(layout, x), steps, table):
-        rows, cols, tr, tc, _, n_out, _, at = (int(v) for v in row)
+        rows, cols, tr, tc, _, n_out, _, at, paired = (int(v) for v in row)
         grid = st.reshape(rows // tr, cols // tc)
-        # The outliers' u16 indexes follow the f32 base and the 2-byte tile parameters.
-        start = at + 4 + 2 * grid.size
+        # The outliers' u16 indexes follow the f32 base, the 2-byte tile
+        # parameters and (keys) the widths' nibbles.
+        widths = key_widths(body, row, grid.size).reshape(rows // tr, cols // 2) if paired else None
+        start = at + 4 + 2 * grid.size + ((grid.size // 2 + 1) // 2 if paired else 0)
         out_idx = body[start:start + 2 * n_out].view("<u2")
         inlier = np.ones(a.shape, bool)
         inlier.reshape(-1)[out_idx] = False
@@ -117,7 +156,10 @@ def test_int4_steps_span_each_tile_with_all_16_levels(dtype):
                 kept = t[inlier[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]]
                 if kept.size < 2:
                     continue
-                need = max((kept.max() - kept.min()) / 15, abs(kept.min()) / 127)
+                w = int(widths[i, j % (cols // 2)]) if paired else 4
+                f = 2 ** (w - 4) if w > 4 else 1
+                levels = 2 ** w - 1 + (0.5 - f if w > 4 else 0)
+                need = max((kept.max() - kept.min()) / levels, abs(kept.min()) / (127 * f))
                 assert need * (1 - 1e-6) <= grid[i, j] <= need * 2 ** (1 / 16) * (1 + 1e-6), (i, j)
                 checked += 1
     assert checked > 1000
@@ -130,17 +172,20 @@ def test_encoded_size_is_the_documented_formula():
     n = 24_576
     int8_body = 30 * ((2 * 192 + n) + (2 * 384 + n))
     assert Int8Codec().encoded_bytes(smollm2) == 48 + 126 + 20 + int8_body == 1_509_314
-    # int4: 4 (base) + 2 per tile (K: 3 x 64 x 128/32, V: 3 x 128 x 64/32)
-    # + 49 outliers (2 per mille of n) x (u16 index + bf16 value) + n / 2
-    int4_seg = 4 + 2 * 768 + 49 * (2 + 2) + n // 2
-    assert Int4Codec().encoded_bytes(smollm2) == 48 + 126 + 20 + 60 * int4_seg == 841_634
-    assert smollm2.block_bytes / 841_634 > 3.5 and smollm2.block_bytes / 1_509_314 > 1.9
+    # int4: 4 (base) + 2 per tile (K: 3 x 64 x 128/32, V: 3 x 128 x 64/32) + n / 2;
+    # K: a nibble per pair of tiles (768 / 4 bytes), V: 49 outliers (2 per
+    # mille of n) x (u16 index + bf16 value)
+    int4_k = 4 + 2 * 768 + 768 // 4 + n // 2
+    int4_v = 4 + 2 * 768 + 49 * (2 + 2) + n // 2
+    assert Int4Codec().encoded_bytes(smollm2) == 48 + 126 + 20 + 30 * (int4_k + int4_v) == 841_514
+    assert smollm2.block_bytes / 841_514 > 3.5 and smollm2.block_bytes / 1_509_314 > 1.9
     # A segment of more than 65,536 elements indexes its outliers with u32s:
     # n = 8 x 128 x 128 = 131,072, 262 outliers, 8 x 128 x 4 + 8 x 128 x 4 tiles.
     big = planar_layout("float16", 1, 8, 128, 128)
     big_n = 131_072
-    big_seg = 4 + 2 * 4096 + 262 * (4 + 2) + big_n // 2
-    assert Int4Codec().encoded_bytes(big) == 48 + len(big.to_bytes()) + 20 + 2 * big_seg
+    big_k = 4 + 2 * 4096 + 4096 // 4 + big_n // 2
+    big_v = 4 + 2 * 4096 + 262 * (4 + 2) + big_n // 2
+    assert Int4Codec().encoded_bytes(big) == 48 + len(big.to_bytes()) + 20 + big_k + big_v
     # The stored frame of a real encode has exactly that size.
     x = kv_like(smollm2.block_bytes // 2, "bfloat16", 3)
     for codec in (Int8Codec(), Int4Codec()):
@@ -205,7 +250,7 @@ def test_int4_outliers_of_values_near_the_float_limit_stay_in_bounds():
         x = np.array([[3e38, -3e38], [3e38, -3e38]] * 4, np.float32)
         rows, cols = x.shape
         ro = np.arange(rows, dtype=np.int64) * cols * 4
-        tab = np.array([[rows, cols, 2, 2, 4, 1, 0, 0]], dtype=np.int64)
+        tab = np.array([[rows, cols, 2, 2, 4, 1, 0, 0, 0]], dtype=np.int64)
         enc = np.zeros(_native.kv_encoded_bytes(rows, cols, 2, 2, 4, 1, 0), np.uint8)
         ok = _native.kv_encode(x.tobytes(), ro, tab, 0, enc, 1)
         if ok:
