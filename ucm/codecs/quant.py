@@ -22,7 +22,7 @@ key outliers sit in fixed channels, value outliers in tokens):
   the encoder gives bits greedily to the pair with the largest (its keys'
   mean energy) x (its squared ranges) x 4^-w (format in
   cpp/include/ucm/kv_quant.hpp, "paired"). On four SmolLM2 documents
-  that cut int4's teacher-forced KL from 0.0045 to 0.0017 at the same
+  that cut int4's teacher-forced KL from 0.0045 to 0.0018 at the same
   size (docs/benchmarks.md, "int4 keys: bits where the queries look").
   Codec ids 3 and 4 were the earlier int4 formats (4: every key tile at
   4 bits with 0.2 % outliers); their frames are misses now (no codec has
