@@ -19,7 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from ucm.connectors.vllm.sparse_config import ENV_SPARSE, parse_sparse, sparse_from_env  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+from ucm.connectors.vllm.sparse_config import ENV_SPARSE, VllmSparseConfig, parse_sparse, sparse_from_env  # noqa: E402
 from ucm.errors import ConfigError  # noqa: E402
 
 BT, H, QH, D = 128, 2, 4, 64
@@ -288,12 +290,23 @@ def test_plugin_off_registers_nothing_and_on_points_cpu_attn_at_ucm(monkeypatch)
     ("{page_tokens: 0}", r"UCM_VLLM_SPARSE.page_tokens"),
     ("{rank: 0}", r"UCM_VLLM_SPARSE.rank: Input should be greater than or equal to 1"),
     ("{min_context_tokens: 31}", r"UCM_VLLM_SPARSE.min_context_tokens: 31 is below rank \+ page_tokens \(16 \+ 16\)"),
+    ("{rank: 8, page_tokens: 32, min_context_tokens: 39}",
+     r"UCM_VLLM_SPARSE.min_context_tokens: 39 is below rank \+ page_tokens \(8 \+ 32\)"),
     ("[quest]", r"UCM_VLLM_SPARSE: expected a mapping"),
     ("{a: [", r"UCM_VLLM_SPARSE: the value is not valid YAML"),
 ])
 def test_bad_settings_name_the_key_and_what_is_allowed(value, message):
     with pytest.raises(ConfigError, match=message):
         parse_sparse(value)
+
+
+def test_a_config_built_by_hand_is_checked_as_one_read_from_the_environment():
+    """The lowrank basis check is part of the model's validation: a config
+    built in code cannot skip it (it once lived in parse_sparse only)."""
+    with pytest.raises(ValidationError, match=r"min_context_tokens\n.*31 is below rank \+ page_tokens"):
+        VllmSparseConfig(min_context_tokens=31)
+    assert VllmSparseConfig(selector="quest", min_context_tokens=0).min_context_tokens == 0  # no basis to fit
+    assert VllmSparseConfig(min_context_tokens=32).min_context_tokens == 32
 
 
 def test_settings_off_on_and_values():

@@ -38,7 +38,7 @@ import os
 from typing import Any, Mapping, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ucm.accelerators.sparse.base import BUDGET_KINDS, Budget, SelectionConfig
 from ucm.accelerators.sparse.selectors import SELECTORS
@@ -59,9 +59,10 @@ class VllmSparseConfig(BaseModel):
     sink_tokens: int = Field(default=128, ge=0)
     local_tokens: int = Field(default=256, ge=0)
     page_tokens: int = Field(default=16, gt=0)
-    min_context_tokens: int = Field(default=1024, ge=0)
     reselect_every: int = Field(default=1, ge=1)
     rank: int = Field(default=16, ge=1)
+    # After selector, page_tokens and rank: its check reads them.
+    min_context_tokens: int = Field(default=1024, ge=0)
 
     @field_validator("selector")
     @classmethod
@@ -87,15 +88,20 @@ class VllmSparseConfig(BaseModel):
     def selection(self) -> SelectionConfig:
         return SelectionConfig(self.budget, self.sink_tokens, self.local_tokens)
 
-    def check_basis_context(self) -> None:
-        """ConfigError when the selector fits a key basis (`lowrank`) and
-        `min_context_tokens` could let a context with fewer than `rank`
-        tokens in full pages be the one it is fitted on."""
-        if SELECTORS[self.selector].needs_proj and self.min_context_tokens < self.rank + self.page_tokens:
-            raise ConfigError(f"{ENV_SPARSE}.min_context_tokens: {self.min_context_tokens} is below rank + "
-                              f"page_tokens ({self.rank} + {self.page_tokens}); selector {self.selector!r} fits its "
-                              f"basis on the full pages of a layer's first sparse context; use at least "
-                              f"{self.rank + self.page_tokens}")
+    @field_validator("min_context_tokens")
+    @classmethod
+    def _basis_context(cls, v: int, info: ValidationInfo) -> int:
+        """A selector that fits a key basis (`lowrank`) must not fit it on a
+        context with fewer than `rank` tokens in full pages: refused here,
+        so a config built by hand is checked as one read from the
+        environment is."""
+        sel, rank, page = (info.data.get(k) for k in ("selector", "rank", "page_tokens"))
+        if sel in SELECTORS and rank is not None and page is not None and SELECTORS[sel].needs_proj \
+                and v < rank + page:
+            raise ValueError(f"{v} is below rank + page_tokens ({rank} + {page}); selector {sel!r} fits its "
+                             f"basis on the full pages of a layer's first sparse context; use at least "
+                             f"{rank + page}")
+        return v
 
     def check_block_size(self, block_tokens: int) -> None:
         """ConfigError unless `page_tokens` divides vLLM's block size."""
@@ -123,7 +129,6 @@ def parse_sparse(value: Optional[str]) -> Optional[VllmSparseConfig]:
         cfg = VllmSparseConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, VllmSparseConfig, prefix=f"{ENV_SPARSE}.")) from None
-    cfg.check_basis_context()
     return cfg
 
 
