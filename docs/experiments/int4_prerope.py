@@ -71,13 +71,7 @@ def q_keys(k, nuq=False, out_frac=0.0, group=32):
     n, L, H, T, D = k.shape
     g = k.reshape(n, L, H, T // group, group, D)
     big = torch.finfo(torch.float32).max
-    if out_frac > 0:
-        dev = (g - g.mean(-2, keepdim=True)).abs().reshape(n, L, -1)
-        m = max(1, int(dev.shape[-1] * out_frac))
-        thr = dev.topk(m, dim=-1).values[..., -1:]
-        mask = (dev >= thr).reshape(g.shape)
-    else:
-        mask = torch.zeros_like(g, dtype=torch.bool)
+    mask = iv.key_outliers(g, out_frac) if out_frac > 0 else torch.zeros_like(g, dtype=torch.bool)
     lo = torch.where(mask, torch.full_like(g, big), g).amin(-2, keepdim=True)
     hi = torch.where(mask, torch.full_like(g, -big), g).amax(-2, keepdim=True)
     span = (hi - lo).clamp_min(1e-12)

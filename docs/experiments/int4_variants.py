@@ -51,16 +51,21 @@ def q_clipsearch(x, dim, group, bits=4):
             best = torch.where(m, o, best); be = torch.where(m, e, be)
     return best.reshape(shp).movedim(-1, dim)
 
+def key_outliers(g, frac):
+    """g [n, L, H, groups, 32, D] (key tiles over their 32 tokens): the
+    `frac` of each (block, layer) segment farthest from their tile mean."""
+    n, L = g.shape[:2]
+    dev = (g - g.mean(-2, keepdim=True)).abs().reshape(n, L, -1)
+    m = max(1, int(dev.shape[-1] * frac))
+    thr = dev.topk(m, dim=-1).values[..., -1:]
+    return (dev >= thr).reshape(g.shape)
+
 def q_out(k, frac):
     """K per channel over 32 tokens, `frac` of each (block, layer) segment kept exact:
     the elements farthest from their tile mean; the tile's range excludes them."""
     n, L, H_, T, D = k.shape
     g = k.reshape(n, L, H_, T // 32, 32, D)
-    mean = g.mean(-2, keepdim=True)
-    dev = (g - mean).abs().reshape(n, L, -1)
-    m = max(1, int(dev.shape[-1] * frac))
-    thr = dev.topk(m, dim=-1).values[..., -1:]
-    out_mask = (dev >= thr).reshape(g.shape)
+    out_mask = key_outliers(g, frac)
     big = torch.finfo(torch.float32).max
     lo = torch.where(out_mask, torch.full_like(g, big), g).amin(-2, keepdim=True)
     hi = torch.where(out_mask, torch.full_like(g, -big), g).amax(-2, keepdim=True)
@@ -163,6 +168,8 @@ def variant(name, blocks):
 from ucm.codecs.quant import Int4Codec
 
 class Int4P(Int4Codec):
+    paired_keys = False  # the id-4 key format (every key tile at 4 bits) its `p:` rows were measured with
+
     def __init__(self, p):
         super().__init__()
         self.p = p
