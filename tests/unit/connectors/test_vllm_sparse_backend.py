@@ -149,14 +149,14 @@ def test_sinklocal_row_attends_exactly_sink_and_local(monkeypatch):
     assert not torch.allclose(got[t], ref[t], atol=1e-3)  # the row really attended fewer tokens
 
 
-@pytest.mark.parametrize("selector", ["quest", "mean", "moment", "blend", "lowrank"])
+@pytest.mark.parametrize("selector", ["quest", "mean", "moment", "blend", "lowrank", "hybrid"])
 def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeypatch, selector):
     """The long decode row attends exactly the pages the selector picks from
     summaries computed straight from the row's logical keys (so the page
     summaries kept over vLLM's blocks hold what the selector reads: min,
     max and, for `mean`, `moment` and `blend`, the mean; for `lowrank`
-    every token's key projected on the basis fitted on the row's full
-    pages)."""
+    and `hybrid` every token's key projected on the basis fitted on the
+    row's full pages)."""
     from ucm.accelerators.sparse.base import LayerStep
     from ucm.accelerators.sparse.lowrank import fit_key_basis
     from ucm.accelerators.sparse.selectors import make_selector
@@ -184,13 +184,14 @@ def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeyp
     impl = _impl(sb.UcmSparseCpuImpl, monkeypatch)
     got = _forward(impl, kv2, query, layer, metadata())
     basis = None
-    if selector == "lowrank":  # fitted once, on the keys of the row's 43 full pages
+    if selector in ("lowrank", "hybrid"):  # fitted once, on the keys of the row's 43 full pages
         basis = fit_key_basis([k[:688].transpose(0, 1).numpy()], 16).vectors[0]  # the default rank
         np.testing.assert_allclose(impl.summaries.basis, basis, atol=1e-5)
         assert sb.counters()["bases_fitted"] == 1
-    # the layer keeps what its selector reads: no bounds for lowrank and mean, no mean for quest and lowrank
+    # the layer keeps what its selector reads: no bounds for lowrank and mean, no mean for quest, lowrank, hybrid
     assert (impl.summaries.min is None) == (selector in ("lowrank", "mean"))
-    assert (impl.summaries.mean is None) == (selector in ("lowrank", "quest"))
+    assert (impl.summaries.mean is None) == (selector in ("lowrank", "quest", "hybrid"))
+    assert (impl.summaries.proj is None) == (selector not in ("lowrank", "hybrid"))
     step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16, basis),
                      scale=1 / math.sqrt(D))
     sel = make_selector(selector).select(step, sb.sparse_from_env().selection())

@@ -33,6 +33,15 @@
   a head needs whose match lies outside its directions), at rank 16
   ahead of both on four 8K prompts, so it is the connectors' default
   (docs/benchmarks.md);
+- `hybrid`: lowrank's picks and quest's side by side: of every budget,
+  `quest_share` (0.25) goes to quest's best units and the rest to
+  lowrank's, a unit both pick counted once (`interleaved_rank`). lowrank
+  holds the mass that continuations need but, at 8K, loses the single
+  needle a retrieval head looks for (a match outside its 16 directions),
+  which quest's bound over all channels keeps (docs/benchmarks.md,
+  "lowrank and quest together"). Reads the projections and the bounds
+  (25 % of SmolLM2's bf16 K and V at rank 16, against 12.5 % for either
+  alone); top-p adds up lowrank's mass in the merged order;
 - `sinklocal`: no scoring; the budget widens the local window (the most
   recent candidates first, StreamingLLM);
 - `random`: candidates in a seeded random order.
@@ -212,6 +221,42 @@ class LowRankSelector(Selector):
         return per_unit, per_unit
 
 
+def interleaved_rank(first: np.ndarray, second: np.ndarray, share: float) -> np.ndarray:
+    """One ranking (higher is better) of the candidates two rankings rank:
+    any best-first prefix of it takes about `share` of its units from
+    `second`'s best and the rest from `first`'s, each unit at the better of
+    its two places (a unit both rank high is taken once, and the next of
+    either list fills its place). At `share` 0 it is `first`'s order, at 1
+    `second`'s; ties go to `first`."""
+    n = first.shape[0]
+    out = np.full(n, np.inf)
+    for ranking, weight, nudge in ((first, 1.0 - share, 0.0), (second, share, 0.25)):
+        if weight > 0:
+            place = np.empty(n)
+            place[np.argsort(-np.asarray(ranking), kind="stable")] = np.arange(n)
+            out = np.minimum(out, (place + 0.5) / weight + nudge)
+    return -out
+
+
+class HybridSelector(Selector):
+    name = "hybrid"
+    needs_bounds = True
+    needs_proj = True
+
+    def __init__(self, quest_share: float = 0.25) -> None:
+        if isinstance(quest_share, bool) or not isinstance(quest_share, (int, float)) or not 0 <= quest_share <= 1:
+            raise ConfigError(f"sparse selector 'hybrid': quest_share must be a number in [0, 1], got "
+                              f"{quest_share!r}")
+        self.quest_share = float(quest_share)
+        self._lowrank, self._quest = LowRankSelector(), QuestSelector()
+
+    def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        _summaries(step, self)  # refused in its own name, before either part reads them
+        low, low_mass = self._lowrank.score(step, candidates)
+        quest, _ = self._quest.score(step, candidates)
+        return interleaved_rank(low, quest, self.quest_share), low_mass
+
+
 class SinkLocalSelector(Selector):
     name = "sinklocal"
 
@@ -231,7 +276,7 @@ class RandomSelector(Selector):
 
 SELECTORS: dict[str, type[Selector]] = {c.name: c for c in (OracleSelector, QuestSelector, MeanSelector,
                                                            MomentSelector, BlendSelector, LowRankSelector,
-                                                           SinkLocalSelector, RandomSelector)}
+                                                           HybridSelector, SinkLocalSelector, RandomSelector)}
 
 
 def make_selector(name: str, **options: Any) -> Selector:

@@ -9,12 +9,13 @@ defaults; unset, empty, `off` or `false` is off.
 
     UCM_VLLM_SPARSE='{selector: lowrank, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
 
-- `selector`: `lowrank` (default), `quest`, `blend`, `moment`, `mean`, `sinklocal`, `random`,
-  `oracle`
+- `selector`: `lowrank` (default), `hybrid`, `quest`, `blend`, `moment`, `mean`, `sinklocal`,
+  `random`, `oracle`
   (ucm/accelerators/sparse/selectors.py; `oracle` reads every key of the
-  context at every step: a measurement, not a saving); `lowrank` also
-  keeps every token's key projected on a basis of `rank` directions per
-  KV head, fitted by each layer on the first context it decodes sparsely;
+  context at every step: a measurement, not a saving); `lowrank` and
+  `hybrid` also keep every token's key projected on a basis of `rank`
+  directions per KV head, fitted by each layer on the first context it
+  decodes sparsely;
 - `budget`: one of `{tokens: n}` (default 1024), `{ratio: r}`, `{top_p: p}`
   (ucm/accelerators/sparse/base.py): tokens picked on top of sink, local
   window and tail;
@@ -22,12 +23,12 @@ defaults; unset, empty, `off` or `false` is off.
 - `page_tokens` (16): the unit scored and picked, a divisor of vLLM's
   block size (128 on CPU);
 - `min_context_tokens` (1024): decode rows with a shorter context go to
-  the stock kernel; with `lowrank`, at least `rank + page_tokens` (its
+  the stock kernel; with `lowrank` or `hybrid`, at least `rank + page_tokens` (its
   basis is fitted on the full pages of a layer's first sparse context);
 - `reselect_every` (1): a row's selection is held for this many steps
   (the tokens decoded meanwhile are attended too) before the selector
   scores again, as in the transformers path.
-- `rank` (16): `lowrank`'s basis rank, at most the model's head size.
+- `rank` (16): the basis rank of `lowrank` and `hybrid`, at most the model's head size.
 
 Bad values raise `ConfigError` naming `UCM_VLLM_SPARSE.<key>` and what is
 allowed. Pure data: no vLLM or torch import here.

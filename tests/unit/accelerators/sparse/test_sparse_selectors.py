@@ -8,15 +8,16 @@ mean and Quest are off by 0.5 and 5), and ranks a spread unit above a
 tight one of the same mean; `blend` is quest's and moment's scores mixed
 by its weight and ranks by the heads' summed scores (the product of their
 masses), so a unit every head rates fairly beats one only one head is sure
-of."""
+of; `hybrid` gives its share of every budget to quest's best and the rest
+to lowrank's, so it keeps a needle outside lowrank's directions."""
 import numpy as np
 import pytest
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
 from ucm.accelerators.sparse.lowrank import fit_key_basis
 from ucm.accelerators.sparse.mass import recall, token_mass
-from ucm.accelerators.sparse.selectors import (SELECTORS, blend_score, expected_range, make_selector,
-                                               mean_score, moment_score, quest_bound)
+from ucm.accelerators.sparse.selectors import (SELECTORS, blend_score, expected_range, interleaved_rank,
+                                               make_selector, mean_score, moment_score, quest_bound)
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.errors import ArgumentError, ConfigError
 
@@ -154,6 +155,8 @@ def test_bad_names_budgets_and_steps_are_refused():
     for bad in (-0.1, 1.5, "0.5", True, None):
         with pytest.raises(ConfigError, match="'blend': weight must be a number in \\[0, 1\\]"):
             make_selector("blend", weight=bad)
+        with pytest.raises(ConfigError, match="'hybrid': quest_share must be a number in \\[0, 1\\]"):
+            make_selector("hybrid", quest_share=bad)
     with pytest.raises(ArgumentError):
         Budget.top_p(0.0)
     with pytest.raises(ArgumentError):
@@ -257,3 +260,54 @@ def test_blend_ranks_what_every_head_rates_above_one_heads_pick():
     assert make_selector("blend").select(s, cfg).units == (40,)
     assert make_selector("quest").select(s, cfg).units == (10,)
     assert make_selector("moment").select(s, cfg).units == (10,)
+
+
+def best_first(rank, k):
+    return set(np.argsort(-rank, kind="stable")[:k].tolist())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_interleaved_rank_takes_its_share_from_the_second_ranking(seed):
+    rng = np.random.default_rng(seed)
+    first, second = rng.standard_normal(200), rng.standard_normal(200)
+    assert list(np.argsort(-interleaved_rank(first, second, 0.0))) == list(np.argsort(-first, kind="stable"))
+    assert list(np.argsort(-interleaved_rank(first, second, 1.0))) == list(np.argsort(-second, kind="stable"))
+    merged = interleaved_rank(first, second, 0.25)
+    for k in (4, 20, 64):
+        top = best_first(merged, k)
+        # every unit of the prefix is among the first's best (1 - share) k or the second's best share k,
+        # and each ranking's part reaches at least that far, the units both rank counted once
+        a, b = best_first(first, round(0.75 * k)), best_first(second, round(0.25 * k))
+        assert a <= top and b <= top
+        assert top <= best_first(first, round(0.75 * k) + len(a & b) + 1) | best_first(second, round(0.25 * k) + 1)
+    # a unit both rank first is taken once, first
+    second[int(np.argmax(first))] = 99.0
+    assert int(np.argmax(interleaved_rank(first, second, 0.5))) == int(np.argmax(first))
+
+
+def test_hybrid_keeps_a_needle_outside_lowranks_directions():
+    """Channel 3 carries almost nothing in the keys the basis is fitted on,
+    so the rank-4 basis leaves it out and lowrank cannot see the needle
+    there that one query group looks for; quest's bound over every channel
+    can, and hybrid keeps quest's best unit next to lowrank's."""
+    rng = np.random.default_rng(5)
+    scale = np.full(DIM, 1.0, np.float32)
+    scale[:4] = 0.05
+    keys = (rng.standard_normal((KV_HEADS, N, DIM)) * scale).astype(np.float32)
+    basis = fit_key_basis([keys], 4).vectors[0]
+    query = (rng.standard_normal((KV_HEADS * GROUP, DIM)) * 0.3).astype(np.float32)
+    query[GROUP:2 * GROUP, 3] = 4.0
+    needle = 517
+    keys[1, needle - 2:needle + 2, 3] = 6.0
+    s = LayerStep(query=query, n_tokens=N, unit_tokens=16, kv_heads=KV_HEADS,
+                  summaries=units_from_keys(keys, 16, basis), keys=keys)
+    cfg = config(Budget.tokens(4 * 16))
+    low = make_selector("lowrank").select(s, cfg).units
+    assert make_selector("quest").select(s, cfg).units[0] == needle // 16
+    assert needle // 16 not in low
+    got = make_selector("hybrid").select(s, cfg).units
+    assert needle // 16 in got and set(low[:3]) <= set(got)
+    assert make_selector("hybrid", quest_share=0.0).select(s, cfg).units == low
+    # top-p adds up lowrank's mass in the merged order: at least the units lowrank alone takes
+    assert len(make_selector("hybrid").select(s, config(Budget.top_p(0.9))).units) >= \
+        len(make_selector("lowrank").select(s, config(Budget.top_p(0.9))).units)

@@ -143,7 +143,8 @@ def test_summary_size_of_a_smollm2_block():
 def test_summaries_keep_the_parts_their_selector_reads_and_count_only_those(name):
     sel = make_selector(name)
     parts = SummaryParts.of(sel)
-    assert parts == SummaryParts(bounds=name in ("quest", "moment", "blend"), mean=name in ("mean", "moment", "blend"))
+    assert parts == SummaryParts(bounds=name in ("quest", "moment", "blend", "hybrid"),
+                                 mean=name in ("mean", "moment", "blend"))
     keys, block, layout = random_block("float32", "planar", 7)
     got = summarize(block, layout, 16, parts=parts)
     assert (got.page_min is not None, got.page_max is not None, got.page_mean is not None) == \
@@ -163,7 +164,7 @@ def test_summaries_keep_the_parts_their_selector_reads_and_count_only_those(name
 
 
 @pytest.mark.parametrize("name,missing", [("quest", "bounds"), ("moment", "mean"), ("blend", "bounds"),
-                                          ("mean", "mean")])
+                                          ("mean", "mean"), ("hybrid", "bounds")])
 def test_a_selector_refuses_summaries_without_the_part_it_reads(name, missing):
     from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig, UnitSummaries
 
