@@ -70,7 +70,7 @@ def test_the_closed_loop_decodes_every_selector_and_budget_through_ucm(result):
     cl = result["closed_loop"]
     rows = {(r["selector"], r["budget"]): r for r in cl["rows"]}
     assert set(rows) == {(s, b) for s in SELECTORS for b in ("tokens=32", "tokens=64", "top_p=0.9")} | {
-        ("lowrank", "ratio=1.0")}  # the full check runs the connectors' default selector
+        ("hybrid", "ratio=1.0")}  # the full check runs the connectors' default selector
     dense_per_token = LAYERS * TOKEN_LAYER_BYTES * (CONTEXT + (NEW + 1) / 2)  # step s attends CONTEXT + s + 1
     for r in cl["rows"]:
         assert r["decode_steps"] == NEW and r["sparse_layer_steps"] == LAYERS * NEW
@@ -84,7 +84,7 @@ def test_the_closed_loop_decodes_every_selector_and_budget_through_ucm(result):
         assert r["pages_read"] + r["pages_reused"] == LAYERS * NEW * b // 16 and r["pages_read"] >= LAYERS * b // 16
         read = r["pages_read"] * 16 * TOKEN_LAYER_BYTES / NEW
         assert r["bytes_per_token"] == {"dram": pytest.approx(read, abs=0.1)}
-    full = rows[("lowrank", "ratio=1.0")]
+    full = rows[("hybrid", "ratio=1.0")]
     assert full["greedy_agreement"] == 1.0 and full["tf_top1"] == 1.0 and full["tf_kl_mean"] < 1e-6
     assert full["bytes_share"] == 1.0  # sink, local, tail and every page fetched: dense's bytes
     assert rows[("quest", "tokens=32")]["bytes_share"] < rows[("quest", "tokens=64")]["bytes_share"] < 1.0

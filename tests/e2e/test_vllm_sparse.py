@@ -9,7 +9,7 @@ selection that finds them keeps decoding the copy). Runs:
 
 - off: `UCM_VLLM_SPARSE` unset: the worker's attention impl is vLLM's
   stock `CPUAttentionBackendImpl` and `CPU_ATTN` points where vLLM put it;
-- full: lowrank with a budget of the whole context (`ratio: 1.0`), its
+- full: hybrid (the default selector) with a budget of the whole context (`ratio: 1.0`), its
   selection held for 4 steps (`reselect_every: 4`): the same 24 tokens as
   off, and the worker's counters show every layer of every decode step
   went through the sparse path over every context token, scoring at one
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 HERE = Path(__file__).resolve()
 MAX_TOKENS = 24
-FULL = '{selector: lowrank, budget: {ratio: 1.0}, min_context_tokens: 256, reselect_every: 4}'
+FULL = '{selector: hybrid, budget: {ratio: 1.0}, min_context_tokens: 256, reselect_every: 4}'
 SMALL = '{selector: quest, budget: {tokens: 256}, sink_tokens: 64, local_tokens: 128, min_context_tokens: 256}'
 
 
@@ -100,7 +100,7 @@ def test_full_budget_sparse_decode_equals_dense(runs):
     fresh = -(-steps // 4)  # decode steps 1, 5, 9, ... score; the 3 after each reuse
     assert (c["selections"], c["selections_reused"]) == (30 * fresh, 30 * (steps - fresh))
     assert c["pages_summarized"] >= 30 * (off["prompt_tokens"] // 16)
-    assert c["bases_fitted"] == 30  # lowrank: each layer once, at its first sparse step
+    assert c["bases_fitted"] == 30  # hybrid (lowrank's basis): each layer once, at its first sparse step
     assert full["tokens"] == off["tokens"]
 
 

@@ -315,7 +315,7 @@ def test_settings_off_on_and_values():
     for off in ("", "off", "false", "0"):
         assert sparse_from_env({ENV_SPARSE: off}) is None
     on = sparse_from_env({ENV_SPARSE: "on"})
-    assert (on.selector, on.budget.kind, on.budget.value, on.page_tokens, on.rank) == ("lowrank", "tokens", 1024, 16, 16)
+    assert (on.selector, on.budget.kind, on.budget.value, on.page_tokens, on.rank) == ("hybrid", "tokens", 1024, 16, 16)
     got = parse_sparse('{"selector": "mean", "budget": {"top_p": 0.9}, "sink_tokens": 32}')
     assert (got.selector, got.budget.kind, got.budget.value, got.sink_tokens) == ("mean", "top_p", 0.9, 32)
     with pytest.raises(ConfigError, match="page_tokens: 48 does not divide vLLM's block size 128"):

@@ -8,6 +8,6 @@ blocks that matter.
 - mass.py: true and estimated attention mass (GQA), recall;
 - lowrank.py: `KeyBasis`, the low-rank key projections `lowrank` scores tokens with;
 - units.py: which units are kept, which are candidates, what a budget takes;
-- selectors.py: `oracle`, `quest`, `mean`, `moment`, `blend`, `lowrank`, `sinklocal`,
-  `random`.
+- selectors.py: `oracle`, `quest`, `mean`, `moment`, `blend`, `lowrank`, `hybrid`,
+  `sinklocal`, `random`.
 """

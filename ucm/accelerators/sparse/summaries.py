@@ -15,9 +15,9 @@ are the top half of a float32). Pure numpy, vectorised over layers, heads
 and tokens; runs in the caller's thread.
 
 What a summary keeps is what its selector reads (`SummaryParts.of`):
-the bounds (min and max: quest, moment, blend), the mean (mean, moment,
-blend), and with a `KeyBasis` (lowrank.py) every token's projected key,
-`[layers, kv_heads, tokens, rank]` float16 (`lowrank`), with the basis's
+the bounds (min and max: quest, moment, blend, hybrid), the mean (mean,
+moment, blend), and with a `KeyBasis` (lowrank.py) every token's projected
+key, `[layers, kv_heads, tokens, rank]` float16 (`lowrank`, `hybrid`), with the basis's
 digest. `layer_units` hands a part to the selectors only when every block
 keeps it (projections: made with the basis asked for).
 
@@ -27,7 +27,8 @@ x 2)` bytes. For the transformers connector's SmolLM2 block (30 layers, 3
 KV heads, head size 64, 128 tokens in bfloat16: 2,949,120 bytes) at
 16-token pages: bounds 368,640 bytes (12.5 % of the block), the mean
 184,320 (6.25 %), rank-16 projections 368,640 (12.5 %). So quest keeps
-12.5 %, mean 6.25 %, moment and blend 18.75 %, lowrank 12.5 %; whole-block
+12.5 %, mean 6.25 %, moment and blend 18.75 %, lowrank 12.5 %, hybrid
+(bounds and projections) 25 %; whole-block
 pages (`page_tokens` = 128) cut the page parts eightfold.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sparse decode for transformers: each decode step attends, per layer, only
 over the tokens a selector picked, the picked pages read from ucm.
 
-    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="lowrank", budget=Budget.tokens(1024)))
+    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="hybrid", budget=Budget.tokens(1024)))
     out = decoder.generate(input_ids, max_new_tokens=64)   # connector.generate, decoded sparsely
     decoder.stats()                                        # bytes read per tier per decoded token, ...
 
@@ -40,8 +40,8 @@ service down) makes that layer attend densely over the resident KV for the
 step (`dense_fallbacks`), never over wrong or missing bytes, and nothing
 raises into generate.
 
-`lowrank` (selectors.py) scores tokens from their projected keys, which
-the summaries keep when made with the decoder's `KeyBasis` (`rank`
+`lowrank` and the default `hybrid` (selectors.py) score tokens from their
+projected keys, which the summaries keep when made with the decoder's `KeyBasis` (`rank`
 leading directions per layer and KV head): the basis is fitted on the
 first prompt decoded sparsely, from its full blocks' resident keys, and
 kept for the decoder's life; blocks summarised before it (or restored)
@@ -81,7 +81,8 @@ _ACTIVE: contextvars.ContextVar[Optional["_Session"]] = contextvars.ContextVar("
 
 @dataclass(frozen=True, slots=True)
 class SparseDecodeConfig:
-    selector: str = "lowrank"  # the closest to the oracle at 8K (docs/benchmarks.md); summaries as small as quest's
+    # lowrank's continuations and quest's passkeys at 8K (docs/benchmarks.md); summaries 25 % of bf16 K and V
+    selector: str = "hybrid"
     budget: Budget = Budget.tokens(1024)
     sink_tokens: int = 128
     local_tokens: int = 256
@@ -90,7 +91,7 @@ class SparseDecodeConfig:
     base: str = "eager"  # the dense attention of prefill and of a fallback
     summary_capacity_bytes: int = 256 << 20
     wait_stores_s: float = 30.0
-    rank: int = 16  # the key basis of selectors that read projected keys (`lowrank`; docs/benchmarks.md)
+    rank: int = 16  # the key basis of selectors that read projected keys (`lowrank`, `hybrid`; docs/benchmarks.md)
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
@@ -173,11 +174,11 @@ class SparseDecoder:
                               f"{lay.head_dim}")
         register()
         self.connector, self.config = connector, config
-        # summaries keep what the selector reads (quest: the bounds; lowrank: the projections alone)
+        # summaries keep what the selector reads (quest: the bounds; lowrank: the projections alone; hybrid both)
         self.parts = SummaryParts.of(self.selector)
         self.index = SummaryIndex(config.summary_capacity_bytes, config.page_tokens, self.parts)
         self._kv_layout = lay.kv_layout()
-        # the key basis of `lowrank` (lowrank.py): fitted on the first prompt decoded sparsely (its full
+        # the key basis of `lowrank` and `hybrid` (lowrank.py): fitted on the first prompt decoded sparsely (its full
         # blocks' keys, every layer and head), then kept for every later summary; None until then
         self.basis: Optional[KeyBasis] = None
         connector.block_observer = self._blocks_stored

@@ -11,9 +11,10 @@ forward:
   `min_context_tokens` are attended sparsely: the layer's page summaries
   (sparse_pages.PageSummaries, 16-token pages inside vLLM's 128-token
   blocks, refreshed from the KV cache when vLLM wrote a page) are scored
-  with the row's query by ucm's selector (`quest` by default; `lowrank`
+  with the row's query by ucm's selector (`hybrid` by default: `lowrank`
   scores every token from its key projected on a basis the layer fits on
-  the first context it decodes sparsely), sink, local window and tail are
+  the first context it decodes sparsely, `hybrid` adds quest's best
+  pages), sink, local window and tail are
   kept, pages are picked within the budget, and the
   row attends in torch, float32, over exactly the selected tokens gathered
   from the paged KV (sparse_pages.gather_tokens / attend); with

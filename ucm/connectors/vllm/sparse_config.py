@@ -7,9 +7,9 @@ inherit it, and the `vllm.general_plugins` entry point
 Its value is a YAML (or JSON) mapping of the keys below, or `on` for the
 defaults; unset, empty, `off` or `false` is off.
 
-    UCM_VLLM_SPARSE='{selector: lowrank, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
+    UCM_VLLM_SPARSE='{selector: hybrid, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}'
 
-- `selector`: `lowrank` (default), `hybrid`, `quest`, `blend`, `moment`, `mean`, `sinklocal`,
+- `selector`: `hybrid` (default), `lowrank`, `quest`, `blend`, `moment`, `mean`, `sinklocal`,
   `random`, `oracle`
   (ucm/accelerators/sparse/selectors.py; `oracle` reads every key of the
   context at every step: a measurement, not a saving); `lowrank` and
@@ -55,7 +55,7 @@ class VllmSparseConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    selector: str = "lowrank"
+    selector: str = "hybrid"
     budget: Budget = Budget.tokens(1024)
     sink_tokens: int = Field(default=128, ge=0)
     local_tokens: int = Field(default=256, ge=0)
@@ -92,7 +92,7 @@ class VllmSparseConfig(BaseModel):
     @field_validator("min_context_tokens")
     @classmethod
     def _basis_context(cls, v: int, info: ValidationInfo) -> int:
-        """A selector that fits a key basis (`lowrank`) must not fit it on a
+        """A selector that fits a key basis (`lowrank`, `hybrid`) must not fit it on a
         context with fewer than `rank` tokens in full pages: refused here,
         so a config built by hand is checked as one read from the
         environment is."""
