@@ -79,6 +79,14 @@ def _summaries(step: LayerStep, selector: Selector) -> UnitSummaries:
     return s
 
 
+def _option(selector: str, option: str, value: object, high: float) -> float:
+    """A selector's numeric option as a float in `[0, high]`; ConfigError
+    naming the selector and the option otherwise (a bool is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+        raise ConfigError(f"sparse selector {selector!r}: {option} must be a number in [0, {high:g}], got {value!r}")
+    return float(value)
+
+
 def _unit_sums(mass: np.ndarray, step: LayerStep, candidates: np.ndarray) -> np.ndarray:
     """Per-token `mass` summed over each scored unit, for `candidates`."""
     u = step.unit_tokens
@@ -167,9 +175,7 @@ class MomentSelector(Selector):
     needs_mean = True
 
     def __init__(self, spread: float = 1.5) -> None:
-        if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread <= 100:
-            raise ConfigError(f"sparse selector 'moment': spread must be a number in [0, 100], got {spread!r}")
-        self.spread = float(spread)
+        self.spread = _option(self.name, "spread", spread, 100)
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = _summaries(step, self)
@@ -194,10 +200,7 @@ class BlendSelector(Selector):
     needs_mean = True
 
     def __init__(self, weight: float = 0.5, spread: float = 1.5) -> None:
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
-            raise ConfigError(f"sparse selector 'blend': weight must be a number in [0, 1], got {weight!r}")
-        MomentSelector(spread)  # validates spread
-        self.weight, self.spread = float(weight), float(spread)
+        self.weight, self.spread = _option(self.name, "weight", weight, 1), _option(self.name, "spread", spread, 100)
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s = _summaries(step, self)
@@ -244,10 +247,7 @@ class HybridSelector(Selector):
     needs_proj = True
 
     def __init__(self, quest_share: float = 0.25) -> None:
-        if isinstance(quest_share, bool) or not isinstance(quest_share, (int, float)) or not 0 <= quest_share <= 1:
-            raise ConfigError(f"sparse selector 'hybrid': quest_share must be a number in [0, 1], got "
-                              f"{quest_share!r}")
-        self.quest_share = float(quest_share)
+        self.quest_share = _option(self.name, "quest_share", quest_share, 1)
         self._lowrank, self._quest = LowRankSelector(), QuestSelector()
 
     def score(self, step: LayerStep, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -150,7 +150,7 @@ def test_bad_names_budgets_and_steps_are_refused():
     for bad in (-1, "2", True, 1e9):
         with pytest.raises(ConfigError, match="spread"):
             make_selector("moment", spread=bad)
-        with pytest.raises(ConfigError, match="spread"):
+        with pytest.raises(ConfigError, match="'blend': spread must be a number in \\[0, 100\\]"):
             make_selector("blend", spread=bad)
     for bad in (-0.1, 1.5, "0.5", True, None):
         with pytest.raises(ConfigError, match="'blend': weight must be a number in \\[0, 1\\]"):
