@@ -19,8 +19,9 @@ decodes worse than quest and mean (the tokens it misses are the ones a
 head needed), and the KL falls with the rank (at 2K: 0.0094 at rank 4,
 0.0052 at 32, the oracle's 0.0047); at 8K rank 16 decodes as the oracle
 does by greedy agreement on two prompts and is ahead of mean by KL (on four:
-KL 0.0047 against mean's 0.0088 and quest's 0.0135), so lowrank at rank
-16 is the connectors' default. Cost: `rank x 2` bytes per token, layer and KV head
+KL 0.0047 against mean's 0.0088 and quest's 0.0135), but loses 8K passkeys
+that quest keeps; the connectors' default, `hybrid`, is lowrank's picks at
+rank 16 with quest's best pages beside them (selectors.py). Cost: `rank x 2` bytes per token, layer and KV head
 (`store_projections`: float16, clamped to its finite range; rank 16 on
 SmolLM2: 2,880 bytes per token, 12.5 % of its bfloat16 K and V, 3.1 % at
 rank 4; the 16-token page summaries' min and max take 12.5 %, with the

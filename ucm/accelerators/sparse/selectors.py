@@ -31,8 +31,8 @@
   the page summaries' selectors at every budget at 8K; at rank 4 it
   is behind quest and mean in the closed loop (it misses the few tokens
   a head needs whose match lies outside its directions), at rank 16
-  ahead of both on four 8K prompts, so it is the connectors' default
-  (docs/benchmarks.md);
+  ahead of both on four 8K prompts (docs/benchmarks.md); the connectors'
+  default until `hybrid`, which keeps its picks;
 - `hybrid`: lowrank's picks and quest's side by side: of every budget,
   `quest_share` (0.25) goes to quest's best units and the rest to
   lowrank's, a unit both pick counted once (`interleaved_rank`). lowrank
@@ -41,7 +41,9 @@
   which quest's bound over all channels keeps (docs/benchmarks.md,
   "lowrank and quest together"). Reads the projections and the bounds
   (25 % of SmolLM2's bf16 K and V at rank 16, against 12.5 % for either
-  alone); top-p adds up lowrank's mass in the merged order;
+  alone); top-p adds up lowrank's mass in the merged order. The
+  connectors' default: on four 8K prompts it decodes lowrank's tokens,
+  and it answers the 8K passkeys quest and dense answer;
 - `sinklocal`: no scoring; the budget widens the local window (the most
   recent candidates first, StreamingLLM);
 - `random`: candidates in a seeded random order.
