@@ -58,11 +58,11 @@ def test_the_replay_has_every_cell_and_the_oracle_bounds_the_others(result):
             assert all(cells[(s, u, b)]["recall_mean"] <= best + 1e-9 for s in SELECTORS)
         assert cells[("oracle", u, "tokens=32")]["recall_mean"] <= cells[("oracle", u, "tokens=64")]["recall_mean"]
     assert cells[("quest", "pages", "tokens=32")]["extra_tokens_mean"] == 32
-    # what each selector's summaries keep per block: page bounds 2 x 4 bytes, the mean 4, per layer, head and
-    # channel of the block's one page; lowrank every token's 16 float16 projections; hybrid both
-    page, proj = LAYERS * 3 * 64 * 4, LAYERS * 3 * BT * 16 * 2
-    assert off["summary_bytes_per_block"] == {"lowrank": proj, "hybrid": proj + 2 * page, "quest": 2 * page,
-                                              "blend": 3 * page, "moment": 3 * page, "mean": page,
+    # what each selector's summaries keep per block: page bounds 2 x 2 bytes (float16), the mean 4, per layer,
+    # head and channel of the block's one page; lowrank every token's 16 float16 projections; hybrid both
+    bounds, mean, proj = LAYERS * 3 * 64 * 2 * 2, LAYERS * 3 * 64 * 4, LAYERS * 3 * BT * 16 * 2
+    assert off["summary_bytes_per_block"] == {"lowrank": proj, "hybrid": proj + bounds, "quest": bounds,
+                                              "blend": bounds + mean, "moment": bounds + mean, "mean": mean,
                                               "sinklocal": 0, "random": 0}
 
 

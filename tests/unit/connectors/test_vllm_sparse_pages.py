@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig  # noqa: E402
 from ucm.accelerators.sparse.selectors import make_selector  # noqa: E402
+from ucm.accelerators.sparse.summaries import store_bounds  # noqa: E402
 from ucm.connectors.vllm.sparse_pages import (HeldSelections, PageSummaries, attend, context_keys,  # noqa: E402
                                               gather_tokens, range_positions)
 from ucm.errors import ArgumentError  # noqa: E402
@@ -53,8 +54,10 @@ def test_summaries_equal_the_pages_of_the_logical_keys():
     u = s.units(key_cache, row, n)
     assert u.units == n // PT and u.unit_tokens == PT
     pages = k[:u.units * PT].reshape(u.units, PT, H, D)
-    np.testing.assert_array_equal(u.min, pages.amin(dim=1).numpy())
-    np.testing.assert_array_equal(u.max, pages.amax(dim=1).numpy())
+    low, high = store_bounds(pages.amin(dim=1).numpy(), pages.amax(dim=1).numpy())  # float16, outwards
+    np.testing.assert_array_equal(u.min, low.astype(np.float32))
+    np.testing.assert_array_equal(u.max, high.astype(np.float32))
+    assert s.min.dtype == s.max.dtype == torch.float16 and u.min.dtype == np.float32
     np.testing.assert_allclose(u.mean, pages.mean(dim=1).numpy(), rtol=1e-6, atol=1e-6)
     assert s.pages_summarized == u.units
     s.units(key_cache, row, n)  # nothing written since: nothing summarised again

@@ -24,8 +24,8 @@ that quest keeps; the connectors' default, `hybrid`, is lowrank's picks at
 rank 16 with quest's best pages beside them (selectors.py). Cost: `rank x 2` bytes per token, layer and KV head
 (`store_projections`: float16, clamped to its finite range; rank 16 on
 SmolLM2: 2,880 bytes per token, 12.5 % of its bfloat16 K and V, 3.1 % at
-rank 4; the 16-token page summaries' min and max take 12.5 %, with the
-mean 18.75 %). float16's rounding (a relative 2^-11 per projection) is far
+rank 4; the 16-token page summaries' min and max, float16, take 6.25 %,
+with the mean 12.5 %). float16's rounding (a relative 2^-11 per projection) is far
 below what the rank leaves out (docs/benchmarks.md).
 
 The basis is part of what a projection means: a summary records the

@@ -40,8 +40,8 @@
   needle a retrieval head looks for (a match outside its 16 directions),
   which quest's bound over all channels keeps (docs/benchmarks.md,
   "lowrank and quest together"). Reads the projections and the bounds
-  (25 % of SmolLM2's bf16 K and V at rank 16, against 12.5 % for either
-  alone); top-p adds up lowrank's mass in the merged order. The
+  (18.75 % of SmolLM2's bf16 K and V at rank 16: the projections 12.5 %,
+  quest's float16 bounds 6.25 %); top-p adds up lowrank's mass in the merged order. The
   connectors' default: on four 8K prompts it decodes lowrank's tokens,
   and it answers the 8K passkeys quest and dense answer;
 - `sinklocal`: no scoring; the budget widens the local window (the most

@@ -9,9 +9,12 @@ selector reads all three (selectors.py). The whole block's min, max and
 mean are reductions of the pages' (pages hold the same number of tokens),
 computed when asked, not stored.
 
-Page summaries are float32, whatever the block's dtype (float32, float16
+Keys are read as float32, whatever the block's dtype (float32, float16
 and bfloat16 are read; bfloat16 without a numpy extension: its 16 bits
-are the top half of a float32). Pure numpy, vectorised over layers, heads
+are the top half of a float32). The bounds are kept as float16 rounded
+outwards (`store_bounds`: min down, max up, so a kept bound still bounds
+every key of its page; beyond float16's finite range clamped to it, as
+projections are), the mean as float32. Pure numpy, vectorised over layers, heads
 and tokens; runs in the caller's thread.
 
 What a summary keeps is what its selector reads (`SummaryParts.of`):
@@ -22,14 +25,14 @@ digest. `layer_units` hands a part to the selectors only when every block
 keeps it (projections: made with the basis asked for).
 
 Cost, per block (`summary_nbytes`, `BlockSummary.nbytes`): `layers x
-kv_heads x (pages x head_dim x 4 x (2 bounds + 1 mean) + tokens x rank
-x 2)` bytes. For the transformers connector's SmolLM2 block (30 layers, 3
-KV heads, head size 64, 128 tokens in bfloat16: 2,949,120 bytes) at
-16-token pages: bounds 368,640 bytes (12.5 % of the block), the mean
-184,320 (6.25 %), rank-16 projections 368,640 (12.5 %). So quest keeps
-12.5 %, mean 6.25 %, moment and blend 18.75 %, lowrank 12.5 %, hybrid
-(bounds and projections) 25 %; whole-block
-pages (`page_tokens` = 128) cut the page parts eightfold.
+kv_heads x (pages x head_dim x (2 x 2 for the bounds + 4 for the mean) +
+tokens x rank x 2)` bytes. For the transformers connector's SmolLM2 block
+(30 layers, 3 KV heads, head size 64, 128 tokens in bfloat16: 2,949,120
+bytes) at 16-token pages: bounds 184,320 bytes (6.25 % of the block), the
+mean 184,320 (6.25 %), rank-16 projections 368,640 (12.5 %). So quest
+keeps 6.25 %, mean 6.25 %, moment and blend 12.5 %, lowrank 12.5 %,
+hybrid (bounds and projections) 18.75 %; whole-block pages (`page_tokens`
+= 128) cut the page parts eightfold.
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ from ucm.accelerators.sparse.base import Selector, UnitSummaries
 from ucm.accelerators.sparse.lowrank import PROJ_DTYPE, KeyBasis, store_projections
 from ucm.codecs.layout import KvLayout, KvSegmentSpec
 from ucm.errors import ArgumentError
+
+BOUND_DTYPE = np.dtype(np.float16)  # how summaries keep the key bounds
+_BOUND_MAX = float(np.finfo(np.float16).max)
 
 # How the bytes of each dtype read before they become float32.
 _RAW = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
@@ -65,8 +71,8 @@ class SummaryParts:
 @dataclass(frozen=True, slots=True, eq=False)
 class BlockSummary:
     """One block's key summaries: the page parts kept (`page_min`,
-    `page_max`, `page_mean`: `[layers, kv_heads, pages, head_dim]`
-    float32, page p covering tokens `[p * page_tokens, (p + 1) *
+    `page_max`, `page_mean`: `[layers, kv_heads, pages, head_dim]`,
+    BOUND_DTYPE bounds and a float32 mean, page p covering tokens `[p * page_tokens, (p + 1) *
     page_tokens)`; None when not kept) and, with a basis, the projected
     keys. `keys_shape` is the summarised keys' `[layers, kv_heads,
     block_tokens, head_dim]`."""
@@ -127,13 +133,27 @@ class BlockSummary:
         return self.page_mean.mean(axis=2, dtype=np.float32) if self.page_mean is not None else None
 
 
+def store_bounds(low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Key bounds as summaries keep them: float16 rounded outwards, `low`
+    down and `high` up, so every key a float32 bound covers the kept one
+    covers too (Quest's bound stays an upper bound of q . k); values beyond
+    float16's finite range clamped to it (never an inf, whose product with
+    a zero query channel is NaN)."""
+    lo32 = np.clip(np.asarray(low, dtype=np.float32), -_BOUND_MAX, _BOUND_MAX)
+    hi32 = np.clip(np.asarray(high, dtype=np.float32), -_BOUND_MAX, _BOUND_MAX)
+    lo, hi = lo32.astype(BOUND_DTYPE), hi32.astype(BOUND_DTYPE)
+    lo = np.where(lo.astype(np.float32) > lo32, np.nextafter(lo, BOUND_DTYPE.type(-np.inf)), lo)
+    hi = np.where(hi.astype(np.float32) < hi32, np.nextafter(hi, BOUND_DTYPE.type(np.inf)), hi)
+    return lo, hi
+
+
 def summary_nbytes(layout: KvLayout, page_tokens: int, rank: int = 0, parts: SummaryParts = SummaryParts()) -> int:
     """The bytes of one block's summary under `layout`: the page `parts`,
     and projections of `rank` (0: none) (see the module docstring)."""
     k = key_segment(layout)
     check_page_tokens(k.tokens, page_tokens)
-    page_arrays = 2 * parts.bounds + parts.mean
-    return (page_arrays * (k.tokens // page_tokens) * k.channels * 4 + k.tokens * rank * PROJ_DTYPE.itemsize) \
+    page_bytes = 2 * parts.bounds * BOUND_DTYPE.itemsize + parts.mean * 4
+    return (page_bytes * (k.tokens // page_tokens) * k.channels + k.tokens * rank * PROJ_DTYPE.itemsize) \
         * layout.num_layers * k.heads
 
 
@@ -189,8 +209,8 @@ def summarize_keys(keys: np.ndarray, page_tokens: int = 16, basis: Optional[KeyB
     layers, heads, tokens, dim = keys.shape
     check_page_tokens(tokens, page_tokens)
     pages = keys.reshape(layers, heads, tokens // page_tokens, page_tokens, dim)
-    return BlockSummary(page_tokens, (layers, heads, tokens, dim),
-                        pages.min(axis=3) if parts.bounds else None, pages.max(axis=3) if parts.bounds else None,
+    low, high = store_bounds(pages.min(axis=3), pages.max(axis=3)) if parts.bounds else (None, None)
+    return BlockSummary(page_tokens, (layers, heads, tokens, dim), low, high,
                         pages.mean(axis=3, dtype=np.float32) if parts.mean else None,
                         store_projections(basis.project(keys)) if basis is not None else None,
                         basis.digest if basis is not None else b"")
@@ -241,8 +261,9 @@ def layer_units(blocks: Sequence[BlockSummary], layer: int, unit_tokens: int,
 def units_from_keys(keys: np.ndarray, unit_tokens: int, basis: Optional[np.ndarray] = None) -> UnitSummaries:
     """One layer's summaries straight from its keys `[kv_heads, n_tokens,
     head_dim]`, for the `n_tokens // unit_tokens` full units, as stored
-    summaries give them: every page part, and with the layer's `basis`
-    `[kv_heads, head_dim, rank]` the projections rounded as they are kept
+    summaries give them: every page part (the bounds rounded as they are
+    kept, `store_bounds`), and with the layer's `basis` `[kv_heads,
+    head_dim, rank]` the projections rounded as they are kept
     (`store_projections`), as float32."""
     heads, n, dim = keys.shape
     full = n // unit_tokens
@@ -252,6 +273,6 @@ def units_from_keys(keys: np.ndarray, unit_tokens: int, basis: Optional[np.ndarr
         exact = np.einsum("htd,hdr->htr", x.reshape(heads, -1, dim), basis, optimize=True)
         proj = store_projections(exact).astype(np.float32)
     x = x.transpose(1, 0, 2, 3)
-    return UnitSummaries(unit_tokens, full, np.ascontiguousarray(x.min(axis=2)),
-                         np.ascontiguousarray(x.max(axis=2)), np.ascontiguousarray(x.mean(axis=2, dtype=np.float32)),
-                         proj, basis)
+    low, high = store_bounds(x.min(axis=2), x.max(axis=2))
+    return UnitSummaries(unit_tokens, full, low.astype(np.float32), high.astype(np.float32),
+                         np.ascontiguousarray(x.mean(axis=2, dtype=np.float32)), proj, basis)

@@ -81,7 +81,7 @@ _ACTIVE: contextvars.ContextVar[Optional["_Session"]] = contextvars.ContextVar("
 
 @dataclass(frozen=True, slots=True)
 class SparseDecodeConfig:
-    # lowrank's continuations and quest's passkeys at 8K (docs/benchmarks.md); summaries 25 % of bf16 K and V
+    # lowrank's continuations and quest's passkeys at 8K (docs/benchmarks.md); summaries 18.75 % of bf16 K and V
     selector: str = "hybrid"
     budget: Budget = Budget.tokens(1024)
     sink_tokens: int = 128

@@ -17,16 +17,18 @@ CPU block).
 
 `PageSummaries` keeps, per physical block and page, what the selector
 reads of the page's keys (`Selector.needs_*`): the per-channel min and
-max (`quest`, `moment`, `blend`), the mean (`mean`, `moment`, `blend`),
-float32, with a stale flag per page. Every write vLLM
+max (`quest`, `moment`, `blend`, `hybrid`), float16 rounded outwards as
+the transformers path keeps them (summaries.store_bounds), the mean
+(`mean`, `moment`, `blend`), float32, with a stale flag per page. Every write vLLM
 makes through the layer (`mark_written(slot_mapping)`) marks its page
 stale, and so does the caller for pages written behind the layer's back (a
 prefill's context: a prefix-cache hit or a KV connector's load); a stale
 page is summarised again from the KV cache the next time a decode row
 reads its summary, so a page is read once per change, not once per step.
-Cost: 4 bytes x kv_heads x head_dim per page for each of min, max and
-mean, 3.1 % of a float32 KV cache each at 16-token pages. For `lowrank`
-(no page part), once the layer has a basis (`set_basis`: `[kv_heads,
+Cost: 2 bytes x kv_heads x head_dim per page for each of min and max, 4
+for the mean: 1.6 % of a float32 KV cache each bound and 3.1 % the mean
+at 16-token pages (3.1 % and 6.25 % of a bfloat16 one). For `lowrank`
+and `hybrid`, once the layer has a basis (`set_basis`: `[kv_heads,
 head_dim, rank]`, fitted by the backend on the first context it decodes
 sparsely), every token's key projected on it, float16 as the transformers
 path keeps them (lowrank.store_projections), `rank x 2` bytes per token
@@ -47,6 +49,7 @@ import torch
 
 from ucm.accelerators.sparse.base import UnitSummaries
 from ucm.accelerators.sparse.lowrank import PROJ_DTYPE, store_projections
+from ucm.accelerators.sparse.summaries import BOUND_DTYPE, store_bounds
 from ucm.errors import ArgumentError
 
 
@@ -61,8 +64,9 @@ class PageSummaries:
         self.block_tokens, self.page_tokens = block_tokens, page_tokens
         self.pages_per_block = block_tokens // page_tokens
         shape = (num_blocks, kv_heads, self.pages_per_block, head_dim)
-        self.min: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_bounds else None
-        self.max: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_bounds else None
+        bound = getattr(torch, BOUND_DTYPE.name)
+        self.min: Optional[torch.Tensor] = torch.zeros(shape, dtype=bound) if keep_bounds else None
+        self.max: Optional[torch.Tensor] = torch.zeros(shape, dtype=bound) if keep_bounds else None
         self.mean: Optional[torch.Tensor] = torch.zeros(shape, dtype=torch.float32) if keep_mean else None
         self.stale = torch.ones((num_blocks, self.pages_per_block), dtype=torch.bool)
         self.writes = torch.zeros((num_blocks, self.pages_per_block), dtype=torch.int64)  # marks per page, ever
@@ -110,7 +114,7 @@ class PageSummaries:
             self.refresh(key_cache, b[stale], j[stale])
 
         def part(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
-            return t[b, :, j].numpy() if t is not None else None  # [pages, kv_heads, head_dim]
+            return t[b, :, j].float().numpy() if t is not None else None  # [pages, kv_heads, head_dim], float32
 
         proj = None
         if self.proj is not None:  # [pages, kv_heads, page_tokens, rank] -> [kv_heads, tokens, rank], float32
@@ -122,8 +126,9 @@ class PageSummaries:
         """Summarises pages `(blocks[i], pages[i])` from the keys in `key_cache`."""
         keys = key_cache.unflatten(2, (self.pages_per_block, self.page_tokens))[blocks, :, pages].float()
         if self.min is not None and self.max is not None:  # keys: [n, kv_heads, page_tokens, head_dim]
-            self.min[blocks, :, pages] = keys.amin(dim=2)
-            self.max[blocks, :, pages] = keys.amax(dim=2)
+            low, high = store_bounds(keys.amin(dim=2).numpy(), keys.amax(dim=2).numpy())
+            self.min[blocks, :, pages] = torch.from_numpy(low)
+            self.max[blocks, :, pages] = torch.from_numpy(high)
         if self.mean is not None:
             self.mean[blocks, :, pages] = keys.mean(dim=2)
         if self.proj is not None:

@@ -7,8 +7,8 @@ import pytest
 
 from ucm.accelerators.sparse.selectors import quest_bound
 from ucm.accelerators.sparse.selectors import SELECTORS, make_selector
-from ucm.accelerators.sparse.summaries import (SummaryParts, block_keys, layer_units, summarize, summarize_keys,
-                                               summary_nbytes, units_from_keys)
+from ucm.accelerators.sparse.summaries import (SummaryParts, block_keys, layer_units, store_bounds, summarize,
+                                               summarize_keys, summary_nbytes, units_from_keys)
 from ucm.codecs.layout import opaque_layout, paged_head_major_layout, planar_layout
 from ucm.errors import ArgumentError
 
@@ -84,11 +84,13 @@ def test_summaries_read_through_the_layout_equal_those_of_the_keys(dtype, kind):
     np.testing.assert_array_equal(block_keys(block, layout), keys.astype(np.float32))
     got = summarize(bytes(block), layout, page_tokens=16)
     want = keys.reshape(LAYERS, HEADS, TOKENS // 16, 16, DIM)
-    np.testing.assert_array_equal(got.page_min, want.min(axis=3).astype(np.float32))
-    np.testing.assert_array_equal(got.page_max, want.max(axis=3).astype(np.float32))
+    low, high = store_bounds(want.min(axis=3), want.max(axis=3))  # the exact bounds, kept as float16 outwards
+    np.testing.assert_array_equal(got.page_min, low)
+    np.testing.assert_array_equal(got.page_max, high)
     np.testing.assert_allclose(got.page_mean, want.mean(axis=3), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got.block_min, keys.min(axis=2).astype(np.float32))
-    np.testing.assert_array_equal(got.block_max, keys.max(axis=2).astype(np.float32))
+    low, high = store_bounds(keys.min(axis=2), keys.max(axis=2))  # rounding commutes with min and max
+    np.testing.assert_array_equal(got.block_min, low)
+    np.testing.assert_array_equal(got.block_max, high)
     np.testing.assert_allclose(got.block_mean, keys.mean(axis=2), rtol=1e-5, atol=1e-5)
     # whole-block units from page summaries equal whole-block units from the keys
     direct = units_from_keys(keys[1].astype(np.float32), TOKENS)
@@ -125,18 +127,20 @@ def test_summary_size_of_a_smollm2_block():
 
     layout = BlockLayout(num_layers=30, num_kv_heads=3, block_tokens=128, head_dim=64, dtype="bfloat16")
     assert layout.block_bytes == 2_949_120
-    assert summary_nbytes(layout.kv_layout(), 16) == 552_960
-    assert summary_nbytes(layout.kv_layout(), 128) == 69_120
+    assert summary_nbytes(layout.kv_layout(), 16) == 368_640
+    assert summary_nbytes(layout.kv_layout(), 128) == 46_080
     keys = np.zeros((30, 3, 128, 64), dtype=np.float32)
-    assert summarize_keys(keys, 16).nbytes == 552_960
-    # what each selector keeps (module docstring): quest the bounds (12.5 % of the block), mean the mean
-    # (6.25 %), lowrank only its rank-16 float16 projections (12.5 %)
+    assert summarize_keys(keys, 16).nbytes == 368_640
+    # what each selector keeps (module docstring): quest the float16 bounds (6.25 % of the block), mean the
+    # float32 mean (6.25 %), lowrank only its rank-16 float16 projections (12.5 %), hybrid bounds and
+    # projections (18.75 %)
     kv = layout.kv_layout()
     bounds, mean, none = SummaryParts(True, False), SummaryParts(False, True), SummaryParts(False, False)
-    assert summary_nbytes(kv, 16, parts=bounds) == 368_640 == layout.block_bytes // 8
+    assert summary_nbytes(kv, 16, parts=bounds) == 184_320 == layout.block_bytes // 16
     assert summary_nbytes(kv, 16, parts=mean) == 184_320
     assert summary_nbytes(kv, 16, 16, none) == 368_640
-    assert summary_nbytes(kv, 16, 16) == 552_960 + 368_640
+    assert summary_nbytes(kv, 16, 16, bounds) == 184_320 + 368_640 == layout.block_bytes * 3 // 16
+    assert summary_nbytes(kv, 16, 16) == 368_640 + 368_640
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -189,3 +193,27 @@ def test_unreadable_layouts_and_bad_page_sizes_are_refused():
         summarize(bytes(layout.block_bytes), layout, page_tokens=5)
     with pytest.raises(ArgumentError, match="bytes"):
         summarize(bytes(layout.block_bytes - 2), layout)
+
+
+def test_bounds_are_kept_as_float16_rounded_outwards():
+    """Every kept min is at or below its float32 min and every kept max at or
+    above, by less than one float16 step; values float16 holds exactly are
+    kept exactly; beyond its finite range they are clamped to it, never an
+    inf (a zero query channel times an inf bound would be NaN)."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(20000) * rng.choice([1e-6, 1e-3, 1.0, 300.0, 1e4], 20000)).astype(np.float32)
+    low, high = store_bounds(x, x)
+    assert low.dtype == high.dtype == np.float16
+    lo, hi = low.astype(np.float32), high.astype(np.float32)
+    assert (lo <= x).all() and (hi >= x).all()
+    step = np.spacing(np.abs(x).astype(np.float16)).astype(np.float32)
+    assert (x - lo <= step).all() and (hi - x <= step).all()
+    exact = x.astype(np.float16).astype(np.float32) == x
+    assert exact.sum() > 0 and (lo[exact] == x[exact]).all() and (hi[exact] == x[exact]).all()
+    big = np.array([-1e6, -70000.0, 70000.0, 1e6], dtype=np.float32)
+    low, high = store_bounds(big, big)
+    assert np.isfinite(low).all() and np.isfinite(high).all()
+    assert low.tolist() == high.tolist() == [-65504.0, -65504.0, 65504.0, 65504.0]
+    q = np.zeros((1, 4), dtype=np.float32)  # a query with a zero channel against the clamped bounds: a number
+    assert np.isfinite(quest_bound(q, low.reshape(1, 1, 4).astype(np.float32),
+                                   high.reshape(1, 1, 4).astype(np.float32))).all()
