@@ -14,8 +14,8 @@ and bfloat16 are read; bfloat16 without a numpy extension: its 16 bits
 are the top half of a float32). The bounds are kept as float16 rounded
 outwards (`store_bounds`: min down, max up, so a kept bound still bounds
 every key of its page; beyond float16's finite range clamped to it, as
-projections are), the mean as float32. Pure numpy, vectorised over layers, heads
-and tokens; runs in the caller's thread.
+projections are), the mean as float32. Pure numpy, vectorised over
+layers, heads and tokens; runs in the caller's thread.
 
 What a summary keeps is what its selector reads (`SummaryParts.of`):
 the bounds (min and max: quest, moment, blend, hybrid), the mean (mean,
@@ -72,8 +72,8 @@ class SummaryParts:
 class BlockSummary:
     """One block's key summaries: the page parts kept (`page_min`,
     `page_max`, `page_mean`: `[layers, kv_heads, pages, head_dim]`,
-    BOUND_DTYPE bounds and a float32 mean, page p covering tokens `[p * page_tokens, (p + 1) *
-    page_tokens)`; None when not kept) and, with a basis, the projected
+    BOUND_DTYPE bounds and a float32 mean, page p covering tokens `[p *
+    page_tokens, (p + 1) * page_tokens)`; None when not kept) and, with a basis, the projected
     keys. `keys_shape` is the summarised keys' `[layers, kv_heads,
     block_tokens, head_dim]`."""
 

@@ -19,8 +19,8 @@ CPU block).
 reads of the page's keys (`Selector.needs_*`): the per-channel min and
 max (`quest`, `moment`, `blend`, `hybrid`), float16 rounded outwards as
 the transformers path keeps them (summaries.store_bounds), the mean
-(`mean`, `moment`, `blend`), float32, with a stale flag per page. Every write vLLM
-makes through the layer (`mark_written(slot_mapping)`) marks its page
+(`mean`, `moment`, `blend`), float32, with a stale flag per page. Every
+write vLLM makes through the layer (`mark_written(slot_mapping)`) marks its page
 stale, and so does the caller for pages written behind the layer's back (a
 prefill's context: a prefix-cache hit or a KV connector's load); a stale
 page is summarised again from the KV cache the next time a decode row
