@@ -11,7 +11,7 @@ install (`PYTHONPATH=. .venv/bin/python docs/experiments/int4_variants.py
 outliers (the frame records them); the others a torch model of the same
 asymmetric 4-bit groups (`k:` keys only, values exact; `c:` both).
 """
-import sys, time, json
+import sys, time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from ucm.apps.model import prepare
