@@ -73,8 +73,14 @@ build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/include/ucm/*.hpp)
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include -Icpp/third_party/xxhash \
 		cpp/src/*.cpp cpp/tests/test_core.cpp -o $@ -pthread
 
-test-native: build/test_core
+build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/include/ucm/kv_unpack.hpp
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp \
+		-o $@
+
+test-native: build/test_core build/test_kv_unpack
 	./build/test_core
+	./build/test_kv_unpack
 
 test-python: install system-deps
 	$(BIN)/python -m pytest -q --durations=25

@@ -4,6 +4,8 @@
 // here needs AVX2 to be correct.
 #include "ucm/kv_quant.hpp"
 
+#include "ucm/kv_unpack.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -125,12 +127,6 @@ inline float put(float f, float*) { return f; }
       o[2 * i + 1] = put((static_cast<float>(in[i] >> 4) + z[2 * i + 1]) * s[2 * i + 1], o);                   \
     }                                                                                                          \
   }                                                                                                            \
-  UCM_CLONES void dq4s_##SUFFIX(const std::uint8_t* in, float s, float z, OUT* o, std::int64_t n) {            \
-    for (std::int64_t i = 0; i < n / 2; ++i) {                                                                 \
-      o[2 * i] = put((static_cast<float>(in[i] & 0x0F) + z) * s, o);                                           \
-      o[2 * i + 1] = put((static_cast<float>(in[i] >> 4) + z) * s, o);                                         \
-    }                                                                                                          \
-  }
 
 UCM_DEQUANT_KERNELS(bf16, std::uint16_t)
 UCM_CLONES void store_row_bf16(const float* y, std::uint16_t* o, std::int64_t n) {
@@ -157,10 +153,10 @@ void dequant_run(const std::uint8_t* data, int bits, std::int64_t first, std::in
     const std::uint8_t* q = data + first / 2;
     if (e == KvElem::BF16) {
       auto* o = reinterpret_cast<std::uint16_t*>(dst);
-      vec ? dq4v_bf16(q, vs, vz, o, n) : dq4s_bf16(q, s, z, o, n);
+      vec ? dq4v_bf16(q, vs, vz, o, n) : kv_unpack_run_bf16(q, s, z, o, n);
     } else {
       float* o = e == KvElem::F32 ? reinterpret_cast<float*>(dst) : tmp;
-      vec ? dq4v_f32(q, vs, vz, o, n) : dq4s_f32(q, s, z, o, n);
+      vec ? dq4v_f32(q, vs, vz, o, n) : kv_unpack_run_f32(q, s, z, o, n);
     }
   }
   if (e == KvElem::F16) {
@@ -179,32 +175,6 @@ inline void store_index(std::uint8_t* at, std::size_t width, std::int64_t k, std
 
 inline std::int64_t load_index(const std::uint8_t* at, std::size_t width, std::int64_t k) {
   return width == 2 ? load_le<std::uint16_t>(at + 2 * k) : load_le<std::uint32_t>(at + 4 * k);
-}
-
-// One paired-width tile: `rows` codes of W bits (LSB first), eight at a
-// time from W bytes (8 W bits), into out[r * stride] = (q + off) * s.
-template <int W>
-void unpack_tile_w(const std::uint8_t* in, std::int64_t rows, float off, float s, float* out, std::int64_t stride) {
-  constexpr std::uint64_t mask = (std::uint64_t{1} << W) - 1u;
-  for (std::int64_t r = 0; r < rows; r += 8, in += W) {
-    std::uint64_t v = 0;
-    std::memcpy(&v, in, W);
-    for (int i = 0; i < 8; ++i) out[(r + i) * stride] = (static_cast<float>((v >> (i * W)) & mask) + off) * s;
-  }
-}
-
-void unpack_tile(int w, const std::uint8_t* in, std::int64_t rows, float off, float s, float* out,
-                 std::int64_t stride) {
-  switch (w) {
-    case 1: return unpack_tile_w<1>(in, rows, off, s, out, stride);
-    case 2: return unpack_tile_w<2>(in, rows, off, s, out, stride);
-    case 3: return unpack_tile_w<3>(in, rows, off, s, out, stride);
-    case 4: return unpack_tile_w<4>(in, rows, off, s, out, stride);
-    case 5: return unpack_tile_w<5>(in, rows, off, s, out, stride);
-    case 6: return unpack_tile_w<6>(in, rows, off, s, out, stride);
-    case 7: return unpack_tile_w<7>(in, rows, off, s, out, stride);
-    default: return unpack_tile_w<8>(in, rows, off, s, out, stride);
-  }
 }
 
 // ---- layout of an encoded segment --------------------------------------------
@@ -528,17 +498,17 @@ bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8
       bits_total += 2 * width[q];
     }
     if (bits_total != 4 * p.n_tiles) return false;
-    std::vector<float> blk(static_cast<std::size_t>(tr * D));
+    std::vector<float> blk(static_cast<std::size_t>(tr * D)), off(D);
+    std::vector<int> wc(D);
     std::size_t at = 0;
     for (std::int64_t b = 0; b < nb; ++b) {
       for (std::int64_t c = 0; c < D; ++c) {
         const std::size_t t = static_cast<std::size_t>(b * D + c);
-        const int w = width[b * half + c % half];
-        const float f = w > 4 ? static_cast<float>(1 << (w - 4)) : 1.0f;
-        const float sv = st[t], off = zero_of(t) * f;
-        unpack_tile(w, data + at, tr, off, sv, blk.data() + c, D);
-        at += static_cast<std::size_t>(tr * w / 8);
+        wc[c] = width[b * half + c % half];
+        off[c] = zero_of(t) * (wc[c] > 4 ? static_cast<float>(1 << (wc[c] - 4)) : 1.0f);
       }
+      kv_unpack_key_tiles(data + at, enc + p.total, wc.data(), st.data() + b * D, off.data(), tr, D, blk.data());
+      for (std::int64_t c = 0; c < D; ++c) at += static_cast<std::size_t>(tr * wc[c] / 8);
       for (std::int64_t r = 0; r < tr; ++r) {
         std::uint8_t* o = dst + row_offsets[b * tr + r];
         const float* y = blk.data() + r * D;
