@@ -206,9 +206,11 @@ def test_what_cannot_be_encoded_is_refused_and_bad_bytes_do_not_decode(codec_cls
     assert codec.encode(raw, None) is None  # no layout
     assert codec.encode(raw[:-2], layout) is None  # another size
     assert codec.encode(raw, planar_layout("float8_e4m3", 2, 1, 32, 128)) is None  # a dtype not read
-    bad = x.clone()
-    bad[7] = float("nan")
-    assert codec.encode(memoryview(bad.view(torch.uint8).numpy()), layout) is None
+    for value in ("nan", "inf", "-inf"):  # in a key segment and in the last value segment
+        for at in (7, len(x) - 1):
+            bad = x.clone()
+            bad[at] = float(value)
+            assert codec.encode(memoryview(bad.view(torch.uint8).numpy()), layout) is None, (value, at)
     enc = codec.encode(raw, layout)
     out = memoryview(bytearray(len(raw)))
     assert not codec.decode(memoryview(enc.meta), memoryview(bytes(enc.body)[:-1]), out)  # short body
