@@ -68,12 +68,12 @@ system-deps:
 		else echo "redis-server/fio/libibverbs1 missing and not root: their tests will skip"; fi; \
 	fi
 
-build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/include/ucm/*.hpp)
+build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/tests/*.hpp cpp/include/ucm/*.hpp)
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include -Icpp/third_party/xxhash \
 		cpp/src/*.cpp cpp/tests/test_core.cpp -o $@ -pthread
 
-build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/include/ucm/kv_unpack.hpp
+build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/tests/check.hpp cpp/include/ucm/kv_unpack.hpp
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp \
 		-o $@

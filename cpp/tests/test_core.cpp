@@ -21,17 +21,10 @@
 #include "ucm/placement.hpp"
 #include "ucm/reuse_model.hpp"
 
+#include "check.hpp"
+
 #define XXH_INLINE_ALL
 #include "xxhash.h"
-
-static int failures = 0;
-#define CHECK(cond)                                                  \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                    \
-    }                                                                \
-  } while (0)
 
 static void test_chain_keys() {
   std::uint8_t seed[16] = {1};
@@ -559,10 +552,5 @@ int main() {
   test_placement_opt();
   test_placement_invariants();
   test_reuse_model();
-  if (failures) {
-    std::fprintf(stderr, "%d failed\n", failures);
-    return 1;
-  }
-  std::printf("native core: all checks passed\n");
-  return 0;
+  return finish("native core");
 }

@@ -7,16 +7,8 @@
 #include <random>
 #include <vector>
 
+#include "check.hpp"
 #include "ucm/kv_unpack.hpp"
-
-static int failures = 0;
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                    \
-    }                                                                                \
-  } while (0)
 
 static std::uint16_t bf16_of(float f) {
   std::uint32_t u;
@@ -100,10 +92,5 @@ static void test_value_runs() {
 int main() {
   test_key_tiles();
   test_value_runs();
-  if (failures) {
-    std::fprintf(stderr, "%d failed\n", failures);
-    return 1;
-  }
-  std::printf("kv_unpack: all checks passed\n");
-  return 0;
+  return finish("kv_unpack");
 }
