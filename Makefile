@@ -73,7 +73,8 @@ build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/tests/*.hpp cpp/in
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include -Icpp/third_party/xxhash \
 		cpp/src/*.cpp cpp/tests/test_core.cpp -o $@ -pthread
 
-build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/tests/check.hpp cpp/include/ucm/kv_unpack.hpp
+build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/tests/check.hpp \
+		cpp/include/ucm/kv_unpack.hpp
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp \
 		-o $@

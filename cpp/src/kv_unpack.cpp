@@ -58,7 +58,9 @@ __attribute__((target("avx2"))) inline void run32(const std::uint8_t* in, __m256
   const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
   const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  // elements 0-15, 16-31
   const __m128i q[4] = {e0, _mm_srli_si128(e0, 8), e1, _mm_srli_si128(e1, 8)};
-  for (int k = 0; k < 4; ++k) y[k] = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[k])), z), s);
+  for (int k = 0; k < 4; ++k) {
+    y[k] = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[k])), z), s);
+  }
 }
 
 // bfloat16 of 8 floats, rounded to nearest even as bf16_bits.
@@ -170,7 +172,12 @@ __attribute__((target("avx2"))) void unpack_avx2(const std::uint8_t* data, const
   }
 }
 
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+// Set while the library loads: __builtin_cpu_init first, as GCC asks of a
+// check that may run before the other constructors.
+const bool kHasAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
 #endif
 
 }  // namespace
