@@ -5,8 +5,10 @@ corrupted stored bytes, unknown codec ids and foreign raw bytes are misses;
 range reads return exactly the decoded bytes; bad config names the key;
 demotions are encoded behind their caller (a staging never waits for the
 encode of the victims it evicts), and reads still get the decoded bytes."""
+import os
 import pathlib
 import re
+import sys
 import threading
 import tomllib
 
@@ -22,7 +24,7 @@ from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_clas
 from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import planar_layout
 from ucm.codecs.quant import Int8Codec
-from ucm.codecs.tier import LAYER_RANGES, CodecAdapter, LayoutBook, layer_ranges
+from ucm.codecs.tier import LAYER_RANGES, WRITER_NICE, CodecAdapter, LayoutBook, layer_ranges
 from ucm.errors import ArgumentError, ConfigError
 
 LAYOUT = planar_layout("bfloat16", 4, 2, 32, 64)  # 64 KiB blocks
@@ -440,6 +442,27 @@ def test_a_put_returns_before_its_block_is_encoded_and_a_read_waits_for_the_deco
     assert got == [[Status.OK] * 2] and [bytes(o) for o in outs] == [int8_decoded(d) for d in data[:2]]
     assert a.flush(30) and set(medium.blobs) == set(keys[:2])  # the deleted block was never written
     assert a.stats()["codec_pending_blocks"] == 0
+    a.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+def test_the_writer_thread_encodes_at_a_lower_priority_than_its_callers():
+    """The writer's encodes are behind every caller: its nice value is
+    raised to WRITER_NICE while the thread that put the block keeps its own."""
+    book = LayoutBook()
+    book.register(LAYOUT)
+    codec = GatedCodec()
+    a = CodecAdapter(DictAdapter(), codec, book)
+    keys, data = kv_blocks(1, 15)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        assert a.put(keys, data) == [Status.OK]
+        assert codec.encoding.wait(10)  # the writer is inside the encode
+        assert os.getpriority(os.PRIO_PROCESS, a._writer.native_id) == max(WRITER_NICE, mine)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        codec.gate.set()
+    assert a.flush(30)
     a.close()
 
 

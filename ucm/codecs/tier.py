@@ -78,6 +78,12 @@ log = logging.getLogger(__name__)
 # 23-block prompt of 2.95 MB blocks demotes 68 MB).
 WRITE_BEHIND_BYTES = 128 << 20
 
+# The writer thread's nice value (Linux: a thread's own): encoding demoted
+# blocks is behind every caller, so it yields the cores to the reads and
+# the engine's forward beside it (2 cores: the encode of a hit's demoted
+# victims ran against vLLM's forward).
+WRITER_NICE = 10
+
 
 # Threads that verify and decode the blocks of one batched read in parallel.
 DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -248,6 +254,7 @@ class CodecAdapter(LayerReads):
         """The writer thread: encodes and stores the queued blocks in put
         order. A block deleted meanwhile is not written (or deleted again
         once written); one the medium does not take is reported dropped."""
+        _lower_priority(WRITER_NICE)
         while True:
             with self._cond:
                 while not self._queue:
@@ -551,6 +558,16 @@ class CodecAdapter(LayerReads):
         if self._decoders_pool is not None:
             self._decoders_pool.shutdown(wait=True)
         self.inner.close()
+
+
+def _lower_priority(nice: int) -> None:
+    """Raises this thread's nice value to `nice` where the OS has one per
+    thread (Linux); elsewhere, or if refused, the thread runs as it was."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError):
+        pass
 
 
 def with_codec(adapter: StorageAdapter, codec: str, index: int, layouts: LayoutBook) -> CodecAdapter:
