@@ -130,13 +130,7 @@ UCM_CLONES void quant4_row(const float* x, const float* inv, const float* z, std
 // Fused dequantise-and-store row kernels: per-element steps (`v`, keys:
 // one step per channel) or one step for the run (`s`, values: one per
 // token or channel group), into bfloat16 or float32.
-inline std::uint16_t bf16_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-inline std::uint16_t put(float f, std::uint16_t*) { return bf16_bits(f); }
+inline std::uint16_t put(float f, std::uint16_t*) { return kv_f32_to_bf16(f); }
 inline float put(float f, float*) { return f; }
 
 #define UCM_DEQUANT_KERNELS(SUFFIX, OUT)                                                                       \
@@ -155,7 +149,7 @@ inline float put(float f, float*) { return f; }
 
 UCM_DEQUANT_KERNELS(bf16, std::uint16_t)
 UCM_CLONES void store_row_bf16(const float* y, std::uint16_t* o, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) o[i] = bf16_bits(y[i]);
+  for (std::int64_t i = 0; i < n; ++i) o[i] = kv_f32_to_bf16(y[i]);
 }
 UCM_DEQUANT_KERNELS(f32, float)
 #undef UCM_DEQUANT_KERNELS
@@ -543,8 +537,8 @@ bool kv_decode(const std::uint8_t* enc, const KvSegment& s, KvElem e, std::uint8
         wc[c] = width[b * half + c % half];
         off[c] = zero_of(t) * (wc[c] > 4 ? static_cast<float>(1 << (wc[c] - 4)) : 1.0f);
       }
-      kv_unpack_key_tiles(data + at, enc + p.total, wc.data(), st.data() + b * D, off.data(), tr, D, blk.data());
-      for (std::int64_t c = 0; c < D; ++c) at += static_cast<std::size_t>(tr * wc[c] / 8);
+      at += kv_unpack_key_tiles(data + at, enc + p.total, wc.data(), st.data() + b * D, off.data(), tr, D,
+                                blk.data());
       for (std::int64_t r = 0; r < tr; ++r) {
         std::uint8_t* o = dst + row_offsets[b * tr + r];
         const float* y = blk.data() + r * D;

@@ -43,13 +43,6 @@ void unpack_tile(int w, const std::uint8_t* in, std::int64_t rows, float off, fl
   }
 }
 
-inline std::uint16_t bf16_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
 #ifdef UCM_UNPACK_AVX2
 // 32 codes from 16 bytes as 4 x 8 floats (q + z) * s, in element order.
 __attribute__((target("avx2"))) inline void run32(const std::uint8_t* in, __m256 z, __m256 s, __m256 y[4]) {
@@ -63,7 +56,7 @@ __attribute__((target("avx2"))) inline void run32(const std::uint8_t* in, __m256
   }
 }
 
-// bfloat16 of 8 floats, rounded to nearest even as bf16_bits.
+// bfloat16 of 8 floats, rounded to nearest even as kv_f32_to_bf16.
 __attribute__((target("avx2"))) inline __m128i bf16x8(__m256 y) {
   __m256i u = _mm256_castps_si256(y);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -126,12 +119,13 @@ __attribute__((target("avx2"))) inline __m256 codes8(std::uint64_t v, const Code
   return _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(q), off), s);
 }
 
-__attribute__((target("avx2"))) void unpack_avx2(const std::uint8_t* data, const std::uint8_t* end,
+__attribute__((target("avx2"))) std::size_t unpack_avx2(const std::uint8_t* data, const std::uint8_t* end,
                                                  const int* widths, const float* steps, const float* offs,
                                                  std::int64_t rows, std::int64_t D, float* out) {
   const std::uint8_t* at_small[64];
   std::vector<const std::uint8_t*> at_big(D > 64 ? static_cast<std::size_t>(D) : 0);
   const std::uint8_t** at = D > 64 ? at_big.data() : at_small;
+  const std::uint8_t* const start = data;
   for (std::int64_t c = 0; c < D; ++c) {
     at[c] = data;
     data += rows * widths[c] / 8;
@@ -170,6 +164,7 @@ __attribute__((target("avx2"))) void unpack_avx2(const std::uint8_t* data, const
       _mm256_storeu_ps(o + 7 * D, _mm256_permute2f128_ps(u3, u7, 0x31));
     }
   }
+  return static_cast<std::size_t>(data - start);
 }
 
 // Set while the library loads: __builtin_cpu_init first, as GCC asks of a
@@ -200,8 +195,8 @@ void kv_unpack_run_f32(const std::uint8_t* in, float s, float z, float* out, std
 
 void kv_unpack_run_bf16_plain(const std::uint8_t* in, float s, float z, std::uint16_t* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n / 2; ++i) {
-    out[2 * i] = bf16_bits((static_cast<float>(in[i] & 0x0F) + z) * s);
-    out[2 * i + 1] = bf16_bits((static_cast<float>(in[i] >> 4) + z) * s);
+    out[2 * i] = kv_f32_to_bf16((static_cast<float>(in[i] & 0x0F) + z) * s);
+    out[2 * i + 1] = kv_f32_to_bf16((static_cast<float>(in[i] >> 4) + z) * s);
   }
 }
 
@@ -212,21 +207,23 @@ void kv_unpack_run_f32_plain(const std::uint8_t* in, float s, float z, float* ou
   }
 }
 
-void kv_unpack_key_tiles(const std::uint8_t* data, const std::uint8_t* end, const int* widths, const float* steps,
-                         const float* offs, std::int64_t rows, std::int64_t D, float* out) {
+std::size_t kv_unpack_key_tiles(const std::uint8_t* data, const std::uint8_t* end, const int* widths,
+                                const float* steps, const float* offs, std::int64_t rows, std::int64_t D, float* out) {
 #ifdef UCM_UNPACK_AVX2
   if (kHasAvx2 && D % 8 == 0) return unpack_avx2(data, end, widths, steps, offs, rows, D, out);
 #endif
   (void)end;
-  kv_unpack_key_tiles_plain(data, widths, steps, offs, rows, D, out);
+  return kv_unpack_key_tiles_plain(data, widths, steps, offs, rows, D, out);
 }
 
-void kv_unpack_key_tiles_plain(const std::uint8_t* data, const int* widths, const float* steps, const float* offs,
-                               std::int64_t rows, std::int64_t D, float* out) {
+std::size_t kv_unpack_key_tiles_plain(const std::uint8_t* data, const int* widths, const float* steps,
+                                      const float* offs, std::int64_t rows, std::int64_t D, float* out) {
+  std::size_t at = 0;
   for (std::int64_t c = 0; c < D; ++c) {
-    unpack_tile(widths[c], data, rows, offs[c], steps[c], out + c, D);
-    data += rows * widths[c] / 8;
+    unpack_tile(widths[c], data + at, rows, offs[c], steps[c], out + c, D);
+    at += static_cast<std::size_t>(rows * widths[c] / 8);
   }
+  return at;
 }
 
 }  // namespace ucm

@@ -45,9 +45,10 @@ static void test_key_tiles() {
       std::vector<std::uint8_t> data(bytes);  // exactly the tiles: the last 8-byte read must not run past
       for (auto& b : data) b = static_cast<std::uint8_t>(rng());
       std::vector<float> fast(static_cast<std::size_t>(rows * D), -1.0f), plain(fast), ref(fast);
-      ucm::kv_unpack_key_tiles(data.data(), data.data() + data.size(), widths.data(), steps.data(), offs.data(), rows,
-                               D, fast.data());
-      ucm::kv_unpack_key_tiles_plain(data.data(), widths.data(), steps.data(), offs.data(), rows, D, plain.data());
+      CHECK(ucm::kv_unpack_key_tiles(data.data(), data.data() + data.size(), widths.data(), steps.data(),
+                                     offs.data(), rows, D, fast.data()) == bytes);
+      CHECK(ucm::kv_unpack_key_tiles_plain(data.data(), widths.data(), steps.data(), offs.data(), rows, D,
+                                           plain.data()) == bytes);
       const std::uint8_t* tile = data.data();
       for (int c = 0; c < D; ++c) {
         for (int r = 0; r < rows; ++r)

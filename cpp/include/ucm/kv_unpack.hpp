@@ -7,9 +7,19 @@
 // the vectorised paths to.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace ucm {
+
+// float to bfloat16, rounded to nearest even (every bf16 store of the decoders).
+inline std::uint16_t kv_f32_to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
 
 // Values: a run of n codes of 4 bits (n even), two per byte (element 2i in
 // the low nibble), into out[i] = (q_i + z) * s, as bfloat16 (rounded to
@@ -23,13 +33,13 @@ void kv_unpack_run_f32(const std::uint8_t* in, float s, float z, float* out, std
 // first, eight codes in widths[c] bytes; rows a multiple of 8; the caller
 // checks both). Writes out[r * D + c] = (q + offs[c]) * steps[c]. `end` is
 // the end of the readable bytes (the vectorised path reads 8 bytes at a
-// time where they are there).
-void kv_unpack_key_tiles(const std::uint8_t* data, const std::uint8_t* end, const int* widths, const float* steps,
+// time where they are there). Returns the bytes of the row block's tiles.
+std::size_t kv_unpack_key_tiles(const std::uint8_t* data, const std::uint8_t* end, const int* widths, const float* steps,
                          const float* offs, std::int64_t rows, std::int64_t D, float* out);
 
 void kv_unpack_run_bf16_plain(const std::uint8_t* in, float s, float z, std::uint16_t* out, std::int64_t n);
 void kv_unpack_run_f32_plain(const std::uint8_t* in, float s, float z, float* out, std::int64_t n);
-void kv_unpack_key_tiles_plain(const std::uint8_t* data, const int* widths, const float* steps, const float* offs,
+std::size_t kv_unpack_key_tiles_plain(const std::uint8_t* data, const int* widths, const float* steps, const float* offs,
                                std::int64_t rows, std::int64_t D, float* out);
 
 }  // namespace ucm
