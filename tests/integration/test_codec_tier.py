@@ -3,47 +3,24 @@ encoded on demotion and decoded on staging; a block is decoded by the codec
 its frame records whatever this cache is configured with, or is a miss;
 corrupted stored bytes, unknown codec ids and foreign raw bytes are misses;
 range reads return exactly the decoded bytes; bad config names the key;
-demotions are encoded behind their caller (a staging never waits for the
-encode of the victims it evicts), and reads still get the decoded bytes."""
-import os
+streamed reads land layer range by layer range. The write-behind is in
+test_codec_writer.py."""
 import pathlib
-import re
-import sys
-import threading
 import tomllib
 
 import numpy as np
 import pytest
 import torch
 
-from support import chain
-from ucm.adapters.base import BlockEntry, RangeReads, Status, StorageAdapter, read_range
-from ucm.adapters.faults import FaultyAdapter
+from codec_support import LAYOUT, N, DictAdapter, cfg, int8_decoded, kv_blocks
+from ucm.adapters.base import RangeReads, Status, read_range
 from ucm.cache import Outcome, UnifiedCache
 from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_class
 from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import planar_layout
 from ucm.codecs.quant import Int8Codec
-from ucm.codecs.tier import LAYER_RANGES, WRITER_NICE, CodecAdapter, LayoutBook, layer_ranges
+from ucm.codecs.tier import LAYER_RANGES, CodecAdapter, LayoutBook, layer_ranges
 from ucm.errors import ArgumentError, ConfigError
-
-LAYOUT = planar_layout("bfloat16", 4, 2, 32, 64)  # 64 KiB blocks
-N = 40  # blocks: more than the 1 MiB of DRAM holds, so most are demoted
-
-
-def cfg(nvme_dir, codec, dram="1MiB"):
-    return {"tiers": [{"adapter": "dram", "capacity": dram},
-                      {"adapter": "nvme", "capacity": "16MiB", "codec": codec,
-                       "options": {"path": str(nvme_dir), "region_size": "512KiB", "io_chunk": "128KiB"}}],
-            "policy": {"name": "lru"}}
-
-
-def kv_blocks(n, seed):
-    keys, _ = chain(n, seed, 16)
-    g = torch.Generator().manual_seed(seed)
-    data = [(torch.randn(LAYOUT.block_bytes // 2, generator=g) * 3).to(torch.bfloat16).view(torch.uint8)
-            .numpy().tobytes() for _ in range(n)]
-    return keys, data
 
 
 def load(cache, keys):
@@ -55,15 +32,6 @@ def rel_err(a, b):
     x = torch.frombuffer(bytearray(a), dtype=torch.bfloat16).float()
     y = torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()
     return ((x - y).norm() / x.norm()).item()
-
-
-def int8_decoded(raw):
-    """What int8 makes of a block: the reference for its loads."""
-    c = Int8Codec()
-    enc = c.encode(memoryview(raw), LAYOUT)
-    out = bytearray(len(raw))
-    assert c.decode(memoryview(enc.meta), memoryview(enc.body), memoryview(out))
-    return bytes(out)
 
 
 @pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
@@ -134,56 +102,6 @@ def test_a_reader_without_the_codec_misses_instead_of_handing_on_encoded_bytes(n
         res, out = load(c, on_nvme)
         assert Outcome.DONE not in res  # the stored frame is smaller than a block: CORRUPT, never bytes
         assert all(o == bytes(LAYOUT.block_bytes) for o in out)
-
-
-class DictAdapter(StorageAdapter):
-    """An in-memory medium without checksums of its own, so that the
-    frame's checksums are the only line of defence."""
-
-    name = "dict"
-
-    def __init__(self):
-        self.blobs = {}
-
-    def put(self, keys, blobs):
-        for k, b in zip(keys, blobs):
-            self.blobs.setdefault(k, bytearray(b))
-        return [Status.OK] * len(keys)
-
-    def get(self, keys, dsts):
-        out = []
-        for k, d in zip(keys, dsts):
-            b = self.blobs.get(k)
-            if b is None:
-                out.append(Status.NOT_FOUND)
-            elif len(b) != len(d):
-                out.append(Status.CORRUPT)
-            else:
-                memoryview(d).cast("B")[:] = b
-                out.append(Status.OK)
-        return out
-
-    def contains(self, keys):
-        return [k in self.blobs for k in keys]
-
-    def delete(self, keys):
-        return [self.blobs.pop(k, None) is not None for k in keys]
-
-    def size_of(self, key):
-        b = self.blobs.get(key)
-        return None if b is None else len(b)
-
-    def iter_keys(self):
-        return iter(list(self.blobs))
-
-    capacity_bytes = 1 << 30
-
-    @property
-    def used_bytes(self):
-        return sum(map(len, self.blobs.values()))
-
-    def close(self):
-        pass
 
 
 @pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
@@ -390,136 +308,6 @@ def test_an_opaque_layout_needs_a_positive_size():
     for bad in (0, -1, 1.5, True, None):
         with pytest.raises(ArgumentError):
             opaque_layout(bad)
-
-
-class GatedCodec(Int8Codec):
-    """int8 whose encode waits until the test opens its gate: a codec as
-    slow as the test wants."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.encoding = threading.Event()
-
-    def encode(self, raw, layout):
-        self.encoding.set()
-        self.gate.wait()
-        return super().encode(raw, layout)
-
-
-def run_in_thread(fn, *args):
-    out = []
-    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
-    t.start()
-    return t, out
-
-
-def test_a_put_returns_before_its_block_is_encoded_and_a_read_waits_for_the_decoded_bytes():
-    """Demotions are written behind their caller: a put into a codec tier
-    returns while the encode has not finished, the block is in the tier at
-    once, and a read of it returns the bytes it decodes to (never the raw
-    copy waiting for the writer); a block deleted before its write never
-    reaches the medium."""
-    book = LayoutBook()
-    book.register(LAYOUT)
-    medium, codec = DictAdapter(), GatedCodec()
-    a = CodecAdapter(medium, codec, book)
-    keys, data = kv_blocks(3, 14)
-    try:
-        put, res = run_in_thread(a.put, keys, data)
-        put.join(10)
-        assert not put.is_alive() and res == [[Status.OK] * 3]  # the encode is still held
-        assert codec.encoding.wait(10) and not medium.blobs
-        assert a.contains(keys) == [True] * 3 and a.size_of(keys[0]) == LAYOUT.block_bytes
-        assert a.delete([keys[2]]) == [True] and a.contains([keys[2]]) == [False]
-        outs = [bytearray(LAYOUT.block_bytes) for _ in keys[:2]]
-        get, got = run_in_thread(a.get, keys[:2], outs)
-        get.join(0.5)
-        assert get.is_alive()  # waits for the write, not served from the raw copy
-    finally:
-        codec.gate.set()
-    get.join(10)
-    assert got == [[Status.OK] * 2] and [bytes(o) for o in outs] == [int8_decoded(d) for d in data[:2]]
-    assert a.flush(30) and set(medium.blobs) == set(keys[:2])  # the deleted block was never written
-    assert a.stats()["codec_pending_blocks"] == 0
-    a.close()
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
-def test_the_writer_thread_encodes_at_a_lower_priority_than_its_callers():
-    """The writer's encodes are behind every caller: its nice value is
-    raised to WRITER_NICE while the thread that put the block keeps its own."""
-    book = LayoutBook()
-    book.register(LAYOUT)
-    codec = GatedCodec()
-    a = CodecAdapter(DictAdapter(), codec, book)
-    keys, data = kv_blocks(1, 15)
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    try:
-        assert a.put(keys, data) == [Status.OK]
-        assert codec.encoding.wait(10)  # the writer is inside the encode
-        assert os.getpriority(os.PRIO_PROCESS, a._writer.native_id) == max(WRITER_NICE, mine)
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
-    finally:
-        codec.gate.set()
-    assert a.flush(30)
-    a.close()
-
-
-class GatedPuts(FaultyAdapter):
-    """The NVMe tier's medium, whose puts wait at a gate once armed."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.armed = False
-        self.gate = threading.Event()
-        self.held = threading.Event()
-
-    def put_with_parents(self, keys, blobs, parents):
-        if self.armed:
-            self.held.set()
-            self.gate.wait()
-        return super().put_with_parents(keys, blobs, parents)
-
-
-def test_a_staging_does_not_wait_for_the_victims_it_demotes_into_a_codec_tier(nvme_dir):
-    """A reader's staging of NVMe-only blocks into a full DRAM tier demotes
-    as many DRAM blocks into the int8 tier. Their encode and write run
-    behind the staging: with the medium's writes held, the reader still
-    gets every staged block, decoded (before, the staging encoded and wrote
-    each victim before its own reads: 0.1 s of a 0.2 s int8 hit of 23
-    SmolLM2 blocks, 0.27 s of 0.45 s for lossless)."""
-    media = {}
-
-    def factory(i, cls, cap, options):
-        a = cls(capacity_bytes=cap, config=options)
-        if i == 1:
-            a = media[1] = GatedPuts(a)
-        return a
-
-    keys, data = kv_blocks(N, 13)
-    with UnifiedCache(cfg(nvme_dir, "int8"), tier_factory=factory) as c:
-        c.register_layout(LAYOUT)
-        assert c.store(keys, data).wait(30) == [Outcome.DONE] * N
-        assert c.flush(30)
-        want = {k: int8_decoded(d) for k, d in zip(keys, data)}
-        on_nvme = [k for k, t in zip(keys, c.locate(keys)) if t == "nvme"][:8]
-        assert len(on_nvme) == 8
-        medium = media[1]
-        medium.armed = True
-        try:
-            reader, res = run_in_thread(c.acquire, on_nvme)
-            reader.join(15)
-            assert not reader.is_alive(), "the staging waited for the writes of its victims"
-            assert medium.held.wait(10)  # victims were demoted, and their writes are held
-            leases = res[0]
-            assert all(le is not None for le in leases)
-            assert all(bytes(le.view) == want[k] for k, le in zip(on_nvme, leases))
-            c.release(leases)
-        finally:
-            medium.gate.set()
-            reader.join(30)
-        assert c.flush(30) and c.stats()["tiers"]["nvme"]["adapter"]["codec_pending_blocks"] == 0
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "lossless"])
