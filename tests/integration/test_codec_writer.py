@@ -13,7 +13,8 @@ from ucm.adapters.base import Status
 from ucm.adapters.faults import FaultyAdapter
 from ucm.cache import Outcome, UnifiedCache
 from ucm.codecs.quant import Int8Codec
-from ucm.codecs.tier import WRITER_NICE, CodecAdapter, LayoutBook
+from ucm.codecs.tier import CodecAdapter, LayoutBook
+from ucm.codecs.writer import WRITER_NICE
 
 
 class GatedCodec(Int8Codec):
@@ -82,11 +83,50 @@ def test_the_writer_thread_encodes_at_a_lower_priority_than_its_callers():
     try:
         assert a.put(keys, data) == [Status.OK]
         assert codec.encoding.wait(10)  # the writer is inside the encode
-        assert os.getpriority(os.PRIO_PROCESS, a._writer.native_id) == max(WRITER_NICE, mine)
+        assert os.getpriority(os.PRIO_PROCESS, a._writes.thread.native_id) == max(WRITER_NICE, mine)
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
     finally:
         codec.gate.set()
     assert a.flush(30)
+    a.close()
+
+
+def test_a_block_deleted_while_it_is_written_leaves_neither_bytes_nor_a_size_behind():
+    """The delete lands while the writer encodes the block: the write ends,
+    and the tier deletes the frame again and forgets the block's size."""
+    book = LayoutBook()
+    book.register(LAYOUT)
+    medium, codec = DictAdapter(), GatedCodec()
+    a = CodecAdapter(medium, codec, book)
+    keys, data = kv_blocks(2, 16)
+    try:
+        assert a.put(keys, data) == [Status.OK] * 2
+        assert codec.encoding.wait(10)  # the writer is inside the first block's encode
+        assert a.delete(keys[:1]) == [True]
+    finally:
+        codec.gate.set()
+    assert a.flush(30)
+    assert set(medium.blobs) == {keys[1]} and a.contains(keys) == [False, True]
+    assert a.size_of(keys[0]) is None and a.size_of(keys[1]) == LAYOUT.block_bytes
+    assert a.drain_dropped() == []
+    a.close()
+
+
+class RefusingMedium(DictAdapter):
+    def put(self, keys, blobs):
+        return [Status.FAILED] * len(keys)
+
+
+def test_a_write_the_medium_fails_is_reported_dropped_and_is_a_miss():
+    book = LayoutBook()
+    book.register(LAYOUT)
+    a = CodecAdapter(RefusingMedium(), Int8Codec(), book)
+    keys, data = kv_blocks(2, 17)
+    assert a.put(keys, data) == [Status.OK] * 2  # accepted into the queue
+    assert a.flush(30)
+    assert sorted(a.drain_dropped()) == sorted(keys) and a.stats()["codec_write_failures"] == 2
+    assert a.contains(keys) == [False, False] and a.size_of(keys[0]) is None
+    assert a.get(keys[:1], [bytearray(LAYOUT.block_bytes)]) == [Status.NOT_FOUND]
     a.close()
 
 

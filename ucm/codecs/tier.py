@@ -20,23 +20,20 @@ Capacity. The placement plans in raw block bytes; this tier offers it
 what is stored (encoded bytes): a tier of B bytes holds about ratio x more
 blocks. `used_bytes` reports stored bytes scaled the same way.
 
-Write-behind. `put` copies each block and returns; the tier's writer
-thread (`ucm-codec-writer`, one per tier, first in first out) encodes it
-and puts the frame into the medium. A demotion therefore costs its caller
-one copy, as a raw tier's buffered put does, and never an encode: the
-victims a staging evicts from a full DRAM tier (a reader waits for that
-staging) are encoded behind it, not before its reads. (Encoded on the
-staging's thread, they took 0.10 s of a 0.21 s int8 hit of 23 SmolLM2
-blocks in process, 0.27 s of 0.45 s with lossless.) The
-copies waiting for the writer are bounded (WRITE_BEHIND_BYTES; a put past
-the bound waits for room). A block still waiting is in the tier
-(`contains`, `size_of`); a `get` of it waits for its write and then reads
-the medium, so a reader always gets the decoded bytes, never the raw ones
-of a lossy codec at one moment and the decoded ones at another. A delete
-of a waiting block cancels its write. A write the medium refuses (after
-`_make_room`) or fails is reported by `drain_dropped`, as an nvme log's
-failed region writes are. `flush` waits for the writer, then flushes the
-medium.
+Write-behind (`ucm.codecs.writer`). `put` copies each block and returns;
+the tier's writer thread encodes it and puts the frame into the medium. A
+demotion therefore costs its caller one copy, as a raw tier's buffered put
+does, and never an encode: the victims a staging evicts from a full DRAM
+tier (a reader waits for that staging) are encoded behind it, not before
+its reads. (Encoded on the staging's thread, they took 0.10 s of a 0.21 s
+int8 hit of 23 SmolLM2 blocks in process, 0.27 s of 0.45 s with
+lossless.) A block still waiting is in the tier (`contains`, `size_of`);
+a `get` of it waits for its write and then reads the medium, so a reader
+always gets the decoded bytes, never the raw ones of a lossy codec at one
+moment and the decoded ones at another. A delete of a waiting block
+cancels its write. A write the medium refuses (after `_make_room`) or
+fails is reported by `drain_dropped`, as an nvme log's failed region
+writes are. `flush` waits for the writer, then flushes the medium.
 
 Range reads (`read_range`) read the whole frame, verify and decode it,
 and copy the range out: exactly the decoded bytes of that range (for
@@ -48,9 +45,10 @@ decode the first range of layers of every block, then the next, ...
 their segment table; lossless decodes whole), so that the engine's first
 layers can run while later ones are decoded.
 
-Thread-safe: the codecs are, and the size table, the write-behind queue
-and the counters share one lock (`_lock`, with `_cond`), a leaf: no codec
-and no medium is called under it.
+Thread-safe: the codecs are; the size table, the order of stored blocks
+and the counters share one lock (`_lock`), the write-behind queue has its
+own; both are leaves: no codec, no medium and no callback is called under
+either.
 """
 from __future__ import annotations
 
@@ -58,9 +56,8 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ucm.adapters.base import BlockEntry, Key, LayerReads, Status, StorageAdapter, read_range
@@ -69,21 +66,10 @@ from ucm.codecs import codec_class_by_id
 from ucm.codecs.base import Codec, NoneCodec
 from ucm.codecs.frame import HEADER_BYTES, pack, parse_header, verify
 from ucm.codecs.layout import KvLayout
+from ucm.codecs.writer import WriteBehind
 from ucm.errors import ArgumentError, ConfigError
 
 log = logging.getLogger(__name__)
-
-# Raw bytes of demoted blocks copied and waiting for the writer thread at
-# most; a put beyond waits for room (a full DRAM tier's staging of a
-# 23-block prompt of 2.95 MB blocks demotes 68 MB).
-WRITE_BEHIND_BYTES = 128 << 20
-
-# The writer thread's nice value (Linux: a thread's own): encoding demoted
-# blocks is behind every caller, so it yields the cores to the reads and
-# the engine's forward beside it (2 cores: the encode of a hit's demoted
-# victims ran against vLLM's forward).
-WRITER_NICE = 10
-
 
 # Threads that verify and decode the blocks of one batched read in parallel.
 DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -106,17 +92,6 @@ def layer_ranges(layers: int) -> list[tuple[int, int]]:
     n = min(LAYER_RANGES, layers)
     bounds = [layers * k // n for k in range(n + 1)]
     return [(bounds[k], bounds[k + 1]) for k in range(n)]
-
-
-@dataclass(eq=False, slots=True)
-class _Pending:
-    """A block put and not written to the medium yet."""
-
-    key: Key
-    raw: bytearray
-    parent: Optional[Key]
-    written: threading.Event = field(default_factory=threading.Event)  # set once settled (written or not)
-    cancelled: bool = False  # deleted meanwhile: not written, or deleted again once written
 
 
 class LayoutBook:
@@ -164,14 +139,9 @@ class CodecAdapter(LayerReads):
         self._order: OrderedDict[Key, int] = OrderedDict()  # blocks this adapter stored, oldest first
         self._dropped: list[Key] = []  # given way for a new block (`_make_room`) or not written, not yet drained
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)  # the writer's queue changed
         self._counts: Counter = Counter()
-        self._pending: dict[Key, _Pending] = {}  # put, not settled yet (queued or being written)
-        self._queue: deque[_Pending] = deque()
-        self._pending_bytes = 0
-        self._writer: Optional[threading.Thread] = None
+        self._writes = WriteBehind(self.name, self._write_one, self._undo, self._write_failed)
         self._decoders_pool: Optional[ThreadPoolExecutor] = None  # made by the first batched read
-        self._closing = False
 
     # ---- write -------------------------------------------------------------
     def _encode(self, blob: Any) -> bytearray:
@@ -199,42 +169,14 @@ class CodecAdapter(LayerReads):
     def put_with_parents(self, keys: Sequence[Key], blobs: Sequence[Any],
                          parents: Sequence[Optional[Key]]) -> list[Status]:
         """Copies each block into the write-behind queue and returns OK for
-        it (a block already waiting is kept: blobs under a key never
-        change); the writer thread encodes and stores it. Waits while the
-        queue holds WRITE_BEHIND_BYTES. After `close` began, writes on the
+        it; the writer thread encodes and stores it (`WriteBehind.submit`:
+        waits while the queue is full). After `close` began, writes on the
         caller's thread."""
         if not len(keys) == len(blobs) == len(parents):
             raise ArgumentError(f"put: {len(keys)} keys, {len(blobs)} blobs, {len(parents)} parents")
         views = [byte_view(b, writable=False, what="blob") for b in blobs]
-        out: list[Status] = []
-        for k, v, parent in zip(keys, views, parents):
-            with self._cond:
-                old = self._pending.get(k)
-                if old is not None and not old.cancelled:
-                    out.append(Status.OK)
-                    continue
-                waited = False
-                while self._pending_bytes and self._pending_bytes + len(v) > WRITE_BEHIND_BYTES and not self._closing:
-                    waited = True
-                    self._cond.wait()
-                if waited:
-                    self._counts["codec_write_behind_waits"] += 1
-                closing = self._closing
-            if closing:
-                out.append(self._write([k], [v], [parent])[0])
-                continue
-            entry = _Pending(k, bytearray(v), parent)  # the copy: the source (a DRAM slot) is freed after
-            with self._cond:
-                self._raw_size[k] = len(v)
-                self._pending[k] = entry
-                self._queue.append(entry)
-                self._pending_bytes += len(v)
-                if self._writer is None:
-                    self._writer = threading.Thread(target=self._write_loop, name="ucm-codec-writer", daemon=True)
-                    self._writer.start()
-                self._cond.notify_all()
-            out.append(Status.OK)
-        return out
+        return [Status.OK if self._writes.submit(k, v, parent) else self._write([k], [v], [parent])[0]
+                for k, v, parent in zip(keys, views, parents)]
 
     def _write(self, keys: Sequence[Key], blobs: Sequence[Any], parents: Sequence[Optional[Key]]) -> list[Status]:
         """Encodes and stores the blocks now, on this thread."""
@@ -250,50 +192,22 @@ class CodecAdapter(LayerReads):
                     self._order[k] = len(f)
         return out
 
-    def _write_loop(self) -> None:
-        """The writer thread: encodes and stores the queued blocks in put
-        order. A block deleted meanwhile is not written (or deleted again
-        once written); one the medium does not take is reported dropped."""
-        _lower_priority(WRITER_NICE)
-        while True:
-            with self._cond:
-                while not self._queue:
-                    if self._closing:
-                        return
-                    self._cond.wait()
-                entry = self._queue.popleft()
-                skip = entry.cancelled
-            st = Status.FAILED
-            try:
-                if not skip:
-                    st = self._write([entry.key], [entry.raw], [entry.parent])[0]
-            except Exception:  # a medium that raises: the block is dropped, never the writer
-                log.exception("ucm: writing a block to tier %s failed", self.name)
-            with self._cond:
-                if self._pending.get(entry.key) is entry:
-                    del self._pending[entry.key]
-                self._pending_bytes -= len(entry.raw)
-                cancelled = entry.cancelled
-                if st is not Status.OK and not cancelled:
-                    self._raw_size.pop(entry.key, None)
-                    self._dropped.append(entry.key)
-                    self._counts["codec_write_failures"] += 1
-                self._cond.notify_all()
-            if cancelled and st is Status.OK:
-                self.inner.delete([entry.key])
-                with self._lock:
-                    self._order.pop(entry.key, None)
-                    if entry.key not in self._pending:  # not put again meanwhile
-                        self._raw_size.pop(entry.key, None)
-            entry.raw = bytearray()
-            entry.written.set()
+    def _write_one(self, key: Key, raw: bytearray, parent: Optional[Key]) -> Status:
+        return self._write([key], [raw], [parent])[0]
 
-    def _wait_written(self, keys: Sequence[Key]) -> None:
-        """Returns once none of `keys` waits for the writer."""
+    def _undo(self, key: Key, again: bool) -> None:
+        """A block deleted while its write was under way was written: deleted again."""
+        self.inner.delete([key])
         with self._lock:
-            waiting = [self._pending[k] for k in keys if k in self._pending]
-        for entry in waiting:
-            entry.written.wait()
+            self._order.pop(key, None)
+            if not again:
+                self._raw_size.pop(key, None)
+
+    def _write_failed(self, key: Key) -> None:
+        with self._lock:
+            self._raw_size.pop(key, None)
+            self._dropped.append(key)
+            self._counts["codec_write_failures"] += 1
 
     def _make_room(self, keys: Sequence[Key], frames: list, parents: Sequence[Optional[Key]],
                    out: list[Status]) -> list[Status]:
@@ -370,7 +284,7 @@ class CodecAdapter(LayerReads):
     def _frames(self, keys: Sequence[Key], out: list[Status]) -> list[tuple[int, bytearray]]:
         """The stored frames of `keys` read from the medium: (index, frame)
         of those read; `out` gets each key's read status."""
-        self._wait_written(keys)  # read as stored: the decoded bytes, never the raw copy of a lossy codec
+        self._writes.wait_written(keys)  # read as stored: the decoded bytes, never the raw copy of a lossy codec
         idx, scratch = [], []
         for i, k in enumerate(keys):
             n = self.inner.size_of(k)
@@ -460,9 +374,10 @@ class CodecAdapter(LayerReads):
 
     def size_of(self, key: Key) -> Optional[int]:
         """The block's raw (decoded) size, from memory or its frame header."""
-        with self._lock:
-            entry = self._pending.get(key)
-            n = len(entry.raw) if entry is not None else self._raw_size.get(key)
+        n = self._writes.size_of(key)
+        if n is None:
+            with self._lock:
+                n = self._raw_size.get(key)
         if n is not None:
             return n
         stored = self.inner.size_of(key)
@@ -481,20 +396,14 @@ class CodecAdapter(LayerReads):
 
     # ---- the rest is the medium's -------------------------------------------
     def contains(self, keys: Sequence[Key]) -> list[bool]:
-        with self._lock:
-            waiting = [k in self._pending for k in keys]
-        return [w or c for w, c in zip(waiting, self.inner.contains(keys))]
+        return [w or c for w, c in zip(self._writes.waiting(keys), self.inner.contains(keys))]
 
     def delete(self, keys: Sequence[Key]) -> list[bool]:
-        cancelled = []
+        cancelled = [self._writes.cancel(k) for k in keys]  # first: a write ending now is undone, or popped below
         with self._lock:
             for k in keys:
                 self._raw_size.pop(k, None)
                 self._order.pop(k, None)
-                entry = self._pending.pop(k, None)
-                if entry is not None:
-                    entry.cancelled = True
-                cancelled.append(entry is not None)
         return [c or d for c, d in zip(cancelled, self.inner.delete(keys))]
 
     def iter_keys(self) -> Iterator[Key]:
@@ -520,9 +429,8 @@ class CodecAdapter(LayerReads):
         """Waits for the writer thread (what was put before is encoded and in
         the medium), then for the medium's own flush."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._pending_bytes, timeout_s):
-                return False
+        if not self._writes.wait_idle(timeout_s):
+            return False
         return self.inner.flush(timeout_s=max(0.0, deadline - time.monotonic()))
 
     def drain_dropped(self) -> list[Key]:
@@ -541,33 +449,17 @@ class CodecAdapter(LayerReads):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counts = dict(self._counts)
-            pending = len(self._pending)
         raw, stored = counts.get("codec_raw_bytes_in", 0), counts.get("codec_stored_bytes_out", 0)
-        return {**self.inner.stats(), "codec": self.codec.name, **counts, "codec_pending_blocks": pending,
+        return {**self.inner.stats(), "codec": self.codec.name, **counts, **self._writes.stats(),
                 "codec_ratio": round(raw / stored, 4) if stored else None,
                 "stored_bytes": self.inner.used_bytes}
 
     def close(self) -> None:
         """Lets the writer store what is queued, then closes the medium."""
-        with self._cond:
-            self._closing = True
-            writer = self._writer
-            self._cond.notify_all()
-        if writer is not None:
-            writer.join()
+        self._writes.close()
         if self._decoders_pool is not None:
             self._decoders_pool.shutdown(wait=True)
         self.inner.close()
-
-
-def _lower_priority(nice: int) -> None:
-    """Raises this thread's nice value to `nice` where the OS has one per
-    thread (Linux); elsewhere, or if refused, the thread runs as it was."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-    except (AttributeError, OSError):
-        pass
 
 
 def with_codec(adapter: StorageAdapter, codec: str, index: int, layouts: LayoutBook) -> CodecAdapter:

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from ucm import _native
 from ucm.codecs.frame import HEADER_BYTES, frame_bytes
 from ucm.codecs.layout import paged_head_major_layout, planar_layout
 from ucm.codecs.quant import Int4Codec, Int8Codec
@@ -29,7 +28,6 @@ def kv_like(n_elems, dtype, seed):
 def segments(layout, t):
     """K and V of every layer as [heads * tokens, channels] float tensors,
     in the codec's table order (through the layout's row offsets)."""
-    raw = t.view(torch.uint8).numpy()
     eb = layout.elem_bytes
     rows = layout.block_rows()
     out, at = [], 0
