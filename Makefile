@@ -79,9 +79,14 @@ build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/tes
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp \
 		-o $@
 
-test-native: build/test_core build/test_kv_unpack
+build/test_kv_pack: cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp cpp/tests/check.hpp cpp/include/ucm/kv_pack.hpp
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp -o $@
+
+test-native: build/test_core build/test_kv_unpack build/test_kv_pack
 	./build/test_core
 	./build/test_kv_unpack
+	./build/test_kv_pack
 
 test-python: install system-deps
 	$(BIN)/python -m pytest -q --durations=25

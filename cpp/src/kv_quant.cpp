@@ -1,29 +1,23 @@
-// KV quantisation kernels (formats in kv_quant.hpp). The row loops are
-// written so that the compiler vectorises them and are built twice on
-// x86-64 GCC (AVX2 and baseline, chosen at load time by the CPU); nothing
-// here needs AVX2 to be correct.
+// KV quantisation kernels (formats in kv_quant.hpp): the encoded layout of
+// a segment, int8 and int4 encode and decode segment by segment, and the
+// threads a block's segments run on. The loops over rows are in
+// kv_rows.cpp, int4's paired-key widths and packing in kv_pack.cpp, its
+// unpacking in kv_unpack.cpp.
 #include "ucm/kv_quant.hpp"
 
+#include "ucm/kv_pack.hpp"
+#include "ucm/kv_rows.hpp"
 #include "ucm/kv_unpack.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <numeric>
-#include <queue>
-#include <utility>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define UCM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define UCM_CLONES
-#endif
 
 namespace ucm {
 namespace {
@@ -37,151 +31,7 @@ struct Pow2Table {
 };
 const Pow2Table kPow2;
 
-template <typename T>
-inline T load_le(const std::uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-template <typename T>
-inline void store_le(std::uint8_t* p, T v) {
-  std::memcpy(p, &v, sizeof(T));
-}
-
-// ---- row loops (vectorised) ------------------------------------------------
-UCM_CLONES void load_row_bf16(const std::uint8_t* src, float* x, std::int64_t n) {
-  const std::uint16_t* s = reinterpret_cast<const std::uint16_t*>(src);
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::uint32_t u = static_cast<std::uint32_t>(s[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    x[i] = f;
-  }
-}
-
-void load_row(const std::uint8_t* src, float* x, std::int64_t n, KvElem e) {
-  if (e == KvElem::BF16) {
-    load_row_bf16(src, x, n);
-  } else if (e == KvElem::F32) {
-    std::memcpy(x, src, static_cast<std::size_t>(n) * 4);
-  } else {
-    for (std::int64_t i = 0; i < n; ++i) x[i] = kv_f16_to_f32(load_le<std::uint16_t>(src + 2 * i));
-  }
-}
-
-// No early exit, so that it vectorises (a branch per element took half of int8's encode).
-UCM_CLONES bool all_finite(const float* x, std::int64_t n) {
-  std::uint32_t bad = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::uint32_t u;
-    std::memcpy(&u, x + i, 4);
-    bad |= static_cast<std::uint32_t>((u & 0x7F800000u) == 0x7F800000u);
-  }
-  return bad == 0;
-}
-
-// The largest of n floats >= 0 (|x|, finite): their bits order as they do,
-// and an integer max vectorises (a float max chain ran one element per 4 cycles).
-UCM_CLONES float max_nonneg(const float* x, std::int64_t n) {
-  std::uint32_t m = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::uint32_t u;
-    std::memcpy(&u, x + i, 4);
-    m = std::max(m, u);
-  }
-  float f;
-  std::memcpy(&f, &m, 4);
-  return f;
-}
-
-UCM_CLONES void absmax_acc(const float* x, float* acc, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], std::fabs(x[i]));
-}
-
-// NaN (an outlier's place) leaves lo and hi as they are.
-UCM_CLONES void minmax_acc(const float* x, float* lo, float* hi, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    lo[i] = std::min(lo[i], x[i]);
-    hi[i] = std::max(hi[i], x[i]);
-  }
-}
-
-UCM_CLONES void quant8_row(const float* x, const float* inv, std::int8_t* q, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    float v = x[i] * inv[i];
-    v = std::min(127.0f, std::max(-127.0f, v));
-    q[i] = static_cast<std::int8_t>(static_cast<int>(v + (v >= 0.0f ? 0.5f : -0.5f)));
-  }
-}
-
-// q = clamp(round(x / s) - z, 0, 15), two per byte (even element low);
-// rounding half away from zero, written without floor() so that the
-// baseline build (no SSE4.1 rounding instruction) vectorises it too.
-UCM_CLONES void quant4_row(const float* x, const float* inv, const float* z, std::uint8_t* out, std::int64_t n) {
-  for (std::int64_t i = 0; i < n / 2; ++i) {
-    float a = x[2 * i] * inv[2 * i] - z[2 * i], b = x[2 * i + 1] * inv[2 * i + 1] - z[2 * i + 1];
-    a = std::min(15.0f, std::max(0.0f, a)) + 0.5f;  // z is an integer: round(x / s) - z == round(x / s - z)
-    b = std::min(15.0f, std::max(0.0f, b)) + 0.5f;
-    out[i] = static_cast<std::uint8_t>(static_cast<int>(a) | (static_cast<int>(b) << 4));
-  }
-}
-
-// Fused dequantise-and-store row kernels: per-element steps (`v`, keys:
-// one step per channel) or one step for the run (`s`, values: one per
-// token or channel group), into bfloat16 or float32.
-inline std::uint16_t put(float f, std::uint16_t*) { return kv_f32_to_bf16(f); }
-inline float put(float f, float*) { return f; }
-
-#define UCM_DEQUANT_KERNELS(SUFFIX, OUT)                                                                       \
-  UCM_CLONES void dq8v_##SUFFIX(const std::int8_t* q, const float* s, OUT* o, std::int64_t n) {                \
-    for (std::int64_t i = 0; i < n; ++i) o[i] = put(static_cast<float>(q[i]) * s[i], o);                       \
-  }                                                                                                            \
-  UCM_CLONES void dq8s_##SUFFIX(const std::int8_t* q, float s, OUT* o, std::int64_t n) {                       \
-    for (std::int64_t i = 0; i < n; ++i) o[i] = put(static_cast<float>(q[i]) * s, o);                          \
-  }                                                                                                            \
-  UCM_CLONES void dq4v_##SUFFIX(const std::uint8_t* in, const float* s, const float* z, OUT* o, std::int64_t n) { \
-    for (std::int64_t i = 0; i < n / 2; ++i) {                                                                 \
-      o[2 * i] = put((static_cast<float>(in[i] & 0x0F) + z[2 * i]) * s[2 * i], o);                             \
-      o[2 * i + 1] = put((static_cast<float>(in[i] >> 4) + z[2 * i + 1]) * s[2 * i + 1], o);                   \
-    }                                                                                                          \
-  }                                                                                                            \
-
-UCM_DEQUANT_KERNELS(bf16, std::uint16_t)
-UCM_CLONES void store_row_bf16(const float* y, std::uint16_t* o, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) o[i] = kv_f32_to_bf16(y[i]);
-}
-UCM_DEQUANT_KERNELS(f32, float)
-#undef UCM_DEQUANT_KERNELS
-
-// One row (n elements from column `at`) into dst: per-element steps/zeros
-// (`vs`, `vz`) or one (s, z) for the run.
-void dequant_run(const std::uint8_t* data, int bits, std::int64_t first, std::int64_t n, const float* vs,
-                 const float* vz, float s, float z, KvElem e, std::uint8_t* dst, float* tmp) {
-  const bool vec = vs != nullptr;
-  if (bits == 8) {
-    const auto* q = reinterpret_cast<const std::int8_t*>(data) + first;
-    if (e == KvElem::BF16) {
-      auto* o = reinterpret_cast<std::uint16_t*>(dst);
-      vec ? dq8v_bf16(q, vs, o, n) : dq8s_bf16(q, s, o, n);
-    } else {
-      float* o = e == KvElem::F32 ? reinterpret_cast<float*>(dst) : tmp;
-      vec ? dq8v_f32(q, vs, o, n) : dq8s_f32(q, s, o, n);
-    }
-  } else {
-    const std::uint8_t* q = data + first / 2;
-    if (e == KvElem::BF16) {
-      auto* o = reinterpret_cast<std::uint16_t*>(dst);
-      vec ? dq4v_bf16(q, vs, vz, o, n) : kv_unpack_run_bf16(q, s, z, o, n);
-    } else {
-      float* o = e == KvElem::F32 ? reinterpret_cast<float*>(dst) : tmp;
-      vec ? dq4v_f32(q, vs, vz, o, n) : kv_unpack_run_f32(q, s, z, o, n);
-    }
-  }
-  if (e == KvElem::F16) {
-    for (std::int64_t i = 0; i < n; ++i) store_le<std::uint16_t>(dst + 2 * i, kv_f32_to_f16(tmp[i]));
-  }
-}
+using namespace kvrows;  // the row loops and scans (kv_rows.cpp)
 
 // Outlier indexes: u16 where a segment has at most 65536 elements, else u32.
 inline void store_index(std::uint8_t* at, std::size_t width, std::int64_t k, std::uint32_t i) {
@@ -253,21 +103,6 @@ std::uint16_t f16_at_least(float v) {  // the smallest half >= v (v >= 0, finite
   return h;
 }
 
-// The k-th largest of x (1 <= k <= x.size()), as nth_element would give it:
-// a min-heap of the k largest so far, which most elements leave after one
-// compare (a full selection over a value segment was a quarter of int4's encode).
-float kth_largest(const std::vector<float>& x, std::int64_t k) {
-  std::vector<float> heap(x.begin(), x.begin() + k);
-  std::make_heap(heap.begin(), heap.end(), std::greater<float>());
-  for (std::size_t i = static_cast<std::size_t>(k); i < x.size(); ++i) {
-    if (x[i] > heap.front()) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
-      heap.back() = x[i];
-      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-    }
-  }
-  return heap.front();
-}
 
 bool encode8(const std::vector<float>& x, const KvSegment& s, const Parts& p, std::uint8_t* out) {
   const std::int64_t D = s.cols, tr = s.tile_rows, tc = s.tile_cols;
@@ -301,10 +136,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     energy.assign(static_cast<std::size_t>(nb * half), 0.0);
     for (std::int64_t b = 0; b < nb; ++b)
       for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r)
-        for (std::int64_t c = 0; c < half; ++c) {
-          double a = x[r * D + c], z = x[r * D + c + half];
-          energy[b * half + c] += (a * a + z * z) / static_cast<double>(tr);
-        }
+        pair_energy_acc(x.data() + r * D, energy.data() + b * half, half, static_cast<double>(tr));
   }
   // Tile means: the centre outliers are measured from and put back to.
   std::vector<float> mean(static_cast<std::size_t>(p.n_tiles), 0.0f);
@@ -333,12 +165,7 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     const float thr = kth_largest(dev, s.outliers);
     std::vector<std::uint32_t> idx;
     idx.reserve(static_cast<std::size_t>(s.outliers));
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (dev[i] > thr) idx.push_back(static_cast<std::uint32_t>(i));
-    }
-    for (std::int64_t i = 0; i < n && static_cast<std::int64_t>(idx.size()) < s.outliers; ++i) {
-      if (dev[i] == thr) idx.push_back(static_cast<std::uint32_t>(i));
-    }
+    outlier_indexes(dev, thr, s.outliers, idx);
     if (static_cast<std::int64_t>(idx.size()) < s.outliers) return false;  // never past idx's end
     std::sort(idx.begin(), idx.begin() + s.outliers);
     for (std::int64_t k = 0; k < s.outliers; ++k) {
@@ -366,19 +193,15 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
   std::vector<int> width(need.size(), 4);
   if (s.paired) {
     const std::int64_t n_pairs = nb * half;
-    std::vector<int> w(static_cast<std::size_t>(n_pairs), 1);
-    std::priority_queue<std::pair<double, std::int64_t>> heap;  // (priority, -pair): ties go to the lowest pair
+    std::vector<int> w(static_cast<std::size_t>(n_pairs));
+    std::vector<double> prio(w.size());
     for (std::int64_t q = 0; q < n_pairs; ++q) {
       std::int64_t t0 = (q / half) * D + q % half;
       double r0 = static_cast<double>(hi_t[t0]) - lo_t[t0], r1 = static_cast<double>(hi_t[t0 + half]) - lo_t[t0 + half];
       double v = energy[q] * (r0 * r0 + r1 * r1);
-      heap.emplace(v > 0.0 && std::isfinite(v) ? std::log2(v) : -HUGE_VAL, -q);
+      prio[q] = v > 0.0 && std::isfinite(v) ? std::log2(v) : -HUGE_VAL;
     }
-    for (std::int64_t left = 3 * n_pairs; left > 0; --left) {  // all 8: 7 n_pairs > 3 n_pairs, never empty
-      auto [prio, mq] = heap.top();
-      heap.pop();
-      if (++w[-mq] < 8) heap.emplace(prio - 2.0, mq);  // one bit more: the error model's 4^-w
-    }
+    kv_pair_widths(prio.data(), n_pairs, w.data());
     for (std::int64_t q = 0; q < n_pairs; ++q) {
       std::int64_t t0 = (q / half) * D + q % half;
       width[t0] = width[t0 + half] = w[q];
@@ -428,29 +251,17 @@ bool encode4(std::vector<float>& x, const std::uint8_t* src, const std::int64_t*
     zero[t] = z;
   }
   if (s.paired) {  // per tile, in tile order: tile_rows codes of w bits
-    std::uint8_t* data = out + p.data;
+    std::vector<float> inv(D), off(D);
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(tr * D));
     std::size_t at = 0;
     for (std::int64_t b = 0; b < nb; ++b) {
       for (std::int64_t c = 0; c < D; ++c) {
         const std::size_t t = static_cast<std::size_t>(b * D + c);
-        const int w = width[t];
-        const float levels = static_cast<float>((1 << w) - 1);
-        const float off = zero[t] * (w > 4 ? static_cast<float>(1 << (w - 4)) : 1.0f);
-        const float inv = step[t] > 0.0f ? 1.0f / step[t] : 0.0f;
-        std::uint64_t acc = 0;
-        int nbits = 0;
-        for (std::int64_t r = b * tr; r < (b + 1) * tr; ++r) {
-          float v = x[r * D + c] * inv - off;  // an outlier's NaN: code 0
-          v = std::min(levels, std::max(0.0f, v)) + 0.5f;
-          acc |= static_cast<std::uint64_t>(static_cast<int>(v)) << nbits;
-          nbits += w;
-          while (nbits >= 8) {
-            data[at++] = static_cast<std::uint8_t>(acc);
-            acc >>= 8;
-            nbits -= 8;
-          }
-        }
+        off[c] = zero[t] * (width[t] > 4 ? static_cast<float>(1 << (width[t] - 4)) : 1.0f);
+        inv[c] = step[t] > 0.0f ? 1.0f / step[t] : 0.0f;  // an outlier's NaN: code 0
       }
+      at += kv_pack_key_tiles(x.data() + b * tr * D, tr, D, width.data() + b * D, inv.data(), off.data(), codes.data(),
+                              out + p.data + at);
     }
     return true;
   }
