@@ -58,6 +58,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ucm.adapters.base import BlockEntry, Key, LayerReads, Status, StorageAdapter, read_range
@@ -68,6 +69,7 @@ from ucm.codecs.frame import HEADER_BYTES, pack, parse_header, verify
 from ucm.codecs.layout import KvLayout
 from ucm.codecs.writer import WriteBehind
 from ucm.errors import ArgumentError, ConfigError
+from ucm.scratch import ScratchPool
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ class CodecAdapter(LayerReads):
         self._counts: Counter = Counter()
         self._writes = WriteBehind(self.name, self._write_one, self._undo, self._write_failed)
         self._decoders_pool: Optional[ThreadPoolExecutor] = None  # made by the first batched read
+        self._scratch = ScratchPool()  # the frames of reads, warm from one read to the next
 
     # ---- write -------------------------------------------------------------
     def _encode(self, blob: Any) -> bytearray:
@@ -281,34 +284,48 @@ class CodecAdapter(LayerReads):
         self._count("codec_decoded_blocks")
         return Status.OK
 
-    def _frames(self, keys: Sequence[Key], out: list[Status]) -> list[tuple[int, bytearray]]:
-        """The stored frames of `keys` read from the medium: (index, frame)
-        of those read; `out` gets each key's read status."""
+    @contextmanager
+    def _frames(self, keys: Sequence[Key], out: list[Status]) -> Iterator[list[tuple[int, memoryview]]]:
+        """The stored frames of `keys` read from the medium, for the block's
+        duration: (index, frame) of those read, views of one warm scratch
+        mapping (`ScratchPool`: fresh buffers cost a page fault per 4 KiB of
+        every frame); `out` gets each key's read status."""
         self._writes.wait_written(keys)  # read as stored: the decoded bytes, never the raw copy of a lossy codec
-        idx, scratch = [], []
+        idx, sizes = [], []
         for i, k in enumerate(keys):
             n = self.inner.size_of(k)
             if n is not None:
                 idx.append(i)
-                scratch.append(bytearray(n))
-        got = self.inner.get([keys[i] for i in idx], scratch) if idx else []
-        for i, st in zip(idx, got):
-            out[i] = st
-        return [(i, buf) for i, buf, st in zip(idx, scratch, got) if st is Status.OK]
+                sizes.append(n)
+        if not idx:
+            yield []
+            return
+        with self._scratch.lease(sum(sizes)) as scratch, memoryview(scratch) as whole:
+            bufs, at = [], 0
+            for n in sizes:
+                bufs.append(whole[at:at + n])
+                at += n
+            try:
+                got = self.inner.get([keys[i] for i in idx], bufs)
+                for i, st in zip(idx, got):
+                    out[i] = st
+                yield [(i, buf) for i, buf, st in zip(idx, bufs, got) if st is Status.OK]
+            finally:
+                for buf in bufs:
+                    buf.release()
 
     def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
         if len(keys) != len(dsts):
             raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
         views = [byte_view(d, writable=True, what="destination") for d in dsts]
         out: list[Status] = [Status.NOT_FOUND] * len(keys)
-        todo = self._frames(keys, out)
-        if len(todo) > 1:  # the blocks of a batch in parallel: verify and decode release the GIL
-            for (i, _), st in zip(todo, self._decode_pool().map(lambda t: self._decode(memoryview(t[1]), views[t[0]]),
-                                                               todo)):
-                out[i] = st
-        elif todo:
-            i, buf = todo[0]
-            out[i] = self._decode(memoryview(buf), views[i])
+        with self._frames(keys, out) as todo:
+            if len(todo) > 1:  # the blocks of a batch in parallel: verify and decode release the GIL
+                for (i, _), st in zip(todo, self._decode_pool().map(lambda t: self._decode(t[1], views[t[0]]), todo)):
+                    out[i] = st
+            elif todo:
+                i, buf = todo[0]
+                out[i] = self._decode(buf, views[i])
         return out
 
     def get_layers(self, keys: Sequence[Key], dsts: Sequence[Any], layers: int,
@@ -325,11 +342,18 @@ class CodecAdapter(LayerReads):
             raise ArgumentError(f"get_layers: {len(keys)} keys but {len(dsts)} destinations")
         views = [byte_view(d, writable=True, what="destination") for d in dsts]
         out: list[Status] = [Status.NOT_FOUND] * len(keys)
+        with self._frames(keys, out) as frames:
+            self._land_layers(frames, views, out, layers, landed)
+        return out
+
+    def _land_layers(self, frames: list[tuple[int, memoryview]], views: list[memoryview], out: list[Status],
+                     layers: int, landed: Callable[[int, int, int], None]) -> None:
+        """get_layers' verify and decode passes over frames read."""
         parts: list[tuple[int, Codec, memoryview, memoryview]] = []
         whole: list[tuple[int, Codec, memoryview, memoryview]] = []
         pool = self._decode_pool()
-        frames = self._frames(keys, out)  # verified in parallel: the checksums release the GIL
-        for (i, _), opened in zip(frames, pool.map(lambda t: self._open(memoryview(t[1]), views[t[0]]), frames)):
+        # verified in parallel: the checksums release the GIL
+        for (i, _), opened in zip(frames, pool.map(lambda t: self._open(t[1], views[t[0]]), frames)):
             if opened is None:
                 out[i] = Status.CORRUPT
                 continue
@@ -363,7 +387,6 @@ class CodecAdapter(LayerReads):
             out[i] = Status.OK
             self._count("codec_decoded_blocks")
             self._count("codec_layer_decoded_blocks")
-        return out
 
     def _decode_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -459,6 +482,7 @@ class CodecAdapter(LayerReads):
         self._writes.close()
         if self._decoders_pool is not None:
             self._decoders_pool.shutdown(wait=True)
+        self._scratch.close()
         self.inner.close()
 
 

@@ -103,3 +103,44 @@ def test_a_sealer_that_raises_is_a_failed_write_and_the_adapter_goes_on(tmp_path
         assert a.get([k2], [out]) == [Status.OK] and out == b2
     finally:
         a.close()
+
+
+class LyingDevice:
+    """An I/O engine whose reads report every byte read and write none."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.lie = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read_batch(self, fd, bufs, offsets):
+        if self.lie:
+            return [len(memoryview(b)) for b in bufs]
+        return self.inner.read_batch(fd, bufs, offsets)
+
+
+def test_reads_through_warm_scratch_never_hand_on_an_earlier_reads_bytes(tmp_path):
+    """Blocks whose length is not whole pages are read (O_DIRECT) through
+    scratch kept warm from one read to the next: the same mapping serves
+    every read, and a read that lands nothing in it, over the bytes of an
+    earlier block of the same length, is CORRUPT, never that block."""
+    dev = LyingDevice(_native.IoEngine(1))
+    a = nvme(tmp_path, dev)
+    try:
+        (k1, b1), (k2, b2) = [(os.urandom(16), os.urandom(50_000)) for _ in range(2)]
+        assert a.put([k1, k2], [b1, b2]) == [Status.OK] * 2
+        assert a.flush()
+        out = bytearray(len(b1))
+        for _ in range(3):
+            assert a.get([k1], [out]) == [Status.OK] and out == b1
+        assert a.get([k2], [out]) == [Status.OK] and out == b2
+        assert a._scratch.made == 1  # warm: one mapping for every read
+        assert a.get([k1], [out]) == [Status.OK]  # the scratch holds k1's bytes now
+        dev.lie = True
+        out[:] = bytes(len(out))
+        assert a.get([k2], [out]) == [Status.CORRUPT]
+        assert out != b1
+    finally:
+        a.close()

@@ -88,6 +88,7 @@ from ucm.adapters.nvme.regions import Loc, Region, choose_victim
 from ucm.adapters.nvme.writer import WriteBuffer, write_region
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.scratch import ScratchPool
 from ucm.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class NvmeAdapter(NvmeReads, RangeReads):
         self.n_regions = n_regions
         self._capacity = int(n_regions * rs * config.usable_fraction)
         self._io = device if device is not None else _native.IoEngine(config.io_threads)
+        self._scratch = ScratchPool()  # reads that cannot land in place (reads.py)
         self._regions = [Region() for _ in range(n_regions)]
         self._index: dict[Key, Loc] = {}
         self._mem: dict[int, WriteBuffer] = {}  # region -> buffer holding it in memory
@@ -628,6 +630,7 @@ class NvmeAdapter(NvmeReads, RangeReads):
             self._cond.notify_all()
         self._sealer.join(timeout=self.config.put_timeout_s)
         os.close(self._fd)
+        self._scratch.close()
 
     def _check_open(self) -> None:
         if self._closed:

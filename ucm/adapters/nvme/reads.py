@@ -116,39 +116,45 @@ class NvmeReads:
     def _read_disk(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, Loc]],
                    out: list[Optional[Status]]) -> None:
         rs = self.config.region_size
-        targets, offsets, scratch = [], [], {}
-        for i, loc in disk:
-            padded = _align_up(loc.length)
-            v = views[i]
-            if self.direct_io and (padded != loc.length or not _aligned(v)):
-                buf = mmap.mmap(-1, padded)
-                scratch[i] = buf
-                targets.append(memoryview(buf))
-            else:
-                targets.append(v)
-            offsets.append(loc.region * rs + loc.offset)
-        results = self._io.read_batch(self._fd, targets, offsets)
+        via = [self.direct_io and (_align_up(loc.length) != loc.length or not _aligned(views[i])) for i, loc in disk]
+        total = sum(_align_up(loc.length) for (_, loc), v in zip(disk, via) if v)
+        if not total:
+            self._read_into(keys, views, disk, via, [views[i] for i, _ in disk], out, rs)
+            return
+        with self._scratch.lease(total) as scratch, memoryview(scratch) as whole:
+            targets, at = [], 0
+            for (i, loc), v in zip(disk, via):
+                if v:  # O_DIRECT needs whole pages at a page-aligned address: through warm scratch
+                    targets.append(whole[at:at + _align_up(loc.length)])
+                    at += _align_up(loc.length)
+                else:
+                    targets.append(views[i])
+            try:
+                self._read_into(keys, views, disk, via, targets, out, rs)
+            finally:
+                for t, v in zip(targets, via):
+                    if v:
+                        t.release()
+
+    def _read_into(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, Loc]], via: list[bool],
+                   targets: list[memoryview], out: list[Optional[Status]], rs: int) -> None:
+        results = self._io.read_batch(self._fd, targets, [loc.region * rs + loc.offset for _, loc in disk])
         bytes_read = 0
-        for (i, loc), target, res in zip(disk, targets, results):
+        for (i, loc), target, res, v in zip(disk, targets, results, via):
             if res < loc.length:
                 out[i] = self._read_failed()
                 continue
-            data = target[:loc.length]
-            good = fmt.verify_block(data, loc.checksum, loc.chunk_bytes, loc.chunks)
-            if good:
-                if i in scratch:
+            with target[:loc.length] as data:
+                good = fmt.verify_block(data, loc.checksum, loc.chunk_bytes, loc.chunks)
+                if good and v:
                     _native.copy(views[i], data)
+            if good:
                 out[i] = Status.OK
                 bytes_read += loc.length
             else:
                 out[i] = self._bad(keys[i], loc)
                 if out[i] is None:  # moved by reclamation: read it where it is now
                     out[i] = self.get([keys[i]], [views[i]])[0]
-            data.release()
-        for i, t in zip((i for i, _ in disk), targets):
-            if i in scratch:
-                t.release()
-                scratch[i].close()
         with self._lock:
             self._stats["bytes_read"] += bytes_read
 
@@ -161,13 +167,18 @@ class NvmeReads:
         pages) and verified there: no scratch, no second copy; on CORRUPT
         its bytes are then unspecified, as `get`'s. The others go through
         one aligned scratch mapping (a span starts on a chunk, so on a page)."""
-        rs = self.config.region_size
         spans = [fmt.chunk_span(offsets[i], len(views[i]), loc.length, loc.chunk_bytes) for i, loc in disk]
         direct = [offsets[i] == start and len(views[i]) == end - start
                   and (not self.direct_io or ((end - start) % fmt.ALIGN == 0 and _aligned(views[i])))
                   for (i, _), (start, end) in zip(disk, spans)]
         total = sum(_align_up(end - start) for (start, end), d in zip(spans, direct) if not d)
-        scratch = mmap.mmap(-1, max(total, 1))
+        with self._scratch.lease(total) as scratch:
+            self._read_ranges_via(keys, offsets, views, disk, out, spans, direct, scratch)
+
+    def _read_ranges_via(self, keys: Sequence[Key], offsets: Sequence[int], views: list[memoryview],
+                         disk: list[tuple[int, Loc]], out: list[Optional[Status]], spans: list[tuple[int, int]],
+                         direct: list[bool], scratch: mmap.mmap) -> None:
+        rs = self.config.region_size
         whole = memoryview(scratch)
         targets, at = [], 0
         for (i, _), (start, end), d in zip(disk, spans, direct):
@@ -204,7 +215,6 @@ class NvmeReads:
             for t in targets:
                 t.release()
             whole.release()
-            scratch.close()
 
 
 def _aligned(view: memoryview) -> bool:
