@@ -142,8 +142,9 @@ def store_bounds(low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndar
     lo32 = np.clip(np.asarray(low, dtype=np.float32), -_BOUND_MAX, _BOUND_MAX)
     hi32 = np.clip(np.asarray(high, dtype=np.float32), -_BOUND_MAX, _BOUND_MAX)
     lo, hi = lo32.astype(BOUND_DTYPE), hi32.astype(BOUND_DTYPE)
-    lo = np.where(lo.astype(np.float32) > lo32, np.nextafter(lo, BOUND_DTYPE.type(-np.inf)), lo)
-    hi = np.where(hi.astype(np.float32) < hi32, np.nextafter(hi, BOUND_DTYPE.type(np.inf)), hi)
+    with np.errstate(over="ignore"):  # the step past +-_BOUND_MAX is computed, never chosen: those are exact
+        lo = np.where(lo.astype(np.float32) > lo32, np.nextafter(lo, BOUND_DTYPE.type(-np.inf)), lo)
+        hi = np.where(hi.astype(np.float32) < hi32, np.nextafter(hi, BOUND_DTYPE.type(np.inf)), hi)
     return lo, hi
 
 

@@ -195,6 +195,7 @@ def test_unreadable_layouts_and_bad_page_sizes_are_refused():
         summarize(bytes(layout.block_bytes - 2), layout)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no overflow warning at float16's limits either
 def test_bounds_are_kept_as_float16_rounded_outwards():
     """Every kept min is at or below its float32 min and every kept max at or
     above, by less than one float16 step; values float16 holds exactly are
