@@ -44,8 +44,8 @@ from ucm.api import (Handle, Key, Outcome, check_keys, check_output_tokens, chec
                      check_request_id, check_timeout, submit)
 from ucm.buffers import block_buffer
 from ucm.cache_counters import CacheCounters
-from ucm.codecs.layout import KvLayout
-from ucm.codecs.tier import LayoutBook, with_codec
+from ucm.codecs.layout import KvLayout, LayoutBook
+from ucm.codecs.tier import with_codec
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker

@@ -17,9 +17,9 @@ from ucm.adapters.base import RangeReads, Status, read_range
 from ucm.cache import Outcome, UnifiedCache
 from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_class
 from ucm.codecs.frame import HEADER_BYTES, pack
-from ucm.codecs.layout import planar_layout
+from ucm.codecs.layout import LayoutBook, planar_layout
 from ucm.codecs.quant import Int8Codec
-from ucm.codecs.tier import LAYER_RANGES, CodecAdapter, LayoutBook, layer_ranges
+from ucm.codecs.tier import LAYER_RANGES, CodecAdapter, layer_ranges
 from ucm.errors import ArgumentError, ConfigError
 
 

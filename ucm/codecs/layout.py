@@ -21,10 +21,14 @@ u8 len(dtype) dtype, u32 num_layers, u64 layer_bytes, u8 segment count,
 then per segment: u8 kind (b"k"/b"v"), u64 offset, u32 heads, u64
 head_stride, u32 pages, u64 page_stride, u32 page_tokens, u64
 token_stride, u32 channels.
+
+`LayoutBook` holds the layouts registered with one cache, by block size:
+what a codec tier encodes a block of that size with.
 """
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -207,3 +211,31 @@ def paged_head_major_layout(dtype: str, num_layers: int, heads: int, pages: int,
     return KvLayout(dtype, num_layers, pages * page, tuple(
         KvSegmentSpec(kind, i * page_tokens * row, heads, head, pages, page, page_tokens, row, channels)
         for i, kind in enumerate(("k", "v"))))
+
+
+class LayoutBook:
+    """The KV layouts registered with one cache, by block size."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_size: dict[int, set[bytes]] = {}
+        self._layouts: dict[bytes, KvLayout] = {}
+
+    def register(self, layout: KvLayout) -> None:
+        if not isinstance(layout, KvLayout):
+            raise ArgumentError(f"register_layout: expected a KvLayout, got {type(layout).__name__}")
+        d = layout.digest()
+        with self._lock:
+            self._layouts[d] = layout
+            self._by_size.setdefault(layout.block_bytes, set()).add(d)
+
+    def for_size(self, size: int) -> Optional[KvLayout]:
+        """The one layout registered for blocks of `size` bytes, or None
+        (none registered, or several: which one a block has is unknown)."""
+        with self._lock:
+            ds = self._by_size.get(size)
+            return self._layouts[next(iter(ds))] if ds and len(ds) == 1 else None
+
+    def layouts(self) -> list[KvLayout]:
+        with self._lock:
+            return list(self._layouts.values())

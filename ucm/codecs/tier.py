@@ -11,7 +11,7 @@ verify, an unknown codec id, a decode that fails, or a raw size other than
 the destination's is CORRUPT: a miss, never bytes handed on.
 
 The codec encodes with the KV layout registered for the block's size
-(`LayoutBook`, filled by `CacheAPI.register_layout`); a block with no
+(`ucm.codecs.layout.LayoutBook`, filled by `CacheAPI.register_layout`); a block with no
 layout, or of a size two registered layouts share, is stored under the
 `none` codec (counted as `codec_fallback`).
 
@@ -66,7 +66,7 @@ from ucm.buffers import byte_view
 from ucm.codecs import codec_class_by_id
 from ucm.codecs.base import Codec, NoneCodec
 from ucm.codecs.frame import HEADER_BYTES, pack, parse_header, verify
-from ucm.codecs.layout import KvLayout
+from ucm.codecs.layout import LayoutBook
 from ucm.codecs.writer import WriteBehind
 from ucm.errors import ArgumentError, ConfigError
 from ucm.scratch import ScratchPool
@@ -94,34 +94,6 @@ def layer_ranges(layers: int) -> list[tuple[int, int]]:
     n = min(LAYER_RANGES, layers)
     bounds = [layers * k // n for k in range(n + 1)]
     return [(bounds[k], bounds[k + 1]) for k in range(n)]
-
-
-class LayoutBook:
-    """The KV layouts registered with one cache, by block size."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_size: dict[int, set[bytes]] = {}
-        self._layouts: dict[bytes, KvLayout] = {}
-
-    def register(self, layout: KvLayout) -> None:
-        if not isinstance(layout, KvLayout):
-            raise ArgumentError(f"register_layout: expected a KvLayout, got {type(layout).__name__}")
-        d = layout.digest()
-        with self._lock:
-            self._layouts[d] = layout
-            self._by_size.setdefault(layout.block_bytes, set()).add(d)
-
-    def for_size(self, size: int) -> Optional[KvLayout]:
-        """The one layout registered for blocks of `size` bytes, or None
-        (none registered, or several: which one a block has is unknown)."""
-        with self._lock:
-            ds = self._by_size.get(size)
-            return self._layouts[next(iter(ds))] if ds and len(ds) == 1 else None
-
-    def layouts(self) -> list[KvLayout]:
-        with self._lock:
-            return list(self._layouts.values())
 
 
 class CodecAdapter(LayerReads):
