@@ -33,6 +33,14 @@ class GatedCodec(Int8Codec):
         return super().encode(raw, layout)
 
 
+def gated_tier():
+    """A codec tier over an in-memory medium whose int8 encode waits at the codec's gate."""
+    book = LayoutBook()
+    book.register(LAYOUT)
+    medium, codec = DictAdapter(), GatedCodec()
+    return CodecAdapter(medium, codec, book), medium, codec
+
+
 def run_in_thread(fn, *args):
     out = []
     t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
@@ -46,10 +54,7 @@ def test_a_put_returns_before_its_block_is_encoded_and_a_read_waits_for_the_deco
     once, and a read of it returns the bytes it decodes to (never the raw
     copy waiting for the writer); a block deleted before its write never
     reaches the medium."""
-    book = LayoutBook()
-    book.register(LAYOUT)
-    medium, codec = DictAdapter(), GatedCodec()
-    a = CodecAdapter(medium, codec, book)
+    a, medium, codec = gated_tier()
     keys, data = kv_blocks(3, 14)
     try:
         put, res = run_in_thread(a.put, keys, data)
@@ -75,10 +80,7 @@ def test_a_put_returns_before_its_block_is_encoded_and_a_read_waits_for_the_deco
 def test_the_writer_thread_encodes_at_a_lower_priority_than_its_callers():
     """The writer's encodes are behind every caller: its nice value is
     raised to WRITER_NICE while the thread that put the block keeps its own."""
-    book = LayoutBook()
-    book.register(LAYOUT)
-    codec = GatedCodec()
-    a = CodecAdapter(DictAdapter(), codec, book)
+    a, _, codec = gated_tier()
     keys, data = kv_blocks(1, 15)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     try:
@@ -95,10 +97,7 @@ def test_the_writer_thread_encodes_at_a_lower_priority_than_its_callers():
 def test_a_block_deleted_while_it_is_written_leaves_neither_bytes_nor_a_size_behind():
     """The delete lands while the writer encodes the block: the write ends,
     and the tier deletes the frame again and forgets the block's size."""
-    book = LayoutBook()
-    book.register(LAYOUT)
-    medium, codec = DictAdapter(), GatedCodec()
-    a = CodecAdapter(medium, codec, book)
+    a, medium, codec = gated_tier()
     keys, data = kv_blocks(2, 16)
     try:
         assert a.put(keys, data) == [Status.OK] * 2

@@ -20,13 +20,19 @@ def nvme(tmp_path, device):
                        device=device)
 
 
+def two_blocks(a):
+    """Two stored blocks of 50,000 random bytes (not whole pages), flushed to the medium."""
+    (k1, b1), (k2, b2) = [(os.urandom(16), os.urandom(50_000)) for _ in range(2)]
+    assert a.put([k1, k2], [b1, b2]) == [Status.OK] * 2
+    assert a.flush()
+    return (k1, b1), (k2, b2)
+
+
 def test_a_corrupted_read_is_caught_by_the_checksum_and_a_failed_one_is_failed(tmp_path):
     dev = FaultyDevice(_native.IoEngine(1))
     a = nvme(tmp_path, dev)
     try:
-        (k1, b1), (k2, b2) = [(os.urandom(16), os.urandom(50_000)) for _ in range(2)]
-        assert a.put([k1, k2], [b1, b2]) == [Status.OK] * 2
-        assert a.flush()
+        (k1, b1), (k2, b2) = two_blocks(a)
         out = bytearray(len(b1))
         dev.corrupt_reads(times=1)
         assert a.get([k1], [out]) == [Status.CORRUPT]  # bit rot never comes back as a hit
@@ -129,9 +135,7 @@ def test_reads_through_warm_scratch_never_hand_on_an_earlier_reads_bytes(tmp_pat
     dev = LyingDevice(_native.IoEngine(1))
     a = nvme(tmp_path, dev)
     try:
-        (k1, b1), (k2, b2) = [(os.urandom(16), os.urandom(50_000)) for _ in range(2)]
-        assert a.put([k1, k2], [b1, b2]) == [Status.OK] * 2
-        assert a.flush()
+        (k1, b1), (k2, b2) = two_blocks(a)
         out = bytearray(len(b1))
         for _ in range(3):
             assert a.get([k1], [out]) == [Status.OK] and out == b1

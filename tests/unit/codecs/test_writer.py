@@ -39,6 +39,16 @@ class Medium:
         return WriteBehind("t", self.write, self.undo, self.fail)
 
 
+def held(key, data):
+    """A queue whose writer is inside the write of `key`, held at the gate."""
+    m = Medium()
+    m.gate.clear()
+    w = m.queue()
+    w.submit(key, memoryview(data), None)
+    assert m.inside.wait(10)
+    return m, w
+
+
 def test_blocks_are_written_in_submit_order_from_a_copy():
     m = Medium()
     w = m.queue()
@@ -52,11 +62,7 @@ def test_blocks_are_written_in_submit_order_from_a_copy():
 
 
 def test_a_waiting_block_answers_its_size_and_a_reader_waits_for_its_write():
-    m = Medium()
-    m.gate.clear()
-    w = m.queue()
-    w.submit(b"k", memoryview(b"12345"), None)
-    assert m.inside.wait(10)
+    m, w = held(b"k", b"12345")
     assert w.size_of(b"k") == 5 and w.waiting([b"k", b"x"]) == [True, False] and w.size_of(b"x") is None
     reader = threading.Thread(target=w.wait_written, args=([b"k"],))
     reader.start()
@@ -87,11 +93,7 @@ def test_a_block_cancelled_during_its_write_is_undone(again):
     """Cancelled while the medium writes it: once written it is undone;
     `again` tells the tier the key was submitted anew meanwhile (its size
     must stay known)."""
-    m = Medium()
-    m.gate.clear()
-    w = m.queue()
-    w.submit(b"k", memoryview(b"old"), None)
-    assert m.inside.wait(10)
+    m, w = held(b"k", b"old")
     assert w.cancel(b"k") and w.waiting([b"k"]) == [False]
     if again:
         assert w.submit(b"k", memoryview(b"new"), None)
@@ -115,11 +117,7 @@ def test_a_write_that_does_not_end_ok_is_reported_and_the_writer_goes_on(status)
 
 def test_a_full_queue_makes_the_next_submit_wait_for_room(monkeypatch):
     monkeypatch.setattr(wmod, "WRITE_BEHIND_BYTES", 8)
-    m = Medium()
-    m.gate.clear()
-    w = m.queue()
-    w.submit(b"a", memoryview(b"12345"), None)
-    assert m.inside.wait(10)
+    m, w = held(b"a", b"12345")
     done = []
     t = threading.Thread(target=lambda: done.append(w.submit(b"b", memoryview(b"67890"), None)))
     t.start()
