@@ -101,17 +101,16 @@ def nvme(data: bytes) -> None:
         assert nxt >= end, spans
 
 
-_CONFIG_DIR = tempfile.mkdtemp(prefix="ucm-atheris-")
-
-
 def config(data: bytes) -> None:
-    path = os.path.join(_CONFIG_DIR, "ucm.yaml")
-    with open(path, "wb") as f:
-        f.write(data)
+    fd, path = tempfile.mkstemp(prefix="ucm-atheris-", suffix=".yaml")  # libFuzzer exits without atexit hooks
     try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         load_config(path, environ={})
     except ConfigError:
         pass
+    finally:
+        os.unlink(path)
 
 
 TARGETS = {"protocol": protocol, "nvme": nvme, "config": config}

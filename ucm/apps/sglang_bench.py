@@ -50,6 +50,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -326,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
         client.close()
         service.terminate()
         service.wait(30)
+        shutil.rmtree(work / "nvme", ignore_errors=True)  # its region files; the logs stay beside it
     for k, v in samples.items():
         res[f"{k}_ttft_s"] = _median([s["ttft_s"] for s in v])
         res[f"{k}_cached"] = [s["details"] for s in v]

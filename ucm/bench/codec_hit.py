@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -172,11 +173,16 @@ def main():
     import ucm
     print("ucm from", ucm.__file__, file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="ucm-codec-probe-", dir="/var/tmp"))
+    cwd = os.getcwd()
     os.chdir(work)
-    if a.inproc:
-        res = [inproc_run(work, c, a.samples, a.dram_blocks, a.headroom) for c in a.codecs.split(",")]
-    else:
-        res = [service_run(work, c, a.samples, a.dram_blocks, a.headroom, a.stream) for c in a.codecs.split(",")]
+    try:
+        if a.inproc:
+            res = [inproc_run(work, c, a.samples, a.dram_blocks, a.headroom) for c in a.codecs.split(",")]
+        else:
+            res = [service_run(work, c, a.samples, a.dram_blocks, a.headroom, a.stream) for c in a.codecs.split(",")]
+    finally:  # each codec's NVMe tier wrote 1.6 GB of regions here
+        os.chdir(cwd)
+        shutil.rmtree(work, ignore_errors=True)
     for r in res:
         print(json.dumps(r))
 
