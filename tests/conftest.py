@@ -3,6 +3,20 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_ipc_dir(tmp_path_factory):
+    """vLLM names its ZMQ IPC sockets under VLLM_RPC_BASE_PATH (the temp dir
+    by default) and leaves them there: a suite run left about 150 in /tmp.
+    Here they go to this session's temp dir, which pytest removes in turn."""
+    old = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = str(tmp_path_factory.mktemp("ipc"))
+    yield
+    if old is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = old
+
+
 @pytest.fixture
 def nvme_dir(tmp_path):
     """A directory on a file system that takes O_DIRECT (tmp_path is on disk here)."""
