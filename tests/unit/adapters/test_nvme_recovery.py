@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from ucm import _native
-from ucm.adapters.nvme import adapter as nvme_adapter
+from ucm.adapters.nvme import recovery as nvme_recovery
 from ucm.adapters.nvme import format as fmt
 from ucm.adapters.base import BlockEntry, Status
 from ucm.adapters.nvme import FILE_NAME, NvmeAdapter, NvmeConfig
@@ -107,8 +107,8 @@ def test_recovers_a_sparse_medium_of_100k_regions(tmp_path):
 def test_footers_longer_than_a_page_are_read_in_batches(tmp_path, monkeypatch):
     # 64 entries of 72 bytes, their chunk tables and the trailer need two pages of footer. Small
     # batches (a tuning constant, not behaviour) so that several are needed.
-    monkeypatch.setattr(nvme_adapter, "_TRAILER_BATCH", 7)
-    monkeypatch.setattr(nvme_adapter, "_FOOTER_BATCH_BYTES", 3 * fmt.ALIGN)
+    monkeypatch.setattr(nvme_recovery, "_TRAILER_BATCH", 7)
+    monkeypatch.setattr(nvme_recovery, "_FOOTER_BATCH_BYTES", 3 * fmt.ALIGN)
     rs = 512 << 10
     cap = 40 * rs
     conf = NvmeConfig(path=str(tmp_path), region_size=rs, io_chunk=rs)

@@ -45,7 +45,7 @@ payload reads), read in batches into a few large buffers; when a key
 appears in several regions the newest wins. A region whose footer is
 refused (garbage, torn, another format version) counts as empty.
 `iter_entries()` gives each block's parent, so the owner can rebuild its
-prefix tree.
+prefix tree. The restart path is ucm/adapters/nvme/recovery.py.
 
 Failures. A failed region write (ENOSPC, EIO) drops that region's blocks
 (reported by `drain_dropped()`), and for `retry_after_s` new puts answer
@@ -70,7 +70,6 @@ import errno
 import logging
 import mmap
 import os
-import stat
 import threading
 import time
 from typing import Any, Iterator, Optional, Sequence
@@ -80,22 +79,19 @@ from pydantic import Field, field_validator, model_validator
 from ucm import _native
 from ucm.adapters.base import AdapterConfig, BlockEntry, Key, RangeReads, Status
 from ucm.adapters.nvme import format as fmt
-from ucm.adapters.nvme.format import (ALIGN, CHUNK_SUM, FooterEntry, Refused, align_up as _align_up,
+from ucm.adapters.nvme.format import (ALIGN, CHUNK_SUM, FooterEntry, align_up as _align_up,
                                       footer_bytes as _footer_bytes, n_chunks as _n_chunks)
 from ucm.adapters.nvme.reads import NvmeReads
 from ucm.adapters.nvme.reclaim import read_back
+from ucm.adapters.nvme.recovery import NvmeRecovery
 from ucm.adapters.nvme.regions import Loc, Region, choose_victim
 from ucm.adapters.nvme.writer import WriteBuffer, write_region
 from ucm.buffers import byte_view
-from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.errors import ArgumentError, ClosedError
 from ucm.scratch import ScratchPool
 from ucm.sizes import parse_size
 
 log = logging.getLogger(__name__)
-
-FILE_NAME = "ucm-regions.dat"
-_TRAILER_BATCH = 2048  # region trailers read per batch at recovery (one 8 MiB buffer)
-_FOOTER_BATCH_BYTES = 8 << 20  # footers longer than a page, read per batch at recovery
 
 
 class NvmeConfig(AdapterConfig):
@@ -127,7 +123,7 @@ class NvmeConfig(AdapterConfig):
         return self
 
 
-class NvmeAdapter(NvmeReads, RangeReads):
+class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads):
     """Blocks in a log of fixed-size regions, written with O_DIRECT.
 
     Lock order: `_lock` (and `_cond` on it), then nothing. Never held across
@@ -177,141 +173,6 @@ class NvmeAdapter(NvmeReads, RangeReads):
         self._seal_queue: list[WriteBuffer] = []
         self._sealer = threading.Thread(target=self._seal_loop, name="ucm-nvme-sealer", daemon=True)
         self._sealer.start()
-
-    # ---- medium ------------------------------------------------------------
-    def _open(self, path: str, capacity_bytes: int) -> tuple[str, int, bool, int]:
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            st = os.stat(path)
-        except OSError as exc:
-            raise AdapterError(f"nvme: cannot use path {path!r}: {exc}") from exc
-        block_device = stat.S_ISBLK(st.st_mode)
-        target = path if block_device else os.path.join(path, FILE_NAME)
-        flags = os.O_RDWR | (0 if block_device else os.O_CREAT)
-        direct = self.config.direct_io
-        try:
-            fd = os.open(target, flags | (os.O_DIRECT if direct else 0), 0o600)
-        except OSError as exc:
-            if direct and exc.errno == errno.EINVAL:
-                log.warning("nvme: %s refuses O_DIRECT; using buffered I/O", target)
-                direct = False
-                fd = os.open(target, flags, 0o600)
-            else:
-                raise AdapterError(f"nvme: cannot open {target!r}: {exc}") from exc
-        medium = capacity_bytes
-        if block_device:
-            medium = min(capacity_bytes, os.lseek(fd, 0, os.SEEK_END))
-        return target, fd, direct, medium
-
-    def _recover(self) -> None:
-        """Rebuilds the index from region trailers and footers. Trailers are
-        read in batches into one buffer, and footers longer than the page
-        read with the trailer in batches into another, so a medium of any
-        number of regions opens with two mappings and few I/O batches."""
-        rs = self.config.region_size
-        st = os.fstat(self._fd)
-        size = self.n_regions * rs if stat.S_ISBLK(st.st_mode) else st.st_size
-        present = min(self.n_regions, size // rs)
-        found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]] = []
-        long: list[tuple[int, fmt.Trailer]] = []  # footers longer than the page read with the trailer
-        refused: dict[Refused, int] = {}
-        if present:
-            batch = min(present, _TRAILER_BATCH)
-            tails = mmap.mmap(-1, batch * ALIGN)
-            whole = memoryview(tails)
-            views = [whole[i * ALIGN:(i + 1) * ALIGN] for i in range(batch)]
-            try:
-                for start in range(0, present, batch):
-                    m = min(batch, present - start)
-                    res = self._io.read_batch(self._fd, views[:m], [(start + i + 1) * rs - ALIGN for i in range(m)])
-                    for i in range(m):
-                        if res[i] != ALIGN:
-                            self._stats["read_errors"] += 1
-                            continue
-                        r = start + i
-                        t = fmt.decode_trailer(views[i], r, rs)
-                        if isinstance(t, Refused):
-                            refused[t] = refused.get(t, 0) + 1
-                            # any trailer of ours is invalidated before the region is rewritten
-                            self._regions[r].has_footer = t is not Refused.EMPTY
-                            continue
-                        self._regions[r].has_footer = True
-                        if t.footer_bytes > ALIGN:
-                            long.append((r, t))
-                            continue
-                        self._accept(r, t, fmt.decode_entries(views[i], t), found, refused)
-            finally:
-                for v in views:
-                    v.release()
-                whole.release()
-                tails.close()
-        if long:
-            self._read_long_footers(long, found, refused)
-        self._index_found(found)
-        self._free_regions = [r for r in range(self.n_regions) if not self._regions[r].live]
-        self._free_regions.reverse()  # pop() hands out low regions first
-        self._stats["recovered_blocks"] = len(self._index)
-        bad = {k.value: v for k, v in refused.items() if k is not Refused.EMPTY}
-        if bad:
-            log.warning("nvme: %s: regions refused at recovery (treated as empty): %s", self._path, bad)
-        if self._index:
-            log.info("nvme: recovered %d blocks from %d regions of %s", len(self._index), len(found), self._path)
-
-    def _read_long_footers(self, long: list[tuple[int, fmt.Trailer]],
-                           found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]],
-                           refused: dict[Refused, int]) -> None:
-        """Reads footers longer than a page, packed into one buffer a batch
-        at a time."""
-        rs = self.config.region_size
-        cap = max(_FOOTER_BATCH_BYTES, max(t.footer_bytes for _, t in long))
-        mem = mmap.mmap(-1, cap)
-        whole = memoryview(mem)
-        try:
-            i = 0
-            while i < len(long):
-                group, used = [], 0
-                while i < len(long) and used + long[i][1].footer_bytes <= cap:
-                    group.append((long[i], whole[used:used + long[i][1].footer_bytes]))
-                    used += long[i][1].footer_bytes
-                    i += 1
-                res = self._io.read_batch(self._fd, [v for _, v in group],
-                                          [(r + 1) * rs - t.footer_bytes for (r, t), _ in group])
-                for ((r, t), v), n in zip(group, res):
-                    if n != t.footer_bytes:
-                        self._stats["read_errors"] += 1
-                    else:
-                        self._accept(r, t, fmt.decode_entries(v, t), found, refused)
-                    v.release()
-        finally:
-            whole.release()
-            mem.close()
-
-    def _accept(self, region: int, trailer: fmt.Trailer, entries: Any,
-                found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]],
-                refused: dict[Refused, int]) -> None:
-        if isinstance(entries, Refused):
-            refused[entries] = refused.get(entries, 0) + 1
-        else:
-            found.append((region, trailer, entries))
-
-    def _index_found(self, found: list[tuple[int, fmt.Trailer, tuple[FooterEntry, ...]]]) -> None:
-        """Indexes the recovered entries: where a key is in several regions
-        the newest (highest sequence number) wins."""
-        best: dict[Key, tuple[int, int, FooterEntry]] = {}
-        for r, t, entries in found:
-            self._seq = max(self._seq, t.seq)
-            self._regions[r].seq = t.seq
-            for e in entries:
-                prev = best.get(e.key)
-                if prev is None or prev[0] <= t.seq:
-                    best[e.key] = (t.seq, r, e)
-        for key, (_, r, e) in best.items():
-            self._index[key] = Loc(r, e.offset, e.length, e.checksum, e.parent, e.chunk_bytes, e.chunks)
-            reg = self._regions[r]
-            reg.live.add(key)
-            reg.live_bytes += _align_up(e.length)
 
     # ---- write path --------------------------------------------------------
     def put(self, keys: Sequence[Key], blobs: Sequence[Any],
