@@ -79,7 +79,8 @@ build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/tes
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp \
 		-o $@
 
-build/test_kv_pack: cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp cpp/tests/check.hpp cpp/include/ucm/kv_pack.hpp
+build/test_kv_pack: cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp cpp/tests/check.hpp cpp/include/ucm/kv_pack.hpp \
+		cpp/include/ucm/clones.hpp
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp -o $@
 

@@ -14,6 +14,8 @@
 // packed eight at a time into w bytes (w a template parameter).
 #include "ucm/kv_pack.hpp"
 
+#include "ucm/clones.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -21,12 +23,6 @@
 #include <queue>
 #include <utility>
 #include <vector>
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define UCM_PACK_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define UCM_PACK_CLONES
-#endif
 
 namespace ucm {
 namespace {
@@ -40,7 +36,7 @@ inline std::uint8_t code_of(float x, float inv, float off, float levels) {
   return static_cast<std::uint8_t>(static_cast<int>(v));
 }
 
-UCM_PACK_CLONES void code_rows(const float* x, std::int64_t rows, std::int64_t D, const float* inv, const float* off,
+UCM_CLONES void code_rows(const float* x, std::int64_t rows, std::int64_t D, const float* inv, const float* off,
                                const float* levels, std::uint8_t* codes) {
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t c = 0; c < D; ++c) codes[r * D + c] = code_of(x[r * D + c], inv[c], off[c], levels[c]);

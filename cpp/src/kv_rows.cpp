@@ -5,13 +5,8 @@
 #include <cmath>
 #include <functional>
 
+#include "ucm/clones.hpp"
 #include "ucm/kv_unpack.hpp"
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define UCM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define UCM_CLONES
-#endif
 
 namespace ucm {
 namespace kvrows {

@@ -120,8 +120,8 @@ __attribute__((target("avx2"))) inline __m256 codes8(std::uint64_t v, const Code
 }
 
 __attribute__((target("avx2"))) std::size_t unpack_avx2(const std::uint8_t* data, const std::uint8_t* end,
-                                                 const int* widths, const float* steps, const float* offs,
-                                                 std::int64_t rows, std::int64_t D, float* out) {
+                                                        const int* widths, const float* steps, const float* offs,
+                                                        std::int64_t rows, std::int64_t D, float* out) {
   const std::uint8_t* at_small[64];
   std::vector<const std::uint8_t*> at_big(D > 64 ? static_cast<std::size_t>(D) : 0);
   const std::uint8_t** at = D > 64 ? at_big.data() : at_small;

@@ -34,12 +34,12 @@ void kv_unpack_run_f32(const std::uint8_t* in, float s, float z, float* out, std
 // checks both). Writes out[r * D + c] = (q + offs[c]) * steps[c]. `end` is
 // the end of the readable bytes (the vectorised path reads 8 bytes at a
 // time where they are there). Returns the bytes of the row block's tiles.
-std::size_t kv_unpack_key_tiles(const std::uint8_t* data, const std::uint8_t* end, const int* widths, const float* steps,
-                         const float* offs, std::int64_t rows, std::int64_t D, float* out);
+std::size_t kv_unpack_key_tiles(const std::uint8_t* data, const std::uint8_t* end, const int* widths,
+                                const float* steps, const float* offs, std::int64_t rows, std::int64_t D, float* out);
 
 void kv_unpack_run_bf16_plain(const std::uint8_t* in, float s, float z, std::uint16_t* out, std::int64_t n);
 void kv_unpack_run_f32_plain(const std::uint8_t* in, float s, float z, float* out, std::int64_t n);
-std::size_t kv_unpack_key_tiles_plain(const std::uint8_t* data, const int* widths, const float* steps, const float* offs,
-                               std::int64_t rows, std::int64_t D, float* out);
+std::size_t kv_unpack_key_tiles_plain(const std::uint8_t* data, const int* widths, const float* steps,
+                                      const float* offs, std::int64_t rows, std::int64_t D, float* out);
 
 }  // namespace ucm
