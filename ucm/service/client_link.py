@@ -2,7 +2,8 @@
 
 A `Link` is the socket, the service's `hello`, the arena and key index
 mappings it announced and the liveness poll, built whole by
-CacheClient._connect_locked before it is published.
+CacheClient._connect_locked (ucm/service/client_conn.py) before it is
+published.
 
 Requests may be pipelined: `send` writes a request and queues a `Pending`
 for it; `wait` reads replies until that request's has come. The service
