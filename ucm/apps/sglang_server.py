@@ -6,14 +6,20 @@ standard library only (nothing of SGLang is imported in this process).
 On CPU, SGLang 0.5.23's HiCache needs a shim for its own device<->host
 copies (tests/sglang_cpu, test tree only): `SGLangServer(..., pythonpath=
 [shim_dir])` puts it first on the server's PYTHONPATH, where its
-`sitecustomize` applies it in every SGLang process."""
+`sitecustomize` applies it in every SGLang process.
+
+SGLang names its ZMQ IPC sockets with `tempfile.NamedTemporaryFile(delete=
+False)` and never removes them: the server runs with TMPDIR set to a
+private directory, removed when it stops."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -58,11 +64,13 @@ class SGLangServer:
         self.env = e
         self.log_path = log_path
         self.proc: Optional[subprocess.Popen] = None
+        self.tmp_dir: Optional[str] = None  # the server's TMPDIR (its IPC sockets), while it runs
 
     def start(self, timeout_s: float = 300.0) -> "SGLangServer":
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.tmp_dir = tempfile.mkdtemp(prefix="ucm-sglang-")
+        self.proc = subprocess.Popen(self.cmd, env={**self.env, "TMPDIR": self.tmp_dir}, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -121,17 +129,20 @@ class SGLangServer:
                 time.sleep(0.25)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout_s)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
+        """Ends the server's process group, then removes its TMPDIR."""
+        if self.proc is not None and self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def __enter__(self) -> "SGLangServer":
         return self.start()
