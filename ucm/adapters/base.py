@@ -26,6 +26,11 @@ methods:
   read and verify only the checksummed chunks covering the range). Callers
   that want a range from any adapter use `read_range`, which falls back to
   a whole-blob get (`redis`, `mooncake`).
+- `PaddedReads`: whole-blob reads into destinations padded to the medium's
+  read unit (`get_padded`), so a medium that reads whole aligned units
+  (O_DIRECT) lands a blob of any length in the caller's buffer instead of
+  in its own scratch and then a copy. `nvme`; the codec tier reads its
+  frames (never whole pages) through it.
 
 Each adapter class has a `Config` (a frozen pydantic model, unknown keys
 forbidden) and is built as `cls(capacity_bytes=..., config=cls.Config(...))`.
@@ -297,6 +302,23 @@ class LayerReads(StorageAdapter):
         thread; one call may cover several layers, and the calls for a
         block cover [0, layers) in order); a block that fails after some of
         its layers landed is still reported failed."""
+
+
+class PaddedReads(StorageAdapter):
+    """Ability: whole-blob reads into destinations padded to `read_unit`
+    bytes; see `get_padded`."""
+
+    read_unit: ClassVar[int] = 1  # bytes a destination's length and address are padded and aligned to
+
+    @abc.abstractmethod
+    def get_padded(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
+        """As `get`, but dsts[i] may be longer than the stored blob, up to
+        its size rounded up to `read_unit`: the blob lands in its first
+        `size_of` bytes and the rest is unspecified (the medium's padding).
+        A destination that is the rounded size long and starts at a
+        multiple of `read_unit` is read into in place. A destination shorter
+        than the blob, or longer than its rounded size, is CORRUPT (as a
+        size mismatch is for `get`)."""
 
 
 def check_range_args(keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> None:

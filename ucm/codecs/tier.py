@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ucm.adapters.base import BlockEntry, Key, LayerReads, Status, StorageAdapter, read_range
+from ucm.adapters.base import BlockEntry, Key, LayerReads, PaddedReads, Status, StorageAdapter, read_range
 from ucm.buffers import byte_view
 from ucm.codecs import codec_class_by_id
 from ucm.codecs.base import Codec, NoneCodec
@@ -261,7 +261,9 @@ class CodecAdapter(LayerReads):
         """The stored frames of `keys` read from the medium, for the block's
         duration: (index, frame) of those read, views of one warm scratch
         mapping (`ScratchPool`: fresh buffers cost a page fault per 4 KiB of
-        every frame); `out` gets each key's read status."""
+        every frame), each frame at a multiple of the medium's read unit and
+        read with its padding when the medium has PaddedReads (nvme: O_DIRECT
+        lands it there in place); `out` gets each key's read status."""
         self._writes.wait_written(keys)  # read as stored: the decoded bytes, never the raw copy of a lossy codec
         idx, sizes = [], []
         for i, k in enumerate(keys):
@@ -272,18 +274,23 @@ class CodecAdapter(LayerReads):
         if not idx:
             yield []
             return
-        with self._scratch.lease(sum(sizes)) as scratch, memoryview(scratch) as whole:
-            bufs, at = [], 0
-            for n in sizes:
-                bufs.append(whole[at:at + n])
-                at += n
+        padded = isinstance(self.inner, PaddedReads)
+        unit = self.inner.read_unit if padded else 1
+        spans = [-(-n // unit) * unit for n in sizes]  # each frame at a multiple of the unit (the lease is page-aligned)
+        with self._scratch.lease(sum(spans)) as scratch, memoryview(scratch) as whole:
+            bufs, frames, at = [], [], 0
+            for n, span in zip(sizes, spans):
+                bufs.append(whole[at:at + span])
+                frames.append(bufs[-1][:n])
+                at += span
             try:
-                got = self.inner.get([keys[i] for i in idx], bufs)
+                # padded: an O_DIRECT medium reads each frame straight into the scratch, not its own and a copy
+                got = (self.inner.get_padded if padded else self.inner.get)([keys[i] for i in idx], bufs)
                 for i, st in zip(idx, got):
                     out[i] = st
-                yield [(i, buf) for i, buf, st in zip(idx, bufs, got) if st is Status.OK]
+                yield [(i, frame) for i, frame, st in zip(idx, frames, got) if st is Status.OK]
             finally:
-                for buf in bufs:
+                for buf in frames + bufs:
                     buf.release()
 
     def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:

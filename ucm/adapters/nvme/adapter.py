@@ -77,7 +77,7 @@ from typing import Any, Iterator, Optional, Sequence
 from pydantic import Field, field_validator, model_validator
 
 from ucm import _native
-from ucm.adapters.base import AdapterConfig, BlockEntry, Key, RangeReads, Status
+from ucm.adapters.base import AdapterConfig, BlockEntry, Key, PaddedReads, RangeReads, Status
 from ucm.adapters.nvme import format as fmt
 from ucm.adapters.nvme.format import (ALIGN, CHUNK_SUM, FooterEntry, align_up as _align_up,
                                       footer_bytes as _footer_bytes, n_chunks as _n_chunks)
@@ -123,7 +123,7 @@ class NvmeConfig(AdapterConfig):
         return self
 
 
-class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads):
+class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
     """Blocks in a log of fixed-size regions, written with O_DIRECT.
 
     Lock order: `_lock` (and `_cond` on it), then nothing. Never held across
@@ -132,6 +132,7 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads):
 
     name = "nvme"
     Config = NvmeConfig
+    read_unit = ALIGN  # PaddedReads: every block's extent on the medium is whole pages
 
     def __init__(self, capacity_bytes: int, config: NvmeConfig, device: Any = None) -> None:
         """`device`: the positional I/O engine (`read_batch` / `write_batch`

@@ -1,15 +1,19 @@
-"""The nvme adapter's read path: `get` and `get_range` (RangeReads).
+"""The nvme adapter's read path: `get`, `get_padded` (PaddedReads) and
+`get_range` (RangeReads).
 
 A mixin of NvmeAdapter (ucm/adapters/nvme/adapter.py), whose index, write
 buffers, lock and I/O engine it uses; the locking rules are the adapter's
 (no I/O and no bulk copy under `_lock`).
 
-Both walk the index once under the lock (`_walk`): a block still in a write
+All walk the index once under the lock (`_walk`): a block still in a write
 buffer is copied from memory (the buffer counted as read so it is not
 recycled meanwhile); a block in a sealed region is read from the medium
 with O_DIRECT, all reads of the batch in flight at once, and verified. A
-whole block is verified whole (`_read_disk`); a range reads and verifies
-only the chunks that cover it (`_read_disk_ranges`: a version-2 block, one
+whole block is verified whole (`_read_disk`), read in place when its
+destination is page-aligned whole pages (a block of whole pages, or a
+padded read's: each block's extent on the medium is whole pages), else
+through warm scratch and a copy; a range reads and verifies only the
+chunks that cover it (`_read_disk_ranges`: a version-2 block, one
 checksum, is read whole). A block that does not verify is CORRUPT, dropped
 and never returned; one that reclamation moved meanwhile is read again
 where it is now.
@@ -33,15 +37,25 @@ if TYPE_CHECKING:
 
 
 class NvmeReads:
-    """get / get_range of NvmeAdapter; see the module docstring."""
+    """get / get_padded / get_range of NvmeAdapter; see the module docstring."""
 
     def get(self, keys: Sequence[Key], dsts: Sequence[object]) -> list[Status]:
+        return self._get_whole(keys, dsts, False)
+
+    def get_padded(self, keys: Sequence[Key], dsts: Sequence[object]) -> list[Status]:
+        """PaddedReads: a destination may run on to the blob's size rounded up
+        to whole pages (`read_unit`, the alignment O_DIRECT needs and every
+        block's extent has on the medium); one that is exactly that long and
+        page-aligned is read into in place, without scratch or a copy."""
+        return self._get_whole(keys, dsts, True)
+
+    def _get_whole(self, keys: Sequence[Key], dsts: Sequence[object], padded: bool) -> list[Status]:
         if len(keys) != len(dsts):
             raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
         views = [byte_view(d, writable=True, what="destination") for d in dsts]
-        out, disk = self._walk(keys, views, None)
+        out, disk = self._walk(keys, views, None, padded)
         if disk:
-            self._read_disk(keys, views, disk, out)
+            self._read_disk(keys, views, disk, out, padded)
         return [s if s is not None else Status.FAILED for s in out]
 
     def get_range(self, keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[object]) -> list[Status]:
@@ -60,12 +74,13 @@ class NvmeReads:
             self._read_disk_ranges(keys, offsets, views, disk, out)
         return [s if s is not None else Status.FAILED for s in out]
 
-    def _walk(self, keys: Sequence[Key], views: list[memoryview],
-              offsets: Optional[Sequence[int]]) -> tuple[list[Optional[Status]], list[tuple[int, Loc]]]:
+    def _walk(self, keys: Sequence[Key], views: list[memoryview], offsets: Optional[Sequence[int]],
+              padded: bool = False) -> tuple[list[Optional[Status]], list[tuple[int, Loc]]]:
         """Statuses of the blocks answered from the index or from a write
         buffer (copied here, no lock held), and the (index, location) of
         those to read from the medium. `offsets` None: whole blocks, whose
-        length must be the view's; else ranges inside the blocks."""
+        length must be the view's (`padded`: from the block's length to it
+        rounded up to whole pages); else ranges inside the blocks."""
         out: list[Optional[Status]] = [None] * len(keys)
         disk: list[tuple[int, Loc]] = []
         mem_reads: list[tuple[int, Loc, "WriteBuffer"]] = []
@@ -75,8 +90,9 @@ class NvmeReads:
                 loc = self._index.get(key)
                 if loc is None:
                     out[i] = Status.NOT_FOUND
-                elif (loc.length != len(views[i]) if offsets is None
-                      else offsets[i] + len(views[i]) > loc.length):
+                elif (offsets[i] + len(views[i]) > loc.length if offsets is not None
+                      else not loc.length <= len(views[i]) <= _align_up(loc.length) if padded
+                      else loc.length != len(views[i])):
                     out[i] = Status.CORRUPT
                 elif not views[i]:  # an empty range inside the blob
                     out[i] = Status.OK
@@ -89,7 +105,9 @@ class NvmeReads:
         for i, loc, buf in mem_reads:
             try:
                 at = loc.offset + (offsets[i] if offsets is not None else 0)
-                _native.copy(views[i], buf.view[at:at + len(views[i])])
+                n = len(views[i]) if offsets is not None else loc.length
+                with views[i][:n] as dst:
+                    _native.copy(dst, buf.view[at:at + n])
                 out[i] = Status.OK
             finally:
                 with self._lock:
@@ -114,12 +132,16 @@ class NvmeReads:
         return Status.FAILED
 
     def _read_disk(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, Loc]],
-                   out: list[Optional[Status]]) -> None:
+                   out: list[Optional[Status]], padded: bool) -> None:
+        """Reads whole blocks into their views: in place where O_DIRECT
+        allows it (a page-aligned view of whole pages: a block of whole
+        pages, or a padded read's), else through warm scratch and a copy."""
         rs = self.config.region_size
-        via = [self.direct_io and (_align_up(loc.length) != loc.length or not _aligned(views[i])) for i, loc in disk]
+        via = [self.direct_io and (len(views[i]) != _align_up(loc.length) or not _aligned(views[i]))
+               for i, loc in disk]
         total = sum(_align_up(loc.length) for (_, loc), v in zip(disk, via) if v)
         if not total:
-            self._read_into(keys, views, disk, via, [views[i] for i, _ in disk], out, rs)
+            self._read_into(keys, views, disk, via, [views[i] for i, _ in disk], out, rs, padded)
             return
         with self._scratch.lease(total) as scratch, memoryview(scratch) as whole:
             targets, at = [], 0
@@ -130,14 +152,14 @@ class NvmeReads:
                 else:
                     targets.append(views[i])
             try:
-                self._read_into(keys, views, disk, via, targets, out, rs)
+                self._read_into(keys, views, disk, via, targets, out, rs, padded)
             finally:
                 for t, v in zip(targets, via):
                     if v:
                         t.release()
 
     def _read_into(self, keys: Sequence[Key], views: list[memoryview], disk: list[tuple[int, Loc]], via: list[bool],
-                   targets: list[memoryview], out: list[Optional[Status]], rs: int) -> None:
+                   targets: list[memoryview], out: list[Optional[Status]], rs: int, padded: bool) -> None:
         results = self._io.read_batch(self._fd, targets, [loc.region * rs + loc.offset for _, loc in disk])
         bytes_read = 0
         for (i, loc), target, res, v in zip(disk, targets, results, via):
@@ -147,14 +169,15 @@ class NvmeReads:
             with target[:loc.length] as data:
                 good = fmt.verify_block(data, loc.checksum, loc.chunk_bytes, loc.chunks)
                 if good and v:
-                    _native.copy(views[i], data)
+                    with views[i][:loc.length] as dst:
+                        _native.copy(dst, data)
             if good:
                 out[i] = Status.OK
                 bytes_read += loc.length
             else:
                 out[i] = self._bad(keys[i], loc)
                 if out[i] is None:  # moved by reclamation: read it where it is now
-                    out[i] = self.get([keys[i]], [views[i]])[0]
+                    out[i] = self._get_whole([keys[i]], [views[i]], padded)[0]
         with self._lock:
             self._stats["bytes_read"] += bytes_read
 
