@@ -68,10 +68,20 @@ system-deps:
 		else echo "redis-server/fio/libibverbs1 missing and not root: their tests will skip"; fi; \
 	fi
 
-build/test_core: $(wildcard cpp/src/*.cpp cpp/tests/*.cpp cpp/tests/*.hpp cpp/include/ucm/*.hpp)
+# The placement core's sources, tested by themselves (test_placement); test_core takes the rest.
+PLACEMENT_SRC := cpp/src/placement.cpp cpp/src/policies.cpp cpp/src/policy_heat.cpp cpp/src/policy_opt.cpp \
+	cpp/src/policy_tinylfu.cpp cpp/src/heat_mirror.cpp cpp/src/reuse_model.cpp
+CORE_SRC := $(filter-out $(PLACEMENT_SRC),$(wildcard cpp/src/*.cpp))
+
+build/test_core: $(CORE_SRC) cpp/tests/test_core.cpp cpp/tests/check.hpp $(wildcard cpp/include/ucm/*.hpp)
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include -Icpp/third_party/xxhash \
-		cpp/src/*.cpp cpp/tests/test_core.cpp -o $@ -pthread
+		$(CORE_SRC) cpp/tests/test_core.cpp -o $@ -pthread
+
+build/test_placement: $(PLACEMENT_SRC) cpp/tests/test_placement.cpp cpp/tests/check.hpp $(wildcard cpp/include/ucm/*.hpp)
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include $(PLACEMENT_SRC) cpp/tests/test_placement.cpp \
+		-o $@ -pthread
 
 build/test_kv_unpack: cpp/src/kv_unpack.cpp cpp/tests/test_kv_unpack.cpp cpp/tests/check.hpp \
 		cpp/include/ucm/kv_unpack.hpp
@@ -84,8 +94,9 @@ build/test_kv_pack: cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp cpp/tests/che
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp -o $@
 
-test-native: build/test_core build/test_kv_unpack build/test_kv_pack
+test-native: build/test_core build/test_placement build/test_kv_unpack build/test_kv_pack
 	./build/test_core
+	./build/test_placement
 	./build/test_kv_unpack
 	./build/test_kv_pack
 
