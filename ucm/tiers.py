@@ -41,12 +41,11 @@ while an adapter is called), and apart from that an adapter's own lock.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ucm.adapters.base import Key, SharedSlots, Status, StorageAdapter
+from ucm.adapters.base import Key, ReadAhead, SharedSlots, Status, StorageAdapter
+from ucm.key_order import KeyOrder
 from ucm.placement import Op, Plan, Step
 
 log = logging.getLogger(__name__)
@@ -97,79 +96,6 @@ class Failure:
     size_bytes: Optional[int] = None
 
 
-class _KeyOrder:
-    """Per-key FIFO of admitted steps: a step runs once it heads its queue.
-    Also the steps that free room in a tier (MOVE or DROP out of it),
-    admitted and not run yet, by tier: `_frees[t]` holds their seqs."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._queues: dict[Key, deque[tuple[int, Step]]] = {}
-        self._frees: dict[int, set[int]] = {}
-        self._next = 0
-
-    def admit(self, steps: Sequence[Step]) -> list[int]:
-        with self._cond:
-            seqs = []
-            for s in steps:
-                self._next += 1
-                self._queues.setdefault(s.key, deque()).append((self._next, s))
-                if s.op in (Op.MOVE, Op.DROP) and s.src is not None:
-                    self._frees.setdefault(s.src, set()).add(self._next)
-                seqs.append(self._next)
-            return seqs
-
-    def freed(self, t: int, seq: int) -> None:
-        """The freeing step `seq` out of tier t ran (its delete is done)."""
-        with self._cond:
-            pending = self._frees.get(t)
-            if pending is not None and seq in pending:
-                pending.discard(seq)
-                if not pending:
-                    del self._frees[t]
-                self._cond.notify_all()
-
-    def frees_before(self, t: int, seq: Optional[int] = None) -> Optional[int]:
-        """`seq` (None: every step admitted so far) when a freeing step out
-        of tier t admitted before it has not run yet, else None."""
-        with self._cond:
-            bound = self._next + 1 if seq is None else seq
-            return bound if any(n < bound for n in self._frees.get(t, ())) else None
-
-    def wait_frees(self, t: int, seq: int, timeout_s: float) -> bool:
-        """Waits until every freeing step out of tier t admitted before `seq`
-        ran; False when `timeout_s` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not any(n < seq for n in self._frees.get(t, ())), timeout_s)
-
-    def wait_turn(self, key: Key, seq: int) -> None:
-        with self._cond:
-            while self._queues[key][0][0] != seq:
-                self._cond.wait()
-
-    def after(self, key: Key, seq: int) -> list[Step]:
-        """The steps of `key` admitted after `seq`, still queued."""
-        with self._cond:
-            return [s for n, s in self._queues.get(key, ()) if n > seq]
-
-    def done(self, key: Key, seq: int) -> None:
-        with self._cond:
-            q = self._queues.get(key)
-            if q is None:  # dequeued already
-                return
-            for i, (n, _) in enumerate(q):
-                if n == seq:
-                    del q[i]
-                    break
-            if not q:
-                del self._queues[key]
-            self._cond.notify_all()
-
-    def pending(self) -> int:
-        with self._cond:
-            return sum(len(q) for q in self._queues.values())
-
-
 def retry_after_frees(key: Key) -> tuple:
     """The mark, in run_through's `retried` set, of a NO_SPACE step retried
     once the frees planned before it ran (at most once per key and run)."""
@@ -189,7 +115,7 @@ class TierStack:
         self.adapters = list(adapters)
         self.names = list(names)
         self.shared = [t for t, a in enumerate(self.adapters) if a.shared]
-        self._order = _KeyOrder()
+        self._order = KeyOrder()
         self.make_slot: Optional[MakeSlot] = None
         self.corrupt = 0  # CORRUPT statuses met while moving blocks (the owner counts them)
 
@@ -243,6 +169,7 @@ class TierStack:
             else:
                 failures.append(Failure(step, seq, st, freeing=freeing, size_bytes=size))
 
+        self._read_ahead(steps, sources)
         i = 0
         while i < len(steps):
             step, seq = steps[i]
@@ -300,6 +227,28 @@ class TierStack:
         except Exception:
             log.debug("ucm: the size of a block in tier %s is unknown", step.src, exc_info=True)
             return None
+
+    def _read_ahead(self, steps: Sequence[tuple[Step, int]], sources: Mapping[Key, Any]) -> None:
+        """The ticket's first batch of COPY steps, when other steps come
+        before it (a staging's demotions, which free its slots) and its
+        source tier reads ahead (ReadAhead: the codec tier reads into its
+        own memory first): that tier starts reading the batch now, so its
+        reads overlap those steps. A hint: a fault here changes nothing."""
+        for i, (step, _) in enumerate(steps):
+            if step.op is Op.COPY and sources.get(step.key) is None and self._batchable(step):
+                a = self.adapters[step.src]
+                if i == 0 or not isinstance(a, ReadAhead):
+                    return
+                keys = []
+                for s, _ in steps[i:]:
+                    if s.op is not Op.COPY or (s.src, s.dst) != (step.src, step.dst) or sources.get(s.key) is not None:
+                        break
+                    keys.append(s.key)
+                try:
+                    a.read_ahead(keys)
+                except Exception:
+                    log.exception("ucm: a read ahead of %d blocks in tier %s failed", len(keys), self.names[step.src])
+                return
 
     def _batchable(self, step: Step) -> bool:
         return has_slots(self.adapters[step.dst]) and not has_slots(self.adapters[step.src])

@@ -19,7 +19,8 @@ from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_clas
 from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import LayoutBook, planar_layout
 from ucm.codecs.quant import Int8Codec
-from ucm.codecs.tier import LAYER_RANGES, CodecAdapter, layer_ranges
+from ucm.codecs.reads import LAYER_RANGES, layer_ranges
+from ucm.codecs.tier import CodecAdapter
 from ucm.errors import ArgumentError, ConfigError
 
 

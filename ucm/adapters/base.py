@@ -31,6 +31,10 @@ methods:
   (O_DIRECT) lands a blob of any length in the caller's buffer instead of
   in its own scratch and then a copy. `nvme`; the codec tier reads its
   frames (never whole pages) through it.
+- `ReadAhead`: a hint to start reading blobs before they are asked for
+  (`read_ahead`), by a tier that reads into its own memory first (the
+  codec tier), so that the read overlaps the steps before it (a staging's
+  demotions, ucm/tiers.py).
 
 Each adapter class has a `Config` (a frozen pydantic model, unknown keys
 forbidden) and is built as `cls(capacity_bytes=..., config=cls.Config(...))`.
@@ -319,6 +323,20 @@ class PaddedReads(StorageAdapter):
         multiple of `read_unit` is read into in place. A destination shorter
         than the blob, or longer than its rounded size, is CORRUPT (as a
         size mismatch is for `get`)."""
+
+
+class ReadAhead(StorageAdapter):
+    """Ability: reads begun before they are asked for; see `read_ahead`."""
+
+    @abc.abstractmethod
+    def read_ahead(self, keys: Sequence[Key]) -> None:
+        """Starts reading the blobs of `keys` in the background. The next
+        `get` (or `get_layers`) of exactly these keys in this order uses
+        what was read when every one of them was found and read; otherwise
+        it reads as it would have. A blob never changes under its key, so
+        either way it returns the same bytes. At most one read ahead is
+        kept: a later `read_ahead`, or a read of other keys, drops an
+        unused one. Never raises for the medium's faults."""
 
 
 def check_range_args(keys: Sequence[Key], offsets: Sequence[int], dsts: Sequence[Any]) -> None:

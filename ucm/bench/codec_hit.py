@@ -194,7 +194,7 @@ def inproc_run(work, codec, samples, dram_blocks, headroom, part_blocks=5):
     as the client asks them), with the time of each stage by thread."""
     from ucm.cache import UnifiedCache
     from ucm.codecs import tier as ctier
-    from ucm import tiers as tmod
+    from ucm import key_order, tiers as tmod
     spent = defaultdict(float)
     lock = threading.Lock()
 
@@ -213,7 +213,7 @@ def inproc_run(work, codec, samples, dram_blocks, headroom, part_blocks=5):
     wrap(ctier.CodecAdapter, "_decode", "decode")
     wrap(ctier.CodecAdapter, "get", "codec.get(total)")
     wrap(tmod.TierStack, "_wait_frees", "wait_frees")
-    wrap(tmod._KeyOrder, "wait_turn", "wait_turn")
+    wrap(key_order.KeyOrder, "wait_turn", "wait_turn")
     wrap(tmod.TierStack, "_execute", "execute(step)")
     wrap(tmod.TierStack, "_copy_batch", "copy_batch")
     path = config(work, codec, dram_blocks, headroom, tag="-ip")

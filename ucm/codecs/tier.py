@@ -43,7 +43,9 @@ the LayerReads ability) read and verify the frames of a batch once, then
 decode the first range of layers of every block, then the next, ...
 (LAYER_RANGES ranges at most; int8 and int4 decode a layer range from
 their segment table; lossless decodes whole), so that the engine's first
-layers can run while later ones are decoded.
+layers can run while later ones are decoded. A staging's reads begin
+before the demotions that free its slots (`read_ahead`, ReadAhead). The
+read path is ucm/codecs/reads.py.
 
 Thread-safe: the codecs are; the size table, the order of stored blocks
 and the counters share one lock (`_lock`), the write-behind queue has its
@@ -53,54 +55,31 @@ either.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-from ucm.adapters.base import BlockEntry, Key, LayerReads, PaddedReads, Status, StorageAdapter, read_range
+from ucm.adapters.base import BlockEntry, Key, LayerReads, ReadAhead, Status, StorageAdapter, read_range
 from ucm.buffers import byte_view
-from ucm.codecs import codec_class_by_id
-from ucm.codecs.base import Codec, NoneCodec
-from ucm.codecs.frame import HEADER_BYTES, pack, parse_header, verify
+from ucm.codecs.base import Codec
+from ucm.codecs.frame import HEADER_BYTES, pack, parse_header
 from ucm.codecs.layout import LayoutBook
+from ucm.codecs.reads import CodecReads
 from ucm.codecs.writer import WriteBehind
 from ucm.errors import ArgumentError, ConfigError
 from ucm.scratch import ScratchPool
 
 log = logging.getLogger(__name__)
 
-# Threads that verify and decode the blocks of one batched read in parallel.
-DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
-# Layer ranges a streamed load (`get_layers`) decodes in turn, at most: each
-# range is one pass over the batch's blocks. One pass per layer (30 on
-# SmolLM2) cost more than it brought on 2 cores: the int8 NVMe-only hit of
-# 23 blocks took 0.12-0.17 s to its last layer against 0.07-0.09 s decoding
-# whole, and its first layer no sooner (reading and verifying the frames
-# come first and dominate; docs/benchmarks.md, "Codecs: streamed loads").
-LAYER_RANGES = 4
-
-
-def layer_ranges(layers: int) -> list[tuple[int, int]]:
-    """The consecutive layer ranges [first, last) a streamed load of
-    `layers` layers decodes in turn: LAYER_RANGES at most, as equal as
-    integers allow, earlier ones no larger (the first lands soonest)."""
-    if layers < 1:
-        raise ArgumentError(f"layer_ranges: layers must be at least 1, got {layers}")
-    n = min(LAYER_RANGES, layers)
-    bounds = [layers * k // n for k in range(n + 1)]
-    return [(bounds[k], bounds[k + 1]) for k in range(n)]
-
-
-class CodecAdapter(LayerReads):
+class CodecAdapter(CodecReads, LayerReads, ReadAhead):
     """Encodes on put, verifies and decodes on get, around `inner`. Declares
     no RangeReads: a range costs a whole-frame read and decode, so range
     readers (`read_range`) read each block once; streamed loads read the
-    frames once and land them layer by layer (LayerReads, `get_layers`)."""
+    frames once and land them layer by layer (LayerReads, `get_layers`);
+    a staging reads ahead (ReadAhead, `read_ahead`)."""
 
     def __init__(self, inner: StorageAdapter, codec: Codec, layouts: LayoutBook) -> None:
         self.inner = inner
@@ -117,6 +96,9 @@ class CodecAdapter(LayerReads):
         self._writes = WriteBehind(self.name, self._write_one, self._undo, self._write_failed)
         self._decoders_pool: Optional[ThreadPoolExecutor] = None  # made by the first batched read
         self._scratch = ScratchPool()  # the frames of reads, warm from one read to the next
+        self._ahead: Optional[tuple] = None  # (keys, future of a _FrameRead): the read ahead not yet used
+        self._ahead_pool: Optional[ThreadPoolExecutor] = None  # its one thread, made by the first read_ahead
+        self._ahead_closed = False
 
     # ---- write -------------------------------------------------------------
     def _encode(self, blob: Any) -> bytearray:
@@ -211,169 +193,6 @@ class CodecAdapter(LayerReads):
             out[i] = st
         return out
 
-    # ---- read --------------------------------------------------------------
-    def _decoder(self, codec_id: int) -> Optional[Codec]:
-        c = self._decoders.get(codec_id)
-        if c is None:
-            cls = NoneCodec if codec_id == 0 else codec_class_by_id(codec_id)
-            if cls is None:
-                return None
-            c = self._decoders.setdefault(codec_id, cls())
-        return c
-
-    def _open(self, frame: memoryview, out: memoryview) -> Optional[tuple[Codec, memoryview, memoryview]]:
-        """(codec, meta, body) of a frame that verifies for `out`, else None (counted)."""
-        h = verify(frame)
-        if h is None:
-            self._count("codec_bad_frames")
-            return None
-        if h.raw_bytes != len(out):
-            self._count("codec_size_mismatch")
-            return None
-        codec = self._decoder(h.codec_id)
-        if codec is None:
-            self._count("codec_unknown_id")
-            return None
-        return codec, frame[HEADER_BYTES:HEADER_BYTES + h.meta_bytes], frame[HEADER_BYTES + h.meta_bytes:]
-
-    def _run(self, codec: Codec, fn: Any, *args: Any) -> Optional[bool]:
-        try:
-            return fn(*args)
-        except Exception:  # a codec bug or hostile bytes: a miss, never raised into a load
-            log.exception("ucm: codec %s failed to decode a block", codec.name)
-            return False
-
-    def _decode(self, frame: memoryview, out: memoryview) -> Status:
-        opened = self._open(frame, out)
-        if opened is None:
-            return Status.CORRUPT
-        return self._decode_opened(*opened, out)
-
-    def _decode_opened(self, codec: Codec, meta: memoryview, body: memoryview, out: memoryview) -> Status:
-        if not self._run(codec, codec.decode, meta, body, out):
-            self._count("codec_decode_failures")
-            return Status.CORRUPT
-        self._count("codec_decoded_blocks")
-        return Status.OK
-
-    @contextmanager
-    def _frames(self, keys: Sequence[Key], out: list[Status]) -> Iterator[list[tuple[int, memoryview]]]:
-        """The stored frames of `keys` read from the medium, for the block's
-        duration: (index, frame) of those read, views of one warm scratch
-        mapping (`ScratchPool`: fresh buffers cost a page fault per 4 KiB of
-        every frame), each frame at a multiple of the medium's read unit and
-        read with its padding when the medium has PaddedReads (nvme: O_DIRECT
-        lands it there in place); `out` gets each key's read status."""
-        self._writes.wait_written(keys)  # read as stored: the decoded bytes, never the raw copy of a lossy codec
-        idx, sizes = [], []
-        for i, k in enumerate(keys):
-            n = self.inner.size_of(k)
-            if n is not None:
-                idx.append(i)
-                sizes.append(n)
-        if not idx:
-            yield []
-            return
-        padded = isinstance(self.inner, PaddedReads)
-        unit = self.inner.read_unit if padded else 1
-        spans = [-(-n // unit) * unit for n in sizes]  # each frame at a multiple of the unit (the lease is page-aligned)
-        with self._scratch.lease(sum(spans)) as scratch, memoryview(scratch) as whole:
-            bufs, frames, at = [], [], 0
-            for n, span in zip(sizes, spans):
-                bufs.append(whole[at:at + span])
-                frames.append(bufs[-1][:n])
-                at += span
-            try:
-                # padded: an O_DIRECT medium reads each frame straight into the scratch, not its own and a copy
-                got = (self.inner.get_padded if padded else self.inner.get)([keys[i] for i in idx], bufs)
-                for i, st in zip(idx, got):
-                    out[i] = st
-                yield [(i, frame) for i, frame, st in zip(idx, frames, got) if st is Status.OK]
-            finally:
-                for buf in frames + bufs:
-                    buf.release()
-
-    def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
-        if len(keys) != len(dsts):
-            raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
-        views = [byte_view(d, writable=True, what="destination") for d in dsts]
-        out: list[Status] = [Status.NOT_FOUND] * len(keys)
-        with self._frames(keys, out) as todo:
-            if len(todo) > 1:  # the blocks of a batch in parallel: verify and decode release the GIL
-                for (i, _), st in zip(todo, self._decode_pool().map(lambda t: self._decode(t[1], views[t[0]]), todo)):
-                    out[i] = st
-            elif todo:
-                i, buf = todo[0]
-                out[i] = self._decode(buf, views[i])
-        return out
-
-    def get_layers(self, keys: Sequence[Key], dsts: Sequence[Any], layers: int,
-                   landed: Callable[[int, int, int], None]) -> list[Status]:
-        """`get`, landing each block range of layers by range (streamed
-        loads): every frame is read and verified first, then layers
-        [first, last) of every block are decoded, one range of
-        `layer_ranges(layers)` after another, and `landed(i, first, last)`
-        called for block i once that range of dsts[i] holds its decoded
-        bytes. A block whose codec cannot decode part of it is decoded whole
-        first (`landed(i, 0, layers)`). A block that fails at any point is
-        CORRUPT (after what landed before)."""
-        if len(keys) != len(dsts):
-            raise ArgumentError(f"get_layers: {len(keys)} keys but {len(dsts)} destinations")
-        views = [byte_view(d, writable=True, what="destination") for d in dsts]
-        out: list[Status] = [Status.NOT_FOUND] * len(keys)
-        with self._frames(keys, out) as frames:
-            self._land_layers(frames, views, out, layers, landed)
-        return out
-
-    def _land_layers(self, frames: list[tuple[int, memoryview]], views: list[memoryview], out: list[Status],
-                     layers: int, landed: Callable[[int, int, int], None]) -> None:
-        """get_layers' verify and decode passes over frames read."""
-        parts: list[tuple[int, Codec, memoryview, memoryview]] = []
-        whole: list[tuple[int, Codec, memoryview, memoryview]] = []
-        pool = self._decode_pool()
-        # verified in parallel: the checksums release the GIL
-        for (i, _), opened in zip(frames, pool.map(lambda t: self._open(t[1], views[t[0]]), frames)):
-            if opened is None:
-                out[i] = Status.CORRUPT
-                continue
-            codec = opened[0]
-            split = layers > 1 and type(codec).decode_layers is not Codec.decode_layers
-            (parts if split else whole).append((i, *opened))
-        for p, st in zip(whole, pool.map(lambda p: self._decode_opened(*p[1:], views[p[0]]), whole)):
-            out[p[0]] = st
-            if st is Status.OK:
-                landed(p[0], 0, layers)
-        for first, last in layer_ranges(layers):
-            if not parts:
-                break
-            got = list(pool.map(lambda p: self._run(p[1], p[1].decode_layers, p[2], p[3], views[p[0]], first,
-                                                    last, layers), parts))
-            left = []
-            for p, ok in zip(parts, got):
-                if ok is None and first == 0:  # this block does not split: whole
-                    st = self._decode_opened(p[1], p[2], p[3], views[p[0]])
-                    out[p[0]] = st
-                    if st is Status.OK:
-                        landed(p[0], 0, layers)
-                elif not ok:
-                    self._count("codec_decode_failures")
-                    out[p[0]] = Status.CORRUPT
-                else:
-                    landed(p[0], first, last)
-                    left.append(p)
-            parts = left
-        for i, _, _, _ in parts:
-            out[i] = Status.OK
-            self._count("codec_decoded_blocks")
-            self._count("codec_layer_decoded_blocks")
-
-    def _decode_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._decoders_pool is None:
-                self._decoders_pool = ThreadPoolExecutor(max_workers=DECODE_THREADS,
-                                                         thread_name_prefix="ucm-codec-decode")
-            return self._decoders_pool
-
     def size_of(self, key: Key) -> Optional[int]:
         """The block's raw (decoded) size, from memory or its frame header."""
         n = self._writes.size_of(key)
@@ -459,6 +278,13 @@ class CodecAdapter(LayerReads):
     def close(self) -> None:
         """Lets the writer store what is queued, then closes the medium."""
         self._writes.close()
+        with self._lock:
+            self._ahead_closed = True
+            pending, self._ahead = self._ahead, None
+        if pending is not None:
+            self._drop_ahead(pending)
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)  # an unused read ahead's scratch is given back as it ends
         if self._decoders_pool is not None:
             self._decoders_pool.shutdown(wait=True)
         self._scratch.close()
