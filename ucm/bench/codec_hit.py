@@ -240,8 +240,9 @@ def inproc_run(work, codec, samples, dram_blocks, headroom, part_blocks=5):
                 assert all(le is not None for le in leases)
                 cache.release(leases)
             hits.append(time.perf_counter() - t0)
+            ahead = {k: v for k, v in cache.stats()["tiers"]["nvme"]["adapter"].items() if "read_ahead" in k}
             print(codec, "hit %.4f" % hits[-1], {f"{k[0]}@{k[1]}": round(v, 4) for k, v in sorted(spent.items())},
-                  file=sys.stderr)
+                  ahead, file=sys.stderr)
         return {"codec": codec, "inproc_hit_median_s": round(statistics.median(hits), 4)}
     finally:
         cache.close()
