@@ -138,7 +138,8 @@ class CodecReads:
             return read
         padded = isinstance(self.inner, PaddedReads)
         unit = self.inner.read_unit if padded else 1
-        spans = [-(-n // unit) * unit for n in sizes]  # each frame at a multiple of the unit (the lease is page-aligned)
+        # each frame at a multiple of the unit (the lease is page-aligned)
+        spans = [-(-n // unit) * unit for n in sizes]
         stack = ExitStack()
         try:
             whole = stack.enter_context(memoryview(stack.enter_context(self._scratch.lease(sum(spans)))))

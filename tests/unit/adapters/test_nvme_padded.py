@@ -3,7 +3,6 @@ whole pages lands straight in a page-aligned destination padded to whole
 pages (O_DIRECT in place: no scratch, no copy), is verified there, and a
 read that lands nothing is CORRUPT, never the bytes the buffer held."""
 import mmap
-import os
 
 from ucm import _native
 from ucm.adapters.base import PaddedReads, Status
