@@ -92,6 +92,9 @@ def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes with whole GiB
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if "VLLM_RPC_BASE_PATH" not in env:  # vLLM's ZMQ IPC sockets, removed with `work` (else left in /tmp)
+        (work / "ipc").mkdir(exist_ok=True)
+        env["VLLM_RPC_BASE_PATH"] = str(work / "ipc")
     rfd, wfd = os.pipe()
     env[PROGRESS_FD] = str(wfd)
     with open(log_path, "wb") as log:

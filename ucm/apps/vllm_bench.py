@@ -98,8 +98,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _env() -> dict[str, str]:
+def _env(work: Optional[Path] = None) -> dict[str, str]:
+    """The engine subprocesses' environment; with `work`, vLLM's ZMQ IPC
+    sockets go to `work`/ipc (removed with it) unless VLLM_RPC_BASE_PATH is
+    set: by default vLLM leaves them in the temp dir, dozens per run."""
     env = dict(os.environ)
+    if work is not None and "VLLM_RPC_BASE_PATH" not in env:
+        (work / "ipc").mkdir(exist_ok=True)
+        env["VLLM_RPC_BASE_PATH"] = str(work / "ipc")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -301,7 +307,7 @@ def _subprocess(spec: dict, work: Path) -> dict:
     out_path = work / f"out-{spec['config']}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "ucm.apps.vllm_bench", "--run-config", str(spec_path), str(out_path)],
-                          env=_env(), cwd=str(work), capture_output=True, text=True, timeout=3600)
+                          env=_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"configuration {spec['config']!r} failed (exit {proc.returncode}):\n{tail}")
