@@ -45,6 +45,7 @@ import yaml
 from ucm.apps.demo_engine import BLOCK_TOKENS, PROGRESS_FD
 from ucm.apps.demo_report import machine_line, plot, summarize, table
 from ucm.apps.demo_workload import QUICK, WorkloadSpec, build_workload, distinct_blocks
+from ucm.apps.engine_env import with_ipc_dir
 from ucm.progress import bar, enabled
 
 RUN_NAMES = ("vLLM alone", "vLLM + ucm", "restarted + ucm")
@@ -92,9 +93,7 @@ def _run_engine(spec: dict, work: Path, name: str, label: str, progress) -> dict
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes with whole GiB
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    if "VLLM_RPC_BASE_PATH" not in env:  # vLLM's ZMQ IPC sockets, removed with `work` (else left in /tmp)
-        (work / "ipc").mkdir(exist_ok=True)
-        env["VLLM_RPC_BASE_PATH"] = str(work / "ipc")
+    with_ipc_dir(env, work)  # vLLM's ZMQ IPC sockets, removed with `work`
     rfd, wfd = os.pipe()
     env[PROGRESS_FD] = str(wfd)
     with open(log_path, "wb") as log:

@@ -67,7 +67,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ucm.apps.demo import DTYPE_BYTES, page_bytes
-from ucm.apps.vllm_bench import BLOCK_TOKENS, _count, _env, _evict_to_nvme
+from ucm.apps.engine_env import bench_env
+from ucm.apps.vllm_bench import BLOCK_TOKENS, _count, _evict_to_nvme
 
 GEN_TOKENS = 8
 QUESTION = "\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:"
@@ -268,7 +269,7 @@ def _subprocess(spec: dict, work: Path) -> dict:
     spec_path, out_path = work / f"spec-{spec['variant']}.json", work / f"out-{spec['variant']}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "ucm.apps.prefetch_bench", "--run-variant", str(spec_path),
-                           str(out_path)], env=_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
+                           str(out_path)], env=bench_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"variant {spec['variant']!r} failed (exit {proc.returncode}):\n{tail}")
@@ -346,7 +347,7 @@ def measure(requests: int, lo: int, hi: int, max_num_seqs: int, rate: float, var
     if requests < 1 or not 1 <= lo <= hi or max_num_seqs < 1 or rate <= 0:
         raise ValueError(f"bad workload: requests={requests} doc_tokens={lo},{hi} max_num_seqs={max_num_seqs} "
                          f"rate={rate}")
-    os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
+    os.environ.update({k: v for k, v in bench_env().items() if k not in os.environ})
     model = str(prepare(model_name))
     prompts, warm = _prompts(model, requests, lo, hi)
     doc_blocks = sum(len(p) // BLOCK_TOKENS for p in prompts)

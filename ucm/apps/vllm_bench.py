@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.apps.engine_env import bench_env
 from ucm.progress import bar
 
 BLOCK_TOKENS = 128
@@ -96,21 +97,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="ucm_load_streaming of the codec runs, comma-separated: off (default; the "
                         "asynchronous whole-block load), auto (streamed layer by layer), or off,auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _env(work: Optional[Path] = None) -> dict[str, str]:
-    """The engine subprocesses' environment; with `work`, vLLM's ZMQ IPC
-    sockets go to `work`/ipc (removed with it) unless VLLM_RPC_BASE_PATH is
-    set: by default vLLM leaves them in the temp dir, dozens per run."""
-    env = dict(os.environ)
-    if work is not None and "VLLM_RPC_BASE_PATH" not in env:
-        (work / "ipc").mkdir(exist_ok=True)
-        env["VLLM_RPC_BASE_PATH"] = str(work / "ipc")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
 
 
 def _prompts(model: str, docs: int, doc_tokens: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -307,7 +293,7 @@ def _subprocess(spec: dict, work: Path) -> dict:
     out_path = work / f"out-{spec['config']}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "ucm.apps.vllm_bench", "--run-config", str(spec_path), str(out_path)],
-                          env=_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
+                          env=bench_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"configuration {spec['config']!r} failed (exit {proc.returncode}):\n{tail}")
@@ -343,7 +329,7 @@ def measure(docs: int, doc_tokens: int, model_name: str = "smollm2", log=print,
 
     import ucm
     from ucm.apps.model import prepare
-    os.environ.update({k: v for k, v in _env().items() if k not in os.environ})
+    os.environ.update({k: v for k, v in bench_env().items() if k not in os.environ})
     model = str(prepare(model_name))
     pass1, pass2, warm = _prompts(model, docs, doc_tokens)
     work = Path(tempfile.mkdtemp(prefix="ucm-bench-vllm-"))

@@ -133,7 +133,7 @@ class CodecReads:
             if n is not None:
                 idx.append(i)
                 sizes.append(n)
-        read = _FrameRead(keys)
+        read = _FrameRead()
         if not idx:
             return read
         padded = isinstance(self.inner, PaddedReads)
@@ -297,10 +297,9 @@ class _FrameRead:
     of each key found, (index, frame) of each read; `close` gives the
     lease back (the frames' views first)."""
 
-    __slots__ = ("keys", "statuses", "frames", "stack")
+    __slots__ = ("statuses", "frames", "stack")
 
-    def __init__(self, keys: Sequence[Key]) -> None:
-        self.keys = tuple(keys)
+    def __init__(self) -> None:
         self.statuses: list[tuple[int, Status]] = []
         self.frames: list[tuple[int, memoryview]] = []
         self.stack: Optional[ExitStack] = None

@@ -180,14 +180,3 @@ def test_an_unknown_codec_is_refused_before_any_engine_starts():
     with pytest.raises(ValueError, match=r"--codecs: unknown codec\(s\) \['zip'\]; allowed: "):
         bv.measure(1, 256, codecs=("zip",))
 
-
-def test_the_engines_ipc_sockets_go_to_the_work_dir_unless_the_user_chose_one(tmp_path, monkeypatch):
-    """vLLM names its ZMQ IPC sockets under VLLM_RPC_BASE_PATH, by default
-    the temp dir, and leaves them there: the bench's engines put them in its
-    work dir, which it removes; a path the user set is kept."""
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    env = bv._env(tmp_path)
-    assert env["VLLM_RPC_BASE_PATH"] == str(tmp_path / "ipc") and (tmp_path / "ipc").is_dir()
-    assert "VLLM_RPC_BASE_PATH" not in bv._env()
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/somewhere/else")
-    assert bv._env(tmp_path)["VLLM_RPC_BASE_PATH"] == "/somewhere/else"
