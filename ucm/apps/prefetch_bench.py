@@ -269,7 +269,8 @@ def _subprocess(spec: dict, work: Path) -> dict:
     spec_path, out_path = work / f"spec-{spec['variant']}.json", work / f"out-{spec['variant']}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "ucm.apps.prefetch_bench", "--run-variant", str(spec_path),
-                           str(out_path)], env=bench_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
+                           str(out_path)], env=bench_env(work), cwd=str(work), capture_output=True, text=True,
+                          timeout=3600)
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"variant {spec['variant']!r} failed (exit {proc.returncode}):\n{tail}")

@@ -179,4 +179,3 @@ def test_an_unknown_codec_is_refused_before_any_engine_starts():
 
     with pytest.raises(ValueError, match=r"--codecs: unknown codec\(s\) \['zip'\]; allowed: "):
         bv.measure(1, 256, codecs=("zip",))
-
