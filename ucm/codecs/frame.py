@@ -2,8 +2,8 @@
 
     offset  size  field
     0       8     magic b"UCMKVF\\x00\\x01" (format version 1)
-    8       1     codec id (ucm.codecs: 0 none, 1 lossless, 2 int8, 4 int4;
-                  3 was the first int4 format, retired: a miss)
+    8       1     codec id (ucm.codecs: 0 none, 1 lossless, 2 int8, 6 int4;
+                  3-5 were earlier int4 formats, retired: a miss)
     9       3     zero
     12      4     meta bytes (u32 LE)
     16      8     raw bytes: the block's size once decoded (u64 LE)

@@ -6,7 +6,7 @@ key outliers sit in fixed channels, value outliers in tokens):
 - `int8`, symmetric: a key tile is one channel of one head over the
   block's tokens, a value tile one token of one head over its channels;
   one fp16 step per tile (rounded up so |x| / s <= 127).
-- `int4` (codec id 5), asymmetric, groups of 32: a key tile is one
+- `int4` (codec id 6), asymmetric, groups of 32: a key tile is one
   channel over 32 tokens, a value tile 32 channels of one token; per tile
   a u8 step code (s = base * 2^(-c/16), base an f32 per segment) and an
   i8 zero point. Values: 4 bits (x' = (q + z) * s, q in 0..15), with s
@@ -24,9 +24,16 @@ key outliers sit in fixed channels, value outliers in tokens):
   cpp/include/ucm/kv_quant.hpp, "paired"). On four SmolLM2 documents
   that cut int4's teacher-forced KL from 0.0045 to 0.0018 at the same
   size (docs/benchmarks.md, "int4 keys: bits where the queries look").
-  Codec ids 3 and 4 were the earlier int4 formats (4: every key tile at
-  4 bits with 0.2 % outliers); their frames are misses now (no codec has
-  those ids), as any frame of a codec this process lacks.
+  A block whose token 0 is an attention sink (ucm.codecs.sinks: its
+  values are small) keeps that token's K and V rows exact, after the
+  quantised body, and its value tiles span 64 channels, which pays for
+  the rows; the sixth parameter says so (1, else 0). On twelve SmolLM2
+  documents that halved int4's teacher-forced KL (0.0020 to 0.0009;
+  docs/benchmarks.md, "int4: the sink token kept exact").
+  Codec ids 3-5 were the earlier int4 formats (4: every key tile at
+  4 bits with 0.2 % outliers; 5: no sink kept, five parameters); their
+  frames are misses now (no codec has those ids), as any frame of a codec
+  this process lacks.
 
 Every element of a non-outlier comes back within s / 2 of its value (plus
 the rounding of x' to the KV dtype); `tile_steps` returns the s of every
@@ -36,17 +43,19 @@ Encoded size of a block (all integers; n = heads x tokens x channels of
 one segment, t = its tiles, o = its outliers, e = element bytes):
 
     int8: 48 + |layout| + 20 + layers x sum over K, V of (2 t + n)
-    int4: 48 + |layout| + 20 + layers x (K + V),
+    int4: 48 + |layout| + 24 + layers x (K + V) [+ layers x 2 x heads x channels x e],
           K = 4 + 2 t + ceil(t / 4) + n / 2   (a nibble per pair of tiles)
           V = 4 + 2 t + o (i + e) + n / 2,     o = floor(2 n / 1000),
                                                i = 2 if n <= 65536 else 4
 
 where 48 is the frame header (ucm.codecs.frame), |layout| the KvLayout's
-encoding and 20 the codec's parameters (`encoded_bytes` computes it). For
-SmolLM2 in bf16 at 128 tokens (3 heads, 64 channels, 30 layers; a
-126-byte layout) that is 1,509,314 bytes for int8 (1.954x) and 841,514
-bytes for int4 (3.505x) against 2,949,120 raw (n = 24,576, t = 768,
-o = 49 per value segment).
+encoding, 20 or 24 the codec's parameters, and the bracket the sink rows
+of a block that keeps them, whose value tiles (in t) span 64 channels
+(`encoded_bytes(layout, sink)` computes it). For SmolLM2 in bf16 at 128
+tokens (3 heads, 64 channels, 30 layers; a 126-byte layout) that is
+1,509,314 bytes for int8 (1.954x) and 841,518 bytes for int4 (3.5045x),
+with or without a sink, against 2,949,120 raw (n = 24,576, t = 768 for
+keys and values, 384 for a sink block's values, o = 49 per value segment).
 
 Blocks the layout does not describe (no layout registered, another size,
 a dtype other than float32 / float16 / bfloat16) are not encoded (the
@@ -62,10 +71,13 @@ import numpy as np
 from ucm import _native
 from ucm.codecs.base import Codec, Encoded
 from ucm.codecs.layout import KvLayout
+from ucm.codecs.sinks import SinkRows
 
 OUTLIER_PER_MILLE = 2  # elements kept exact per thousand (int4)
 GROUP = 32  # int4 group size
+SINK_GROUP = 64  # int4: value tiles of a block whose sink token is kept exact span this many channels
 _PARAMS = struct.Struct("<IIIII")  # k tile rows, k tile cols, v tile rows, v tile cols, outliers per mille
+_PARAMS_SINK = struct.Struct("<IIIIII")  # int4: the same, then the sink tokens kept exact (0 or 1)
 
 
 class _Plan:
@@ -93,6 +105,15 @@ class _Plan:
         self.row_offsets = layout.block_rows()
         self.num_layers = layout.num_layers
         self.per_layer = len(layout.segments)
+        self._layout = layout
+        self._sinks: Optional[SinkRows] = None
+
+    @property
+    def sinks(self) -> SinkRows:
+        """Where this layout's token-0 rows lie (built on first use)."""
+        if self._sinks is None:
+            self._sinks = SinkRows(self._layout)
+        return self._sinks
 
     def layer_tables(self, layers: int) -> Optional[list[np.ndarray]]:
         """Per range l of `layers` equal ranges of the block, the table rows
@@ -111,15 +132,21 @@ class QuantCodec(Codec):
 
     lossy = True
     bits: int
-    paired_keys = False  # keys with a width per RoPE pair of tiles (int4, codec id 5)
+    paired_keys = False  # keys with a width per RoPE pair of tiles (int4)
+    keeps_sinks = False  # a block's sink token kept exact (int4; ucm.codecs.sinks)
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads
         self._plans: dict[tuple[bytes, tuple[int, ...]], _Plan] = {}
-        self._metas: dict[bytes, tuple[KvLayout, tuple[int, int, int, int, int]]] = {}
+        self._metas: dict[bytes, tuple[KvLayout, tuple[int, ...]]] = {}
+        self._struct = _PARAMS_SINK if self.keeps_sinks else _PARAMS
 
-    def params(self, layout: KvLayout) -> Optional[tuple[int, int, int, int, int]]:
-        """Tile sizes for this layout, or None when it cannot be encoded."""
+    def params(self, layout: KvLayout, sink: bool = False) -> Optional[tuple[int, ...]]:
+        """Tile sizes for this layout (then, for a codec that keeps sinks,
+        whether token 0 is kept exact), or None when it cannot be encoded.
+        `sink`: the parameters of a block whose sink token is kept: value
+        tiles over SINK_GROUP channels where they divide, which pays for the
+        kept rows (exactly, in a 16-bit dtype)."""
         if layout.elem_code is None:
             return None
         tokens = {s.tokens for s in layout.segments}
@@ -134,24 +161,36 @@ class QuantCodec(Codec):
         ktr = GROUP if t % GROUP == 0 else t
         if self.paired_keys and ktr % 8:  # a key tile's codes must fill whole bytes at any width
             return None
-        return (ktr, 1, 1, GROUP if c % GROUP == 0 else c, OUTLIER_PER_MILLE)
+        vtc = GROUP if c % GROUP == 0 else c
+        if not self.keeps_sinks:
+            return (ktr, 1, 1, vtc, OUTLIER_PER_MILLE)
+        if sink and c % SINK_GROUP == 0:
+            vtc = SINK_GROUP
+        return (ktr, 1, 1, vtc, OUTLIER_PER_MILLE, int(sink))
 
-    def _plan(self, layout: KvLayout, params: tuple[int, int, int, int, int]) -> _Plan:
-        key = (layout.layout_bytes(), params)
+    def _plan(self, layout: KvLayout, params: tuple[int, ...]) -> _Plan:
+        key = (layout.layout_bytes(), params[:5])
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(layout, self.bits, params, self.paired_keys)
+            plan = self._plans[key] = _Plan(layout, self.bits, params[:5], self.paired_keys)
         return plan
 
-    def encoded_bytes(self, layout: KvLayout) -> Optional[int]:
+    def _kept_bytes(self, plan: _Plan, params: tuple[int, ...]) -> int:
+        """The bytes of the sink rows a block with `params` keeps after the
+        quantised body."""
+        return plan.sinks.bytes if len(params) > 5 and params[5] else 0
+
+    def encoded_bytes(self, layout: KvLayout, sink: bool = False) -> Optional[int]:
         """The stored size of one block of `layout` (frame included), or None
-        when it is not encoded; the formula of the module docstring."""
+        when it is not encoded; the formula of the module docstring.
+        `sink`: of a block whose sink token is kept exact."""
         from ucm.codecs.frame import frame_bytes
 
-        params = self.params(layout)
+        params = self.params(layout, sink)
         if params is None:
             return None
-        return frame_bytes(len(layout.to_bytes()) + _PARAMS.size, self._plan(layout, params).body_bytes)
+        plan = self._plan(layout, params)
+        return frame_bytes(len(layout.to_bytes()) + self._struct.size, plan.body_bytes + self._kept_bytes(plan, params))
 
     def encode(self, raw: memoryview, layout: Optional[KvLayout]) -> Optional[Encoded]:
         if layout is None or len(raw) != layout.block_bytes:
@@ -160,65 +199,87 @@ class QuantCodec(Codec):
         if params is None:
             return None
         plan = self._plan(layout, params)
-        body = np.empty(plan.body_bytes, dtype=np.uint8)
-        if not _native.kv_encode(raw, plan.row_offsets, plan.table, plan.elem, body, self.threads):
+        if self.keeps_sinks and plan.sinks.is_sink(raw):
+            params = self.params(layout, sink=True)
+            plan = self._plan(layout, params)
+        n = plan.body_bytes
+        body = np.empty(n + self._kept_bytes(plan, params), dtype=np.uint8)
+        if not _native.kv_encode(raw, plan.row_offsets, plan.table, plan.elem, body[:n], self.threads):
             return None  # non-finite values, or beyond half precision
-        return Encoded(layout.layout_bytes() + _PARAMS.pack(*params), body)
+        if len(body) > n:
+            plan.sinks.gather(raw, body[n:])
+        return Encoded(layout.layout_bytes() + self._struct.pack(*params), body)
 
-    def split_meta(self, meta: memoryview) -> Optional[tuple[KvLayout, tuple[int, int, int, int, int]]]:
+    def split_meta(self, meta: memoryview) -> Optional[tuple[KvLayout, tuple[int, ...]]]:
         """(layout, parameters) of a block's meta; parsed once per distinct
         meta (a handful: one per namespace layout)."""
         key = bytes(meta)
         got = self._metas.get(key)
         if got is not None:
             return got
-        if len(meta) < _PARAMS.size:
+        ps = self._struct
+        if len(meta) < ps.size:
             return None
         try:
-            layout = KvLayout.from_bytes(key[:-_PARAMS.size])
+            layout = KvLayout.from_bytes(key[:-ps.size])
         except ValueError:  # ArgumentError is a ValueError
             return None
-        got = (layout, _PARAMS.unpack(key[-_PARAMS.size:]))
+        got = (layout, ps.unpack(key[-ps.size:]))
+        if len(got[1]) > 5 and got[1][5] > 1:
+            return None
         if len(self._metas) < 64:
             self._metas[key] = got
         return got
 
-    def decode(self, meta: memoryview, body: memoryview, out: memoryview) -> bool:
+    def _opened(self, meta: memoryview, body: memoryview, out: memoryview) -> Optional[tuple[_Plan, int]]:
+        """(plan, quantised body bytes) of a block to decode into `out`, or
+        None when its meta, body or `out` do not fit together."""
         got = self.split_meta(meta)
         if got is None:
-            return False
+            return None
         layout, params = got
         if layout.elem_code is None or len(out) != layout.block_bytes:
-            return False
+            return None
+        kept = len(params) > 5 and params[5]
+        if kept and self.params(layout) is None:  # a layout the sink rows cannot be taken from
+            return None
         try:
             plan = self._plan(layout, params)
         except ValueError:  # parameters the native core refuses
+            return None
+        if len(body) != plan.body_bytes + self._kept_bytes(plan, params):
+            return None
+        return plan, plan.body_bytes
+
+    def decode(self, meta: memoryview, body: memoryview, out: memoryview) -> bool:
+        got = self._opened(meta, body, out)
+        if got is None:
             return False
-        if len(body) != plan.body_bytes:
+        plan, n = got
+        if not _native.kv_decode(body[:n], plan.table, plan.elem, out, plan.row_offsets, self.threads):
             return False
-        return bool(_native.kv_decode(body, plan.table, plan.elem, out, plan.row_offsets, self.threads))
+        if len(body) > n:
+            plan.sinks.scatter(body[n:], out)
+        return True
 
     def decode_layers(self, meta: memoryview, body: memoryview, out: memoryview, first: int, last: int,
                       layers: int) -> Optional[bool]:
         """Only the segments of layer ranges [first, last) (Codec.decode_layers;
         None when this block's segments do not split into `layers` ranges)."""
-        got = self.split_meta(meta)
+        got = self._opened(meta, body, out)
         if got is None:
             return False
-        layout, params = got
-        if layout.elem_code is None or len(out) != layout.block_bytes:
-            return False
-        try:
-            plan = self._plan(layout, params)
-        except ValueError:
-            return False
-        if len(body) != plan.body_bytes:
-            return False
+        plan, n = got
         tables = plan.layer_tables(layers)
         if tables is None or not 0 <= first < last <= layers:
             return None
         part = np.concatenate(tables[first:last])
-        return bool(_native.kv_decode(body, part, plan.elem, out, plan.row_offsets, self.threads))
+        if not _native.kv_decode(body[:n], part, plan.elem, out, plan.row_offsets, self.threads):
+            return False
+        if len(body) > n:
+            g = plan.num_layers // layers
+            plan.sinks.scatter(body[n:], out, first * g, last * g)
+        return True
 
     def tile_steps(self, meta: memoryview, body: memoryview) -> list[np.ndarray]:
         """The quantisation step of every tile of every segment (the error
@@ -239,7 +300,8 @@ class Int8Codec(QuantCodec):
 
 class Int4Codec(QuantCodec):
     name = "int4"
-    codec_id = 5  # 3 and 4: the first two int4 formats, retired (their frames are misses)
+    codec_id = 6  # 3-5: the earlier int4 formats, retired (their frames are misses)
     bits = 4
     paired_keys = True
+    keeps_sinks = True
     nominal_ratio = 3.5

@@ -175,15 +175,22 @@ def test_encoded_size_is_the_documented_formula():
     # mille of n) x (u16 index + bf16 value)
     int4_k = 4 + 2 * 768 + 768 // 4 + n // 2
     int4_v = 4 + 2 * 768 + 49 * (2 + 2) + n // 2
-    assert Int4Codec().encoded_bytes(smollm2) == 48 + 126 + 20 + 30 * (int4_k + int4_v) == 841_514
-    assert smollm2.block_bytes / 841_514 > 3.5 and smollm2.block_bytes / 1_509_314 > 1.9
+    # int4's parameters are 24 bytes (the sink flag after int8's five u32s).
+    assert Int4Codec().encoded_bytes(smollm2) == 48 + 126 + 24 + 30 * (int4_k + int4_v) == 841_518
+    assert smollm2.block_bytes / 841_518 > 3.5 and smollm2.block_bytes / 1_509_314 > 1.9
+    # A block whose sink token is kept: value tiles over 64 channels (384
+    # per segment, not 768: 1,536 bytes fewer per layer) pay for 30 x 2 x 3
+    # rows of 64 bf16 values (23,040 bytes): the same size.
+    int4_v_sink = 4 + 2 * 384 + 49 * (2 + 2) + n // 2
+    assert Int4Codec().encoded_bytes(smollm2, sink=True) == (48 + 126 + 24 + 30 * (int4_k + int4_v_sink)
+                                                             + 30 * 2 * 3 * 64 * 2) == 841_518
     # A segment of more than 65,536 elements indexes its outliers with u32s:
     # n = 8 x 128 x 128 = 131,072, 262 outliers, 8 x 128 x 4 + 8 x 128 x 4 tiles.
     big = planar_layout("float16", 1, 8, 128, 128)
     big_n = 131_072
     big_k = 4 + 2 * 4096 + 4096 // 4 + big_n // 2
     big_v = 4 + 2 * 4096 + 262 * (4 + 2) + big_n // 2
-    assert Int4Codec().encoded_bytes(big) == 48 + len(big.to_bytes()) + 20 + big_k + big_v
+    assert Int4Codec().encoded_bytes(big) == 48 + len(big.to_bytes()) + 24 + big_k + big_v
     # The stored frame of a real encode has exactly that size.
     x = kv_like(smollm2.block_bytes // 2, "bfloat16", 3)
     for codec in (Int8Codec(), Int4Codec()):
