@@ -169,6 +169,7 @@ from ucm.codecs.quant import Int4Codec
 
 class Int4P(Int4Codec):
     paired_keys = False  # the id-4 key format (every key tile at 4 bits) its `p:` rows were measured with
+    keeps_sinks = False  # and no sink kept (codec id 6 keeps it; five parameters)
 
     def __init__(self, p):
         super().__init__()
