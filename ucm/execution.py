@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from ucm.adapters.base import SharedSlots, Status
 from ucm.api import Key
 from ucm.placement import Op, Placement, Plan, Step
-from ucm.tiers import Failure, Ticket, TierStack, retry_after_frees
+from ucm.tiers import BatchRead, Failure, Ticket, TierStack, retry_after_frees
 
 log = logging.getLogger(__name__)
 

@@ -120,7 +120,6 @@ class Restorer:
                    deferred: Optional[list]) -> int:
         """Blocks [first, last) of row `r` from the cache's slots into the
         layers; returns the consecutive blocks copied."""
-        lay = self.layout
         kb, vb = [byte_view(k) for k in ks], [byte_view(v) for v in vs]
         cap, item = ks[0].shape[2], ks[0].element_size()
         if self._streams:
