@@ -45,6 +45,9 @@ _SEG = struct.Struct("<cQIQIQIQI")
 ELEM_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1, "float8_e5m2": 1,
               "int8": 1, "uint8": 1}
+# How `segment_floats` reads the elements of each dtype before they become float32.
+_READ = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+FLOAT_DTYPES = tuple(sorted(_READ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +179,30 @@ class KvLayout:
             got.flags.writeable = False
             self._cache["rows"] = got
         return got
+
+
+def segment_floats(block: object, layout: KvLayout, seg: KvSegmentSpec, every: int = 1) -> np.ndarray:
+    """Segment `seg` of every layer of one block (any buffer of
+    `layout.block_bytes` bytes) as float32 `[layers, heads, tokens,
+    channels]` (a copy); with `every` > 1 only every `every`-th token of
+    each page, token 0 included (`page_tokens` must divide by it). The
+    dtype must be one of FLOAT_DTYPES; strides are bytes, so none needs to
+    be whole elements."""
+    if layout.dtype not in _READ:
+        raise ArgumentError(f"segment_floats reads dtypes {list(FLOAT_DTYPES)}, not {layout.dtype!r}")
+    if every <= 0 or seg.page_tokens % every:
+        raise ArgumentError(f"segment_floats: every={every!r} does not divide page_tokens {seg.page_tokens}")
+    view = memoryview(block).cast("B")  # type: ignore[arg-type]
+    if view.nbytes != layout.block_bytes:
+        raise ArgumentError(f"block of {view.nbytes} bytes, the layout describes {layout.block_bytes}")
+    eb = layout.elem_bytes
+    strided = np.ndarray(shape=(layout.num_layers, seg.heads, seg.pages, seg.page_tokens // every, seg.channels),
+                         dtype=_READ[layout.dtype], buffer=view, offset=seg.offset,
+                         strides=(layout.layer_bytes, seg.head_stride, seg.page_stride, seg.token_stride * every, eb))
+    shape = (layout.num_layers, seg.heads, seg.tokens // every, seg.channels)
+    if layout.dtype == "bfloat16":
+        return (strided.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return strided.astype(np.float32).reshape(shape)
 
 
 def opaque_layout(block_bytes: int) -> KvLayout:

@@ -105,15 +105,6 @@ class _Plan:
         self.row_offsets = layout.block_rows()
         self.num_layers = layout.num_layers
         self.per_layer = len(layout.segments)
-        self._layout = layout
-        self._sinks: Optional[SinkRows] = None
-
-    @property
-    def sinks(self) -> SinkRows:
-        """Where this layout's token-0 rows lie (built on first use)."""
-        if self._sinks is None:
-            self._sinks = SinkRows(self._layout)
-        return self._sinks
 
     def layer_tables(self, layers: int) -> Optional[list[np.ndarray]]:
         """Per range l of `layers` equal ranges of the block, the table rows
@@ -139,6 +130,7 @@ class QuantCodec(Codec):
         self.threads = threads
         self._plans: dict[tuple[bytes, tuple[int, ...]], _Plan] = {}
         self._metas: dict[bytes, tuple[KvLayout, tuple[int, ...]]] = {}
+        self._sinks: dict[bytes, SinkRows] = {}
         self._struct = _PARAMS_SINK if self.keeps_sinks else _PARAMS
 
     def params(self, layout: KvLayout, sink: bool = False) -> Optional[tuple[int, ...]]:
@@ -175,10 +167,18 @@ class QuantCodec(Codec):
             plan = self._plans[key] = _Plan(layout, self.bits, params[:5], self.paired_keys)
         return plan
 
-    def _kept_bytes(self, plan: _Plan, params: tuple[int, ...]) -> int:
+    def _sink_rows(self, layout: KvLayout) -> SinkRows:
+        """Where `layout`'s token-0 rows lie (one per layout)."""
+        key = layout.layout_bytes()
+        rows = self._sinks.get(key)
+        if rows is None:
+            rows = self._sinks[key] = SinkRows(layout)
+        return rows
+
+    def _kept_bytes(self, layout: KvLayout, params: tuple[int, ...]) -> int:
         """The bytes of the sink rows a block with `params` keeps after the
         quantised body."""
-        return plan.sinks.bytes if len(params) > 5 and params[5] else 0
+        return self._sink_rows(layout).bytes if len(params) > 5 and params[5] else 0
 
     def encoded_bytes(self, layout: KvLayout, sink: bool = False) -> Optional[int]:
         """The stored size of one block of `layout` (frame included), or None
@@ -189,8 +189,8 @@ class QuantCodec(Codec):
         params = self.params(layout, sink)
         if params is None:
             return None
-        plan = self._plan(layout, params)
-        return frame_bytes(len(layout.to_bytes()) + self._struct.size, plan.body_bytes + self._kept_bytes(plan, params))
+        body = self._plan(layout, params).body_bytes + self._kept_bytes(layout, params)
+        return frame_bytes(len(layout.to_bytes()) + self._struct.size, body)
 
     def encode(self, raw: memoryview, layout: Optional[KvLayout]) -> Optional[Encoded]:
         if layout is None or len(raw) != layout.block_bytes:
@@ -198,16 +198,16 @@ class QuantCodec(Codec):
         params = self.params(layout)
         if params is None:
             return None
-        plan = self._plan(layout, params)
-        if self.keeps_sinks and plan.sinks.is_sink(raw):
+        sink = self.keeps_sinks and self._sink_rows(layout).is_sink(raw)
+        if sink:
             params = self.params(layout, sink=True)
-            plan = self._plan(layout, params)
+        plan = self._plan(layout, params)
         n = plan.body_bytes
-        body = np.empty(n + self._kept_bytes(plan, params), dtype=np.uint8)
+        body = np.empty(n + self._kept_bytes(layout, params), dtype=np.uint8)
         if not _native.kv_encode(raw, plan.row_offsets, plan.table, plan.elem, body[:n], self.threads):
             return None  # non-finite values, or beyond half precision
-        if len(body) > n:
-            plan.sinks.gather(raw, body[n:])
+        if sink:
+            self._sink_rows(layout).gather(raw, body[n:])
         return Encoded(layout.layout_bytes() + self._struct.pack(*params), body)
 
     def split_meta(self, meta: memoryview) -> Optional[tuple[KvLayout, tuple[int, ...]]]:
@@ -231,9 +231,11 @@ class QuantCodec(Codec):
             self._metas[key] = got
         return got
 
-    def _opened(self, meta: memoryview, body: memoryview, out: memoryview) -> Optional[tuple[_Plan, int]]:
-        """(plan, quantised body bytes) of a block to decode into `out`, or
-        None when its meta, body or `out` do not fit together."""
+    def _opened(self, meta: memoryview, body: memoryview,
+                out: memoryview) -> Optional[tuple[_Plan, int, Optional[SinkRows]]]:
+        """(plan, quantised body bytes, the kept rows' places or None) of a
+        block to decode into `out`, or None when its meta, body or `out` do
+        not fit together."""
         got = self.split_meta(meta)
         if got is None:
             return None
@@ -247,19 +249,19 @@ class QuantCodec(Codec):
             plan = self._plan(layout, params)
         except ValueError:  # parameters the native core refuses
             return None
-        if len(body) != plan.body_bytes + self._kept_bytes(plan, params):
+        if len(body) != plan.body_bytes + self._kept_bytes(layout, params):
             return None
-        return plan, plan.body_bytes
+        return plan, plan.body_bytes, self._sink_rows(layout) if kept else None
 
     def decode(self, meta: memoryview, body: memoryview, out: memoryview) -> bool:
         got = self._opened(meta, body, out)
         if got is None:
             return False
-        plan, n = got
+        plan, n, sinks = got
         if not _native.kv_decode(body[:n], plan.table, plan.elem, out, plan.row_offsets, self.threads):
             return False
-        if len(body) > n:
-            plan.sinks.scatter(body[n:], out)
+        if sinks is not None:
+            sinks.scatter(body[n:], out)
         return True
 
     def decode_layers(self, meta: memoryview, body: memoryview, out: memoryview, first: int, last: int,
@@ -269,16 +271,16 @@ class QuantCodec(Codec):
         got = self._opened(meta, body, out)
         if got is None:
             return False
-        plan, n = got
+        plan, n, sinks = got
         tables = plan.layer_tables(layers)
         if tables is None or not 0 <= first < last <= layers:
             return None
         part = np.concatenate(tables[first:last])
         if not _native.kv_decode(body[:n], part, plan.elem, out, plan.row_offsets, self.threads):
             return False
-        if len(body) > n:
+        if sinks is not None:
             g = plan.num_layers // layers
-            plan.sinks.scatter(body[n:], out, first * g, last * g)
+            sinks.scatter(body[n:], out, first * g, last * g)
         return True
 
     def tile_steps(self, meta: memoryview, body: memoryview) -> list[np.ndarray]:

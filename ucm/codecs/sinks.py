@@ -12,7 +12,7 @@ al., 2024) keeps the same tokens' KV lossless in quantised LLMs.
 A codec does not know where a block lies in its sequence, so it looks. A
 sink's values are small (it is attended as a no-op): token 0 of a block is
 taken for one when the mean over layers and KV heads of |v_0| / mean |v_t|
-(t over every `SAMPLE`-th token of the block, token 0 included) is below
+(t over every `SAMPLE`-th token of each page, token 0 included) is below
 `SINK_RATIO`. On SmolLM2 the first block of a sequence scores 0.33-0.38
 and every later block 0.66 or more (twelve documents, float32 and bf16). A wrong guess costs bytes
 or quality, never correctness: the frame records which rows it kept.
@@ -28,48 +28,44 @@ from typing import Optional
 
 import numpy as np
 
-from ucm.codecs.layout import KvLayout
+from ucm.codecs.layout import KvLayout, segment_floats
 
 SINK_RATIO = 0.5
 SAMPLE = 4
 
 
 class SinkRows:
-    """Where a layout's token-0 rows lie, and which elements the test reads
+    """Where a layout's token-0 rows lie, and the test on a block's values
     (built once per layout; needs every segment to have the same tokens and
     channels, as the quantisers do)."""
 
     def __init__(self, layout: KvLayout) -> None:
         rows = layout.block_rows()
-        eb = layout.elem_bytes
-        firsts, values, at = [], [], 0
+        firsts, at = [], 0
         for _ in range(layout.num_layers):
             for s in layout.segments:
-                seg = rows[at:at + s.rows].reshape(s.heads, s.tokens)
-                firsts.append(seg[:, 0])
-                if s.kind == "v":
-                    values.append(seg[:, ::SAMPLE])
+                firsts.append(rows[at:at + s.rows:s.tokens])  # row h x tokens: head h's token 0
                 at += s.rows
-        channels = layout.segments[0].channels
         self.offsets = np.concatenate(firsts)  # byte offsets of the kept rows, table order
-        self.row_bytes = channels * eb
+        self.row_bytes = layout.segments[0].channels * layout.elem_bytes
         self.bytes = len(self.offsets) * self.row_bytes
         self.per_layer = len(self.offsets) // layout.num_layers
-        self._dtype = layout.dtype
-        self._values: Optional[np.ndarray] = None
-        if values:  # element indexes [layers x V segments, heads, sampled tokens, channels]
-            v = np.stack(values) // eb
-            self._values = v[..., None] + np.arange(channels, dtype=np.int64)
+        self._layout = layout
+        self._values = [s for s in layout.segments if s.kind == "v"]
 
     def score(self, raw: memoryview) -> float:
         """The mean over layers and heads of |v_0| / mean |v_t| (NaN when the
         block has no values or values that are not finite)."""
-        if self._values is None:
+        if not self._values:
             return float("nan")
-        x = _floats(raw, self._dtype, self._values)
+        lay = self._layout
         with np.errstate(all="ignore"):
-            norms = np.sqrt(np.einsum("shtc,shtc->sht", x, x))
-            return float((norms[..., 0] / norms.mean(-1)).mean())
+            ratios = []
+            for seg in self._values:
+                x = segment_floats(raw, lay, seg, SAMPLE if seg.page_tokens % SAMPLE == 0 else 1)
+                norms = np.sqrt(np.einsum("lhtc,lhtc->lht", x, x))
+                ratios.append(norms[..., 0] / norms.mean(-1))
+            return float(np.mean(ratios))
 
     def is_sink(self, raw: memoryview) -> bool:
         return bool(self.score(raw) < SINK_RATIO)  # NaN: not a sink
@@ -88,13 +84,3 @@ class SinkRows:
         rows = np.frombuffer(kept, np.uint8).reshape(-1, self.row_bytes)[a:b]
         dst = np.frombuffer(out, np.uint8)
         dst[self.offsets[a:b, None] + np.arange(self.row_bytes)] = rows
-
-
-def _floats(raw: memoryview, dtype: str, index: np.ndarray) -> np.ndarray:
-    """The elements at `index` of a block of `dtype` as float32."""
-    if dtype == "bfloat16":
-        bits = np.frombuffer(raw, np.uint16)[index]
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-    if dtype == "float16":
-        return np.frombuffer(raw, np.float16)[index].astype(np.float32)
-    return np.frombuffer(raw, np.float32)[index]

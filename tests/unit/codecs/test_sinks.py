@@ -120,3 +120,28 @@ def test_kept_rows_that_do_not_fit_the_meta_do_not_decode():
     assert not codec.decode(memoryview(bytes(plain.meta)[:-4] + (1).to_bytes(4, "little")),
                             memoryview(bytes(plain.body)), out)  # the flag on, no rows after the body
     assert codec.decode_layers(memoryview(meta), memoryview(body[:-kept]), out, 0, 1, 2) is False
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("which", sorted(LAYOUTS))
+def test_segment_floats_reads_the_segments_rows_and_every_nth_token(dtype, which):
+    """What the sink test reads (ucm.codecs.layout.segment_floats): a
+    segment of every layer as [layers, heads, tokens, channels], the same
+    values the codec's row table names; `every` keeps each page's tokens
+    0, every, 2 every, ..."""
+    from ucm.codecs.layout import segment_floats
+
+    layout = LAYOUTS[which](dtype)
+    x = kv_like(layout.block_bytes // layout.elem_bytes, dtype, seed=12)
+    raw = raw_of(x)
+    rows = segments(layout, x)  # table order: per layer, K then V, [heads * tokens, channels]
+    for j, seg in enumerate(layout.segments):
+        got = segment_floats(raw, layout, seg)
+        want = np.stack([rows[layer * len(layout.segments) + j] for layer in range(layout.num_layers)])
+        assert got.shape == (layout.num_layers, seg.heads, seg.tokens, seg.channels)
+        assert np.array_equal(got.reshape(want.shape), want)
+        per_page = got.reshape(layout.num_layers, seg.heads, seg.pages, seg.page_tokens, seg.channels)
+        assert np.array_equal(segment_floats(raw, layout, seg, 4),
+                              per_page[:, :, :, ::4].reshape(layout.num_layers, seg.heads, -1, seg.channels))
+    with pytest.raises(ValueError, match="does not divide"):
+        segment_floats(raw, layout, layout.segments[0], 5)

@@ -43,15 +43,13 @@ import numpy as np
 
 from ucm.accelerators.sparse.base import Selector, UnitSummaries
 from ucm.accelerators.sparse.lowrank import PROJ_DTYPE, KeyBasis, store_projections
-from ucm.codecs.layout import KvLayout, KvSegmentSpec
+from ucm.codecs.layout import FLOAT_DTYPES, KvLayout, KvSegmentSpec, segment_floats
 from ucm.errors import ArgumentError
 
 BOUND_DTYPE = np.dtype(np.float16)  # how summaries keep the key bounds
 _BOUND_MAX = float(np.finfo(np.float16).max)
 
-# How the bytes of each dtype read before they become float32.
-_RAW = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-SUMMARY_DTYPES = tuple(sorted(_RAW))
+SUMMARY_DTYPES = FLOAT_DTYPES  # what summaries read (segment_floats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +160,7 @@ def key_segment(layout: KvLayout) -> KvSegmentSpec:
     """The one K segment of `layout`'s layers; ArgumentError for a layout
     whose keys summaries cannot read (a dtype other than float32, float16,
     bfloat16; no or several K segments; strides not whole elements)."""
-    if layout.dtype not in _RAW:
+    if layout.dtype not in SUMMARY_DTYPES:
         raise ArgumentError(f"block summaries read dtypes {list(SUMMARY_DTYPES)}, not {layout.dtype!r}")
     ks = [s for s in layout.segments if s.kind == "k"]
     if len(ks) != 1:
@@ -185,19 +183,7 @@ def block_keys(block: object, layout: KvLayout) -> np.ndarray:
     """The keys of one block, `[layers, kv_heads, block_tokens, head_dim]`
     float32 (a copy), read from its bytes (any buffer of
     `layout.block_bytes` bytes) through `layout`."""
-    k = key_segment(layout)
-    view = memoryview(block).cast("B")  # type: ignore[arg-type]
-    if view.nbytes != layout.block_bytes:
-        raise ArgumentError(f"block of {view.nbytes} bytes, the layout describes {layout.block_bytes}")
-    raw = _RAW[layout.dtype]
-    eb = layout.elem_bytes
-    strided = np.ndarray(shape=(layout.num_layers, k.heads, k.pages, k.page_tokens, k.channels), dtype=raw,
-                         buffer=view, offset=k.offset,
-                         strides=(layout.layer_bytes, k.head_stride, k.page_stride, k.token_stride, eb))
-    shape = (layout.num_layers, k.heads, k.tokens, k.channels)
-    if layout.dtype == "bfloat16":
-        return (strided.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-    return strided.astype(np.float32).reshape(shape)
+    return segment_floats(block, layout, key_segment(layout))
 
 
 def summarize_keys(keys: np.ndarray, page_tokens: int = 16, basis: Optional[KeyBasis] = None,
