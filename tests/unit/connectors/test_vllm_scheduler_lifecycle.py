@@ -12,14 +12,24 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from test_vllm_scheduler import _blocks, _cache, _output, _request, _side  # noqa: E402
 
-def test_preemption_unpins_and_the_resumed_request_looks_up_again_with_its_new_pages():
+PAGES = [1, 2, 3, 4, 5, 6, 7]
+
+
+def _three_block_hit():
+    """A request of 800 tokens whose three full blocks are in DRAM, looked
+    up (all three pinned) and given its 7 pages: (side, cache, request, keys)."""
     side, cache = _side()
     tokens = list(range(800))
     keys = _cache(cache, tokens, ["dram"] * 3)
     req = _request("r1", tokens)
     side.get_num_new_matched_tokens(req, 0)
-    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
-    side.build_connector_meta(_output(new=[("r1", [1, 2, 3, 4, 5, 6, 7], 768, 32)]))
+    side.update_state_after_alloc(req, _blocks(PAGES), 768)
+    return side, cache, req, keys
+
+
+def test_preemption_unpins_and_the_resumed_request_looks_up_again_with_its_new_pages():
+    side, cache, req, keys = _three_block_hit()
+    side.build_connector_meta(_output(new=[("r1", PAGES, 768, 32)]))
     meta = side.build_connector_meta(_output(preempted={"r1"}))
     assert meta.preempted == {"r1"} and cache.pinned() == 0
     del cache.tiers[keys[2]]  # the fresh lookup sees the cache as it is now
@@ -70,12 +80,7 @@ def test_invalid_blocks_reset_the_request_and_two_lost_loads_stop_ucm_for_it():
 
 
 def test_an_invalid_block_of_another_request_leaves_this_one_alone():
-    side, cache = _side()
-    tokens = list(range(800))
-    keys = _cache(cache, tokens, ["dram"] * 3)
-    req = _request("r1", tokens)
-    side.get_num_new_matched_tokens(req, 0)
-    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
+    side, cache, req, keys = _three_block_hit()
     side.update_connector_output(KVConnectorOutput(invalid_block_ids={40}))
     assert cache.pins == Counter(keys)
     assert side.get_num_new_matched_tokens(req, 0) == (768, False)
