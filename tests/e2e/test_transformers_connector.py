@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 
 import pytest
 

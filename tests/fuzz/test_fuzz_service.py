@@ -4,7 +4,6 @@ dies), answers a bad request with a refusal (never an internal error), gives
 back what a fuzzing connection held once it closes, and a well-behaved
 CacheClient gets the right bytes throughout."""
 import hashlib
-import os
 import socket
 import time
 

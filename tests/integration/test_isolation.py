@@ -13,7 +13,6 @@ import ast
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
