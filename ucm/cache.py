@@ -49,7 +49,8 @@ from ucm.codecs.tier import with_codec
 from ucm.config import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
 from ucm.heat import HeatTracker
-from ucm.placement import Op, Placement, Plan, TierSpec
+from ucm.placement import Placement
+from ucm.plans import Op, Plan, TierSpec
 from ucm.execution import PlanExecutor
 from ucm.policy.base import check_policy, load_policy
 from ucm.reclaim import HeadroomReclaimer

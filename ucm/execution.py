@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ucm.adapters.base import SharedSlots, Status
 from ucm.api import Key
-from ucm.placement import Op, Placement, Plan, Step
+from ucm.placement import Placement
+from ucm.plans import Op, Plan, Step
 from ucm.tiers import BatchRead, Failure, Ticket, TierStack, retry_after_frees
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections import deque
 from typing import Optional, Sequence
 
 from ucm.adapters.base import Key
-from ucm.placement import Op, Step
+from ucm.plans import Op, Step
 
 
 class KeyOrder:

@@ -5,7 +5,9 @@ This is the metadata half of UnifiedCache, shared with the trace replay
 per tier, the resident blocks, their bytes and a placement policy; across
 tiers, the prefix tree (parents and resident children) and pins. It never
 touches payloads: operations return a `Plan`, a list of `Step`s the caller
-executes in order (the cache against its adapters; the replay ignores them).
+executes in order (the cache against its adapters; the replay ignores them;
+the vocabulary is in ucm/plans.py, which the executors import instead of
+this module).
 Metadata is updated when the plan is made; a step that fails afterwards is
 reported back with `remove()`.
 
@@ -41,67 +43,18 @@ GIL in its batched calls, so unserialised calls are a data race there).
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
+from ucm.plans import (Decision, Op, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
+                       check_tiers)
 from ucm.policy.base import Admission, PlacementPolicy, PolicyFactory, TierInfo
 
-
-class Op(enum.Enum):
-    WRITE = "write"  # new bytes from the caller into `dst`
-    MOVE = "move"  # bytes from `src` to `dst`, then drop from `src` (demotion)
-    COPY = "copy"  # bytes from `src` to `dst`, `src` keeps its copy (promotion)
-    DROP = "drop"  # delete from `src`
-
-
-class Step(NamedTuple):
-    op: Op
-    key: Key
-    src: Optional[int] = None
-    dst: Optional[int] = None
-
-
-Plan = list[Step]
-
-
-@dataclass(slots=True)
-class Decision:
-    """Outcome of insert/promote: whether the block was placed, and the steps
-    to execute either way (evictions made before a refusal stay valid)."""
-
-    placed: bool
-    plan: Plan
-
-
-@dataclass(slots=True)
-class RunDecision:
-    """Outcome of `insert_run`: per key, whether this call placed it; `stop`,
-    the index of the first key neither placed nor already cached (the keys
-    after it were not tried; `len(keys)` if none); one plan for the run
-    (evictions made before a refusal stay valid)."""
-
-    placed: list[bool]
-    plan: Plan
-    stop: int
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    name: str
-    capacity_bytes: int
-
-
-@dataclass(slots=True)
-class TierCounters:
-    inserts: int = 0
-    hits: int = 0
-    evictions: int = 0
-    demotions_in: int = 0
-    promotions_in: int = 0
-    bytes_written: int = 0
+# The plan vocabulary lives in ucm/plans.py; the names stay importable from here.
+__all__ = ["Decision", "Op", "Placement", "Plan", "RunDecision", "Step", "TierCounters", "TierSpec",
+           "check_next_uses", "check_tiers"]
 
 
 @dataclass(slots=True)
@@ -115,29 +68,6 @@ class _Tier:
     bit: int = 0  # 1 << index, its bit in Placement._res
     evictable: Optional[Callable[[Key], bool]] = None  # victim predicates, built once
     relaxed: Optional[Callable[[Key], bool]] = None
-
-
-def check_tiers(tiers: Sequence[TierSpec], landing: int) -> None:
-    """The tier specs of a placement, checked (both engines): at least one,
-    a landing index among them, no negative capacity."""
-    if not tiers:
-        raise ArgumentError("placement needs at least one tier")
-    if not 0 <= landing < len(tiers):
-        raise ArgumentError(f"landing tier index {landing} outside 0..{len(tiers) - 1}")
-    for spec in tiers:
-        if spec.capacity_bytes < 0:
-            raise ArgumentError(f"tier {spec.name!r}: capacity_bytes must be >= 0")
-
-
-def check_next_uses(keys: Sequence[Key], next_uses: Optional[Sequence[float]]) -> None:
-    """The oracle's next uses of a request (both engines): None, or one
-    number per key and no NaN (NaN has no place in an order)."""
-    if next_uses is None:
-        return
-    if len(next_uses) != len(keys):
-        raise ArgumentError(f"record_request: {len(keys)} keys but {len(next_uses)} next uses")
-    if any(nu != nu for nu in next_uses):
-        raise ArgumentError("record_request: a next use is NaN")
 
 
 class Placement:

@@ -29,8 +29,9 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import HeatTracker, Key
-from ucm.placement import (Decision, Op, Placement, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
-                           check_tiers)
+from ucm.placement import Placement
+from ucm.plans import (Decision, Op, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
+                       check_tiers)
 from ucm.policy.base import BoundPolicy, PolicyFactory
 
 _OPS = [Op.WRITE, Op.MOVE, Op.COPY, Op.DROP]  # the order of ucm::StepOp

@@ -19,7 +19,7 @@ from ucm.accelerators.base import BlocksLoaded, BlocksStored
 from ucm.adapters.base import SharedSlots
 from ucm.api import Key, Outcome, SlotFn, check_keys, check_parent, check_request_id, check_sizes, cut_parts
 from ucm.errors import ArgumentError
-from ucm.placement import Op, Plan
+from ucm.plans import Op, Plan
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 from ucm.api import Key, Outcome
-from ucm.placement import Op, Plan
+from ucm.plans import Op, Plan
 from ucm.tiers import BatchRead
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ucm.adapters.base import Key, ReadAhead, SharedSlots, Status, StorageAdapter
 from ucm.key_order import KeyOrder
-from ucm.placement import Op, Plan, Step
+from ucm.plans import Op, Plan, Step
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from ucm.cache import UnifiedCache
 from ucm.adapters.base import Status
 from ucm.errors import ArgumentError
 from ucm.heat import Key
-from ucm.placement import Op, Plan
+from ucm.plans import Op, Plan
 from ucm.trace import BLOCK_TOKENS, TraceRequest
 
 NVME_REGION_BLOCKS = 16  # blocks per NVMe log region

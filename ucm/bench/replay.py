@@ -41,7 +41,8 @@ from typing import Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.heat import INF, Key
-from ucm.placement import Op, Placement, Plan
+from ucm.placement import Placement
+from ucm.plans import Op, Plan
 from ucm.trace import BLOCK_TOKENS, TraceRequest
 
 # Nominal KV bytes of one 512-token block: a Llama-3-8B-class model (32 layers,
