@@ -35,7 +35,7 @@ def cluster_servers():
     """redis-server and mooncake_master on 127.0.0.1 for the cluster adapters,
     started once; their addresses reach NEEDS through environment variables.
     A missing binary leaves its variable unset, and NEEDS skips that adapter."""
-    from ucm.bench.cluster_io import MooncakeMaster, RedisServer, find_binary
+    from ucm.bench.cache.cluster_io import MooncakeMaster, RedisServer, find_binary
 
     started, set_vars = [], []
     for var, cls, binary, attr in (("UCMTEST_REDIS_URL", RedisServer, "redis-server", "url"),

@@ -11,6 +11,6 @@ __all__ = ["__version__", "connect"]
 def connect(config=None, start=True):
     """A CacheClient of this node's service for `config` (a YAML path, a
     mapping or a UcmConfig), starting a private service when none runs."""
-    from ucm.service.spawn import connect as _connect
+    from ucm.service.client.spawn import connect as _connect
 
     return _connect(config, start=start)

@@ -284,7 +284,7 @@ class CacheAPI(Protocol):
         served it and the bytes delivered, or MISSING / CORRUPT (also: a
         range past the block's end) / FAILED, its destinations then
         unspecified. Synchronous. How much a tier reads for a range is the
-        implementation's (ucm/range_access.py; the service's client stages
+        implementation's (ucm/cache/ranges.py; the service's client stages
         whole blocks)."""
 
     def register_layout(self, layout: Any) -> None:

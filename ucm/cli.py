@@ -1,7 +1,7 @@
 """The `ucm` command line: serve, bench, inspect, model.
 
-Each benchmark lives in its own module (under ucm/bench/, or ucm/apps/ for
-the one that drives an engine) and registers its subcommand with
+Each benchmark lives in its own module (ucm/bench/cache/ for the cache's
+own, ucm/bench/engines/ for those that drive an engine) and registers its subcommand with
 `register(subparsers)`; its handler returns the exit status.
 """
 from __future__ import annotations
@@ -16,15 +16,11 @@ from ucm import __version__
 from ucm.errors import UcmError
 
 # `ucm bench NAME` -> the module that registers it
-BENCHES = {name: f"ucm.bench.{name}" for name in ("io", "placement", "service", "soak", "trace", "tracegen")}
-BENCHES["vllm"] = "ucm.apps.vllm_bench"
-BENCHES["transformers"] = "ucm.apps.transformers_bench"
-BENCHES["sglang"] = "ucm.apps.sglang_bench"
-BENCHES["prefetch"] = "ucm.apps.prefetch_bench"
-BENCHES["codec"] = "ucm.apps.codec_bench"
-BENCHES["sparse"] = "ucm.apps.sparse_bench"
-BENCHES["pages"] = "ucm.apps.page_copy_bench"
-BENCHES["gpu-ttft"] = "ucm.apps.gpu_ttft_bench"
+BENCHES = {name: f"ucm.bench.cache.{name}" for name in ("io", "placement", "service", "soak", "trace", "tracegen")}
+BENCHES.update({name: f"ucm.bench.engines.{module}" for name, module in (
+    ("vllm", "vllm_bench"), ("transformers", "transformers_bench"), ("sglang", "sglang_bench"),
+    ("prefetch", "prefetch_bench"), ("codec", "codec_bench"), ("sparse", "sparse_bench"), ("pages", "page_copy_bench"),
+    ("gpu-ttft", "gpu_ttft_bench"))})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ucm.config import load_config
-    from ucm.service.server import serve
+    from ucm.config.schema import load_config
+    from ucm.service.server.serve import serve
 
     return serve(load_config(args.config), private=args.private, idle_exit_s=args.idle_exit_s)
 
@@ -61,8 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from ucm.config import load_config
-    from ucm.service.client import CacheClient
+    from ucm.config.schema import load_config
+    from ucm.service.client.cache_client import CacheClient
     from ucm.service.paths import socket_path
 
     cfg = load_config(args.config)
@@ -78,7 +74,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, sort_keys=True, default=str))
         return 0
-    from ucm.sizes import format_size
+    from ucm.config.sizes import format_size
 
     svc = stats.get("service", {})
     print(f"service pid {svc.get('pid')}  socket {svc.get('socket')}  connections {svc.get('connections')}  "

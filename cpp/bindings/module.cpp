@@ -87,8 +87,8 @@ PinnedBatch requests_of(const std::vector<py::buffer>& bufs, const std::vector<s
   return batch;
 }
 
-// A PlacementCore and the Python types its plans are made of (ucm.placement.Step
-// and the four ucm.placement.Op members, in StepOp order). Keys cross as
+// A PlacementCore and the Python types its plans are made of (ucm.placement.engine.Step
+// and the four ucm.placement.engine.Op members, in StepOp order). Keys cross as
 // bytes, converted by the core's KeyCodec.
 struct PlacementHandle {
   std::unique_ptr<ucm::PlacementCore> core;
@@ -410,7 +410,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("fd"), py::arg("bufs"), py::arg("offsets"),
           "Writes each buffer at its offset, all in flight; bytes written or -errno each.");
 
-  // ---- the heat policy's tables (ucm/reuse_model.hpp; used by ucm/policy/reuse.py) ----
+  // ---- the heat policy's tables (ucm/reuse_model.hpp; used by ucm/placement/policies/reuse.py) ----
   m.def(
       "reuse_hazard",
       [](const py::buffer& events, const py::buffer& exposure) {
@@ -432,7 +432,7 @@ PYBIND11_MODULE(_native, m) {
       py::arg("hazard"), py::arg("horizon"),
       "ReuseModel.density: hit density per (class, age bucket) over `horizon` ticks from the hazards.");
 
-  // ---- placement core (see ucm/placement.hpp; the Python facade is ucm/placement_native.py) ----
+  // ---- placement core (see ucm/placement.hpp; the Python facade is ucm/placement/native.py) ----
   m.def(
       "placement_policies",
       []() { return ucm::native_policy_names(); },
@@ -447,7 +447,7 @@ PYBIND11_MODULE(_native, m) {
              auto* type = reinterpret_cast<PyTypeObject*>(step_type.ptr());
              if (!PyType_Check(step_type.ptr()) || !PyType_IsSubtype(type, &PyTuple_Type) ||
                  type->tp_basicsize != PyTuple_Type.tp_basicsize) {
-               throw ArgumentError("step_type must be a tuple subclass without slots (ucm.placement.Step)");
+               throw ArgumentError("step_type must be a tuple subclass without slots (ucm.placement.engine.Step)");
              }
              auto h = std::make_unique<PlacementHandle>();
              h->core = std::make_unique<ucm::PlacementCore>(setup, policy, history_blocks, landing);

@@ -1,4 +1,4 @@
-// The native mirror of ucm/heat.py's HeatTracker (its records, not its scores).
+// The native mirror of ucm/placement/heat.py's HeatTracker (its records, not its scores).
 #include "ucm/heat_mirror.hpp"
 
 #include <algorithm>

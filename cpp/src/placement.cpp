@@ -1,4 +1,4 @@
-// The placement core (the twin of ucm/placement.py) and the KeyCodec; the
+// The placement core (the twin of ucm/placement/engine.py) and the KeyCodec; the
 // native policies are in policies.cpp and policy_<name>.cpp.
 #include "ucm/placement.hpp"
 
@@ -568,7 +568,7 @@ std::vector<BlockKey> PlacementCore::children_first(const std::vector<BlockKey>&
 void PlacementCore::drop_descendants(const BlockKey& key, PlanSteps& plan) {
   std::vector<BlockKey> order;
   std::vector<BlockKey> stack{key};
-  while (!stack.empty()) {  // depth first, as ucm/placement.py walks them
+  while (!stack.empty()) {  // depth first, as ucm/placement/engine.py walks them
     BlockKey k = stack.back();
     stack.pop_back();
     order.push_back(k);

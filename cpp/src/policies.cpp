@@ -1,4 +1,4 @@
-// The classic native policies (twins of ucm/policy/classic.py, arc.py,
+// The classic native policies (twins of ucm/placement/policies/classic.py, arc.py,
 // s3fifo.py) and the table of every native policy by name (the others in
 // cpp/src/policy_<name>.cpp).
 #include <algorithm>

@@ -1,4 +1,4 @@
-// The native heat policy: the twin of ucm/policy/heat.py (values from the
+// The native heat policy: the twin of ucm/placement/policies/heat.py (values from the
 // ReuseModel of cpp/src/reuse_model.cpp, one queue per class in LeafQueues).
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-// OPT, Belady's offline optimum: the twin of ucm/policy/opt.py (trace
+// OPT, Belady's offline optimum: the twin of ucm/placement/policies/opt.py (trace
 // replay only; it reads each block's next use from the HeatMirror, which
 // record_request fills from the oracle).
 //

@@ -1,4 +1,4 @@
-// The twin of ucm/policy/tinylfu.py: W-TinyLFU, an LRU window in front of a
+// The twin of ucm/placement/policies/tinylfu.py: W-TinyLFU, an LRU window in front of a
 // segmented LRU main area (probation, protected) with a count-min sketch
 // deciding the window -> main contest, and the window's share climbing the
 // hill as Caffeine does. Every step as there, in the same order: the same

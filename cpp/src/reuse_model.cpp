@@ -1,4 +1,4 @@
-// The native ReuseModel (ucm/policy/reuse.py) and the one implementation of
+// The native ReuseModel (ucm/placement/policies/reuse.py) and the one implementation of
 // its hazard estimate and density table (bound as ucm._native.reuse_hazard
 // and reuse_density, which the Python model uses too).
 #include "ucm/reuse_model.hpp"

@@ -139,7 +139,7 @@ static void test_placement_opt() {
   CHECK(p.counters(0).evictions == 1);
 }
 
-// The heat policy's ReuseModel counts as ucm/policy/reuse.py does
+// The heat policy's ReuseModel counts as ucm/placement/policies/reuse.py does
 // (tests/unit/policy/test_heat_policy.py, the same case).
 static void test_reuse_model() {
   ucm::HeatMirror heat(100);

@@ -203,7 +203,7 @@ class Service:
     """The standalone `ucm serve` under test: start, SIGKILL, restart."""
 
     def __init__(self, cfg_path: Path, work: Path) -> None:
-        from ucm.service.client import CacheClient
+        from ucm.service.client.cache_client import CacheClient
 
         self.cfg_path, self.work = cfg_path, work
         self.proc: Optional[subprocess.Popen] = None
@@ -339,7 +339,7 @@ def _generate(llm, prompt: list[int], max_tokens: int = MAX_TOKENS):
 def _start_cluster(variant: str, work: Path) -> tuple[dict, dict, list]:
     """redis-server / mooncake_master on 127.0.0.1, as the variant needs:
     their addresses, their kill/restart pairs, the servers."""
-    from ucm.bench.cluster_io import MooncakeMaster, RedisServer
+    from ucm.bench.cache.cluster_io import MooncakeMaster, RedisServer
 
     urls, targets, servers = {}, {}, []
     if variant in ("redis", "cluster"):

@@ -93,7 +93,7 @@ def test_chaos_dram_over_nvme(tmp_path):
 def test_chaos_cluster_tiers(tmp_path):
     """dram over the Mooncake store over Redis; the ucm service, redis-server
     and mooncake_master are each killed (4 kills in all)."""
-    from ucm.bench.cluster_io import find_binary
+    from ucm.bench.cache.cluster_io import find_binary
 
     for binary in ("redis-server", "mooncake_master"):
         if find_binary(binary) is None:

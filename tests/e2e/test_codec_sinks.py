@@ -14,7 +14,7 @@ from vllm_support import model_installed  # noqa: E402
 def test_int4_keeps_the_first_blocks_sink_token_of_real_kv_exact(dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ucm.apps.codec_bench import blocks_of, find_text
+    from ucm.bench.engines.codec_bench import blocks_of, find_text
     from ucm.apps.model import prepare
     from ucm.codecs.layout import planar_layout
     from ucm.codecs.quant import Int4Codec

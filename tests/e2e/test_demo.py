@@ -1,4 +1,4 @@
-"""End to end: `make demo` reduced (`python -m ucm.apps.demo --quick`).
+"""End to end: `make demo` reduced (`python -m ucm.apps.demo.run --quick`).
 
 Three new engine processes of vLLM for CPU with SmolLM2, prefix cache on and
 a KV space of 1.5 prompts, replay ten interleaved requests (two documents

@@ -211,7 +211,7 @@ def test_an_hbm_only_cache_stores_and_loads_device_tensors_in_place(device):
     """The transformers front: a UnifiedCache of one hbm tier takes the
     connector's device tensors as they are; a cache with a host tier
     refuses them (typed error), never reads them as host bytes."""
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
     from ucm.errors import ArgumentError
 
     g = torch.Generator().manual_seed(2)
@@ -297,7 +297,7 @@ def test_a_hit_through_the_service_equals_transformers_prefix_reuse(device, fron
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_in_process_hbm_tier_on_the_device_demotes_to_dram_and_promotes_back(device):
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
     from ucm.connectors.transformers import TransformersConnector
 
     model = _tiny(device)
@@ -328,7 +328,7 @@ def test_an_in_process_hbm_tier_on_the_device_demotes_to_dram_and_promotes_back(
 @pytest.mark.parametrize("device", DEVICES)
 def test_sparse_decode_with_the_whole_context_as_budget_equals_dense(device):
     from ucm.accelerators.sparse.base import Budget
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
     from ucm.connectors.transformers import TransformersConnector
     from ucm.connectors.transformers.sparse import SparseDecodeConfig, SparseDecoder
 

@@ -24,7 +24,7 @@ pytest.importorskip("sglang")
 
 import yaml  # noqa: E402
 
-from ucm.apps.sglang_server import SGLangServer, hicache_args  # noqa: E402
+from ucm.bench.engines.sglang_server import SGLangServer, hicache_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "sglang_cpu"

@@ -155,7 +155,7 @@ def test_two_prompts_and_filler_passkeys():
     from transformers import AutoTokenizer
 
     from ucm.apps.model import prepare
-    from ucm.apps.sparse_tasks import FILLER, passkey_tasks
+    from ucm.bench.engines.sparse_tasks import FILLER, passkey_tasks
     from ucm.cli import main
 
     tok = AutoTokenizer.from_pretrained(str(prepare("smollm2")))

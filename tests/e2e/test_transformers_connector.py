@@ -46,7 +46,7 @@ def model(model_dir):
 
 
 def _dram_cache(**extra):
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
 
     return UnifiedCache({"block_tokens": BT, "tiers": [{"adapter": "dram", "capacity": "64MiB",
                                                         "options": {"prefault": False}}], **extra})
@@ -238,7 +238,7 @@ def test_through_the_service_with_the_hbm_front_and_a_kill_mid_generate(model, t
 
 
 def test_an_in_process_cache_keeps_reused_blocks_in_hbm_above_dram(model):
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
     from ucm.connectors.transformers import TransformersConnector
 
     block = 30 * 2 * 3 * BT * 64 * 4

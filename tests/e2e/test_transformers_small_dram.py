@@ -64,7 +64,7 @@ def _block_bytes(model):
 
 
 def test_in_process(nvme_dir):
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
 
     model = tiny_llama()
     with UnifiedCache(_config(nvme_dir, _block_bytes(model))) as cache:

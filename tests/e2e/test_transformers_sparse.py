@@ -54,7 +54,7 @@ def dense(model, ids):
 
 
 def _cache():
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
 
     return UnifiedCache({"block_tokens": BT, "tiers": [{"adapter": "dram", "capacity": "64MiB",
                                                         "options": {"prefault": False}}]})

@@ -117,7 +117,7 @@ def _robustness_driver(out: Path, work: Path) -> int:
 
     from ucm.keys import Namespace, block_keys
     from ucm.apps.model import prepare
-    from ucm.service.client import CacheClient
+    from ucm.service.client.cache_client import CacheClient
 
     model = str(prepare("smollm2"))
     cfg = {

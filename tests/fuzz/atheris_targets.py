@@ -21,7 +21,7 @@ import atheris
 with atheris.instrument_imports():
     from ucm import _native
     from ucm.adapters.nvme import format as fmt
-    from ucm.config import load_config
+    from ucm.config.schema import load_config
     from ucm.errors import ConfigError
     from ucm.service import protocol as proto
 

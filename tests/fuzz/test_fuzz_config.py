@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fuzzing import SEED, STRINGS, examples, mutate, rng, scalar, value
-from ucm.config import UcmConfig, load_config
+from ucm.config.schema import UcmConfig, load_config
 from ucm.errors import ConfigError, UcmError
 
 BIG = "9" * 400 + "GiB"  # overflows the float parse_size multiplies in

@@ -13,8 +13,8 @@ from ucm import _native
 from ucm.adapters.nvme import format as fmt
 from ucm.adapters.base import Status
 from ucm.adapters.nvme import FILE_NAME, NvmeAdapter, NvmeConfig
-from ucm.cache import Outcome, UnifiedCache
-from ucm.config import load_config
+from ucm.cache.unified import Outcome, UnifiedCache
+from ucm.config.schema import load_config
 
 RS = 512 << 10
 N_REGIONS = 8

@@ -8,7 +8,7 @@ import pytest
 
 from fuzzing import SEED, examples, mutate, rng, value
 from ucm.errors import TraceError
-from ucm.trace import MAX_HASH_ID, TraceRequest, iter_trace, parse_line, read_trace
+from ucm.bench.cache.traces import MAX_HASH_ID, TraceRequest, iter_trace, parse_line, read_trace
 
 
 def good_line(rnd):

@@ -1,7 +1,7 @@
 """Real servers and real "nodes" for the cluster-tier integration tests.
 
 Servers (redis-server, mooncake_master, mooncake_http_metadata_server,
-mooncake_client pool nodes) come from ucm.bench.cluster_io: each binds
+mooncake_client pool nodes) come from ucm.bench.cache.cluster_io: each binds
 127.0.0.1 only, on a free port, logs to a file, and can be killed (SIGKILL)
 and restarted on the same port. A missing binary skips the test that needs it.
 
@@ -47,7 +47,7 @@ except ImportError:  # the node process does not need pytest
 
 
 def require(binary: str) -> None:
-    from ucm.bench.cluster_io import find_binary
+    from ucm.bench.cache.cluster_io import find_binary
 
     if find_binary(binary) is None:
         pytest.skip(f"{binary} is not installed")
@@ -58,7 +58,7 @@ def require_module(name: str) -> None:
 
 
 if pytest is not None:
-    from ucm.bench.cluster_io import (MooncakeMaster, MooncakeMetadataServer, MooncakePoolNode,  # noqa: F401
+    from ucm.bench.cache.cluster_io import (MooncakeMaster, MooncakeMetadataServer, MooncakePoolNode,  # noqa: F401
                                       RedisServer)
 
     @pytest.fixture

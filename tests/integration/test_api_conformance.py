@@ -11,7 +11,7 @@ import yaml
 
 from support import chain, start_service
 from ucm.api import CacheAPI, Handle, Outcome
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 from ucm.errors import ArgumentError, UcmError
 
 SIZE = 64 * 1024
@@ -32,7 +32,7 @@ def api(request, tmp_path):
     """(a CacheAPI implementation, its kind)."""
     kind = request.param
     if kind == "service":
-        from ucm.config import load_config
+        from ucm.config.schema import load_config
         from ucm.service import CacheClient
 
         cfg = tiers(tmp_path)

@@ -1,6 +1,6 @@
 """`ucm bench io` end to end on small sizes: every figure is measured and
 every byte it moved (adapters and the cache's staging) read back intact."""
-from ucm.bench.io import measure
+from ucm.bench.cache.io import measure
 
 
 def test_bench_io_measures_and_verifies(tmp_path):
@@ -13,7 +13,7 @@ def test_bench_io_measures_and_verifies(tmp_path):
 
 
 def test_bench_io_range_reads_measure_and_verify(tmp_path):
-    from ucm.bench.io import measure_range
+    from ucm.bench.cache.io import measure_range
 
     r = measure_range(str(tmp_path), size_mb=4, block_bytes=30 * 96 * 1024, layers=30, batch=4, io_threads=4,
                       chunk_kbs=[32, 64])

@@ -2,7 +2,7 @@
 alone and while a client stages from NVMe (shape and liveness, not speed)."""
 import pytest
 
-from ucm.bench import staging
+from ucm.bench.cache import staging
 from ucm.cli import main
 from ucm.errors import ArgumentError
 

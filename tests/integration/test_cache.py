@@ -13,7 +13,7 @@ from ucm import _native
 from ucm.adapters.faults import FaultyAdapter, FaultyDevice
 from ucm.adapters.nvme import NvmeAdapter
 from support import chain
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 from ucm.errors import ArgumentError, ConfigError
 
 SIZE = 64 * 1024
@@ -141,7 +141,7 @@ def test_flipped_byte_is_a_miss_and_counted(nvme_dir):
 WRITER = textwrap.dedent("""
     import sys, hashlib
     sys.path.insert(0, {root!r})
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
     conf = {conf!r}
     c = UnifiedCache(conf)
     prev = None

@@ -1,11 +1,11 @@
 """No cache-wide lock across I/O: what one request waits for on a medium
-does not hold up other requests' stores and lookups (ucm/tiers.py)."""
+does not hold up other requests' stores and lookups (ucm/tiers/stack.py)."""
 import threading
 
 from support import chain
 from ucm.adapters.faults import FaultyAdapter
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 
 SIZE = 64 * 1024
 

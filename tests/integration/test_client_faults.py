@@ -13,7 +13,7 @@ import yaml
 
 from ucm import _native
 from ucm.api import Outcome
-from ucm.config import UcmConfig
+from ucm.config.schema import UcmConfig
 from ucm.service import CacheClient
 from ucm.service import protocol as proto
 from support import SIZE, chain, start_service, stop_service

@@ -1,4 +1,4 @@
-"""read_slots / write_slots cut into pipelined parts (ucm/service/client_slots.py):
+"""read_slots / write_slots cut into pipelined parts (ucm/service/client/slots.py):
 the next part's request is sent before this part is copied, and the
 outcomes keep their sequential meaning. Against a real `ucm serve`."""
 import signal
@@ -10,7 +10,7 @@ import yaml
 from ucm import _native
 from ucm.api import Outcome
 from ucm.service import CacheClient
-from ucm.service import client_slots
+from ucm.service.client import slots as client_slots
 from support import SIZE, chain, start_service, stop_service
 
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 from support import chain
 
 SIZE = 64 * 1024

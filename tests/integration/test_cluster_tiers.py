@@ -252,7 +252,7 @@ def test_redis_expiry_is_a_reported_miss(redis_server):
 def test_redis_server_eviction_never_returns_wrong_bytes(tmp_path):
     require("redis-server")
     require_module("redis")
-    from ucm.bench.cluster_io import RedisServer
+    from ucm.bench.cache.cluster_io import RedisServer
 
     with RedisServer(workdir=str(tmp_path), maxmemory="8mb") as server:
         backend = RedisBackend(server)
@@ -346,7 +346,7 @@ def test_bench_reports_tier_and_raw(tier, tmp_path):
     elif tier == "redis":
         require("redis-server")
         require_module("redis")
-    from ucm.bench.cluster_io import measure_tier
+    from ucm.bench.cache.cluster_io import measure_tier
 
     res = measure_tier(tier, size_mb=4, block_kb=256, batch=4, repeats=1, directory=str(tmp_path))
     for k in ("tier_store_gbps", "tier_load_gbps", "raw_store_gbps", "raw_load_gbps"):

@@ -1,4 +1,4 @@
-"""A staging from a codec tier reads ahead (ReadAhead, ucm/tiers.py
+"""A staging from a codec tier reads ahead (ReadAhead, ucm/tiers/stack.py
 `_read_ahead`): the frames of the blocks it stages are read from the
 medium while the demotions that free their DRAM slots still run, and the
 blocks come back decoded exactly as without it. A read ahead that is not
@@ -9,7 +9,7 @@ import threading
 from codec_support import LAYOUT, N, DictAdapter, cfg, int8_decoded, kv_blocks
 from ucm.adapters.base import Status
 from ucm.adapters.faults import FaultyAdapter, FaultySharedSlots
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 from ucm.codecs.layout import LayoutBook
 from ucm.codecs.quant import Int8Codec
 from ucm.codecs.tier import CodecAdapter

@@ -14,7 +14,7 @@ import torch
 
 from codec_support import LAYOUT, N, DictAdapter, cfg, int8_decoded, kv_blocks
 from ucm.adapters.base import RangeReads, Status, read_range
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 from ucm.codecs import _BUILTIN, codec_class_by_id, codec_names, load_codec_class
 from ucm.codecs.frame import HEADER_BYTES, pack
 from ucm.codecs.layout import LayoutBook, planar_layout

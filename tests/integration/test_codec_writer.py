@@ -11,7 +11,7 @@ import pytest
 from codec_support import LAYOUT, N, DictAdapter, cfg, int8_decoded, kv_blocks
 from ucm.adapters.base import Status
 from ucm.adapters.faults import FaultyAdapter
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 from ucm.codecs.layout import LayoutBook
 from ucm.codecs.quant import Int8Codec
 from ucm.codecs.tier import CodecAdapter

@@ -200,7 +200,7 @@ def test_fs_keys_of_any_bytes_stay_inside_its_directory(tmp_path, shard_levels):
 
 @pytest.mark.parametrize("prefix", ["a/b", "../x", "/abs", "", "a\x00b", "x" * 65, "a b", "..", "."])
 def test_fs_key_prefix_that_names_another_directory_is_a_config_error(prefix):
-    from ucm.config import load_config
+    from ucm.config.schema import load_config
 
     raw = {"tiers": [{"adapter": "dram", "capacity": "4MiB"},
                      {"adapter": "fs", "capacity": "4MiB", "options": {"path": "/tmp/x", "key_prefix": prefix}}]}

@@ -11,7 +11,7 @@ from ucm import _native
 from ucm.adapters.faults import FaultyDevice
 from ucm.adapters.nvme import NvmeAdapter
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 from ucm.layer_stream import LayerStreams
 
 LAYERS = 8

@@ -5,7 +5,7 @@ import time
 
 from support import chain
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 
 SIZE = 64 * 1024
 

@@ -1,4 +1,4 @@
-"""Range reads (UnifiedCache.read_ranges, ucm/range_access.py) over real
+"""Range reads (UnifiedCache.read_ranges, ucm/cache/ranges.py) over real
 dram and nvme tiers: a block held only on NVMe is read range by range, the
 medium reads only the verified chunks that cover the ranges, the block is
 not staged, and a corrupted chunk is a CORRUPT block (forgotten), never
@@ -7,7 +7,7 @@ import os
 
 from test_layer_stream import LAYER, LAYERS, SIZE, cfg, on_nvme
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 
 
 def _one_layer(layer):
@@ -63,7 +63,7 @@ def test_a_corrupted_chunk_under_a_range_is_corrupt_and_forgotten(nvme_dir):
 
 
 def test_ranges_closer_than_the_merge_gap_are_read_as_one_span():
-    from ucm.range_access import MERGE_GAP, merged_spans
+    from ucm.cache.ranges import MERGE_GAP, merged_spans
 
     assert merged_spans([100, 0, 5000], [10, 50, 10]) == [(0, 5010, [1, 0, 2])]  # in offset order
     assert merged_spans([0, 10 * MERGE_GAP], [8, 8]) == [(0, 8, [0]), (10 * MERGE_GAP, 10 * MERGE_GAP + 8, [1])]

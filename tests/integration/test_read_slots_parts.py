@@ -3,8 +3,8 @@ holds at once is staged and handed to `fill` part by part (at most 1/8 of
 the landing tier each, at least one block), as the service's client cuts
 its calls, so no block is lost for want of room; the call is one access."""
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
-from ucm.slot_access import READ_PART_SHARE
+from ucm.cache.unified import UnifiedCache
+from ucm.cache.slots import READ_PART_SHARE
 from support import SIZE, chain
 
 

@@ -18,7 +18,7 @@ import hashlib
 
 import numpy as np
 
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 
 KiB, MiB = 1024, 1024 * 1024
 SIZE = 256 * KiB

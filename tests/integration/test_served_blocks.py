@@ -6,7 +6,7 @@ read from; a block already in DRAM counts as DRAM's. Before, only `hits`
 existed and filed every NVMe load under DRAM."""
 from test_layer_stream import LAYER, LAYERS, SIZE, cfg, on_nvme
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 
 
 def served(c):

@@ -67,7 +67,7 @@ def run_client(script, cfg_path, *args, background=False):
 STORE = """
     import sys, hashlib
     from ucm.service import CacheClient
-    from ucm.config import load_config
+    from ucm.config.schema import load_config
     from ucm.service.paths import socket_path
     cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
     keys, data, prev = [], [], seed.to_bytes(16, "little")
@@ -83,7 +83,7 @@ STORE = """
 LOAD = """
     import sys, hashlib
     from ucm.service import CacheClient
-    from ucm.config import load_config
+    from ucm.config.schema import load_config
     from ucm.service.paths import socket_path
     cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
     keys, prev = [], seed.to_bytes(16, "little")
@@ -120,7 +120,7 @@ def test_concurrent_stores_of_the_same_keys_leave_one_intact_copy(service):
 HOLD = """
     import sys, time, hashlib
     from ucm.service import CacheClient
-    from ucm.config import load_config
+    from ucm.config.schema import load_config
     from ucm.service.paths import socket_path
     cfg = load_config(sys.argv[1]); n = int(sys.argv[2]); seed = int(sys.argv[3])
     keys, prev = [], seed.to_bytes(16, "little")
@@ -298,7 +298,7 @@ def test_connect_says_why_a_private_service_did_not_start(tmp_path, caplog, monk
     _, sock, cfg = write_config(tmp_path)
     cfg["tiers"][0]["options"] = {"path": str(tmp_path / "no-such-dir")}
     cfg["service"]["name"] = f"nostart-{os.getpid()}"
-    with caplog.at_level("WARNING", logger="ucm.service.spawn"):
+    with caplog.at_level("WARNING", logger="ucm.service.client.spawn"):
         c = connect(cfg, timeout_s=30)
     try:
         assert not c.connected
@@ -438,7 +438,7 @@ def test_a_lease_id_must_be_an_integer_not_a_bool(service):
 def test_a_private_service_does_not_inherit_the_engine_cpu_binding(tmp_path):
     """An engine bound to one core (vLLM's OpenMP binding) starts a private
     service: the service runs on every CPU, not queued behind the engine."""
-    from ucm.service.server import allowed_cpus
+    from ucm.service.server.serve import allowed_cpus
 
     cfg = {"tiers": [{"adapter": "dram", "capacity": "4MiB"}], "policy": {"name": "lru"},
            "service": {"socket": str(tmp_path / "p.sock")}}

@@ -117,7 +117,7 @@ def test_a_refused_first_chunk_leaves_the_later_chunks_served(served, monkeypatc
     def refuse_first(op, args):
         calls.append(op)
         if len(calls) == 1:
-            from ucm.service.client import ServiceUnavailable
+            from ucm.service.client.cache_client import ServiceUnavailable
             raise ServiceUnavailable("refused for the test")
         return real(op, args)
 

@@ -6,7 +6,7 @@ in another class's extents, the cache evicts what the arena names
 the first size's blocks are demoted to NVMe, not lost."""
 import hashlib
 
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 
 KiB = 1024
 A, B = 64 * KiB, 96 * KiB  # model A's and model B's block sizes

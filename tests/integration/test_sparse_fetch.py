@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from support import chain  # noqa: E402
 from ucm.api import Outcome  # noqa: E402
-from ucm.cache import UnifiedCache  # noqa: E402
+from ucm.cache.unified import UnifiedCache  # noqa: E402
 from ucm.connectors.transformers.namespace import BlockLayout  # noqa: E402
 from ucm.connectors.transformers.sparse_fetch import PageFetcher, reuse_pages  # noqa: E402
 

@@ -16,7 +16,7 @@ after the DRAM tier filled with fillers)."""
 import hashlib
 import threading
 
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 
 KiB = 1024
 SIZE = 160 * KiB  # a slot of two 128 KiB extents: a unit of one block, a footprint of 256 KiB

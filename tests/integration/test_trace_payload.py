@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from ucm.bench.payload import run_payload
-from ucm.bench.replay import CostModel
-from ucm.bench.trace import run_one
-from ucm.bench.tracegen import generate
+from ucm.bench.cache.payload import run_payload
+from ucm.bench.cache.replay import CostModel
+from ucm.bench.cache.trace import run_one
+from ucm.bench.cache.tracegen import generate
 from ucm.cli import main
-from ucm.trace import parse_line
+from ucm.bench.cache.traces import parse_line
 
 SIZE = 8192  # bytes per block: small, a multiple of the 4 KiB slot and log alignment
 
@@ -64,7 +64,7 @@ def test_live_replay_in_the_connector_call_sequence_keeps_the_policy_figures(req
     prompts here; with a DRAM of about one prompt (12 blocks) a reader's
     staging of an NVMe hit can find no room and the live path hits less:
     docs/design-notes.md, "Requests as events".)"""
-    from ucm.bench.live import run_live
+    from ucm.bench.cache.live import run_live
 
     names = ("dram", "nvme")[:len(blocks)]
     tiers = [(n, b * 512, b * SIZE) for n, b in zip(names, blocks)]

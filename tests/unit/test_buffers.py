@@ -29,7 +29,7 @@ def test_a_device_tensor_passes_only_where_the_tiers_take_it():
 
 
 def test_the_cache_passes_device_tensors_only_when_every_tier_is_hbm():
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
 
     hbm = {"adapter": "hbm", "capacity": "1MiB", "options": {"device": "cpu"}}
     dram = {"adapter": "dram", "capacity": "1MiB", "options": {"prefault": False}}

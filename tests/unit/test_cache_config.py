@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-import ucm.cache
-from ucm.cache import UnifiedCache
-from ucm.config import UcmConfig, load_config
+import ucm.cache.unified
+from ucm.cache.unified import UnifiedCache
+from ucm.config.schema import UcmConfig, load_config
 from ucm.errors import ConfigError
-from ucm.policy.base import load_policy
+from ucm.placement.policies.base import load_policy
 
 
 def dram_only(tmp_path, **policy):
@@ -60,7 +60,7 @@ def test_a_construction_that_fails_after_the_tiers_opened_closes_them(tmp_path, 
     def broken(*args, **kwargs):
         raise RuntimeError("placement failed")
 
-    monkeypatch.setattr(ucm.cache, "Placement", broken)  # past the tiers: nothing else fails there
+    monkeypatch.setattr(ucm.cache.unified, "Placement", broken)  # past the tiers: nothing else fails there
     with pytest.raises(RuntimeError, match="placement failed"):
         UnifiedCache(dram_only(tmp_path))
     assert os.listdir(tmp_path) == []  # the arena file went with the failed cache

@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from ucm.config import load_config
+from ucm.config.schema import load_config
 from ucm.errors import ConfigError
-from ucm.sizes import parse_size
+from ucm.config.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ucm.apps.demo import page_bytes, service_config
-from ucm.apps.demo_report import machine_line, summarize, table
-from ucm.apps.demo_workload import (CHAT_FIRST, CHAT_NEXT, DOC_AGAIN, DOC_FIRST, QUICK, WorkloadSpec,
+from ucm.apps.demo.run import page_bytes, service_config
+from ucm.apps.demo.report import machine_line, summarize, table
+from ucm.apps.demo.workload import (CHAT_FIRST, CHAT_NEXT, DOC_AGAIN, DOC_FIRST, QUICK, WorkloadSpec,
                                     build_workload, distinct_blocks)
-from ucm.config import load_config
+from ucm.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_sessions_are_interleaved_in_order_and_reuse_their_prefixes():
 
 
 def test_distinct_blocks_counts_full_blocks_of_distinct_prefixes():
-    from ucm.apps.demo_workload import DemoRequest
+    from ucm.apps.demo.workload import DemoRequest
 
     reqs = [DemoRequest(0, "a", DOC_FIRST, 1, [1] * 10), DemoRequest(1, "a", DOC_AGAIN, 2, [1] * 9 + [2]),
             DemoRequest(2, "b", CHAT_FIRST, 1, [1] * 4 + [3] * 7)]
@@ -128,7 +128,7 @@ def test_the_machine_line_reads_proc(tmp_path):
 
 
 def test_the_nvme_share_of_a_hit_counts_a_partial_last_block_by_its_tokens():
-    from ucm.apps.demo_engine import BLOCK_TOKENS as B, nvme_share
+    from ucm.apps.demo.engine import BLOCK_TOKENS as B, nvme_share
 
     # a DRAM block then a partial NVMe block (100 of its tokens served)
     assert nvme_share(0, B + 100, ["dram", "nvme"]) == 100

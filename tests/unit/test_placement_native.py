@@ -12,10 +12,10 @@ import random
 import pytest
 
 from ucm.errors import ArgumentError
-from ucm.heat import INF, HeatTracker
-from ucm.placement import Decision, Op, Placement, Step, TierSpec
-from ucm.placement_native import NativePlacement
-from ucm.policy.base import load_policy, load_policy_class, policy_names
+from ucm.placement.heat import INF, HeatTracker
+from ucm.placement.engine import Decision, Op, Placement, Step, TierSpec
+from ucm.placement.native import NativePlacement
+from ucm.placement.policies.base import load_policy, load_policy_class, policy_names
 
 # Every installed policy whose class declares a native twin.
 NATIVE = [n for n in policy_names() if load_policy_class(n).__dict__.get("native")]
@@ -185,7 +185,7 @@ def test_same_decisions_when_history_forgets_parents(policy):
 
 def oracle(reqs):
     """Per request, the next use of each of its blocks, as the trace replay
-    computes it (ucm/bench/replay.py `next_uses`): the clock of the next
+    computes it (ucm/bench/cache/replay.py `next_uses`): the clock of the next
     request holding the block, INF if none; request i runs at clock i + 1
     (one `record_request` each, from a fresh tracker)."""
     out, seen = [None] * len(reqs), {}
@@ -216,7 +216,7 @@ def test_opt_makes_every_decision_of_the_python_path_with_next_uses(tiers, seed)
 
 
 def test_opt_same_decisions_across_rebuilds_of_its_heaps(monkeypatch):
-    from ucm.policy.opt import OptPolicy
+    from ucm.placement.policies.opt import OptPolicy
 
     rebuilds = []  # (in _sync?) per rebuild of the Python policy's heaps
     push, sync = OptPolicy._push, OptPolicy._sync
@@ -286,8 +286,8 @@ def test_heat_twin_on_bigger_tiers_with_a_forgetting_history(monkeypatch, tiers,
     (slots reused at once, the model's waiting episodes dropped), with
     output lengths reported often (reclasses): both engines agree, and the
     Python side shows that the paths the twin mirrors were taken."""
-    from ucm.policy.heat import HeatPolicy
-    from ucm.policy.reuse import ReuseModel
+    from ucm.placement.policies.heat import HeatPolicy
+    from ucm.placement.policies.reuse import ReuseModel
 
     seen = dict.fromkeys(["refused", "admitted_full", "requeued", "reclassed", "forgot", "forgot_same_tick",
                           "fallback"], 0)
@@ -361,8 +361,8 @@ def test_the_shipped_policies_have_native_twins():
 
 
 def test_policies_without_a_native_twin_stay_on_the_python_path():
-    from ucm.policy.base import BoundPolicy
-    from ucm.policy.classic import LruPolicy
+    from ucm.placement.policies.base import BoundPolicy
+    from ucm.placement.policies.classic import LruPolicy
 
     class Mine(LruPolicy):
         name = "mine"
@@ -378,8 +378,8 @@ def test_policies_without_a_native_twin_stay_on_the_python_path():
 
 
 def test_a_subclass_does_not_inherit_the_native_twin():
-    from ucm.policy.base import BoundPolicy
-    from ucm.policy.classic import LruPolicy
+    from ucm.placement.policies.base import BoundPolicy
+    from ucm.placement.policies.classic import LruPolicy
 
     class Mine(LruPolicy):
         name = "mine"
@@ -469,7 +469,7 @@ def test_tinylfu_sketch_window_climb_and_segments_match_on_bigger_tiers(monkeypa
     halving and saturated counters, the window's share climbing both ways and
     deciding the window's size, the window -> probation contest won and lost,
     a move to main with ancestors still in the window, protected overflow."""
-    from ucm.policy import tinylfu
+    from ucm.placement.policies import tinylfu
 
     seen = {k: 0 for k in ("halving", "saturated", "flip", "share_target", "contest_won", "contest_lost",
                            "ancestors", "overflow", "long_key", "short_key")}

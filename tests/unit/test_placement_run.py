@@ -5,9 +5,9 @@ from importlib.metadata import entry_points
 import pytest
 
 from ucm.errors import ArgumentError
-from ucm.heat import HeatTracker
-from ucm.placement import Op, Placement, RunDecision, Step, TierSpec
-from ucm.policy.base import load_policy
+from ucm.placement.heat import HeatTracker
+from ucm.placement.engine import Op, Placement, RunDecision, Step, TierSpec
+from ucm.placement.policies.base import load_policy
 
 POLICIES = sorted(ep.name for ep in entry_points(group="ucm.policies"))
 

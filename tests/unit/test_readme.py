@@ -157,7 +157,7 @@ def _resolve(model, path: list[str]):
 
 
 def test_every_config_key_in_the_reference_exists():
-    from ucm.config import UcmConfig
+    from ucm.config.schema import UcmConfig
 
     rows = _table_rows(README, "## Configuration reference")
     keys = [re.findall(r"`([^`]+)`", r[0]) for r in rows[1:]]

@@ -3,7 +3,7 @@
 import ctypes
 import threading
 
-from ucm.scratch import GRAIN, ScratchPool
+from ucm.adapters.scratch import GRAIN, ScratchPool
 
 
 def address(m):

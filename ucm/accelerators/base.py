@@ -51,7 +51,7 @@ from ucm.errors import ConfigError
 
 if TYPE_CHECKING:
     from ucm.api import CacheAPI, Key, Outcome
-    from ucm.config import UcmConfig
+    from ucm.config.schema import UcmConfig
 
 ACCELERATOR_NAMESPACE = "ucm.accelerators"
 
@@ -132,7 +132,7 @@ class Accelerator(abc.ABC):
 
 def validate_options(cls: type[Accelerator], options: dict[str, Any], prefix: str = "options.") -> AcceleratorOptions:
     """`options` checked against the accelerator's Config, else ConfigError."""
-    from ucm.config import describe_validation_error
+    from ucm.config.validation import describe_validation_error
 
     try:
         return cls.Config.model_validate(options)

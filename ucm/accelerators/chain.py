@@ -21,7 +21,7 @@ from ucm.errors import ConfigError
 
 if TYPE_CHECKING:
     from ucm.api import CacheAPI
-    from ucm.config import UcmConfig
+    from ucm.config.schema import UcmConfig
 
 log = logging.getLogger(__name__)
 

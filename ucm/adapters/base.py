@@ -34,7 +34,7 @@ methods:
 - `ReadAhead`: a hint to start reading blobs before they are asked for
   (`read_ahead`), by a tier that reads into its own memory first (the
   codec tier), so that the read overlaps the steps before it (a staging's
-  demotions, ucm/tiers.py).
+  demotions, ucm/tiers/stack.py).
 
 Each adapter class has a `Config` (a frozen pydantic model, unknown keys
 forbidden) and is built as `cls(capacity_bytes=..., config=cls.Config(...))`.

@@ -40,7 +40,7 @@ from ucm.adapters.slab import DEFAULT_EXTENT_BYTES, SlabArena
 from ucm.adapters.slots import SlotTable
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError
-from ucm.sizes import parse_size
+from ucm.config.sizes import parse_size
 
 SLOT_ALIGN = 4096  # slots start on page boundaries
 

@@ -59,7 +59,7 @@ from ucm.adapters.base import AdapterConfig, Key, Status
 from ucm.adapters.cluster import BudgetedAdapter, CircuitBreaker, ClusterBudget
 from ucm.buffers import byte_view
 from ucm.errors import AdapterError, ArgumentError, ClosedError
-from ucm.sizes import parse_size
+from ucm.config.sizes import parse_size
 
 log = logging.getLogger(__name__)
 

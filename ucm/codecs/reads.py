@@ -10,7 +10,7 @@ DECODE_THREADS threads (the checksums and the native decoders release the
 GIL). `get_layers` decodes them a range of layers at a time
 (`layer_ranges`). `read_ahead` starts such a read on its own thread
 before the read is asked for (a staging calls it before the demotions
-that free its slots, ucm/tiers.py); the next read of exactly those keys
+that free its slots, ucm/tiers/stack.py); the next read of exactly those keys
 uses it when it found and read them all.
 
 Its state is the adapter's (`inner`, `_decoders`, `_lock`, `_writes`,
@@ -162,7 +162,7 @@ class CodecReads:
     def read_ahead(self, keys: Sequence[Key]) -> None:
         """ReadAhead: the frames of `keys` read on the read-ahead thread now,
         for the next `get` / `get_layers` of exactly these keys; a staging
-        calls it before the demotions that free its slots (ucm/tiers.py),
+        calls it before the demotions that free its slots (ucm/tiers/stack.py),
         whose copies then overlap the medium's reads."""
         keys = tuple(keys)
         if not keys:

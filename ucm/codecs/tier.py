@@ -69,7 +69,7 @@ from ucm.codecs.layout import LayoutBook
 from ucm.codecs.reads import CodecReads
 from ucm.codecs.writer import WriteBehind
 from ucm.errors import ArgumentError, ConfigError
-from ucm.scratch import ScratchPool
+from ucm.adapters.scratch import ScratchPool
 
 log = logging.getLogger(__name__)
 

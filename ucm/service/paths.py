@@ -22,7 +22,7 @@ import os
 import secrets
 from typing import Optional
 
-from ucm.config import UcmConfig
+from ucm.config.schema import UcmConfig
 from ucm.errors import UcmError
 
 

@@ -1,4 +1,4 @@
-// HeatMirror: the records of ucm.heat.HeatTracker that the native policies
+// HeatMirror: the records of ucm.placement.heat.HeatTracker that the native policies
 // read, kept exactly as the tracker keeps them from the same record_request
 // and finish calls: per block the clock of its last access, its access
 // count, its flags (TAIL, EXT, LONG_OUT), its last recorded parent and the
@@ -9,7 +9,7 @@
 // Listeners (`subscribe`, not owned) receive the tracker's events in the
 // tracker's order: on_access before a record is updated, on_tick after the
 // clock advanced, on_forget before a record is dropped, on_reclass before
-// a record's output kind changes (see ucm/heat.py).
+// a record's output kind changes (see ucm/placement/heat.py).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +33,7 @@ class HeatListener {
 
 class HeatMirror {
  public:
-  // ucm.heat: the flag bits of a record and the long-output threshold.
+  // ucm.placement.heat: the flag bits of a record and the long-output threshold.
   static constexpr std::uint8_t kTail = 1, kExt = 2, kLongOut = 4;
   static constexpr std::int64_t kLongOutput = 128;
   static constexpr double kInf = std::numeric_limits<double>::infinity();

@@ -1,5 +1,5 @@
 // Queue building blocks of the native policies: LeafQueues (the twin of
-// ucm/policy/leafqueue.py) and GhostList (an OrderedDict of key -> bytes).
+// ucm/placement/policies/leafqueue.py) and GhostList (an OrderedDict of key -> bytes).
 #pragma once
 
 #include <algorithm>
@@ -15,7 +15,7 @@
 
 namespace ucm {
 
-// ---- LeafQueues (ucm/policy/leafqueue.py) ----------------------------------
+// ---- LeafQueues (ucm/placement/policies/leafqueue.py) ----------------------------------
 // As there: a min-heap of (priority, key) per queue with lazy invalidation
 // (an entry is live while it matches the block's current queue and
 // priority and the block is not parked); a parent that fails the predicate

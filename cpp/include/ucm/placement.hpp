@@ -1,7 +1,7 @@
 // The placement core: which tier holds which block, and every decision that
 // moves one, for the policies that have a native implementation (the table
 // in cpp/src/policies.cpp, see ucm/policy_core.hpp). It makes exactly the
-// decisions of ucm/placement.py with the same policy in ucm/policy/*.py; see
+// decisions of ucm/placement/engine.py with the same policy in ucm/placement/policies/*.py; see
 // that module for the invariants it keeps. Not thread-safe: the owner
 // serialises calls.
 //

@@ -1,4 +1,4 @@
-// The native policy interface (the twin of ucm.policy.base.PlacementPolicy),
+// The native policy interface (the twin of ucm.placement.policies.base.PlacementPolicy),
 // what a policy is built with, and the registry of native policies by name.
 //
 // A native policy makes exactly the decisions of its Python twin
@@ -44,7 +44,7 @@ class PolicyCore {
   // The tracker's record of `key` changed without an access (its output kind).
   virtual void on_reclass(const BlockKey&) {}
   // `key` was read out of this tier by a promotion (its copy here stays);
-  // nothing by default, lru counts it as a use (ucm/policy/base.py).
+  // nothing by default, lru counts it as a use (ucm/placement/policies/base.py).
   virtual void on_copied_up(const BlockKey&) {}
 };
 

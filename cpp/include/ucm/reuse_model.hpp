@@ -1,4 +1,4 @@
-// ReuseModel: the twin of ucm/policy/reuse.py. A HeatListener that learns
+// ReuseModel: the twin of ucm/placement/policies/reuse.py. A HeatListener that learns
 // each class's reuse hazard per age bucket from the tracker's events, with
 // the same counts in the same order (whole numbers kept in doubles, so
 // exact either way), read by the heat policy (cpp/src/policy_heat.cpp).
@@ -28,20 +28,20 @@ constexpr double kPriorEvents = 1.0;
 
 using Table = std::array<double, kCells>;  // row-major (class, age bucket)
 
-// ucm.policy.reuse.classify
+// ucm.placement.policies.reuse.classify
 inline int classify(std::int64_t count, bool tail, bool ext, bool long_out) {
   const int kind = count <= 1 ? (ext ? 1 : 0) : (count == 2 ? 2 : 3);
   return kind + (tail ? kUseKinds : 0) + (long_out ? 2 * kUseKinds : 0);
 }
 
-// ucm.policy.reuse.class_of: the class of the record in slot s as the tracker knows it now.
+// ucm.placement.policies.reuse.class_of: the class of the record in slot s as the tracker knows it now.
 inline int class_of(const HeatMirror& heat, int s) {
   const std::uint8_t f = heat.flags(s);
   return classify(heat.count(s), (f & HeatMirror::kTail) != 0, (f & HeatMirror::kExt) != 0,
                   (f & HeatMirror::kLongOut) != 0);
 }
 
-// ucm.policy.reuse.age_bucket: [0,2) -> 0, [2,4) -> 1, [4,8) -> 2, ... capped.
+// ucm.placement.policies.reuse.age_bucket: [0,2) -> 0, [2,4) -> 1, [4,8) -> 2, ... capped.
 inline int age_bucket(std::int64_t age) {
   if (age <= 1) return 0;
   const int bits = 64 - __builtin_clzll(static_cast<unsigned long long>(age));  // bit_length

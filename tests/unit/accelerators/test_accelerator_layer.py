@@ -9,8 +9,8 @@ import ucm.accelerators.base as base
 from ucm.accelerators.base import Accelerator, AcceleratorOptions, RequestSeen
 from ucm.accelerators.chain import Accelerators
 from ucm.api import Outcome
-from ucm.cache import UnifiedCache
-from ucm.config import UcmConfig, load_config
+from ucm.cache.unified import UnifiedCache
+from ucm.config.schema import UcmConfig, load_config
 from ucm.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ import pytest
 from ucm.accelerators.base import BlocksLoaded, RequestFinished, RequestSeen
 from ucm.accelerators.prefetch import Prefetch
 from ucm.api import Handle, Outcome
-from ucm.config import UcmConfig
+from ucm.config.schema import UcmConfig
 from ucm.errors import ClosedError
 
 CONFIG = UcmConfig.model_validate({"tiers": [{"adapter": "dram", "capacity": "1MiB"},

@@ -10,7 +10,7 @@ from ucm.adapters.nvme import recovery as nvme_recovery
 from ucm.adapters.nvme import format as fmt
 from ucm.adapters.base import BlockEntry, Status
 from ucm.adapters.nvme import FILE_NAME, NvmeAdapter, NvmeConfig
-from ucm.cache import Outcome, UnifiedCache
+from ucm.cache.unified import Outcome, UnifiedCache
 from ucm.errors import ArgumentError
 
 RS = 64 << 10

@@ -3,7 +3,7 @@ one unit in the last place, `naive-int4` is symmetric 4-bit."""
 import pytest
 import torch
 
-from ucm.apps.codec_floors import naive_int4, one_ulp
+from ucm.bench.engines.codec_floors import naive_int4, one_ulp
 
 
 @pytest.mark.parametrize("dtype,ulp", [(torch.bfloat16, 2.0 ** -7), (torch.float32, 2.0 ** -23)])

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from ucm.apps.gpu_ttft_bench import VARIANTS, _check, gpu_ttft  # noqa: E402
+from ucm.bench.engines.gpu_ttft_bench import VARIANTS, _check, gpu_ttft  # noqa: E402
 from ucm.errors import ArgumentError  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ucm.apps.page_copy_bench import _check, pages_bench  # noqa: E402
+from ucm.bench.engines.page_copy_bench import _check, pages_bench  # noqa: E402
 from ucm.errors import ArgumentError  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""SGLangServer (ucm/apps/sglang_server.py) without SGLang: a stand-in
+"""SGLangServer (ucm/bench/engines/sglang_server.py) without SGLang: a stand-in
 "python" that answers /model_info and names a socket file the way SGLang
 does (tempfile.NamedTemporaryFile(delete=False)), which SGLang never
 removes. The server's TMPDIR must be private and gone after stop()."""
@@ -7,7 +7,7 @@ import sys
 import tempfile
 import textwrap
 
-from ucm.apps.sglang_server import SGLangServer
+from ucm.bench.engines.sglang_server import SGLangServer
 
 STAND_IN = textwrap.dedent("""\
     import http.server, json, sys, tempfile

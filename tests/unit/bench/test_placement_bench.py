@@ -1,7 +1,7 @@
 """`ucm bench placement`: the JSON document it prints (shape, not speed)."""
 import json
 
-from ucm.bench.placement import PATHS, workload
+from ucm.bench.cache.placement import PATHS, workload
 from ucm.cli import main
 
 
@@ -23,7 +23,7 @@ def test_json_has_both_call_paths_per_policy_and_request_size(capsys):
 
 
 def test_every_installed_policy_runs_by_default(capsys):
-    from ucm.policy.base import policy_names
+    from ucm.placement.policies.base import policy_names
 
     assert main(["bench", "placement", "--blocks-per-request", "2", "--blocks", "4",
                  "--repeat", "1", "--json"]) == 0

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ucm.bench.trace import parse_tier_size, parse_tokens
+from ucm.bench.cache.trace import parse_tier_size, parse_tokens
 from ucm.cli import main
 from ucm.errors import ArgumentError
 

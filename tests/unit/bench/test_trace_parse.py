@@ -1,10 +1,10 @@
-"""Reading Mooncake-format traces (ucm/trace.py)."""
+"""Reading Mooncake-format traces (ucm/bench/cache/traces.py)."""
 import json
 
 import pytest
 
 from ucm.errors import TraceError
-from ucm.trace import TraceRequest, iter_trace, read_trace
+from ucm.bench.cache.traces import TraceRequest, iter_trace, read_trace
 
 GOOD = {"timestamp": 0, "input_length": 1100, "output_length": 7, "hash_ids": [4, 5, 6]}
 

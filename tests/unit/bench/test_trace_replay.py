@@ -1,12 +1,12 @@
 """TraceReplay on hand-made traces: prefix semantics, capacities, per-tier counts."""
 import pytest
 
-from ucm.bench.replay import INF, CostModel, TraceReplay, block_key, next_uses
+from ucm.bench.cache.replay import INF, CostModel, TraceReplay, block_key, next_uses
 from ucm.errors import ArgumentError
-from ucm.heat import HeatTracker
-from ucm.placement import Placement, TierSpec
-from ucm.policy.base import load_policy
-from ucm.trace import TraceRequest
+from ucm.placement.heat import HeatTracker
+from ucm.placement.engine import Placement, TierSpec
+from ucm.placement.policies.base import load_policy
+from ucm.bench.cache.traces import TraceRequest
 
 
 def requests(*id_lists):

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from ucm.bench.tracegen import WORKLOADS, generate
+from ucm.bench.cache.tracegen import WORKLOADS, generate
 from ucm.cli import main
 from ucm.errors import ArgumentError
-from ucm.trace import BLOCK_TOKENS, parse_line
+from ucm.bench.cache.traces import BLOCK_TOKENS, parse_line
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-import ucm.apps.vllm_bench as bv
+import ucm.bench.engines.vllm_bench as bv
 
 
 def _phase(ttft, first_tokens, cached=2944):
@@ -104,8 +104,8 @@ def test_codec_hits_are_summarized_and_only_lossless_codecs_must_equal():
 def test_a_codec_config_has_its_own_socket_and_nvme_directory(tmp_path):
     import yaml
 
-    from ucm.apps.vllm_bench_codec import codec_config
-    from ucm.config import load_config
+    from ucm.bench.engines.vllm_bench_codec import codec_config
+    from ucm.config.schema import load_config
 
     cfg = {"block_tokens": 128,
            "tiers": [{"adapter": "dram", "capacity": "64MiB"},
@@ -140,7 +140,7 @@ def test_codec_runs_per_streaming_mode_get_their_own_service(tmp_path, monkeypat
     """run_codecs: one private service and one engine spec per codec and
     mode, the mode passed to the engine as `codec_streaming`."""
     import ucm
-    from ucm.apps import vllm_bench_codec as vc
+    from ucm.bench.engines import vllm_bench_codec as vc
 
     class FakeClient:
         connected = True

@@ -323,6 +323,6 @@ def test_settings_off_on_and_values():
 
 
 def test_ucm_config_does_not_read_the_sparse_variable_as_a_key():
-    from ucm.config import load_config
+    from ucm.config.schema import load_config
 
     load_config({}, environ={ENV_SPARSE: "on"})  # would be "unknown key 'vllm_sparse'" otherwise

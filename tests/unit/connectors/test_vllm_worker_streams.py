@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from support import chain  # noqa: E402
 from ucm.api import Outcome  # noqa: E402
-from ucm.cache import UnifiedCache  # noqa: E402
+from ucm.cache.unified import UnifiedCache  # noqa: E402
 from ucm.connectors.vllm.metadata import LoadJob, UCMConnectorMetadata  # noqa: E402
 from ucm.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from ucm.connectors.vllm.worker import UCMWorkerSide  # noqa: E402

@@ -3,13 +3,13 @@ import random
 
 import pytest
 
-from ucm.bench.replay import CostModel, TraceReplay
-from ucm.heat import HeatTracker
-from ucm.placement import Placement, TierSpec
-from ucm.policy.base import Admission, TierInfo, load_policy
-from ucm.policy.leafqueue import LeafQueues
-from ucm.policy.reuse import NUM_CLASSES, ReuseModel, age_bucket, classify
-from ucm.trace import TraceRequest
+from ucm.bench.cache.replay import CostModel, TraceReplay
+from ucm.placement.heat import HeatTracker
+from ucm.placement.engine import Placement, TierSpec
+from ucm.placement.policies.base import Admission, TierInfo, load_policy
+from ucm.placement.policies.leafqueue import LeafQueues
+from ucm.placement.policies.reuse import NUM_CLASSES, ReuseModel, age_bucket, classify
+from ucm.bench.cache.traces import TraceRequest
 
 
 def hot_and_one_shot(seed=7, n=3000):
@@ -317,8 +317,8 @@ def test_native_tables_agree_with_the_numpy_twins():
     import numpy as np
 
     from ucm import _native
-    from ucm.policy import reuse
-    from ucm.policy.reuse import density_table, estimate_hazard
+    from ucm.placement.policies import reuse
+    from ucm.placement.policies.reuse import density_table, estimate_hazard
 
     assert reuse._native is _native  # the model uses the native tables here
     empty = ReuseModel()
@@ -345,7 +345,7 @@ def test_native_tables_agree_with_the_numpy_twins():
 
 def test_heat_policy_without_the_native_tables(monkeypatch):
     """The numpy fallback drives the policy as before when ucm._native is absent."""
-    from ucm.policy import reuse
+    from ucm.placement.policies import reuse
 
     reuse_density = reuse.density_table
 

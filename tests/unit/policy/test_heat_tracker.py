@@ -1,10 +1,10 @@
 """HeatTracker: a history bounded in bytes, compact records, and the events listeners get."""
 import pytest
 
-from ucm.config import HeatConfig, load_config
+from ucm.config.schema import HeatConfig, load_config
 from ucm.errors import ArgumentError, ConfigError
-from ucm.heat import DEFAULT_HISTORY_BYTES, RECORD_BYTES, HeatTracker
-from ucm.policy.reuse import ReuseModel
+from ucm.placement.heat import DEFAULT_HISTORY_BYTES, RECORD_BYTES, HeatTracker
+from ucm.placement.policies.reuse import ReuseModel
 
 
 def key(i):

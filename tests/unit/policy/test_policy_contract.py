@@ -4,11 +4,11 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from ucm.bench.replay import CostModel, TraceReplay, block_key, next_uses
-from ucm.heat import HeatTracker
-from ucm.placement import Placement, TierSpec
-from ucm.policy.base import Admission, PlacementPolicy, TierInfo, load_policy
-from ucm.trace import TraceRequest
+from ucm.bench.cache.replay import CostModel, TraceReplay, block_key, next_uses
+from ucm.placement.heat import HeatTracker
+from ucm.placement.engine import Placement, TierSpec
+from ucm.placement.policies.base import Admission, PlacementPolicy, TierInfo, load_policy
+from ucm.bench.cache.traces import TraceRequest
 
 POLICIES = sorted(ep.name for ep in entry_points(group="ucm.policies"))
 

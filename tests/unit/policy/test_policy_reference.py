@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from ucm.bench.replay import CostModel, TraceReplay, block_key, next_uses
-from ucm.heat import HeatTracker
-from ucm.placement import Placement, TierSpec
-from ucm.policy.base import load_policy
-from ucm.trace import TraceRequest
+from ucm.bench.cache.replay import CostModel, TraceReplay, block_key, next_uses
+from ucm.placement.heat import HeatTracker
+from ucm.placement.engine import Placement, TierSpec
+from ucm.placement.policies.base import load_policy
+from ucm.bench.cache.traces import TraceRequest
 
 INF = float("inf")
 

@@ -1,11 +1,11 @@
 """W-TinyLFU: the window keeps what was just stored, the sketch guards the main area."""
 import random
 
-from ucm.bench.replay import CostModel, TraceReplay
-from ucm.heat import HeatTracker
-from ucm.placement import Placement, TierSpec
-from ucm.policy.base import load_policy
-from ucm.trace import TraceRequest
+from ucm.bench.cache.replay import CostModel, TraceReplay
+from ucm.placement.heat import HeatTracker
+from ucm.placement.engine import Placement, TierSpec
+from ucm.placement.policies.base import load_policy
+from ucm.bench.cache.traces import TraceRequest
 
 
 def replay(policy, reqs, blocks):

@@ -1,4 +1,4 @@
-"""ucm.service.handlers over a cache stand-in: every op that may touch an
+"""ucm.service.server.handlers over a cache stand-in: every op that may touch an
 adapter is declared blocking and runs off the event-loop thread (a stuck
 `stats`, `abort`, `lookup` or the abort of a dropped connection does not
 stop `hello`); request ids reach the cache, and a bad one is a refusal."""
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from ucm.service import protocol as proto
-from ucm.service.handlers import OPS, ServiceHandlers
-from ucm.service.loop import EventLoop
+from ucm.service.server.handlers import OPS, ServiceHandlers
+from ucm.service.server.loop import EventLoop
 
 K = [bytes([i]) * 16 for i in range(1, 4)]
 

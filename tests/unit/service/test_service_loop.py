@@ -1,4 +1,4 @@
-"""ucm.service.loop with a fake handler: a blocking op runs on a worker and
+"""ucm.service.server.loop with a fake handler: a blocking op runs on a worker and
 the loop keeps answering everything else meanwhile; replies keep the order
 of one connection's requests; a dropped connection's give-back runs on a
 worker, not on the loop thread."""
@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ucm.service import protocol as proto
-from ucm.service.loop import EventLoop
+from ucm.service.server.loop import EventLoop
 
 
 class FakeHandler:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ucm.config import load_config
+from ucm.config.schema import load_config
 from ucm.errors import ConfigError
 from ucm.service.paths import record_segment_dir, recorded_segment_dir, remove_stale_segments, segment_prefix
 
@@ -39,7 +39,7 @@ def test_the_segment_directory_is_recorded_beside_the_socket(tmp_path):
 
 
 def test_the_landing_tier_must_declare_shared_slots(tmp_path):
-    from ucm.service.server import check_landing_tier
+    from ucm.service.server.serve import check_landing_tier
 
     tiers = [{"adapter": "dram", "capacity": "4MiB"},
              {"adapter": "nvme", "capacity": "32MiB", "options": {"path": str(tmp_path)}}]

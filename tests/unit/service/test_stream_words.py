@@ -5,7 +5,7 @@ import pytest
 
 from ucm.errors import ClosedError, UcmError
 from ucm.service import protocol as proto
-from ucm.service.handlers import ConnState, ServiceHandlers
+from ucm.service.server.handlers import ConnState, ServiceHandlers
 from ucm.service.progress import ProgressArea
 
 K = [bytes([i]) * 16 for i in range(1, 4)]

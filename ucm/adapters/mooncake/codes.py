@@ -12,7 +12,7 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from ucm.adapters.base import AdapterConfig
-from ucm.sizes import parse_size
+from ucm.config.sizes import parse_size
 
 # mooncake-store ErrorCode values (types.h) the adapter tells apart.
 NO_AVAILABLE_HANDLE = -200

@@ -88,8 +88,8 @@ from ucm.adapters.nvme.regions import Loc, Region, choose_victim
 from ucm.adapters.nvme.writer import WriteBuffer, write_region
 from ucm.buffers import byte_view
 from ucm.errors import ArgumentError, ClosedError
-from ucm.scratch import ScratchPool
-from ucm.sizes import parse_size
+from ucm.adapters.scratch import ScratchPool
+from ucm.config.sizes import parse_size
 
 log = logging.getLogger(__name__)
 

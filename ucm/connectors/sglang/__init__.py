@@ -58,7 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ucm.api import CacheAPI, Outcome
 from ucm.codecs.layout import opaque_layout
-from ucm.config import UcmConfig, load_config
+from ucm.config.schema import UcmConfig, load_config
 from ucm.connectors.sglang.host_pages import HostPageCopier
 from ucm.connectors.sglang.namespace import PoolGeometry, build_namespace, model_identity, page_keys
 from ucm.errors import ConfigError

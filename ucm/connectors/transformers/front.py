@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ucm.cache import UnifiedCache
+from ucm.cache.unified import UnifiedCache
 
 # The front the connector makes by itself when the model is on an accelerator.
 DEFAULT_FRONT_BYTES = 1 << 30

@@ -8,7 +8,7 @@ by `CacheAPI.read_ranges`: per picked page and KV head, one
 straight into the attention's K and V tensors. The cache reads them where
 the blocks are and stages nothing: out of the landing tier's slots, and
 from a tier below it range by range (nvme reads the verified chunks that
-cover the spans; ucm/range_access.py). Through the service (CacheClient)
+cover the spans; ucm/cache/ranges.py). Through the service (CacheClient)
 a block below the landing tier is staged whole, and counted whole.
 
 Counted (`FetchCounters`): `bytes_read[tier]`, the bytes each tier

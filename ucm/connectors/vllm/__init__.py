@@ -74,7 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm.api import CacheAPI
-from ucm.config import UcmConfig, load_config
+from ucm.config.schema import UcmConfig, load_config
 from ucm.connectors.kv_pages import SKIP
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace, model_identity

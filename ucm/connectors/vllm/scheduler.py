@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from ucm.config import UcmConfig
+    from ucm.config.schema import UcmConfig
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ class UCMSchedulerSide:
         self._unpin(st)
         leave(self, st)
         if st.keys:
-            # A placement hint: how long an answer this prompt got (ucm/policy/reuse.py).
+            # A placement hint: how long an answer this prompt got (ucm/placement/policies/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,
                       request_id=request.request_id)
         return st.stores_issued, None

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from ucm.accelerators.sparse.base import BUDGET_KINDS, Budget, SelectionConfig
 from ucm.accelerators.sparse.selectors import SELECTORS
-from ucm.config import describe_validation_error
+from ucm.config.validation import describe_validation_error
 from ucm.errors import ArgumentError, ConfigError
 
 ENV_SPARSE = "UCM_VLLM_SPARSE"

@@ -210,7 +210,7 @@ def test_pages_register_an_opaque_layout_so_no_lossy_codec_reads_them(tmp_path, 
     registers an opaque layout of its page size, so an int8 tier below DRAM
     stores these pages raw (and never quantises them with another engine's
     layout of the same size)."""
-    from ucm.cache import UnifiedCache
+    from ucm.cache.unified import UnifiedCache
     from ucm.codecs.layout import opaque_layout
 
     _, host = pools(layout)

@@ -1,0 +1,1 @@
+"""Benches of the cache itself (`ucm bench io|placement|service|soak|trace|tracegen`)."""
