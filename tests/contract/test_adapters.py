@@ -54,10 +54,6 @@ every_adapter = each(ALL)
 # Bugs of adapters this suite found, per test: adapter -> what fails. Each is a
 # strict xfail (it must still fail), to be removed with the fix.
 KNOWN = {
-    "footprint": {
-        "nvme": "used_bytes counts _align_up(size) per block (live_bytes), while footprint_bytes says "
-                "_align_up(size) + ENTRY.size (the footer entry is not in used_bytes)",
-    },
     "a key twice in a get": {
         "mooncake": "a get batch that names one key twice answers CORRUPT for the first: "
                     "batch_get_into_multi_buffers returns the full size for both, but the first one's header "
@@ -203,7 +199,7 @@ def test_empty_batches_answer_empty_lists(name, make):
 SMALL, LARGE = SIZE, 3 * SIZE + 123  # two block sizes (two size classes of a slab arena)
 
 
-@each(ALL, known=KNOWN["footprint"])
+@every_adapter
 def test_a_block_costs_its_footprint(name, make):
     """What the cache counts per block (footprint_bytes) is what used_bytes adds."""
     a = make(name)

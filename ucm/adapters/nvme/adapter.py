@@ -94,6 +94,12 @@ from ucm.config.sizes import parse_size
 log = logging.getLogger(__name__)
 
 
+def _cost(loc: Loc) -> int:
+    """What the block at `loc` counts in its region's live bytes (and so in
+    `used_bytes`): the same figure when it is added and when it leaves."""
+    return fmt.block_footprint(loc.length, len(loc.chunks))
+
+
 class NvmeConfig(AdapterConfig):
     path: str  # a directory (a file is created in it) or a block device
     region_size: int = 16 << 20
@@ -237,10 +243,10 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
                     continue
                 buf.entries.append(FooterEntry(key, parent, off, n, csum, cb, chunks))
                 buf.n_chunks += len(chunks) // CHUNK_SUM
-                self._index[key] = Loc(buf.region, off, n, csum, parent, cb, chunks)
+                loc = self._index[key] = Loc(buf.region, off, n, csum, parent, cb, chunks)
                 reg = self._regions[buf.region]
                 reg.live.add(key)
-                reg.live_bytes += _align_up(n)
+                reg.live_bytes += _cost(loc)
                 self._cond.notify_all()
             out.append(Status.OK)
         return out
@@ -334,7 +340,7 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
             buf.n_chunks += len(new.chunks) // CHUNK_SUM
             self._index[key] = new
             reg.live.add(key)
-            reg.live_bytes += _align_up(loc.length)
+            reg.live_bytes += _cost(new)
             self._stats["reinserted"] += 1
         for key, loc, why in refused:
             if self._index.get(key) is not loc:
@@ -418,7 +424,7 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
         reg = self._regions[loc.region]
         if key in reg.live:
             reg.live.discard(key)
-            reg.live_bytes -= _align_up(loc.length)
+            reg.live_bytes -= _cost(loc)
         self._dropped.append(key)
         self._stats["dropped"] += 1
 
@@ -437,7 +443,7 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
                     continue
                 reg = self._regions[loc.region]
                 reg.live.discard(key)
-                reg.live_bytes -= _align_up(loc.length)
+                reg.live_bytes -= _cost(loc)
                 out.append(True)
         return out
 
@@ -474,7 +480,8 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
             return sum(r.live_bytes for r in self._regions)
 
     def footprint_bytes(self, size: int) -> int:
-        return _align_up(size) + fmt.ENTRY.size + _n_chunks(size, self.config.chunk_bytes) * CHUNK_SUM
+        """What a block of `size` bytes put now adds to `used_bytes`."""
+        return fmt.block_footprint(size, _n_chunks(size, self.config.chunk_bytes) * CHUNK_SUM)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

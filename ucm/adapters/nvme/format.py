@@ -113,6 +113,14 @@ def n_chunks(length: int, chunk_bytes: int) -> int:
     return -(-length // chunk_bytes)
 
 
+def block_footprint(length: int, chunk_table_bytes: int) -> int:
+    """What one block takes of its region: its pages, its footer entry and
+    its chunk table. The adapter counts this in `used_bytes`, so that the
+    owner's accounting (`footprint_bytes`) is the medium's; the trailer, one
+    per region, belongs to no block."""
+    return align_up(length) + ENTRY.size + chunk_table_bytes
+
+
 def footer_bytes(n_entries: int, total_chunks: int = 0) -> int:
     """Size of the footer of a region holding `n_entries` blocks that have
     `total_chunks` chunks together."""

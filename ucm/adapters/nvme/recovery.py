@@ -21,7 +21,7 @@ from typing import Any
 
 from ucm.adapters.base import Key
 from ucm.adapters.nvme import format as fmt
-from ucm.adapters.nvme.format import ALIGN, FooterEntry, Refused, align_up as _align_up
+from ucm.adapters.nvme.format import ALIGN, FooterEntry, Refused
 from ucm.adapters.nvme.regions import Loc
 from ucm.errors import AdapterError
 
@@ -168,4 +168,4 @@ class NvmeRecovery:
             self._index[key] = Loc(r, e.offset, e.length, e.checksum, e.parent, e.chunk_bytes, e.chunks)
             reg = self._regions[r]
             reg.live.add(key)
-            reg.live_bytes += _align_up(e.length)
+            reg.live_bytes += fmt.block_footprint(e.length, len(e.chunks))
