@@ -51,17 +51,6 @@ def each(names, known=None):
 every_adapter = each(ALL)
 
 
-# Bugs of adapters this suite found, per test: adapter -> what fails. Each is a
-# strict xfail (it must still fail), to be removed with the fix.
-KNOWN = {
-    "a key twice in a get": {
-        "mooncake": "a get batch that names one key twice answers CORRUPT for the first: "
-                    "batch_get_into_multi_buffers returns the full size for both, but the first one's header "
-                    "does not verify",
-    },
-}
-
-
 @pytest.fixture
 def make(tmp_path):
     made = []
@@ -272,7 +261,7 @@ def test_two_block_sizes_in_one_adapter(name, make):
     assert a.delete(ks[1::2]) == [True] * 4 and a.used_bytes == before
 
 
-@each(ALL, known=KNOWN["a key twice in a get"])
+@every_adapter
 def test_a_batch_may_name_a_key_twice(name, make):
     a = make(name)
     k, d = keys(1), data(1)

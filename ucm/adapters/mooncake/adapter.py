@@ -374,8 +374,10 @@ class MooncakeAdapter(BudgetedAdapter):
     def get(self, keys: Sequence[Key], dsts: Sequence[Any]) -> list[Status]:
         if len(keys) != len(dsts):
             raise ArgumentError(f"get: {len(keys)} keys but {len(dsts)} destinations")
-        views = [byte_view(d, writable=True, what="destination") for d in dsts]
         names = [self.key_name(k) for k in keys]
+        if len(set(names)) < len(names):
+            return self._get_each_once(keys, dsts, names)
+        views = [byte_view(d, writable=True, what="destination") for d in dsts]
         self._check_stageable(views)
         out: list[Status] = [Status.FAILED] * len(keys)
         gone: set[int] = set()  # misses because the object is no longer in the pool
@@ -407,6 +409,24 @@ class MooncakeAdapter(BudgetedAdapter):
                     self._stats["corrupt"] += 1
                 else:
                     self._stats["failed"] += 1
+        return out
+
+    def _get_each_once(self, keys: Sequence[Key], dsts: Sequence[Any], names: list[str]) -> list[Status]:
+        """A get of a batch that names a key more than once, as batches that
+        name each key once: the store's batch get answers the full size for
+        every copy of a repeated name, yet not every copy's header verifies,
+        so a good object would read as CORRUPT. The first time each key is
+        named goes in one batch, the rest in the next (which splits again if
+        it still repeats a key)."""
+        first: dict[str, int] = {}
+        for i, n in enumerate(names):
+            first.setdefault(n, i)
+        once = sorted(first.values())
+        again = [i for i, n in enumerate(names) if first[n] != i]
+        out: list[Status] = [Status.FAILED] * len(keys)
+        for part in (once, again):
+            for i, s in zip(part, self.get([keys[i] for i in part], [dsts[i] for i in part])):
+                out[i] = s
         return out
 
     def _get_items(self, store: Any, keys: Sequence[Key], names: list[str], views: list[memoryview],
