@@ -1,5 +1,5 @@
 """Keys coded in their principal directions with bits allocated by
-variance (transform coding), docs/benchmarks.md ("int4 keys in their
+variance (transform coding), docs/lab/benchmarks.md ("int4 keys in their
 principal directions"): each (layer, KV head)'s keys rotated into the
 right singular vectors of the document's own keys (an optimistic basis: a
 codec would have to fit it on other text and carry it with the
@@ -13,7 +13,7 @@ channels (`c:`). Same harness and metrics as int4_variants.py.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/int4_klt.py "k4_only;k:klt4;k:klt3;c:klt4"
+    PYTHONPATH=. .venv/bin/python tools/experiments/int4_klt.py "k4_only;k:klt4;k:klt3;c:klt4"
 """
 import sys
 from pathlib import Path

@@ -1,5 +1,5 @@
 """Attention over the selection plus an estimate of the pages left out
-(docs/benchmarks.md, "the pages left out, estimated"): at 8K this model's
+(docs/lab/benchmarks.md, "the pages left out, estimated"): at 8K this model's
 attention is flat (the oracle's 1,024 tokens hold 0.84 of the mass), so a
 selection renormalised over its own tokens drops the rest of the mass and
 shifts the output toward what it kept. Here each candidate page not
@@ -14,7 +14,7 @@ recorded teacher-forced steps of one document.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_tail_estimate.py stdlib 8192 4 512,1024,2048
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_tail_estimate.py stdlib 8192 4 512,1024,2048
 """
 import sys
 
@@ -26,8 +26,8 @@ from ucm.accelerators.sparse.mass import grouped
 from ucm.accelerators.sparse.selectors import expected_range, make_selector
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import head_probs, record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import head_probs, record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL = 16, 128, 256
 TAILS = ("none", "mean", "moment", "true")

@@ -1,5 +1,5 @@
 """Keys quantised before their rotary embedding (KVQuant's pre-RoPE
-per-channel keys) and with a non-uniform 4-bit grid, docs/benchmarks.md
+per-channel keys) and with a non-uniform 4-bit grid, docs/lab/benchmarks.md
 ("int4 keys: bits where the queries look", its first table). Same harness and metrics as int4_variants.py.
 
 RoPE turns each channel pair (c, c + D/2) of a key by t x theta_c at
@@ -23,7 +23,7 @@ of each (block, layer) segment kept exact; `k:nuq` a 16-level grid per
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/int4_prerope.py "k4_only;k:pre_rel;k:pre_abs;k:nuq"
+    PYTHONPATH=. .venv/bin/python tools/experiments/int4_prerope.py "k4_only;k:pre_rel;k:pre_abs;k:nuq"
 """
 import sys
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Key bits where the queries look, docs/benchmarks.md ("int4 keys: bits
+"""Key bits where the queries look, docs/lab/benchmarks.md ("int4 keys: bits
 where the queries look"): the bits of each key channel (or tile) given by
 reverse water-filling on w x range^2 x 4^-b (the high-rate error model;
 the logit error q . dk of a channel scales with its query's energy), 4 per
@@ -26,7 +26,7 @@ by their range alone):
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/int4_qweight.py "k:qw4;k:qw4cal;k:qw4k;k:qw4ktp;c:qw4ktp_v32o"
+    PYTHONPATH=. .venv/bin/python tools/experiments/int4_qweight.py "k:qw4;k:qw4cal;k:qw4k;k:qw4ktp;c:qw4ktp_v32o"
 """
 import sys
 from pathlib import Path

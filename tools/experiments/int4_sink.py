@@ -1,4 +1,4 @@
-"""int4 and the sink token, docs/benchmarks.md ("int4: the sink token kept
+"""int4 and the sink token, docs/lab/benchmarks.md ("int4: the sink token kept
 exact"): the same harness and metrics as int4_variants.py (real SmolLM2
 KV in float32, each variant's decoded 2,048-token prefix against the exact
 one; teacher-forced KL and agreement over 256 tokens, greedy over 64).
@@ -19,14 +19,14 @@ Names:
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/int4_sink.py "old;new" 48
+    PYTHONPATH=. .venv/bin/python tools/experiments/int4_sink.py "old;new" 48
 """
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import int4_variants as iv  # noqa: E402
-from ucm.apps.codec_bench import CodecRun  # noqa: E402
+from ucm.bench.engines.codec_bench import CodecRun  # noqa: E402
 from ucm.codecs.layout import planar_layout  # noqa: E402
 from ucm.codecs.quant import Int4Codec  # noqa: E402
 

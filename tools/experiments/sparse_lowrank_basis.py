@@ -1,4 +1,4 @@
-"""How `lowrank` came about (docs/benchmarks.md, "the `lowrank` selector"):
+"""How `lowrank` came about (docs/lab/benchmarks.md, "the `lowrank` selector"):
 Loki-style selection, keys projected on a rank-r basis per (layer, KV
 head), each token's logit approximated from q P . k P, pages ranked by
 their approximate mass, on one document's recorded queries and keys
@@ -11,7 +11,7 @@ sink 128 + local 256.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_lowrank_basis.py stdlib 8192 2 512,1024,2048 2,4 essays
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_lowrank_basis.py stdlib 8192 2 512,1024,2048 2,4 essays
 """
 import sys, time
 import numpy as np
@@ -21,8 +21,8 @@ from ucm.accelerators.sparse.mass import token_mass
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL = 16, 128, 256
 

@@ -1,4 +1,4 @@
-"""The quest variants of docs/benchmarks.md ("2026-12-03 20:20-20:30: the
+"""The quest variants of docs/lab/benchmarks.md ("2026-12-03 20:20-20:30: the
 issue's 8K context"): recall (share of the layer's true attention mass
 selected, mean / 5th percentile) of the shipped selectors and of quest
 with each head weighted by its estimated share of mass outside the kept
@@ -9,7 +9,7 @@ the mean of the quest bound and the mean-key score (`mixW<T>`).
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_head_weighting.py stdlib 8192 4 512,1024,2048
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_head_weighting.py stdlib 8192 4 512,1024,2048
 
 (records queries and keys as `ucm bench sparse` does, then replays).
 """
@@ -22,8 +22,8 @@ from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig, Sel
 from ucm.accelerators.sparse.mass import grouped, token_mass
 from ucm.accelerators.sparse.selectors import make_selector, mean_score, quest_bound
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL = 16, 128, 256
 

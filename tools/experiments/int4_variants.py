@@ -1,11 +1,11 @@
-"""The int4 variants of docs/benchmarks.md ("2026-12-03 17:25: where int4's
+"""The int4 variants of docs/lab/benchmarks.md ("2026-12-03 17:25: where int4's
 loss comes from"): real SmolLM2-135M KV in float32, 4 documents x 2,048
 tokens of the bench's Opticks text, each variant's decoded prefix against
 the exact one (K / V relative error, teacher-forced KL and agreement over
 256 tokens, greedy agreement over 64), as `ucm bench codec` measures.
 
 Not part of the package: an experiment record, run with the development
-install (`PYTHONPATH=. .venv/bin/python docs/experiments/int4_variants.py
+install (`PYTHONPATH=. .venv/bin/python tools/experiments/int4_variants.py
 "int4;k4_only;v4_only;k:sink1;c:B"`). Names: `int4` the shipped codec;
 `p:ktr,ktc,vtr,vtc,permille` the native codec with other tile shapes and
 outliers (the frame records them); the others a torch model of the same
@@ -15,7 +15,7 @@ import sys, time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from ucm.apps.model import prepare
-from ucm.apps.codec_bench import find_text, blocks_of, with_blocks, greedy_after_hit, CodecRun, BLOCK_TOKENS
+from ucm.bench.engines.codec_bench import find_text, blocks_of, with_blocks, greedy_after_hit, CodecRun, BLOCK_TOKENS
 from ucm.codecs.layout import planar_layout
 
 torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""Where the closed loop's KL comes from (docs/benchmarks.md, "KL by
+"""Where the closed loop's KL comes from (docs/lab/benchmarks.md, "KL by
 position"): the 8K closed loop's two prompts, teacher-forced on dense
 greedy's 64 tokens through `SparseDecoder` (as `ucm bench sparse` does),
 per selector at one budget; per decoded position KL(dense || sparse) and
@@ -10,7 +10,7 @@ and where it is not.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_kl_positions.py 1024 quest,mean,blend
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_kl_positions.py 1024 quest,mean,blend
 """
 import sys
 
@@ -20,10 +20,10 @@ from transformers import AutoTokenizer
 
 from ucm.accelerators.sparse.base import Budget
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import load_model
-from ucm.apps.sparse_closed_loop import _generate
-from ucm.apps.sparse_tasks import find_document
-from ucm.cache import UnifiedCache
+from ucm.bench.engines.sparse_bench import load_model
+from ucm.bench.engines.sparse_closed_loop import _generate
+from ucm.bench.engines.sparse_tasks import find_document
+from ucm.cache.unified import UnifiedCache
 from ucm.connectors.transformers import TransformersConnector
 from ucm.connectors.transformers.sparse import SparseDecodeConfig, SparseDecoder
 

@@ -1,8 +1,8 @@
 """Recall of oracle, quest, moment and mean on the queries of the model's
-own continuation (docs/benchmarks.md, "the `moment` selector in the closed
+own continuation (docs/lab/benchmarks.md, "the `moment` selector in the closed
 loop at 8K"): the closed loop's two 8K prompts of Python sources, then
 teacher-forced on dense greedy's 64 tokens as recorded in
-`docs/data/sparse_bench_8k_moment.json`, every 4th step replayed (16 steps
+`docs/lab/data/sparse_bench_8k_moment.json`, every 4th step replayed (16 steps
 x 30 layers per prompt), 16-token pages, sink 128 and local 256 kept.
 Recall is the share of the layer's true attention mass selected (mean /
 5th percentile).
@@ -10,7 +10,7 @@ Recall is the share of the layer's true attention mass selected (mean /
 Not part of the package: an experiment record, run with the development
 install (about 7 minutes of 8K eager prefill per prompt on 2 cores):
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_own_continuation.py
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_own_continuation.py
 """
 import json
 from pathlib import Path
@@ -24,8 +24,8 @@ from ucm.accelerators.sparse.mass import token_mass
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL, CTX, STEPS, EVERY = 16, 128, 256, 8192, 64, 4
 RUN = Path(__file__).resolve().parents[1] / "data" / "sparse_bench_8k_moment.json"

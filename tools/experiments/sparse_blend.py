@@ -1,4 +1,4 @@
-"""How `blend` was chosen (docs/benchmarks.md, "the `blend` selector"):
+"""How `blend` was chosen (docs/lab/benchmarks.md, "the `blend` selector"):
 on one document's recorded queries and keys (teacher-forced steps), the
 attention-mass recall of quest and moment per layer, and of their blend
 `w * quest_bound + (1 - w) * moment_score` ranked by the query heads'
@@ -11,7 +11,7 @@ sink 128 + local 256, one selection per layer shared by its heads.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_blend.py stdlib 8192 4 512,1024,2048
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_blend.py stdlib 8192 4 512,1024,2048
 """
 import sys
 
@@ -23,8 +23,8 @@ from ucm.accelerators.sparse.mass import token_mass
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL = 16, 128, 256
 WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)

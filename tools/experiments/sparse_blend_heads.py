@@ -1,5 +1,5 @@
 """`blend` with each query head's best page by quest's bound kept first
-(docs/benchmarks.md, "blend with each head's best quest page"): the 8K
+(docs/lab/benchmarks.md, "blend with each head's best quest page"): the 8K
 closed loop's setting (two prompts of Python sources, 64 greedy and
 teacher-forced tokens, five 4K passkey tasks in filler), one budget. A
 test of whether the passkeys `blend` lost come back when every retrieval
@@ -9,7 +9,7 @@ here only, not shipped.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_blend_heads.py 1024
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_blend_heads.py 1024
 """
 import argparse
 import sys
@@ -34,7 +34,7 @@ class BlendHeadsSelector(BlendSelector):
 
 def main():
     selectors.SELECTORS["blendheads"] = BlendHeadsSelector
-    from ucm.apps.sparse_bench import register
+    from ucm.bench.engines.sparse_bench import register
 
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers()

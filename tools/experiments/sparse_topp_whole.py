@@ -1,4 +1,4 @@
-"""Top-p over the whole attention (docs/benchmarks.md, "the `moment`
+"""Top-p over the whole attention (docs/lab/benchmarks.md, "the `moment`
 selector, offline at 8K"): instead of p of the candidates' estimated mass,
 each query head's softmax over the kept tokens' exact logits (sink, local:
 resident) and the candidates' estimated log masses (`log 16 + s x score`
@@ -10,7 +10,7 @@ attended share of dense at each p.
 Not part of the package: an experiment record, run with the development
 install:
 
-    PYTHONPATH=. .venv/bin/python docs/experiments/sparse_topp_whole.py stdlib 8192 8 0.6,0.7,0.8,0.9,0.95
+    PYTHONPATH=. .venv/bin/python tools/experiments/sparse_topp_whole.py stdlib 8192 8 0.6,0.7,0.8,0.9,0.95
 """
 import sys
 
@@ -22,8 +22,8 @@ from ucm.accelerators.sparse.selectors import mean_score, moment_score, quest_bo
 from ucm.accelerators.sparse.summaries import units_from_keys
 from ucm.accelerators.sparse.units import candidate_units
 from ucm.apps.model import prepare
-from ucm.apps.sparse_bench import record
-from ucm.apps.sparse_tasks import find_document
+from ucm.bench.engines.sparse_bench import record
+from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL = 16, 128, 256
 
