@@ -27,8 +27,8 @@ per tier, `tiers[name]["range_bytes"]` (the bytes it delivered into the
 caller's ranges; the tier's own counters say what its medium read, e.g.
 nvme's `bytes_read`, in whole verified chunks).
 
-A mixin of UnifiedCache (ucm/cache/unified.py), whose metadata lock, placement and
-adapters it uses; the locking rules are the cache's.
+Acts on the cache's core (ucm/cache/core.py); the locking rules are the
+core's.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 
 from ucm.adapters.base import SharedSlots, Status, read_range
 from ucm.api import Key, Outcome, RangeRead, check_keys, check_ranges, check_request_id
+from ucm.cache.core import CacheCore
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,11 @@ _OUTCOME = {Status.OK: Outcome.DONE, Status.NOT_FOUND: Outcome.MISSING, Status.C
             Status.FAILED: Outcome.FAILED}
 
 
-class RangeAccess:
+class RangeReader:
     """read_ranges."""
+
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
 
     def read_ranges(self, keys: Sequence[Key], offsets: Sequence[Sequence[int]], dsts: Sequence[Sequence[Any]],
                     request_id: Optional[str] = None) -> list[RangeRead]:
@@ -61,46 +65,48 @@ class RangeAccess:
         keys = check_keys(keys)
         offsets, views = check_ranges(keys, offsets, dsts)
         request_id = check_request_id(request_id)
-        self._check_open()
+        core = self._core
+        core.check_open()
         out: list[RangeRead] = [RangeRead(Outcome.MISSING) for _ in keys]
         if not keys:
             return out
-        self.plans.adopt_shared(keys, range(len(keys)))
+        core.plans.adopt_shared(keys, range(len(keys)))
         by_tier: dict[int, list[int]] = {}
-        with self._meta:
-            self._record_locked(keys, None, request_id)
+        with core.meta:
+            core.record_locked(keys, None, request_id)
             for i, k in enumerate(keys):
-                t = self.placement.where(k)
+                t = core.placement.where(k)
                 if t is not None:
                     by_tier.setdefault(t, []).append(i)
             held = [keys[i] for idx in by_tier.values() for i in idx]
-            self.placement.hold(held)
+            core.placement.hold(held)
         try:
             for t, idx in sorted(by_tier.items()):
                 for i in idx:
                     out[i] = self._read_block_ranges(keys[i], t, offsets[i], views[i])
         finally:
-            with self._meta:
-                self.placement.unhold(held)
-        with self._meta:
-            self.placement.touch([k for k, r in zip(keys, out) if r.outcome is Outcome.DONE])
+            with core.meta:
+                core.placement.unhold(held)
+        with core.meta:
+            core.placement.touch([k for k, r in zip(keys, out) if r.outcome is Outcome.DONE])
         for r in out:
             if r.outcome is Outcome.DONE:
-                self._count("range_blocks", 1)
-                self._count(f"range_bytes.{r.tier}", r.bytes)  # stats() files it under its tier
-        self._count_served(r.tier for r in out if r.outcome is Outcome.DONE and r.tier is not None)
-        self._count("failed", sum(r.outcome is Outcome.FAILED for r in out))
-        self.plans.drain_dropped()
+                core.counters.add("range_blocks", 1)
+                core.counters.add(f"range_bytes.{r.tier}", r.bytes)  # stats() files it under its tier
+        core.counters.add_served(r.tier for r in out if r.outcome is Outcome.DONE and r.tier is not None)
+        core.counters.add("failed", sum(r.outcome is Outcome.FAILED for r in out))
+        core.plans.drain_dropped()
         return out
 
     def _read_block_ranges(self, key: Key, first: int, offsets: Sequence[int],
                            views: list[memoryview]) -> RangeRead:
         """One block's ranges from tier `first`, else (moved meanwhile) from
         the first other tier that has it."""
+        core = self._core
         n = sum(len(v) for v in views)
-        order = [first] + [t for t in range(len(self.adapters)) if t != first]
+        order = [first] + [t for t in range(len(core.adapters)) if t != first]
         for t in order:
-            adapter = self.adapters[t]
+            adapter = core.adapters[t]
             gap = 0 if isinstance(adapter, SharedSlots) else MERGE_GAP  # slots are read in place: no chunks
             spans = merged_spans(offsets, [len(v) for v in views], gap)
             # A span that is one range is read straight into its destination;
@@ -110,30 +116,32 @@ class RangeAccess:
             try:
                 statuses = read_range(adapter, [key] * len(spans), [s[0] for s in spans], bufs)
             except Exception:
-                log.exception("ucm: a range read from tier %s failed", self.tier_names[t])
-                return RangeRead(Outcome.FAILED, self.tier_names[t])
+                log.exception("ucm: a range read from tier %s failed", core.tier_names[t])
+                return RangeRead(Outcome.FAILED, core.tier_names[t])
             if all(s is Status.OK for s in statuses):
                 for (start, _, members), buf in zip(spans, bufs):
                     if isinstance(buf, bytearray):
                         with memoryview(buf) as b:
                             for j in members:
                                 views[j][:] = b[offsets[j] - start:offsets[j] - start + len(views[j])]
-                return RangeRead(Outcome.DONE, self.tier_names[t], n)
+                return RangeRead(Outcome.DONE, core.tier_names[t], n)
             bad = next(s for s in statuses if s is not Status.OK)
             if bad is not Status.NOT_FOUND:
                 if bad in (Status.CORRUPT, Status.FAILED) and self._whole_size(t, key, offsets, views):
-                    self.plans.forget(key, t)  # a bad copy, not a bad range: the tier's copy is dropped
+                    core.plans.forget(key, t)  # a bad copy, not a bad range: the tier's copy is dropped
                     if bad is Status.CORRUPT:
-                        self._count("corrupt", 1)
-                return RangeRead(_OUTCOME[bad], self.tier_names[t])
+                        core.counters.add("corrupt", 1)
+                return RangeRead(_OUTCOME[bad], core.tier_names[t])
         return RangeRead(Outcome.MISSING)
 
     def _whole_size(self, t: int, key: Key, offsets: Sequence[int], views: list[memoryview]) -> bool:
         """Whether every range lies inside the stored block (so a CORRUPT
         answer was the bytes, not the caller's range)."""
+        core = self._core
         try:
-            size = self.adapters[t].size_of(key)
-        except Exception:
+            size = core.adapters[t].size_of(key)
+        except Exception:  # unknown size: the bad answer is kept, the tier's copy is not forgotten
+            log.warning("ucm: asking tier %s for a block's size failed", core.tier_names[t], exc_info=True)
             return False
         return size is not None and all(o + len(v) <= size for o, v in zip(offsets, views))
 

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Sequence
+
+from ucm.cache.core import CacheCore
+from ucm.placement.plans import Op
 
 log = logging.getLogger(__name__)
+
+VICTIMS_PER_STEP = 4  # victims planned per tier and step: the metadata lock is held only that long
 
 
 class HeadroomReclaimer:
     """Runs `step()` on its own thread while it returns True, after each
-    `wake()`. `step` must plan under the owner's lock and run the plan
-    without it; an exception is logged, never kills the thread."""
+    `wake()`; an exception is logged, never kills the thread. `headroom`:
+    (tier, bytes kept free) per tier that keeps headroom."""
 
-    def __init__(self, step: Callable[[], bool], name: str = "ucm-reclaim") -> None:
-        self._step = step
+    def __init__(self, core: CacheCore, headroom: Sequence[tuple[int, int]], name: str = "ucm-reclaim") -> None:
+        self._core = core
+        self._headroom = list(headroom)
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -33,8 +39,27 @@ class HeadroomReclaimer:
 
     def run_now(self) -> None:
         """Makes the headroom on the caller's thread (a flush)."""
-        while not self._closed and self._step():
+        while not self._closed and self.step():
             pass
+
+    def step(self) -> bool:
+        """One round: up to VICTIMS_PER_STEP victims per tier short of its
+        headroom, planned under the metadata lock and demoted without it.
+        True when something was evicted (call again)."""
+        core = self._core
+        did = False
+        for t, free in self._headroom:
+            if core.closed or self._closed:
+                return False
+            with core.meta:
+                plan = core.placement.reclaim(t, free, max_victims=VICTIMS_PER_STEP)
+                ticket = core.plans.admit(plan) if plan else None
+            if ticket is not None:
+                did = True
+                core.counters.add("headroom_evictions", sum(s.src == t and s.op in (Op.MOVE, Op.DROP) for s in plan))
+                core.plans.run(ticket, {})
+        core.plans.drain_dropped()
+        return did
 
     def close(self) -> None:
         self._closed = True

@@ -7,8 +7,9 @@ copy in and out of the shared segment themselves; in-process callers use
 `write_slots` / `read_slots` (ucm.api.CacheAPI), which fall back to a
 scratch buffer when the landing tier declares no SharedSlots.
 
-A mixin of UnifiedCache (ucm/cache/unified.py), whose metadata lock, placement,
-plan executor and counters it uses; the locking rules are the cache's.
+Acts on the cache's core (ucm/cache/core.py), with its block I/O (for the
+scratch paths) and its stager (for blocks below the landing tier); owns the
+cache's LayerStreamer (ucm/cache/streaming.py), made by the first stream.
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from typing import Any, Optional, Sequence, Union
 from ucm.accelerators.base import BlocksLoaded, BlocksStored
 from ucm.adapters.base import SharedSlots
 from ucm.api import Key, Outcome, SlotFn, check_keys, check_parent, check_request_id, check_sizes, cut_parts
+from ucm.cache.blocks import BlockIO
+from ucm.cache.core import CacheCore
+from ucm.cache.staging import Stager
+from ucm.cache.streaming import LayerStreamer
 from ucm.errors import ArgumentError
 from ucm.placement.plans import Op, Plan
 
@@ -27,13 +32,24 @@ READ_PART_SHARE = 8  # a read_slots part stages at most 1/8 of the landing tier,
 
 
 class SlotAccess:
-    """reserve / commit / abort, acquire / release, write_slots / read_slots."""
+    """reserve / commit / abort, acquire / release, write_slots / read_slots,
+    stream_slots."""
+
+    def __init__(self, core: CacheCore, blocks: BlockIO, stager: Stager) -> None:
+        self._core = core
+        self._blocks = blocks
+        self._stager = stager
+        self._streamer: Optional[LayerStreamer] = None  # made by the first stream_slots, under core.meta
 
     def shared_arena(self) -> Optional[SharedSlots]:
         """The landing tier when it declares shared slots (ucm.adapters.base.
         SharedSlots), else None."""
-        a = self.adapters[self.placement.landing]
-        return a if isinstance(a, SharedSlots) else None
+        return self._core.shared_arena()
+
+    def close(self) -> None:
+        """Ends the streamer's threads (after the cache's I/O pool ended)."""
+        if self._streamer is not None:
+            self._streamer.close()
 
     def reserve(self, keys: Sequence[Key], sizes: Sequence[int], parent: Optional[Key] = None,
                 request_id: Optional[str] = None, counted: bool = True) -> list[Union[None, bool, memoryview]]:
@@ -47,17 +63,17 @@ class SlotAccess:
         arena = self.shared_arena()
         if arena is None:
             raise ArgumentError(f"reserve needs a shared-memory landing tier; landing is "
-                                f"{self.tier_names[self.placement.landing]!r}")
+                                f"{self._core.tier_names[self._core.placement.landing]!r}")
         keys = check_keys(keys)
         sizes = check_sizes(keys, sizes)
         parent, request_id = check_parent(parent), check_request_id(request_id)
-        landing = self.placement.landing
-        p = self.placement
+        landing = self._core.placement.landing
+        p = self._core.placement
         placed: list[Union[None, bool]] = []  # per key: True placed, False present, None refused
         plan: Plan = []
-        footprints = {size: self._footprint(size) for size in set(sizes)}  # a batch has one or few sizes
-        with self._meta:
-            self._record_locked(keys, parent, request_id, counted)
+        footprints = {size: self._core.footprint(size) for size in set(sizes)}  # a batch has one or few sizes
+        with self._core.meta:
+            self._core.record_locked(keys, parent, request_id, counted)
             for i, key in enumerate(keys):
                 d = p.insert(key, keys[i - 1] if i else parent, footprints[sizes[i]])
                 plan.extend(s for s in d.plan if s.op is not Op.WRITE)
@@ -68,8 +84,8 @@ class SlotAccess:
                     placed.append(False)
                 else:
                     break
-            ticket = self.plans.admit(plan)
-        self.plans.run(ticket, {})
+            ticket = self._core.plans.admit(plan)
+        self._core.plans.run(ticket, {})
         out: list[Union[None, bool, memoryview]] = []
         first_bad: Optional[int] = None
         for i, (key, size, state) in enumerate(zip(keys, sizes, placed)):
@@ -77,23 +93,23 @@ class SlotAccess:
                 out.append(True)
                 continue
             try:
-                view = self.tiers.reserve_slot(landing, key, size)
+                view = self._core.plans.reserve_slot(landing, key, size)
             except Exception:  # a tier that raises refuses the block; its hold and record go below
-                log.exception("ucm: reserving a slot in tier %s failed", self.tier_names[landing])
+                log.exception("ucm: reserving a slot in tier %s failed", self._core.tier_names[landing])
                 view = None
             if view is None:
                 first_bad = i
                 break
             out.append(view)
         if first_bad is not None or len(placed) < len(keys):
-            self._count("store_refused", 1)
+            self._core.counters.add("store_refused", 1)
         if first_bad is not None:  # it and the blocks after it (its descendants) are taken back
-            with self._meta:
+            with self._core.meta:
                 p.unhold([k for k, state in zip(keys[first_bad:], placed[first_bad:]) if state])
-                ticket = self.plans.admit(p.remove(keys[first_bad], landing))
-            self.plans.run(ticket, {})
+                ticket = self._core.plans.admit(p.remove(keys[first_bad], landing))
+            self._core.plans.run(ticket, {})
         out.extend([None] * (len(keys) - len(out)))
-        with self._meta:
+        with self._core.meta:
             p.touch([k for k, o in zip(keys, out) if o is not None])
         return out
 
@@ -115,21 +131,21 @@ class SlotAccess:
                 stored += slot[1]
             out.append(ok)
         if committed:
-            with self._meta:
-                self.placement.unhold(committed)
-            self._count("stored_blocks", len(committed))
-            self._count("bytes_stored", stored)
-            if self.accelerators:
-                self.accelerators.blocks_stored(BlocksStored(
-                    tuple(committed), tuple(sizes), self.tier_names[self.placement.landing], None))
-        self._wake_reclaim()
+            with self._core.meta:
+                self._core.placement.unhold(committed)
+            self._core.counters.add("stored_blocks", len(committed))
+            self._core.counters.add("bytes_stored", stored)
+            if self._core.accelerators:
+                self._core.accelerators.blocks_stored(BlocksStored(
+                    tuple(committed), tuple(sizes), self._core.tier_names[self._core.placement.landing], None))
+        self._core.wake_reclaim()
         return out
 
     def abort(self, keys: Sequence[Key]) -> None:
         """Gives back reserved slots that will not be filled."""
         keys = check_keys(keys)
         arena = self.shared_arena()
-        landing = self.placement.landing
+        landing = self._core.placement.landing
         taken = []
         for key in keys:
             if arena.slot_offset(key) is None or arena.contains([key])[0]:
@@ -139,12 +155,12 @@ class SlotAccess:
         if not taken:
             return
         undo: Plan = []
-        with self._meta:
+        with self._core.meta:
             for key in taken:
-                self.placement.unhold([key])
-                undo.extend(self.placement.remove(key, landing))
-            ticket = self.plans.admit(undo)
-        self.plans.run(ticket, {})
+                self._core.placement.unhold([key])
+                undo.extend(self._core.placement.remove(key, landing))
+            ticket = self._core.plans.admit(undo)
+        self._core.plans.run(ticket, {})
 
     def acquire(self, keys: Sequence[Key], request_id: Optional[str] = None, counted: bool = True) -> list[Any]:
         """Leases each block's slot in the shared-memory landing tier for
@@ -156,37 +172,37 @@ class SlotAccess:
             raise ArgumentError("acquire needs a shared-memory landing tier")
         keys = check_keys(keys)
         request_id = check_request_id(request_id)
-        with self._meta:
-            self._record_locked(keys, None, request_id, counted)
+        with self._core.meta:
+            self._core.record_locked(keys, None, request_id, counted)
         leases = [arena.lease(key) for key in keys]
         staging = any(le is None for le in leases)
-        landing = self.tier_names[self.placement.landing]
+        landing = self._core.tier_names[self._core.placement.landing]
         tiers: list[Optional[str]] = [landing if le is not None else None for le in leases]
         if staging:
-            self.plans.adopt_shared(keys, [i for i, le in enumerate(leases) if le is None])
+            self._core.plans.adopt_shared(keys, [i for i, le in enumerate(leases) if le is None])
             need = [i for i, le in enumerate(leases) if le is None]
-            with self._meta:  # where each staged block comes from
+            with self._core.meta:  # where each staged block comes from
                 for i in need:
-                    t = self.placement.where(keys[i])
-                    tiers[i] = None if t is None else self.tier_names[t]
+                    t = self._core.placement.where(keys[i])
+                    tiers[i] = None if t is None else self._core.tier_names[t]
 
             def lease_staged() -> None:  # before the staged blocks may be evicted again
                 for i in need:
                     leases[i] = arena.lease(keys[i])
 
-            self._stage([keys[i] for i in need], force=True, then=lease_staged)
+            self._stager.stage([keys[i] for i in need], force=True, then=lease_staged)
         n_ok = sum(le is not None for le in leases)
-        self._count_served(t for t, le in zip(tiers, leases) if le is not None and t is not None)
-        self._count("missing_blocks", len(keys) - n_ok)
-        self._count("loaded_blocks", n_ok)
-        self._count("bytes_loaded", sum(len(le.view) for le in leases if le is not None))
-        with self._meta:
-            self.placement.touch([k for k, le in zip(keys, leases) if le is not None])
-        self.plans.drain_dropped()
+        self._core.counters.add_served(t for t, le in zip(tiers, leases) if le is not None and t is not None)
+        self._core.counters.add("missing_blocks", len(keys) - n_ok)
+        self._core.counters.add("loaded_blocks", n_ok)
+        self._core.counters.add("bytes_loaded", sum(len(le.view) for le in leases if le is not None))
+        with self._core.meta:
+            self._core.placement.touch([k for k, le in zip(keys, leases) if le is not None])
+        self._core.plans.drain_dropped()
         if staging:
-            self._wake_reclaim()
-        if self.accelerators:
-            self.accelerators.blocks_loaded(BlocksLoaded(
+            self._core.wake_reclaim()
+        if self._core.accelerators:
+            self._core.accelerators.blocks_loaded(BlocksLoaded(
                 tuple(keys), tuple(Outcome.DONE if le is not None else Outcome.MISSING for le in leases),
                 tuple(t if le is not None else None for t, le in zip(tiers, leases)), request_id))
         return leases
@@ -205,7 +221,7 @@ class SlotAccess:
         keys = check_keys(keys)
         sizes = check_sizes(keys, sizes)
         parent, request_id = check_parent(parent), check_request_id(request_id)
-        self._check_open()
+        self._core.check_open()
         if not keys:
             return []
         arena = self.shared_arena()
@@ -230,7 +246,7 @@ class SlotAccess:
         try:
             fill(0, slots, segment)
         except Exception:
-            log.debug("ucm: a fill into reserved slots raised; the chunk is aborted", exc_info=True)
+            log.warning("ucm: a fill into reserved slots raised; the chunk is aborted", exc_info=True)
             self.abort(filled)
             return [Outcome.FAILED if s is not None else o for s, o in zip(slots, out)]
         ok = dict(zip(filled, self.commit(filled)))
@@ -242,17 +258,17 @@ class SlotAccess:
         for s in sizes:
             offsets.append(offsets[-1] + s)
         scratch = bytearray(offsets[-1])
-        with self._meta:
-            cached = [self.placement.contains(k) for k in keys]
+        with self._core.meta:
+            cached = [self._core.placement.contains(k) for k in keys]
         try:
             fill(0, [None if cached[i] else (offsets[i], sizes[i]) for i in range(len(keys))], scratch)
         except Exception:
-            log.debug("ucm: a fill into scratch slots raised; nothing is stored", exc_info=True)
+            log.warning("ucm: a fill into scratch slots raised; nothing is stored", exc_info=True)
             return [Outcome.FAILED] * len(keys)
         view = memoryview(scratch)
         # A block skipped as cached may have been evicted meanwhile: the
         # store stops before it rather than write its unfilled bytes.
-        return self._store(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], parent, request_id,
+        return self._blocks.store(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], parent, request_id,
                            filled=[not c for c in cached])
 
     def read_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
@@ -263,7 +279,7 @@ class SlotAccess:
         keys = check_keys(keys)
         sizes = check_sizes(keys, sizes)
         request_id = check_request_id(request_id)
-        self._check_open()
+        self._core.check_open()
         if not keys:
             return []
         arena = self.shared_arena()
@@ -273,11 +289,11 @@ class SlotAccess:
                 offsets.append(offsets[-1] + s)
             scratch = bytearray(offsets[-1])
             view = memoryview(scratch)
-            out = self._load(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], request_id)
+            out = self._blocks.load(keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(keys))], request_id)
             slots = [(offsets[i], sizes[i]) if o is Outcome.DONE else None for i, o in enumerate(out)]
             return self._fill_out(slots, out, scratch, fill)
-        with self._meta:  # the whole call is one access; its parts are not counted again
-            self._record_locked(keys, None, request_id)
+        with self._core.meta:  # the whole call is one access; its parts are not counted again
+            self._core.record_locked(keys, None, request_id)
         out: list[Outcome] = []
         for i, j in self._read_parts(sizes):
             leases = self.acquire(keys[i:j], request_id=request_id, counted=False)
@@ -304,7 +320,8 @@ class SlotAccess:
         longer than the landing tier is staged and copied part by part, as
         the service's client cuts its calls (ucm/service/client/slots.py),
         instead of losing every block past what the tier holds at once."""
-        return cut_parts(sizes, max(1, self.adapters[self.placement.landing].capacity_bytes // READ_PART_SHARE))
+        landing = self._core.adapters[self._core.landing]
+        return cut_parts(sizes, max(1, landing.capacity_bytes // READ_PART_SHARE))
 
     def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
                      request_id: Optional[str] = None, words: Optional[memoryview] = None,
@@ -321,12 +338,10 @@ class SlotAccess:
         bad = [s for s in sizes if s % layers]
         if bad:
             raise ArgumentError(f"stream_slots: block sizes must be multiples of layers={layers}, got {bad[0]}")
-        self._check_open()
-        with self._meta:
+        self._core.check_open()
+        with self._core.meta:
             if self._streamer is None:
-                from ucm.cache.streaming import LayerStreamer
-
-                self._streamer = LayerStreamer(self)
+                self._streamer = LayerStreamer(self._core, self._blocks, self._stager)
             streamer = self._streamer
         return streamer.start(keys, sizes, layers, request_id, words, on_done)
 
@@ -336,7 +351,7 @@ class SlotAccess:
             try:
                 fill(first, slots, arena)
             except Exception:
-                log.debug("ucm: a fill out of leased slots raised", exc_info=True)
+                log.warning("ucm: a fill out of leased slots raised", exc_info=True)
                 return [Outcome.FAILED if o is Outcome.DONE else o for o in out]
         return out
 

@@ -1,9 +1,9 @@
-"""Staging: copying blocks held only below the landing tier up into it
+"""Stager: copying blocks held only below the landing tier up into it
 (`prefetch`, a reader's `acquire`, a streamed load), and joining a staging
 that another caller runs for the same block.
 
-A mixin of UnifiedCache (ucm/cache/unified.py), whose metadata lock, placement,
-plan executor and counters it uses; the locking rules are the cache's.
+Acts on the cache's core (ucm/cache/core.py); the blocks being staged now
+are its own state, guarded by the core's metadata lock.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 from ucm.api import Key, Outcome
+from ucm.cache.core import CacheCore
 from ucm.placement.plans import Op, Plan
 from ucm.tiers.stack import BatchRead
 
@@ -21,27 +22,32 @@ log = logging.getLogger(__name__)
 STAGE_JOIN_TIMEOUT_S = 30.0
 
 
-class Staging:
-    """`_prefetch` and `_stage`; `_staging` (block -> the staging copying it
-    now) is the cache's, guarded by its metadata lock."""
+class Stager:
+    """prefetch, stage."""
 
-    def _prefetch(self, keys: list[Key]) -> list[Outcome]:
-        self.plans.adopt_shared(keys, range(len(keys)))
-        self._stage(keys, force=False)
-        with self._meta:
-            landing = self.placement.landing
-            out = [Outcome.DONE if self.placement.where(k) == landing and k not in self._staging
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
+        self._staging: dict[Key, threading.Event] = {}  # block -> the staging copying it now (under core.meta)
+
+    def prefetch(self, keys: list[Key]) -> list[Outcome]:
+        """Stages the blocks the policy lets in; DONE for a block in the
+        landing tier, its copy landed."""
+        core = self._core
+        core.plans.adopt_shared(keys, range(len(keys)))
+        self.stage(keys, force=False)
+        with core.meta:
+            landing = core.placement.landing
+            out = [Outcome.DONE if core.placement.where(k) == landing and k not in self._staging
                    else Outcome.MISSING for k in keys]
-        self.plans.drain_dropped()
-        self._wake_reclaim()
+        core.plans.drain_dropped()
+        core.wake_reclaim()
         return out
 
-    def _stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None,
-               read: Optional[BatchRead] = None,
-               planned: Optional[Callable[[list[Key]], Any]] = None) -> None:
+    def stage(self, keys: Sequence[Key], force: bool, then: Optional[Callable[[], Any]] = None,
+              read: Optional[BatchRead] = None, planned: Optional[Callable[[list[Key]], Any]] = None) -> None:
         """Copies the blocks of `keys` held only below the landing tier up
         into it (`force`: without asking the policy, for a reader). Every
-        promotion is planned first under one hold of `_meta`, so that the
+        promotion is planned first under one hold of the metadata lock, so that the
         evictions they need run before, and the reads as one batch per
         source tier (in parallel on the adapter's I/O threads) instead of
         one block at a time. The staged blocks are held until `then()` ran
@@ -59,37 +65,41 @@ class Staging:
         are there. A staging marks its copies landed as soon as its run
         ends, before it joins others, so two stagings never wait on each
         other."""
-        landing = self.placement.landing
+        core = self._core
+        landing = core.placement.landing
         plan: Plan = []
         staged: list[Key] = []
         joined: list[threading.Event] = []
         landed = threading.Event()
-        with self._meta:
+        with core.meta:
             for key in keys:
-                src = self.placement.where(key)
+                src = core.placement.where(key)
                 if src is None or src <= landing:
                     ev = self._staging.get(key)
                     if ev is not None and ev not in joined:
                         joined.append(ev)
                     continue
-                d = self.placement.promote(key, force=force)
+                d = core.placement.promote(key, force=force)
                 plan.extend(d.plan)
                 if d.placed:  # later promotions must not pick it as a victim before its copy
-                    self.placement.hold([key])
+                    core.placement.hold([key])
                     staged.append(key)
                     self._staging[key] = landed
             # The evictions first, then the copies as one run (one batched read
             # per source tier); the staged blocks are held, so no eviction names one.
             plan = [s for s in plan if s.op is not Op.COPY] + [s for s in plan if s.op is Op.COPY]
-            ticket = self.plans.admit(plan)
+            ticket = core.plans.admit(plan)
         try:
             try:
                 if planned is not None:
                     mine = set(staged)
-                    planned([k for k in keys if k not in mine])
-                self.plans.run(ticket, {}, read)
+                    try:
+                        planned([k for k in keys if k not in mine])
+                    except Exception:  # the admitted steps must still run: later operations on the keys wait for them
+                        log.exception("ucm: a staging's planned() callback failed; the staging goes on")
+                core.plans.run(ticket, {}, read)
             finally:
-                with self._meta:
+                with core.meta:
                     for key in staged:
                         if self._staging.get(key) is landed:
                             del self._staging[key]
@@ -101,5 +111,5 @@ class Staging:
             if then is not None:
                 then()
         finally:
-            with self._meta:
-                self.placement.unhold(staged)
+            with core.meta:
+                core.placement.unhold(staged)

@@ -2,14 +2,14 @@
 process of the cache (an engine's own UnifiedCache, or `ucm serve`).
 
 A stream leases, at once, the blocks already in the landing tier; the
-others are staged as a reader's staging is (`UnifiedCache._stage`, forced,
+others are staged as a reader's staging is (`Stager.stage`, forced,
 planned in one hold of the metadata lock, the staged blocks held until
 leased), except that the batched read of the blocks into their reserved
 slots is replaced by one range read per layer (`read_range`: verified per
 32 KiB chunk on nvme, per chunk table on fs, whole-blob fallback elsewhere),
 every layer submitted at once to a pool of `threads` threads in layer
 order, so that layer 0 lands first while later layers are still being
-read (two layers per read for SmolLM2's block: `SPAN_BYTES`). A tier
+read (at least `SPAN_BYTES` of a block per read). A tier
 without range reads (redis, mooncake) is read a whole block at a time, as
 a staging reads it: a range from it would cost a whole-blob read each. A
 codec tier (LayerReads) reads and verifies its blocks' frames once, then
@@ -35,15 +35,15 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ucm.accelerators.base import BlocksLoaded
 from ucm.adapters.base import LayerReads, RangeReads, Status, StorageAdapter, read_range
 from ucm.api import Key, Outcome
+from ucm.cache.blocks import BlockIO
+from ucm.cache.core import CacheCore
+from ucm.cache.staging import Stager
 from ucm.layer_stream import LayerStream, StreamProgress, word_count
-
-if TYPE_CHECKING:
-    from ucm.cache.unified import UnifiedCache
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ SLOTS_TIMEOUT_S = 30.0
 JOB_THREADS = 16
 # Bytes of each block one range read covers at least (whole layers): small
 # reads cost more per byte on the medium and in Python than they gain.
-SPAN_BYTES = 192 * 1024  # two layers of SmolLM2's block: measured as fast as a whole-block read, first layer ~8 ms
+SPAN_BYTES = 192 * 1024  # a few layers of a typical block: large enough for the medium, small enough to land early
 
 
 class CacheStream(LayerStream):
@@ -108,6 +108,33 @@ class CacheStream(LayerStream):
             if not self.pending:
                 self.slots_known.set()
 
+    def set_release(self, release_leases: Callable[[list], None]) -> None:
+        """How the stream's leases go back (to the arena that lent them)."""
+        self._release_leases = release_leases
+
+    def close_pending(self) -> None:
+        """`start`'s end: blocks still without a slot are misses; the slots
+        are what the reader sees from now on."""
+        with self._lock:
+            for i in self.pending:
+                self.progress.fail(i)
+            self.pending.clear()
+            self.slots = list(self.slots)
+
+    def abandon(self) -> None:
+        """A stream that failed to start (no job runs for it): the leases it
+        took go back, every block is a miss, the words are final."""
+        with self._lock:
+            leases, self.leases = [le for le in self.leases if le is not None], [None] * len(self.keys)
+            self.slots = [None] * len(self.keys)
+            self.pending.clear()
+        try:
+            self._release_leases(leases)
+        except Exception:
+            log.exception("ucm: giving back a failed stream's leases failed")
+        self.progress.finish([False] * len(self.keys))
+        self.finished()
+
     def finished(self) -> None:
         """The staging job ended; the words are final."""
         with self._lock:
@@ -130,10 +157,14 @@ class CacheStream(LayerStream):
 
 
 class LayerStreamer:
-    """Streamed loads of one UnifiedCache (see the module docstring)."""
+    """Streamed loads of one cache (see the module docstring): its core, its
+    block I/O (the scratch path) and its stager (the staged path)."""
 
-    def __init__(self, cache: "UnifiedCache", threads: int = 4, span_bytes: Optional[int] = None) -> None:
-        self._cache = cache
+    def __init__(self, core: CacheCore, blocks: BlockIO, stager: Stager, threads: int = 4,
+                 span_bytes: Optional[int] = None) -> None:
+        self._core = core
+        self._blocks = blocks
+        self._stager = stager
         self.span_bytes = span_bytes or SPAN_BYTES
         self._jobs = ThreadPoolExecutor(max_workers=JOB_THREADS, thread_name_prefix="ucm-stream")
         self._layer_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucm-layer")
@@ -149,21 +180,21 @@ class LayerStreamer:
         `layers`). `words`: where to publish progress (word_count(len(keys))
         'I' items; default process memory). `on_done(stream)`: called once
         the words are final."""
-        cache = self._cache
+        core = self._core
         n = len(keys)
         if words is None:
             words = memoryview(bytearray(4 * word_count(n))).cast("I")
         progress = StreamProgress(words, n, layers)
-        arena = cache.shared_arena()
+        arena = core.shared_arena()
         segment = arena.segment_view() if arena is not None else bytearray(sum(sizes))
         st = CacheStream(keys, sizes, layers, segment, progress, on_done)
         try:
-            with cache._meta:
-                cache._record_locked(keys, None, request_id)
+            with core.meta:
+                core.record_locked(keys, None, request_id)
             if arena is None:  # no shared slots: whole blocks into a scratch buffer, then every layer at once
                 self._jobs.submit(self._scratch_job, st, request_id)
                 return st
-            st._release_leases = lambda leases: [arena.release(le) for le in leases]
+            st.set_release(lambda leases: [arena.release(le) for le in leases])
             need: list[int] = []
             for i, key in enumerate(keys):
                 try:
@@ -180,49 +211,31 @@ class LayerStreamer:
                     st.leases[i] = lease
                     st.slots[i] = (lease.offset, lease.length)
                     progress.all_landed(i)
-            landing = cache.tier_names[cache.placement.landing]
+            landing = core.tier_names[core.landing]
             st.served = [landing if le is not None else None for le in st.leases]
             if need:
-                with cache._meta:
+                with core.meta:
                     for i in need:
-                        t = cache.placement.where(keys[i])
-                        st.served[i] = None if t is None else cache.tier_names[t]
+                        t = core.placement.where(keys[i])
+                        st.served[i] = None if t is None else core.tier_names[t]
                 st.pending = set(need)
-                cache.plans.adopt_shared(keys, need)
+                core.plans.adopt_shared(keys, need)
                 self._jobs.submit(self._stage_job, st, need, arena, request_id)
         except Exception:  # a cache fault is a miss, never an exception (LayerStreams)
             log.exception("ucm: starting a streamed load failed; its blocks are misses")
-            self._abandon(st)
+            st.abandon()
             return st
         if not need:
             self._settle(st, request_id, staged=0)
             return st
         if not st.slots_known.wait(SLOTS_TIMEOUT_S):
             log.warning("ucm: a stream's slots took over %.0f s; its unplaced blocks are misses", SLOTS_TIMEOUT_S)
-        with st._lock:
-            for i in st.pending:
-                progress.fail(i)
-            st.pending.clear()
-            st.slots = list(st.slots)  # what the reader sees from now on
+        st.close_pending()
         return st
-
-    def _abandon(self, st: CacheStream) -> None:
-        """A stream that failed to start (no job runs for it): the leases it
-        took go back, every block is a miss, the words are final."""
-        with st._lock:
-            leases, st.leases = [le for le in st.leases if le is not None], [None] * len(st.keys)
-            st.slots = [None] * len(st.keys)
-            st.pending.clear()
-        try:
-            st._release_leases(leases)
-        except Exception:
-            log.exception("ucm: giving back a failed stream's leases failed")
-        st.progress.finish([False] * len(st.keys))
-        st.finished()
 
     # ---- jobs -----------------------------------------------------------------
     def _stage_job(self, st: CacheStream, need: list[int], arena: Any, request_id: Optional[str]) -> None:
-        cache = self._cache
+        core = self._core
         progress = st.progress
 
         def read(adapter: StorageAdapter, keys: list[Key], views: list[memoryview]) -> list[Status]:
@@ -262,11 +275,11 @@ class LayerStreamer:
                 st.leases[i] = lease
 
         try:
-            cache._stage([st.keys[i] for i in need], force=True, then=lease_staged, read=read, planned=planned)
+            self._stager.stage([st.keys[i] for i in need], force=True, then=lease_staged, read=read, planned=planned)
         except Exception:
             log.exception("ucm: a streamed staging failed; its blocks are misses")
-        cache.plans.drain_dropped()
-        cache._wake_reclaim()
+        core.plans.drain_dropped()
+        core.wake_reclaim()
         self._settle(st, request_id, staged=len(need))
 
     def _scratch_job(self, st: CacheStream, request_id: Optional[str]) -> None:
@@ -275,7 +288,7 @@ class LayerStreamer:
             offsets.append(offsets[-1] + s)
         view = memoryview(st.arena)
         try:
-            out = self._cache._load(st.keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(st.keys))],
+            out = self._blocks.load(st.keys, [view[offsets[i]:offsets[i + 1]] for i in range(len(st.keys))],
                                     request_id)
         except Exception:
             log.exception("ucm: a streamed load into scratch failed")
@@ -359,20 +372,21 @@ class LayerStreamer:
         return status
 
     def _settle(self, st: CacheStream, request_id: Optional[str], staged: int) -> None:
-        cache = self._cache
+        core = self._core
         done = [le is not None for le in st.leases]
         st.progress.finish(done)
         n_ok = sum(done)
-        cache._count("streams", 1)
-        cache._count("streamed_blocks", staged)
-        cache._count("loaded_blocks", n_ok)
-        cache._count("missing_blocks", len(done) - n_ok)
-        cache._count("bytes_loaded", sum(s for s, d in zip(st.sizes, done) if d))
-        cache._count_served(t for t, d in zip(st.served, done) if d and t is not None)
-        with cache._meta:
-            cache.placement.touch([k for k, d in zip(st.keys, done) if d])
-        if cache.accelerators:
-            cache.accelerators.blocks_loaded(BlocksLoaded(
+        counters = core.counters
+        counters.add("streams", 1)
+        counters.add("streamed_blocks", staged)
+        counters.add("loaded_blocks", n_ok)
+        counters.add("missing_blocks", len(done) - n_ok)
+        counters.add("bytes_loaded", sum(s for s, d in zip(st.sizes, done) if d))
+        counters.add_served(t for t, d in zip(st.served, done) if d and t is not None)
+        with core.meta:
+            core.placement.touch([k for k, d in zip(st.keys, done) if d])
+        if core.accelerators:
+            core.accelerators.blocks_loaded(BlocksLoaded(
                 tuple(st.keys), tuple(Outcome.DONE if d else Outcome.MISSING for d in done),
                 tuple(t if d else None for t, d in zip(st.served, done)), request_id))
         st.finished()
