@@ -4,8 +4,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from ucm.placement import Op, TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Op, Placement, TierSpec
 from ucm.placement.policies.base import load_policy
 
 POLICIES = sorted({ep.name for ep in entry_points(group="ucm.policies")} - {"opt"})
@@ -30,7 +30,7 @@ def check(p, pinned):
 @pytest.mark.parametrize("tiers", [(6,), (4, 9)])
 def test_random_requests_keep_every_invariant(policy, tiers):
     rnd = random.Random(42)
-    p = Placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy), HeatTracker(50))
+    p = make_placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy), HeatTracker(50))
     pinned = set()
     docs = [[key(d, i) for i in range(rnd.randrange(1, 8))] for d in range(12)]
     for step in range(400):
@@ -55,7 +55,7 @@ def test_random_requests_keep_every_invariant(policy, tiers):
 
 
 def test_plans_name_every_byte_movement():
-    p = Placement([TierSpec("dram", 2), TierSpec("nvme", 3)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 2), TierSpec("nvme", 3)], load_policy("lru"))
     a, b, c = key("a", 0), key("a", 1), key("a", 2)
     p.record_request([a, b, c])
     steps = []
@@ -69,7 +69,7 @@ def test_plans_name_every_byte_movement():
 
 
 def test_remove_drops_the_orphaned_subtree():
-    p = Placement([TierSpec("dram", 10)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 10)], load_policy("lru"))
     ks = [key("r", i) for i in range(4)]
     for i, k in enumerate(ks):
         p.insert(k, ks[i - 1] if i else None, 1)
@@ -79,7 +79,7 @@ def test_remove_drops_the_orphaned_subtree():
 
 
 def test_child_without_parent_is_refused_and_pins_hold():
-    p = Placement([TierSpec("dram", 2)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 2)], load_policy("lru"))
     a, b, x = key("p", 0), key("p", 1), key("x", 0)
     assert not p.insert(b, a, 1).placed
     assert p.insert(a, None, 1).placed and p.insert(x, None, 1).placed
@@ -91,7 +91,7 @@ def test_child_without_parent_is_refused_and_pins_hold():
 
 
 def test_reclaim_demotes_victims_until_the_headroom_is_free():
-    p = Placement([TierSpec("dram", 6), TierSpec("nvme", 10)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 6), TierSpec("nvme", 10)], load_policy("lru"))
     ks = [key("h", i) for i in range(6)]
     p.record_request(ks)
     for i, k in enumerate(ks):
@@ -115,7 +115,7 @@ def test_a_reader_stages_a_pinned_prefix_longer_than_the_landing_tier(policy):
     reader staging its own pinned prefix, block by block, through a landing
     tier smaller than the prefix makes room from the copies it staged
     before (they are still below), so every block can be staged."""
-    p = Placement([TierSpec("dram", 3), TierSpec("nvme", 20)], load_policy(policy), HeatTracker(50))
+    p = make_placement([TierSpec("dram", 3), TierSpec("nvme", 20)], load_policy(policy), HeatTracker(50))
     ks = [key("doc", i) for i in range(6)]
     p.record_request(ks)
     for i, k in enumerate(ks):
@@ -141,7 +141,7 @@ def test_a_reader_stages_a_pinned_prefix_longer_than_the_landing_tier(policy):
 
 
 def test_a_pinned_block_with_no_other_copy_is_never_a_victim():
-    p = Placement([TierSpec("dram", 2), TierSpec("nvme", 2)], load_policy("lru"), HeatTracker(50))
+    p = make_placement([TierSpec("dram", 2), TierSpec("nvme", 2)], load_policy("lru"), HeatTracker(50))
     a = [key("a", i) for i in range(2)]
     p.record_request(a)
     for i, k in enumerate(a):
@@ -154,12 +154,12 @@ def test_a_pinned_block_with_no_other_copy_is_never_a_victim():
     check(p, a)  # demoted at most (one copy, somewhere), never dropped
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_a_promotion_is_a_use_of_the_copy_it_reads_and_keeps_it_in_the_lowest_tier(native):
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_promotion_is_a_use_of_the_copy_it_reads_and_keeps_it_in_the_lowest_tier(engine):
     # DRAM of 1 block over NVMe of 3, lru: `doc` is demoted first, then used through DRAM
     # (promoted, read from NVMe, its NVMe copy staying) and dropped from DRAM again
     # (free: the NVMe copy is there). The fillers demoted before that use go first.
-    p = Placement([TierSpec("dram", 1), TierSpec("nvme", 3)], load_policy("lru"), native=native)
+    p = make_placement([TierSpec("dram", 1), TierSpec("nvme", 3)], load_policy("lru"), engine=engine)
     doc, fillers = key("doc", 0), [key("f", i) for i in range(4)]
     assert p.insert(doc, None, 1).placed
     for f in fillers[:2]:

@@ -5,8 +5,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from ucm.placement import Op, TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Op, Placement, TierSpec
 from ucm.placement.policies.base import load_policy
 
 
@@ -18,7 +18,7 @@ def key(prefix, i):
 
 
 def two_tiers(cap0=10, cap1=100, policy="lru"):
-    return Placement([TierSpec("dram", cap0), TierSpec("nvme", cap1)], load_policy(policy), HeatTracker(50))
+    return make_placement([TierSpec("dram", cap0), TierSpec("nvme", cap1)], load_policy(policy), HeatTracker(50))
 
 
 def store(p, keys, tier=0):
@@ -74,7 +74,7 @@ def test_any_one_lets_the_policy_pick_among_the_named():
 
 
 def test_in_the_lowest_tier_a_parent_leaves_only_with_its_children():
-    p = Placement([TierSpec("dram", 10)], load_policy("lru"), HeatTracker(50))
+    p = make_placement([TierSpec("dram", 10)], load_policy("lru"), HeatTracker(50))
     a = [key("a", i) for i in range(3)]
     store(p, a)
     assert not p.may_evict(0, [a[1]], relaxed=True)  # a2 would be orphaned

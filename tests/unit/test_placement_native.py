@@ -1,8 +1,8 @@
 """The native placement core against the Python path: every decision, step by step.
 
 Each policy with a native twin replays the same generated workload through
-`Placement(..., native=False)` and `Placement(..., native=True)`: requests
-over a prefix forest (shared prefixes, branches, continuations), stored per
+`make_placement(..., engine="python")` and `make_placement(...,
+engine="native")`: requests over a prefix forest (shared prefixes, branches, continuations), stored per
 block and as runs, hits promoted, pins and holds, reclaims, removals,
 adapter-named evictions and restored blocks; every plan, every placed flag
 and, after each request, every tier's contents and counters must agree.
@@ -12,11 +12,13 @@ import random
 import pytest
 
 from ucm.errors import ArgumentError
+from ucm.placement import Decision, Op, Step, TierSpec, make_placement
+from ucm.placement.engine import PythonPlacement
 from ucm.placement.heat import INF, HeatTracker
-from ucm.placement.engine import Decision, Op, Placement, Step, TierSpec
 from ucm.placement.native import NativePlacement
 from ucm.placement.policies.base import load_policy, load_policy_class, policy_names
 
+ENGINES = ("python", "native")
 # Every installed policy whose class declares a native twin.
 NATIVE = [n for n in policy_names() if load_policy_class(n).__dict__.get("native")]
 
@@ -59,11 +61,11 @@ class Pair:
 
     def __init__(self, policy, tiers, landing=0, history=400):
         specs = [TierSpec(f"t{i}", c) for i, c in enumerate(tiers)]
-        self.py = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=history), landing=landing,
-                            native=False)
-        self.nat = Placement(specs, load_policy(policy), HeatTracker(50, history_blocks=history), landing=landing,
-                             native=True)
-        assert type(self.py) is Placement and type(self.nat) is NativePlacement
+        self.py = make_placement(specs, load_policy(policy), HeatTracker(50, history_blocks=history),
+                                 landing=landing, engine="python")
+        self.nat = make_placement(specs, load_policy(policy), HeatTracker(50, history_blocks=history),
+                                  landing=landing, engine="native")
+        assert type(self.py) is PythonPlacement and type(self.nat) is NativePlacement
         self.links = [set(), set()]
         self.refused = 0  # inserts (or runs) that stopped at a block not placed
         for i, p in enumerate((self.py, self.nat)):
@@ -172,7 +174,7 @@ def test_same_decisions_when_history_forgets_parents(policy):
     pair = Pair(policy, (6, 12))
     for i, p in enumerate((pair.py, pair.nat)):  # a tiny history: parents are forgotten while resident
         heat = HeatTracker(50, history_blocks=8)
-        new = Placement(specs, load_policy(policy), heat, native=bool(i))
+        new = make_placement(specs, load_policy(policy), heat, engine=ENGINES[i])
         new.watch(pair.links[i].add, pair.links[i].discard)
         if i:
             pair.nat = new
@@ -255,7 +257,7 @@ def test_opt_same_decisions_when_history_forgets_next_uses():
     reqs = workload(6, 300)
     pair = Pair("opt", (6, 12))
     for i in range(2):  # a tiny history: resident blocks' next uses are forgotten (INF)
-        new = Placement(specs, load_policy("opt"), HeatTracker(50, history_blocks=10), native=bool(i))
+        new = make_placement(specs, load_policy("opt"), HeatTracker(50, history_blocks=10), engine=ENGINES[i])
         new.watch(pair.links[i].add, pair.links[i].discard)
         pair.links[i].clear()
         if i:
@@ -368,13 +370,13 @@ def test_policies_without_a_native_twin_stay_on_the_python_path():
         name = "mine"
 
     for bound in (BoundPolicy("mine", Mine, {}),):
-        assert type(Placement([TierSpec("dram", 4)], bound, HeatTracker())) is Placement
+        assert type(make_placement([TierSpec("dram", 4)], bound, HeatTracker())) is PythonPlacement
         with pytest.raises(ArgumentError, match="no native twin"):
-            Placement([TierSpec("dram", 4)], bound, HeatTracker(), native=True)
+            make_placement([TierSpec("dram", 4)], bound, HeatTracker(), engine="native")
     # A factory that is not a BoundPolicy (a third-party callable) runs in Python too.
     factory = load_policy("lru")
-    p = Placement([TierSpec("dram", 4)], lambda tier, heat: factory(tier, heat))
-    assert type(p) is Placement
+    p = make_placement([TierSpec("dram", 4)], lambda tier, heat: factory(tier, heat))
+    assert type(p) is PythonPlacement
 
 
 def test_a_subclass_does_not_inherit_the_native_twin():
@@ -390,21 +392,21 @@ def test_a_subclass_does_not_inherit_the_native_twin():
 
 def test_more_tiers_than_the_core_takes_keep_the_python_path():
     specs = [TierSpec(f"t{i}", 4) for i in range(9)]
-    assert type(Placement(specs, load_policy("lru"))) is Placement
+    assert type(make_placement(specs, load_policy("lru"))) is PythonPlacement
     with pytest.raises(ArgumentError, match="at most 8"):
-        Placement(specs, load_policy("lru"), native=True)
-    assert type(Placement(specs[:8], load_policy("lru"))) is NativePlacement
+        make_placement(specs, load_policy("lru"), engine="native")
+    assert type(make_placement(specs[:8], load_policy("lru"))) is NativePlacement
 
 
 def test_a_tracker_with_history_keeps_the_python_path():
     heat = HeatTracker()
     heat.tick()
     heat.touch(key(1))
-    assert type(Placement([TierSpec("dram", 4)], load_policy("lru"), heat)) is Placement
+    assert type(make_placement([TierSpec("dram", 4)], load_policy("lru"), heat)) is PythonPlacement
 
 
 def test_plans_are_steps_of_the_python_types():
-    p = Placement([TierSpec("dram", 2), TierSpec("nvme", 4)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 2), TierSpec("nvme", 4)], load_policy("lru"))
     a, b, c = key(1), key(2), key(3)
     p.record_request([a, b, c])
     d = p.insert_run([a, b, c], None, [1, 1, 1])
@@ -424,7 +426,7 @@ def test_plans_are_steps_of_the_python_types():
 
 
 def test_long_and_short_keys_round_trip():
-    p = Placement([TierSpec("dram", 10)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 10)], load_policy("lru"))
     keys = [b"", b"a", b"x" * 16, b"y" * 17, b"z" * 40]
     p.record_request(keys)
     d = p.insert_run(keys, None, [1] * len(keys))
@@ -543,9 +545,9 @@ def test_parent_links_that_form_a_cycle_end_every_walk(policy):
         pair.check()
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_next_uses_of_the_wrong_length_or_nan_are_refused_before_anything_is_recorded(native):
-    p = Placement([TierSpec("dram", 4)], load_policy("opt"), HeatTracker(), native=native)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_next_uses_of_the_wrong_length_or_nan_are_refused_before_anything_is_recorded(engine):
+    p = make_placement([TierSpec("dram", 4)], load_policy("opt"), HeatTracker(), engine=engine)
     a, b = key(1), key(2)
     with pytest.raises(ArgumentError, match="2 keys but 3 next uses"):
         p.record_request([a, b], next_uses=[1.0, 2.0, 3.0])

@@ -5,8 +5,8 @@ from importlib.metadata import entry_points
 import pytest
 
 from ucm.errors import ArgumentError
+from ucm.placement import Op, RunDecision, Step, TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Op, Placement, RunDecision, Step, TierSpec
 from ucm.placement.policies.base import load_policy
 
 POLICIES = sorted(ep.name for ep in entry_points(group="ucm.policies"))
@@ -31,8 +31,8 @@ def state(p):
 def test_insert_run_makes_the_decisions_of_one_insert_per_block(policy, tiers):
     runs = []
     for batched in (False, True):
-        p = Placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy),
-                      HeatTracker(50))
+        p = make_placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy),
+                           HeatTracker(50))
         plans = []
         for keys in requests(7):
             p.record_request(keys)
@@ -58,7 +58,7 @@ def test_insert_run_makes_the_decisions_of_one_insert_per_block(policy, tiers):
 
 
 def test_run_decision_flags_each_key_and_stops_at_the_first_refusal():
-    p = Placement([TierSpec("dram", 3)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 3)], load_policy("lru"))
     a, b, c, d = (key(i) for i in range(4))
     p.record_request([a, b])
     assert p.insert(a, None, 1).placed
@@ -73,7 +73,7 @@ def test_run_decision_flags_each_key_and_stops_at_the_first_refusal():
 
 
 def test_insert_run_checks_its_arguments():
-    p = Placement([TierSpec("dram", 3)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 3)], load_policy("lru"))
     with pytest.raises(ArgumentError, match="2 keys but 1 sizes"):
         p.insert_run([key(1), key(2)], None, [1])
     with pytest.raises(ArgumentError, match="size_bytes must be > 0"):
@@ -82,7 +82,7 @@ def test_insert_run_checks_its_arguments():
 
 
 def test_a_run_longer_than_the_landing_tier_demotes_its_own_prefix():
-    p = Placement([TierSpec("dram", 4), TierSpec("nvme", 40)], load_policy("lru"))
+    p = make_placement([TierSpec("dram", 4), TierSpec("nvme", 40)], load_policy("lru"))
     keys = [key(i) for i in range(16)]
     p.record_request(keys)
     run = p.insert_run(keys, None, [1] * 16)

@@ -1,45 +1,19 @@
-"""Placement: which tier holds which block, and every decision that moves one.
+"""PythonPlacement: the Python reference engine of block placement.
 
 This is the metadata half of UnifiedCache, shared with the trace replay
-(`ucm bench trace`), which runs it without moving payload bytes. It keeps,
-per tier, the resident blocks, their bytes and a placement policy; across
-tiers, the prefix tree (parents and resident children) and pins. It never
-touches payloads: operations return a `Plan`, a list of `Step`s the caller
-executes in order (the cache against its adapters; the replay ignores them;
-the vocabulary is in ucm/placement/plans.py, which the executors import instead of
-this module).
-Metadata is updated when the plan is made; a step that fails afterwards is
-reported back with `remove()`.
+(`ucm bench trace`), which runs it without moving payload bytes. It
+implements `PlacementEngine` (ucm/placement/base.py: the contract, its
+invariants and batched calls) with any policy, third-party ones included;
+the C++ core (ucm/placement/native.py) makes exactly the same decisions for
+the policies with a native twin, and `make_placement`
+(ucm/placement/factory.py) picks between the two.
 
-Invariants it keeps:
-- a block is resident in a tier only if its parent is resident somewhere
-  (a child without its prefix is useless), so a parent never leaves the
-  cache before its children;
-- a held block (`hold`: a reservation being written, a block being staged
-  or read) is never a victim; a pinned block (`pin`: a hit promised to an
-  engine) never leaves the cache: it is a victim in a tier only while
-  another tier holds it too (dropping that copy keeps it cached), so a
-  reader staging its own pinned prefix through a small tier can always make
-  room from the copies it staged before;
-- within a tier, blocks with resident children there are victims only when
-  nothing else is evictable, and then only by demotion to the tier below
-  (the prefix stays cached);
-- `used_bytes(t) <= capacity_bytes(t)` after every operation.
+State: per tier, the resident blocks with their sizes, the count of
+resident children per parent and the policy instance; across tiers, a bit
+mask of the tiers holding each key, the prefix tree (parent per key and
+resident children in link order), sizes, pins and holds.
 
-Batched calls: `record_request` and `touch` take a request's keys, and
-`insert_run` stores a run of consecutive blocks of one prompt with one plan,
-so the owner takes its lock once per request. They make exactly the
-decisions of the per-block calls made in the same order.
-
-Two implementations behind one class: when the policy has a native twin
-(`native` on the policy class, see ucm/placement/policies/base.py) `Placement(...)`
-builds a `NativePlacement` (ucm/placement/native.py), which keeps all of the
-state below in the C++ core (cpp/src/placement.cpp) and makes exactly the
-same decisions; otherwise the Python code here runs, with any policy.
-`native=False` forces the Python path, `native=True` demands the native one.
-
-Not thread-safe: the owner serialises calls (the native core releases the
-GIL in its batched calls, so unserialised calls are a data race there).
+Not thread-safe: the owner serialises calls.
 """
 from __future__ import annotations
 
@@ -49,12 +23,10 @@ from typing import Callable, Iterable, Optional, Sequence
 from ucm.errors import ArgumentError
 from ucm.placement.heat import HeatTracker, Key
 from ucm.placement.plans import (Decision, Op, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
-                       check_tiers)
+                                check_tiers)
 from ucm.placement.policies.base import Admission, PlacementPolicy, PolicyFactory, TierInfo
 
-# The plan vocabulary lives in ucm/placement/plans.py; the names stay importable from here.
-__all__ = ["Decision", "Op", "Placement", "Plan", "RunDecision", "Step", "TierCounters", "TierSpec",
-           "check_next_uses", "check_tiers"]
+__all__ = ["PythonPlacement"]
 
 
 @dataclass(slots=True)
@@ -65,27 +37,15 @@ class _Tier:
     blocks: dict[Key, int] = field(default_factory=dict)  # key -> size_bytes
     kids: dict[Key, int] = field(default_factory=dict)  # key -> resident children in this tier (> 0)
     counters: TierCounters = field(default_factory=TierCounters)
-    bit: int = 0  # 1 << index, its bit in Placement._res
+    bit: int = 0  # 1 << index, its bit in PythonPlacement._res
     evictable: Optional[Callable[[Key], bool]] = None  # victim predicates, built once
     relaxed: Optional[Callable[[Key], bool]] = None
 
 
-class Placement:
-    """Block placement over an ordered stack of tiers (index 0 fastest)."""
+class PythonPlacement:
+    """`PlacementEngine` in Python, with any policy (module docstring)."""
 
-    native = False  # this instance runs on the C++ core
-
-    def __new__(cls, tiers: Sequence[TierSpec], policy: PolicyFactory, heat: Optional[HeatTracker] = None,
-                landing: int = 0, *, native: Optional[bool] = None) -> "Placement":
-        if cls is Placement and native is not False:
-            from ucm.placement import native as placement_native
-
-            why = placement_native.unavailable(policy, heat, len(tiers))
-            if why is None:
-                return object.__new__(placement_native.NativePlacement)
-            if native:
-                raise ArgumentError(f"native placement unavailable: {why}")
-        return object.__new__(cls)
+    native = False  # this engine does not run on the C++ core
 
     def __init__(
         self,
@@ -93,8 +53,6 @@ class Placement:
         policy: PolicyFactory,
         heat: Optional[HeatTracker] = None,
         landing: int = 0,
-        *,
-        native: Optional[bool] = None,
     ) -> None:
         check_tiers(tiers, landing)
         self.heat = heat if heat is not None else HeatTracker()

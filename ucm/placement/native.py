@@ -1,14 +1,17 @@
-"""NativePlacement: `Placement` on the C++ placement core.
+"""NativePlacement: `PlacementEngine` (ucm/placement/base.py) on the C++
+placement core.
 
-`Placement(...)` builds one of these when its policy has a native twin (a
-policy class that declares `native`, loaded with `load_policy` and no
-options; see ucm/placement/policies/base.py) and the HeatTracker it is given has no
-history yet. The core (cpp/src/placement.cpp, bound as
+`make_placement` (ucm/placement/factory.py) builds one of these when the
+policy has a native twin (a policy class that declares `native`, loaded
+with `load_policy` and no options; see ucm/placement/policies/base.py) and
+the HeatTracker it is given has no history yet (`unavailable` says why
+not). The core (cpp/src/placement.cpp, bound as
 `ucm._native.PlacementCore`) keeps the tier membership, sizes, the prefix
 tree, pins, holds and the policy's queues, and makes exactly the decisions
-of the Python path (tests/unit/test_placement_native.py compares every
-plan). This class converts: keys (bytes) and plans cross once per call, a
-batched call (`record_request`, `insert_run`, `touch`) once per request.
+of the Python reference engine (ucm/placement/engine.py;
+tests/unit/test_placement_native.py compares every plan). This class
+converts: keys (bytes) and plans cross once per call, a batched call
+(`record_request`, `insert_run`, `touch`) once per request.
 `resident_keys` answers a list (a snapshot), `counters` a snapshot too.
 
 The HeatTracker stays the Python one, updated by `record_request` as on the
@@ -29,9 +32,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.placement.heat import HeatTracker, Key
-from ucm.placement.engine import Placement
 from ucm.placement.plans import (Decision, Op, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
-                       check_tiers)
+                                check_tiers)
 from ucm.placement.policies.base import BoundPolicy, PolicyFactory
 
 _OPS = [Op.WRITE, Op.MOVE, Op.COPY, Op.DROP]  # the order of ucm::StepOp
@@ -69,10 +71,10 @@ def _keys(keys: Iterable[Key]) -> Sequence[Key]:
     return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
-class NativePlacement(Placement):
-    """`Placement` with the same public API, on the C++ core."""
+class NativePlacement:
+    """`PlacementEngine` on the C++ core (module docstring)."""
 
-    native = True
+    native = True  # this engine runs on the C++ core
 
     def __init__(
         self,
@@ -80,8 +82,6 @@ class NativePlacement(Placement):
         policy: PolicyFactory,
         heat: Optional[HeatTracker] = None,
         landing: int = 0,
-        *,
-        native: Optional[bool] = None,
     ) -> None:
         from ucm import _native
 

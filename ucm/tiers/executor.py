@@ -1,6 +1,6 @@
 """The plans of one cache, from the placement to the tiers and back.
 
-`Placement` (ucm.placement.engine) decides under the cache's metadata lock and
+The placement engine (ucm.placement) decides under the cache's metadata lock and
 returns Plans; `TierStack` (ucm.tiers.stack) runs them with no lock held; this
 class is the seam between the two: it admits each plan to the TierStack
 under the metadata lock, runs it, and answers the TierStack's failed steps
@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ucm.adapters.base import SharedSlots, Status
 from ucm.api import Key
-from ucm.placement.engine import Placement
+from ucm.placement.base import PlacementEngine
 from ucm.placement.plans import Op, Plan, Step
 from ucm.tiers.stack import BatchRead, Failure, Ticket, TierStack, retry_after_frees
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class PlanExecutor:
     """Runs the placement's plans on a TierStack and reconciles failures."""
 
-    def __init__(self, placement: Placement, tiers: TierStack, meta: threading.Lock,
+    def __init__(self, placement: PlacementEngine, tiers: TierStack, meta: threading.Lock,
                  count: Callable[[str, int], None], footprint: Callable[[int], int]) -> None:
         self.placement = placement
         self.tiers = tiers

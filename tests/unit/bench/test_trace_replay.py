@@ -3,8 +3,8 @@ import pytest
 
 from ucm.bench.cache.replay import INF, CostModel, TraceReplay, block_key, next_uses
 from ucm.errors import ArgumentError
+from ucm.placement import TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Placement, TierSpec
 from ucm.placement.policies.base import load_policy
 from ucm.bench.cache.traces import TraceRequest
 
@@ -15,8 +15,8 @@ def requests(*id_lists):
 
 
 def replay(tiers, policy="lru", cost=None):
-    placement = Placement([TierSpec(name, cap) for name, cap in tiers], load_policy(policy),
-                          heat=HeatTracker())
+    placement = make_placement([TierSpec(name, cap) for name, cap in tiers], load_policy(policy),
+                               heat=HeatTracker())
     return TraceReplay(placement, cost or CostModel(block_bytes=1, tier_gbps=(1.0, 1.0)),
                        policy_name=policy)
 
@@ -107,6 +107,6 @@ def test_cost_model_rejects_nonsense():
 
 
 def test_replay_needs_a_bandwidth_per_tier():
-    placement = Placement([TierSpec("dram", 4), TierSpec("nvme", 4)], load_policy("lru"))
+    placement = make_placement([TierSpec("dram", 4), TierSpec("nvme", 4)], load_policy("lru"))
     with pytest.raises(ArgumentError):
         TraceReplay(placement, CostModel(block_bytes=1, tier_gbps=(1.0,)))

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from ucm.bench.cache.replay import CostModel, TraceReplay
+from ucm.placement import TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Placement, TierSpec
 from ucm.placement.policies.base import Admission, TierInfo, load_policy
 from ucm.placement.policies.leafqueue import LeafQueues
 from ucm.placement.policies.reuse import NUM_CLASSES, ReuseModel, age_bucket, classify
@@ -30,8 +30,8 @@ def hot_and_one_shot(seed=7, n=3000):
 
 
 def two_tier(policy, reqs, dram=40, nvme=120):
-    placement = Placement([TierSpec("dram", dram), TierSpec("nvme", nvme)], load_policy(policy),
-                          heat=HeatTracker())
+    placement = make_placement([TierSpec("dram", dram), TierSpec("nvme", nvme)], load_policy(policy),
+                               heat=HeatTracker())
     return TraceReplay(placement, CostModel(block_bytes=1), policy_name=policy).replay(reqs)
 
 
@@ -47,7 +47,7 @@ def test_heat_beats_lru_on_a_single_tier_under_one_shot_pressure():
     reqs = hot_and_one_shot(seed=3)
     results = {}
     for policy in ("lru", "heat"):
-        p = Placement([TierSpec("dram", 60)], load_policy(policy), heat=HeatTracker())
+        p = make_placement([TierSpec("dram", 60)], load_policy(policy), heat=HeatTracker())
         results[policy] = TraceReplay(p, CostModel(block_bytes=1)).replay(reqs).hit_ratio
     assert results["heat"] > 1.5 * results["lru"]
 
@@ -69,7 +69,7 @@ def test_heat_keeps_recency_when_everything_is_reused_soon():
         reqs.append(TraceRequest(i + 1, float(i), 512 * len(ids), 0, tuple(ids)))
     results = {}
     for policy in ("lru", "heat"):
-        p = Placement([TierSpec("dram", 24)], load_policy(policy), heat=HeatTracker())
+        p = make_placement([TierSpec("dram", 24)], load_policy(policy), heat=HeatTracker())
         results[policy] = TraceReplay(p, CostModel(block_bytes=1)).replay(reqs).hit_ratio
     assert results["heat"] >= 0.97 * results["lru"]
 
@@ -290,7 +290,7 @@ def test_heat_uses_the_output_length_the_engine_reports():
     blind = [TraceRequest(r.line, r.timestamp_ms, r.input_length, 16, r.hash_ids) for r in reqs]
     ratio = {}
     for name, trace in (("told", reqs), ("blind", blind)):
-        p = Placement([TierSpec("dram", 150)], load_policy("heat"), heat=HeatTracker())
+        p = make_placement([TierSpec("dram", 150)], load_policy("heat"), heat=HeatTracker())
         ratio[name] = TraceReplay(p, CostModel(block_bytes=1)).replay(trace).hit_ratio
     assert ratio["told"] > 1.1 * ratio["blind"]
 
@@ -350,8 +350,8 @@ def test_heat_policy_without_the_native_tables(monkeypatch):
     reuse_density = reuse.density_table
 
     def python_path():
-        placement = Placement([TierSpec("dram", 40), TierSpec("nvme", 120)], load_policy("heat"),
-                              heat=HeatTracker(), native=False)
+        placement = make_placement([TierSpec("dram", 40), TierSpec("nvme", 120)], load_policy("heat"),
+                                   heat=HeatTracker(), engine="python")
         return TraceReplay(placement, CostModel(block_bytes=1)).replay(hot_and_one_shot(seed=9, n=800))
 
     with_native = python_path()

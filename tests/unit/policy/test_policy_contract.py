@@ -5,8 +5,8 @@ from importlib.metadata import entry_points
 import pytest
 
 from ucm.bench.cache.replay import CostModel, TraceReplay, block_key, next_uses
+from ucm.placement import TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Placement, TierSpec
 from ucm.placement.policies.base import Admission, PlacementPolicy, TierInfo, load_policy
 from ucm.bench.cache.traces import TraceRequest
 
@@ -120,8 +120,8 @@ def workload(seed, n=300):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("tiers", [(7,), (6, 11)])
 def test_capacity_is_never_exceeded_in_a_replay(policy, tiers):
-    placement = Placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy),
-                          heat=HeatTracker())
+    placement = make_placement([TierSpec(f"t{i}", c) for i, c in enumerate(tiers)], load_policy(policy),
+                               heat=HeatTracker())
     replay = TraceReplay(placement, CostModel(block_bytes=1))
     reqs = workload(len(tiers))
     for req, nu in zip(reqs, next_uses(reqs)):

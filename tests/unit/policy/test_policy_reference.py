@@ -12,8 +12,8 @@ import random
 import pytest
 
 from ucm.bench.cache.replay import CostModel, TraceReplay, block_key, next_uses
+from ucm.placement import TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Placement, TierSpec
 from ucm.placement.policies.base import load_policy
 from ucm.bench.cache.traces import TraceRequest
 
@@ -83,7 +83,7 @@ def reference(requests, capacity, policy):
 
 
 def replay_hits(requests, capacity, policy):
-    placement = Placement([TierSpec("dram", capacity)], load_policy(policy), heat=HeatTracker())
+    placement = make_placement([TierSpec("dram", capacity)], load_policy(policy), heat=HeatTracker())
     replay = TraceReplay(placement, CostModel(block_bytes=1, tier_gbps=(1.0,)))
     reqs = [TraceRequest(i + 1, float(i), 512 * len(ids), 0, tuple(ids))
             for i, ids in enumerate(requests)]

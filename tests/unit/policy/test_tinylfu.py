@@ -2,14 +2,14 @@
 import random
 
 from ucm.bench.cache.replay import CostModel, TraceReplay
+from ucm.placement import TierSpec, make_placement
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Placement, TierSpec
 from ucm.placement.policies.base import load_policy
 from ucm.bench.cache.traces import TraceRequest
 
 
 def replay(policy, reqs, blocks):
-    p = Placement([TierSpec("dram", blocks)], load_policy(policy), heat=HeatTracker())
+    p = make_placement([TierSpec("dram", blocks)], load_policy(policy), heat=HeatTracker())
     return TraceReplay(p, CostModel(block_bytes=1), policy_name=policy).replay(reqs)
 
 

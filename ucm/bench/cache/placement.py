@@ -1,6 +1,6 @@
 """`ucm bench placement`: the cost of placement decisions per block.
 
-Drives `Placement` (the metadata half of UnifiedCache, no payload bytes)
+Drives the placement engine (the metadata half of UnifiedCache, no payload bytes)
 with the cache's call pattern over two tiers (DRAM over NVMe) kept full, so
 that every stored block evicts one from DRAM, demotes it to NVMe, and evicts
 one from NVMe in turn. Per request, in one lock hold of the cache:
@@ -13,11 +13,11 @@ same requests:
 Both must make the same decisions (`same_decisions` compares the tiers'
 counters and contents afterwards).
 
-Each is measured on both engines of `Placement`: `python` (ucm/placement/engine.py
+Each is measured on both placement engines: `python` (ucm/placement/engine.py
 with the Python policy) and, for a policy with a native twin, `native` (the
 C++ core, ucm/placement/native.py); the same decisions are required across
 engines too. `per_block_us_per_block` and `batched_us_per_block` are the
-figures of the engine `Placement` picks by default (native where there is
+figures of the engine `make_placement` picks by default (native where there is
 one).
 
 Workload (seeded, the same for every policy): requests of
@@ -42,11 +42,12 @@ import json
 import random
 import statistics
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 from ucm.errors import ArgumentError
+from ucm.placement import PlacementEngine, TierSpec
+from ucm.placement import make_placement as make_engine  # this module's make_placement builds the bench's tiers
 from ucm.placement.heat import HeatTracker, Key
-from ucm.placement.engine import Placement, TierSpec
 from ucm.placement.policies.base import load_policy, policy_names
 from ucm.progress import bar
 
@@ -75,10 +76,10 @@ def workload(blocks_per_request: int, requests: int, seed: int = 0) -> list[list
     return out
 
 
-def make_placement(policy: str, blocks_per_request: int, native: Optional[bool] = None) -> Placement:
+def make_placement(policy: str, blocks_per_request: int, engine: str = "auto") -> PlacementEngine:
     specs = [TierSpec("dram", DRAM_REQUESTS * blocks_per_request * BLOCK_BYTES),
              TierSpec("nvme", NVME_REQUESTS * blocks_per_request * BLOCK_BYTES)]
-    return Placement(specs, load_policy(policy), heat=HeatTracker(), native=native)
+    return make_engine(specs, load_policy(policy), heat=HeatTracker(), engine=engine)
 
 
 def has_native(policy: str) -> bool:
@@ -86,7 +87,7 @@ def has_native(policy: str) -> bool:
     return make_placement(policy, 1).native
 
 
-def _request(p: Placement, keys: Sequence[Key], batched: bool) -> None:
+def _request(p: PlacementEngine, keys: Sequence[Key], batched: bool) -> None:
     p.record_request(keys)
     n = p.lookup(keys)
     parent = keys[n - 1] if n else None
@@ -101,7 +102,7 @@ def _request(p: Placement, keys: Sequence[Key], batched: bool) -> None:
     p.touch(keys)
 
 
-def _state(p: Placement) -> list:
+def _state(p: PlacementEngine) -> list:
     return [(p.counters(t), sorted(p.resident_keys(t))) for t in range(p.tier_count)]
 
 
@@ -117,7 +118,7 @@ def measure(policy: str, blocks_per_request: int, blocks: int, seed: int = 0) ->
     for engine in engines:
         for path in PATHS:
             batched = path == "batched"
-            p = make_placement(policy, blocks_per_request, native=engine == "native")
+            p = make_placement(policy, blocks_per_request, engine=engine)
             for keys in reqs[:warm]:
                 _request(p, keys, batched)
             gc.collect()  # the setup's young objects (workload, tracker) not traversed in the timed part

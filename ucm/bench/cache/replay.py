@@ -1,4 +1,4 @@
-"""Trace replay: drives `Placement` with a request trace and counts hits.
+"""Trace replay: drives a placement engine with a request trace and counts hits.
 
 Runs in one thread of the benchmark process; nothing here blocks. The
 replay takes every decision through the placement code UnifiedCache uses
@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.placement.heat import INF, Key
-from ucm.placement.engine import Placement
+from ucm.placement.base import PlacementEngine
 from ucm.placement.plans import Op, Plan
 from ucm.bench.cache.traces import BLOCK_TOKENS, TraceRequest
 
@@ -169,9 +169,9 @@ def next_uses(requests: Sequence[TraceRequest], start: int = 0) -> list[list[flo
 
 
 class TraceReplay:
-    """Replays requests through one `Placement` (metadata mode)."""
+    """Replays requests through one placement engine (metadata mode)."""
 
-    def __init__(self, placement: Placement, cost: CostModel, policy_name: str = "",
+    def __init__(self, placement: PlacementEngine, cost: CostModel, policy_name: str = "",
                  block_tokens: int = BLOCK_TOKENS,
                  capacity_tokens: Optional[Sequence[int]] = None) -> None:
         if block_tokens <= 0:

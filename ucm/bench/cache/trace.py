@@ -1,6 +1,6 @@
 """`ucm bench trace`: replay a request trace through the placement policies.
 
-Replays a Mooncake-format trace (see ucm/bench/cache/traces.py) through `Placement`, the
+Replays a Mooncake-format trace (see ucm/bench/cache/traces.py) through the placement engine, the
 metadata half of UnifiedCache, with each named policy (`ucm.policies` entry
 points) and each capacity, and reports hit ratios, per-tier hits, NVMe bytes
 written and the prefill time saved (cost model in ucm/bench/cache/replay.py).
@@ -30,7 +30,7 @@ from ucm.bench.cache.replay import (
 )
 from ucm.errors import ArgumentError
 from ucm.placement.heat import HeatTracker
-from ucm.placement.engine import Placement, TierSpec
+from ucm.placement import TierSpec, make_placement
 from ucm.placement.policies.base import POLICY_NAMESPACE, load_policy
 from ucm.progress import bar
 from ucm.config.sizes import parse_size
@@ -106,8 +106,8 @@ def run_one(requests: Sequence[TraceRequest], policy: str, tiers: Sequence[tuple
             cost: CostModel, block_tokens: int = BLOCK_TOKENS) -> ReplayResult:
     """Replays `requests` with `policy` over `tiers` = [(name, tokens, bytes)]."""
     factory = load_policy(policy)
-    placement = Placement([TierSpec(name, nbytes) for name, _, nbytes in tiers], factory,
-                          heat=HeatTracker())
+    placement = make_placement([TierSpec(name, nbytes) for name, _, nbytes in tiers], factory,
+                               heat=HeatTracker())
     replay = TraceReplay(placement, cost, policy_name=policy, block_tokens=block_tokens,
                          capacity_tokens=[tok for _, tok, _ in tiers])
     return replay.replay(requests)
