@@ -175,7 +175,7 @@ def test_stagings_stay_within_the_budget_and_a_request_beyond_it_loads_without_w
     loads its hit as without a policy (here streamed under the forward),
     instead of evicting another waiting request's staged blocks."""
     side, cache = _side(prefetch_policy="wait_complete", load_streaming="auto")
-    side.staging_budget.max_blocks = 3
+    side.stagings.budget.max_blocks = 3
     other = [t + 100_000 for t in TOKENS]
     _cache(cache, TOKENS, ["dram", "nvme", "nvme"])
     _cache(cache, other, ["nvme", "nvme", "nvme"])
@@ -183,14 +183,14 @@ def test_stagings_stay_within_the_budget_and_a_request_beyond_it_loads_without_w
     assert side.get_num_new_matched_tokens(a, 0) == (None, False)  # 2 blocks staged: within 3
     assert side.get_num_new_matched_tokens(b, 0) == (768, False)  # 3 more would pass it: streamed at once
     assert len(cache.prefetches) == 1 and side.staging_stats()["over_budget"] == 1
-    assert side.staging_budget.used == 2
+    assert side.stagings.budget.used == 2
     side.update_state_after_alloc(b, _blocks([11, 12, 13, 14, 15, 16, 17]), 768)
     [job] = side.build_connector_meta(_output()).loads
     assert job.stream and not job.is_async
     cache.stage(0)
     assert side.get_num_new_matched_tokens(a, 0) == (768, False)
     side.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5, 6, 7]), 768)
-    assert side.staging_budget.used == 0  # a's load is planned: its share is given back
+    assert side.stagings.budget.used == 0  # a's load is planned: its share is given back
 
 
 def _asking(req_id, tokens, **params):
@@ -255,3 +255,29 @@ def test_keys_of_other_connectors_are_left_alone():
     assert base.for_request(None) is base
     got = base.for_request({"ucm_prefetch_timeout_s": 2, "ucm_load_mode": "async"})
     assert (got.prefetch_timeout_s, got.load_mode, got.prefetch_policy) == (2, "async", "timeout")
+
+
+class _Staged:
+    def done(self):
+        return False
+
+
+def test_the_policy_alone_queues_arrivals_over_the_budget_and_admits_them_as_it_frees():
+    """PrefetchPolicy without a scheduler side: a prefetch function in, a
+    step out; the second arrival waits in the queue, not for room."""
+    from ucm.connectors.vllm.prefetch_policy import PrefetchPolicy, StagingStep
+    from ucm.connectors.vllm.request_state import ReqState
+    from ucm.connectors.vllm.settings import ConnectorSettings
+
+    issued = []
+    policy = PrefetchPolicy(lambda keys: issued.append(keys) or _Staged(), landing_tier="dram",
+                            block_tokens=256, max_staging_blocks=3)
+    settings = ConnectorSettings(prefetch_policy="wait_complete")
+    a, b = (ReqState(keys=[bytes([i, j]) for j in range(3)], settings=settings, hit_blocks=3,
+                     hit_tiers=["dram", "nvme", "nvme"]) for i in range(2))
+    assert policy.stage(a, 0, arrival=True) is StagingStep.WAIT
+    assert policy.stage(b, 0, arrival=True) is StagingStep.GO  # 2 + 2 blocks pass 3: queued
+    assert issued == [a.keys[1:]] and policy.budget.used == 2
+    policy.leave(a)  # a loads now: b's staging is issued
+    assert issued == [a.keys[1:], b.keys[1:]] and policy.budget.used == 2
+    assert policy.stats()["stagings"] == 2 and policy.stats()["over_budget"] == 0

@@ -60,7 +60,7 @@ def test_a_requests_own_staged_blocks_do_not_count_against_the_cap():
 
 def test_stagings_over_the_budget_are_issued_in_arrival_order_as_it_frees():
     side, cache = _side(prefetch_policy="wait_complete")
-    side.staging_budget.max_blocks = 3
+    side.stagings.budget.max_blocks = 3
     reqs = [_request(f"r{i}", _doc(i)) for i in range(3)]
     keys = [_cache(cache, _doc(i), ["nvme"] * 3) for i in range(3)]
     for r in reqs:
@@ -70,7 +70,7 @@ def test_stagings_over_the_budget_are_issued_in_arrival_order_as_it_frees():
     assert side.get_num_new_matched_tokens(reqs[0], 0) == (768, False)
     side.update_state_after_alloc(reqs[0], _blocks(list(range(1, 8))), 768)  # r0 loads: budget frees
     assert [p[0] for p in cache.prefetches] == [keys[0], keys[1]]  # r1 is next, r2 still queued
-    assert side.staging_budget.used == 3
+    assert side.stagings.budget.used == 3
     cache.stage(1)
     assert side.get_num_new_matched_tokens(reqs[1], 0) == (768, False)
     assert side.staging_stats()["over_budget"] == 0
@@ -80,7 +80,7 @@ def test_a_queued_request_vllm_schedules_first_loads_as_without_a_policy():
     """No wait for the budget: vLLM wants to run it now, so its NVMe hit is
     loaded asynchronously (as with `off`) and it leaves the queue."""
     side, cache = _side(prefetch_policy="wait_complete")
-    side.staging_budget.max_blocks = 3
+    side.stagings.budget.max_blocks = 3
     a, b, c = (_request(n, _doc(i)) for i, n in enumerate("abc"))
     for i, r in enumerate((a, b, c)):
         _cache(cache, _doc(i), ["nvme"] * 3)
@@ -146,7 +146,7 @@ def test_without_a_policy_a_capped_request_still_answers_at_once():
 
 def test_a_finished_request_leaves_the_staging_queue_and_frees_its_place():
     side, cache = _side(prefetch_policy="wait_complete")
-    side.staging_budget.max_blocks = 3
+    side.stagings.budget.max_blocks = 3
     a, b = _request("a", _doc(0)), _request("b", _doc(1))
     _cache(cache, _doc(0), ["nvme"] * 3)
     _cache(cache, _doc(1), ["nvme"] * 3)
@@ -154,6 +154,6 @@ def test_a_finished_request_leaves_the_staging_queue_and_frees_its_place():
     side.on_new_request(b)  # queued behind a
     assert len(cache.prefetches) == 1
     side.request_finished(a, [])  # aborted while staging: its share frees, b is staged
-    assert len(cache.prefetches) == 2 and side.staging_budget.used == 3
+    assert len(cache.prefetches) == 2 and side.stagings.budget.used == 3
     side.request_finished(b, [])
-    assert side.staging_budget.used == 0 and cache.pinned() == 0 and side.waiting_pinned_blocks == 0
+    assert side.stagings.budget.used == 0 and cache.pinned() == 0 and side.waiting_pinned_blocks == 0

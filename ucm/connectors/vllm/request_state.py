@@ -1,8 +1,8 @@
 """ReqState: what the scheduler side (scheduler.py) keeps of one request,
 from its first sight to `request_finished`, and the request's effective
 settings (the engine's with its `kv_transfer_params` overrides). A plain
-record; the state machine that moves it is the scheduler's (and
-staging.py's)."""
+record; the state machine that moves it is the scheduler side's, with its
+PrefetchPolicy (prefetch_policy.py) moving the staging fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,6 +10,8 @@ from typing import Optional
 
 from ucm.api import Handle, Key
 from ucm.connectors.vllm.settings import ConnectorSettings
+
+MAX_LOAD_FAILURES = 2  # lost loads after which a request is computed without ucm
 
 
 @dataclass(slots=True)

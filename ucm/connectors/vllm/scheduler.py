@@ -24,7 +24,7 @@ The state machine of one request (`request_state.ReqState`):
   staging budget); a pinned block below the landing tier holds none (a
   pinned block may leave a tier that another also holds). A capped
   request looks up again when there is room; under `wait_complete` or
-  `timeout` it waits for that room (bounded, `staging.wait_for_room`).
+  `timeout` it waits for that room (bounded, `PrefetchPolicy.wait_for_room`).
 - `update_state_after_alloc`: it runs; its pins leave the waiting budget;
   the load of the blocks beyond vLLM's own hit is planned.
 - `build_connector_meta`: saves of the blocks its computed tokens filled;
@@ -45,14 +45,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ucm.api import CacheAPI, Key
+from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
 from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
-from ucm.connectors.vllm.request_state import ReqState as _ReqState
 from ucm.connectors.vllm.namespace import build_namespace
+from ucm.connectors.vllm.prefetch_policy import PrefetchPolicy, StagingStep
+from ucm.connectors.vllm.request_state import MAX_LOAD_FAILURES, ReqState as _ReqState
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
-from ucm.connectors.vllm.staging import MAX_LOAD_FAILURES, StagingBudget, leave, stage, wait_for_room
 from ucm.errors import ConfigError
 from ucm.keys import Namespace, block_keys
 
@@ -109,15 +109,10 @@ class UCMSchedulerSide:
         # the pages vLLM gave it.
         self.max_waiting_pin_blocks = max_waiting_pin_blocks
         self.waiting_pinned_blocks = 0
-        # The prefetch policy's figures (`staging_stats`): stagings issued and
-        # their blocks, those that came back short or late, the requests then
-        # computed without ucm, and the seconds requests waited for staging.
-        self.staging_counts = {"stagings": 0, "blocks_staged": 0, "short": 0, "late": 0, "gave_up": 0,
-                               "over_budget": 0, "capped_waits": 0}
-        self.staging_budget = StagingBudget(max_staging_blocks)  # staged, not yet loaded (None: unbounded)
-        # Requests seen on arrival whose staging waits for budget, in arrival order (staging.admit).
-        self._staging_queue: dict[int, tuple[_ReqState, int]] = {}
-        self.staging_wait_s = 0.0
+        # The prefetch policy: stagings of hits below the landing tier, their
+        # budget (None: unbounded) and queue, and its figures (`staging_stats`).
+        self.stagings = PrefetchPolicy(self._prefetch, landing_tier=landing_tier, block_tokens=self.block_tokens,
+                                       max_staging_blocks=max_staging_blocks)
         self.bad_request_settings = 0  # requests whose kv_transfer_params overrides were refused
 
     @classmethod
@@ -142,7 +137,7 @@ class UCMSchedulerSide:
         side = cls(cache, namespace, page_tokens=page_tokens, landing_tier=config.landing_tier,
                    max_waiting_pin_blocks=cap // block_bytes, settings=settings,
                    can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer,
-                   max_staging_blocks=max(1, landing_bytes // 2 // block_bytes),  # half of it: staging_budget
+                   max_staging_blocks=max(1, landing_bytes // 2 // block_bytes),  # half of it: the staging budget
                    below_tiers=frozenset(names[names.index(config.landing_tier) + 1:]))
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
@@ -164,6 +159,11 @@ class UCMSchedulerSide:
         except Exception:
             log.warning("UCMConnector: cache %s failed; answered as a miss", what, exc_info=True)
             return default
+
+    def _prefetch(self, keys: list[Key]) -> Optional[Handle]:
+        """The staging of `keys` into the landing tier (PrefetchPolicy's
+        `prefetch`); None when the cache failed."""
+        return self._ask("prefetch", None, self._cache.prefetch, keys)
 
     # ---- requests ----------------------------------------------------------------
     def request_keys(self, request: "Request") -> Optional[list[Key]]:
@@ -275,6 +275,18 @@ class UCMSchedulerSide:
         st.hit_blocks = n
         st.next_store = max(st.next_store, n)
 
+    def _stage(self, st: _ReqState, first: int, arrival: bool = False) -> bool:
+        """The prefetch policy's step for the request (`PrefetchPolicy.stage`
+        after vLLM's own `first` blocks); True while it waits for its
+        staging. A staging that ended is settled against a fresh lookup."""
+        step = self.stagings.stage(st, first, arrival=arrival)
+        if step in (StagingStep.ARRIVED, StagingStep.LATE):
+            self._lookup(st)  # where the blocks are now
+            if self.stagings.settle(st, first, step):
+                self._lookup(st)  # it gave up: a miss from now on
+            return False
+        return step is StagingStep.WAIT
+
     def on_new_request(self, request: "Request") -> None:
         """vLLM added the request; it may wait in the queue for long. It is
         begun in the cache now (a prefetch accelerator there stages on first
@@ -286,7 +298,7 @@ class UCMSchedulerSide:
                 return
             self._lookup(st)
             if st.hit_blocks:
-                stage(self, st, 0, arrival=True)
+                self._stage(st, 0, arrival=True)
         except Exception:  # never into vLLM: the request is then looked up as usual
             log.warning("UCMConnector: staging a new request failed", exc_info=True)
 
@@ -300,13 +312,13 @@ class UCMSchedulerSide:
         if not st.looked_up or (st.capped and not st.allocated
                                 and self.waiting_pinned_blocks < self.max_waiting_pin_blocks):
             self._lookup(st)
-        if wait_for_room(self, st):
+        if self.stagings.wait_for_room(st):
             return None, False  # capped: vLLM asks again; the lookup is redone once there is room
         st.local_tokens = num_computed_tokens
         mode = st.settings.load_mode
         blocks = st.hit_blocks
         if st.settings.prefetch_policy != "off" and blocks and not st.unstaged:
-            if stage(self, st, num_computed_tokens // self.block_tokens):
+            if self._stage(st, num_computed_tokens // self.block_tokens):
                 return None, False  # vLLM asks again next step; the request holds no pages meanwhile
             blocks = st.hit_blocks
             first = num_computed_tokens // self.block_tokens  # vLLM holds the blocks before it
@@ -337,7 +349,7 @@ class UCMSchedulerSide:
             st.allocated = True
             self.waiting_pinned_blocks -= st.pin_charge
             st.pin_charge = 0
-            leave(self, st)
+            self.stagings.leave(st)
         st.page_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
@@ -388,7 +400,7 @@ class UCMSchedulerSide:
                 st.looked_up = False
                 st.staging, st.staging_tried, st.unstaged, st.staged = None, False, False, frozenset()
                 st.room_since = 0.0
-                leave(self, st)
+                self.stagings.leave(st)
                 # Its saves not yet copied were dropped (handle_preemptions):
                 # save again what the next lookup does not find.
                 st.next_store = 0
@@ -444,7 +456,7 @@ class UCMSchedulerSide:
         if st is None:
             return False, None
         self._unpin(st)
-        leave(self, st)
+        self.stagings.leave(st)
         if st.keys:
             # A placement hint: how long an answer this prompt got (ucm/placement/policies/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,
@@ -464,12 +476,12 @@ class UCMSchedulerSide:
         """The prefetch policy's figures (a snapshot): stagings and blocks
         issued, stagings that came back short or late, requests given up,
         and `wait_s`, the seconds requests waited for staging in all."""
-        return {**self.staging_counts, "wait_s": round(self.staging_wait_s, 6)}
+        return self.stagings.stats()
 
     def shutdown(self) -> None:
         """Releases the pins of every request still known (an engine that
         stops with requests in flight)."""
-        if self.staging_counts["stagings"]:
+        if self.stagings.counts["stagings"]:
             log.info("UCMConnector: stagings (engine prefetch policy %s; requests may set their own): %s",
                      self.settings.prefetch_policy, self.staging_stats())
         for st in self._reqs.values():
