@@ -97,9 +97,9 @@ def test_a_failed_write_followed_by_planned_moves_leaves_no_phantom(nvme_dir):
         assert [s.op.name for s, _ in write.steps][-1] == "WRITE"
         assert [s.op.name for s, _ in move.steps] == ["MOVE"]
         assert [s.op.name for s, _ in copy.steps] == ["COPY"]
-        assert tiers.run_through(write, {key: memoryview(blob)}) is False
-        assert tiers.run_through(move, {}) is False
-        assert tiers.run_through(copy, {}) is False
+        assert c.plans.run(write, {key: memoryview(blob)}) is False
+        assert c.plans.run(move, {}) is False
+        assert c.plans.run(copy, {}) is False
         assert tiers.pending_steps() == 0
         assert c.lookup([key]) == 0 and c.locate([key]) == [None]
         assert not p.contains(key)

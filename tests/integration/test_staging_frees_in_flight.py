@@ -87,7 +87,7 @@ def test_staging_retries_after_a_demotion_in_flight_frees_its_slot(nvme_dir):
             assert c.locate([k for k, _ in fillers]) == ["dram"] * DRAM_BLOCKS
 
             mover, go = demote_one_blocked(c, fillers[0][0])  # LRU: the oldest filler
-            reconcile = c.tiers.reconcile  # the executor's, bound at start
+            reconcile = c.plans.reconcile  # the executor's, called by its run
             seen = []
 
             def reconcile_after_the_free(failures, retried):
@@ -97,13 +97,13 @@ def test_staging_retries_after_a_demotion_in_flight_frees_its_slot(nvme_dir):
                     mover.join(30)
                 return reconcile(failures, retried)
 
-            c.tiers.reconcile = reconcile_after_the_free
+            c.plans.reconcile = reconcile_after_the_free
             try:
                 outcomes, got = read(c, [doc])
             finally:
                 go.set()
                 mover.join(30)
-                c.tiers.reconcile = reconcile
+                c.plans.reconcile = reconcile
                 del c.adapters[1].put_with_parents
             assert seen == ["NO_SPACE"]  # the race did happen
             assert outcomes == [Outcome.DONE]

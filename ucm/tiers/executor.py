@@ -1,15 +1,19 @@
 """The plans of one cache, from the placement to the tiers and back.
 
-The placement engine (ucm.placement) decides under the cache's metadata lock and
-returns Plans; `TierStack` (ucm.tiers.stack) runs them with no lock held; this
-class is the seam between the two: it admits each plan to the TierStack
-under the metadata lock, runs it, and answers the TierStack's failed steps
-(`reconcile`: the copies a failed step did not make leave the placement, or
-a NO_SPACE in a slab arena is retried after `slot_evictions` free a slot of
-that size). It also records what the tiers hold at start-up (`restore`) and
-blocks found only in a shared tier (`adopt_shared`),
-forgets blocks found bad (`forget`) and those an adapter dropped on its own
-(`drain_dropped`).
+The placement engine (ucm.placement) decides under the cache's metadata
+lock and returns Plans; `TierStack` (ucm.tiers.stack) runs their steps with
+no lock held and returns the steps that failed; this class is the seam
+between the two and the layer that decides what follows: it admits each
+plan to the TierStack under the metadata lock, runs it, and answers the
+failed steps round by round (`run`: `reconcile` under the lock, the copies
+a failed step did not make leave the placement, or a NO_SPACE in a slot
+tier is retried once the frees planned before it ran or after
+`slot_evictions` free a slot of that size; then the undo and retries run,
+no lock held). A reservation that finds no slot is answered the same way
+(`reserve_slot`). The TierStack never calls back into this class or the
+placement. It also records what the tiers hold at start-up (`restore`) and
+blocks found only in a shared tier (`adopt_shared`), forgets blocks found
+bad (`forget`) and those an adapter dropped on its own (`drain_dropped`).
 
 Lock order: `meta` (the owner's metadata lock), then the TierStack's order
 lock, then an adapter's own lock (`slot_evictions` asks a slab arena for
@@ -25,9 +29,15 @@ from ucm.adapters.base import SharedSlots, Status
 from ucm.api import Key
 from ucm.placement.base import PlacementEngine
 from ucm.placement.plans import Op, Plan, Step
-from ucm.tiers.stack import BatchRead, Failure, Ticket, TierStack, retry_after_frees
+from ucm.tiers.stack import BatchRead, Failure, Ticket, TierStack
 
 log = logging.getLogger(__name__)
+
+
+def retry_after_frees(key: Key) -> tuple:
+    """The mark, in `run`'s `retried` set, of a NO_SPACE step retried once
+    the frees planned before it ran (at most once per key and run)."""
+    return ("after-frees", key)
 
 
 class PlanExecutor:
@@ -40,8 +50,6 @@ class PlanExecutor:
         self.meta = meta
         self.count = count
         self.footprint = footprint
-        tiers.reconcile = self.reconcile
-        tiers.make_slot = self.make_slot
 
     def admit(self, plan: Plan) -> Ticket:
         """The plan admitted to the TierStack; call under `meta`, right after
@@ -49,9 +57,32 @@ class PlanExecutor:
         return self.tiers.admit(plan, self.placement.parent_of)
 
     def run(self, ticket: Ticket, sources: Mapping[Key, Any], read: Optional[BatchRead] = None) -> bool:
-        """Runs an admitted plan (no lock held) and settles its failures;
-        `read` replaces the batched reads into slots (TierStack.run)."""
-        return self.tiers.run_through(ticket, sources, read)
+        """Runs an admitted plan (no lock held), then, round by round, the
+        reconciliation of the steps that failed (`reconcile`, under `meta`)
+        and the plan it makes, until nothing is left. Returns whether every
+        step of `ticket` succeeded (retried steps that then succeeded
+        count). `read` replaces the batched reads into slots (TierStack.run)."""
+        tiers = self.tiers
+        failures = tiers.run(ticket, sources, read)
+        retried: set = set()
+        ok = True
+        while failures:
+            before, marks = len(retried), set(retried)
+            try:
+                undo = self.reconcile(failures, retried)
+            except Exception:  # never leave a key's queue blocked behind a failure
+                log.exception("ucm: reconciling %d failed steps failed", len(failures))
+                for f in failures:
+                    tiers.done(f)
+                return False
+            if len(retried) - before < len(failures):  # some were taken back, not retried
+                ok = False
+            for f in failures:  # no lock held, none of this ticket's steps queued any more
+                mark = retry_after_frees(f.step.key)
+                if f.freeing is not None and mark in retried and mark not in marks:
+                    tiers.wait_frees(f.step.dst, f.freeing)
+            failures = tiers.run(undo, sources, read) if undo is not None else []
+        return ok
 
     def run_plan(self, plan: Plan, sources: Mapping[Key, Any]) -> bool:
         """Admits a plan just made by the placement (call right after making
@@ -60,10 +91,10 @@ class PlanExecutor:
         whether every step succeeded."""
         with self.meta:
             ticket = self.admit(plan)
-        return self.tiers.run_through(ticket, sources)
+        return self.run(ticket, sources)
 
     def reconcile(self, failures: list[Failure], retried: set) -> Optional[Ticket]:
-        """The TierStack's failed steps, under `meta`. A failed step means
+        """The failed steps of one round of `run`, under `meta`. A failed step means
         its destination tier does not hold the block, and for a MOVE or COPY
         that read nothing (NOT_FOUND, CORRUPT) that the source does not hold
         a good copy either. Each such copy is taken back out of the
@@ -73,7 +104,7 @@ class PlanExecutor:
         size classes is retried instead: when steps planned before it that
         free room there had not run (`Failure.freeing`: the room this
         placement counted was still taken, e.g. by a headroom demotion in
-        flight), once after they ran (run_through waits for them, no lock
+        flight), once after they ran (`run` waits for them, no lock
         held); else once after evictions that free a slot of that size
         (`Failure.size_bytes`, the block's own bytes; without them the copy
         is taken back out).
@@ -118,12 +149,21 @@ class PlanExecutor:
             self.tiers.done(f)
         return ticket
 
-    def make_slot(self, t: int, key: Key, size: int) -> Optional[Ticket]:
-        """The TierStack's hook when a reservation finds no slot: evictions
-        that free one (planned and admitted here), or None."""
-        with self.meta:
-            plan = self.slot_evictions(t, key, size)
-            return self.admit(plan) if plan else None
+    def reserve_slot(self, t: int, key: Key, size: int) -> Optional[memoryview]:
+        """Tier t's `reserve(key, size)`, tried again when the tier has no
+        slot of that size: once the frees out of t already planned ran
+        (`TierStack.reserve_after_frees`), then once after evictions that
+        free a slot of that size (`slot_evictions`, planned under `meta`,
+        run without it). None: no slot. Caller holds no lock."""
+        view = self.tiers.reserve_after_frees(t, key, size)
+        if view is None and isinstance(self.tiers.adapters[t], SharedSlots):
+            with self.meta:
+                plan = self.slot_evictions(t, key, size)
+                ticket = self.admit(plan) if plan else None
+            if ticket is not None:
+                self.run(ticket, {})
+                view = self.tiers.adapters[t].reserve(key, size)
+        return view
 
     def slot_evictions(self, t: int, key: Key, size: int) -> Plan:
         """Tier t found no slot for the `size` bytes of `key` (the payload's
@@ -157,7 +197,7 @@ class PlanExecutor:
         there, through the key's queue, and taken out of the placement."""
         with self.meta:
             ticket = self.admit([Step(Op.DROP, key, src=tier), *self.placement.remove(key, tier)])
-        self.tiers.run_through(ticket, {})
+        self.run(ticket, {})
 
     def drain_dropped(self) -> None:
         for t, a in enumerate(self.tiers.adapters):
@@ -169,7 +209,7 @@ class PlanExecutor:
                 for key in dropped:
                     plan.extend(self.placement.remove(key, t))
                 ticket = self.admit(plan)
-            self.tiers.run_through(ticket, {})
+            self.run(ticket, {})
 
     def adopt_shared(self, keys: Sequence[Key], idx: Iterable[int]) -> None:
         """Records the blocks of keys[i] (i in idx) that only a shared tier
@@ -239,7 +279,7 @@ class PlanExecutor:
                     d = self.placement.insert(e.key, par, self.footprint(e.size_bytes), tier=t, restored=True)
                     kept = d.placed or self.placement.contains(e.key)
                     ticket = self.admit(d.plan)
-                self.tiers.run_through(ticket, {})
+                self.run(ticket, {})
                 if not kept:
                     a.delete([e.key])
 

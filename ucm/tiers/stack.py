@@ -1,10 +1,13 @@
-"""TierStack: the ordered adapters of one cache, and the executor of plans.
+"""TierStack: the ordered adapters of one cache, and the steps of plans run
+against them.
 
-Placement (ucm.placement.engine) decides, under the cache's metadata lock, which
-blocks go where and returns a Plan; the TierStack moves the bytes. It holds
-no lock across I/O. Steps that name the same key reach the adapters in the
-order they were planned, whichever threads run them; steps of different keys
-run in parallel. This is the two-phase protocol of vLLM's offload manager
+Placement (ucm.placement) decides, under the cache's metadata lock, which
+blocks go where and returns a Plan; the TierStack moves the bytes and
+returns the steps that failed; the plan executor above it
+(ucm/tiers/executor.py) decides what follows. It holds no lock across I/O
+and never calls back up. Steps that name the same key reach the adapters in
+the order they were planned, whichever threads run them; steps of different
+keys run in parallel. This is the two-phase protocol of vLLM's offload manager
 (`prepare_store` / `complete_store`), per block:
 
 - prepare: `admit(plan, parent_of)`, called under the owner's metadata lock
@@ -13,8 +16,8 @@ run in parallel. This is the two-phase protocol of vLLM's offload manager
   with. Cheap: no adapter is called.
 - run: `run(ticket, sources)` executes the steps in order, each once the
   earlier steps of its key are done, with no lock held. A step that fails
-  stays in its key's queue and is returned.
-- complete: the owner reconciles each failure under its metadata lock: the
+  stays in its key's queue and is returned (a `Failure`).
+- complete: the executor reconciles each failure under its metadata lock: the
   copy the step did not make (and, for a read that found nothing, the
   source copy) is taken back out of the placement unless a step planned
   after the failure writes that tier again (`later_steps`: the key's
@@ -30,10 +33,11 @@ Room the placement counted is not free in the medium yet while the step
 that frees it (a MOVE or DROP out of the tier, planned by another thread: the
 headroom thread, another store) has not run. A write or a staging copy into a
 slot tier that finds no slot then waits for the frees admitted before the
-failure (`wait_frees`, at most FREE_WAIT_TIMEOUT_S, no lock held) and is
-tried again, rather than taken back as a miss. (In a slab arena the counted
-room may also lie in free extents too scattered for a unit of the size; the
-frees in flight, whole units, are what makes it usable.)
+failure (`wait_frees`, at most FREE_WAIT_TIMEOUT_S, no lock held; the
+executor asks for it) and is tried again, rather than taken back as a miss.
+(In a slab arena the counted room may also lie in free extents too scattered
+for a unit of the size; the frees in flight, whole units, are what makes it
+usable.)
 
 Lock order: the owner's metadata lock, then `_order` (a leaf; never held
 while an adapter is called), and apart from that an adapter's own lock.
@@ -54,10 +58,6 @@ log = logging.getLogger(__name__)
 # (MOVE / DROP steps out of that tier that other threads run) to land.
 FREE_WAIT_TIMEOUT_S = 5.0
 
-# make_slot(tier, key, size) -> a plan of evictions that frees a slot of that
-# size in the tier (admitted already), or None: the owner's hook for an
-# adapter with size classes (ucm.adapters.slab), planned under its lock.
-MakeSlot = Callable[[int, Key, int], Optional["Ticket"]]
 # read(adapter, keys, views) -> one Status per key: a batched read into reserved slots
 BatchRead = Callable[[StorageAdapter, list, list], list]
 
@@ -96,12 +96,6 @@ class Failure:
     size_bytes: Optional[int] = None
 
 
-def retry_after_frees(key: Key) -> tuple:
-    """The mark, in run_through's `retried` set, of a NO_SPACE step retried
-    once the frees planned before it ran (at most once per key and run)."""
-    return ("after-frees", key)
-
-
 def has_slots(a: StorageAdapter) -> bool:
     """Whether `a` hands out slots to fill or read in place (reserve/commit/
     lease: the shared-memory landing tier)."""
@@ -109,14 +103,13 @@ def has_slots(a: StorageAdapter) -> bool:
 
 
 class TierStack:
-    """The adapters of one cache, fastest first, and the plan executor."""
+    """The adapters of one cache, fastest first, and the steps run on them."""
 
     def __init__(self, adapters: Sequence[StorageAdapter], names: Sequence[str]) -> None:
         self.adapters = list(adapters)
         self.names = list(names)
         self.shared = [t for t, a in enumerate(self.adapters) if a.shared]
         self._order = KeyOrder()
-        self.make_slot: Optional[MakeSlot] = None
         self.corrupt = 0  # CORRUPT statuses met while moving blocks (the owner counts them)
 
     # ---- prepare -----------------------------------------------------------
@@ -148,10 +141,11 @@ class TierStack:
         (a failed step that is not its key's last in the ticket is dequeued at
         once, so that the later step can run, and returned all the same).
         Steps never plan anything themselves: a slot tier without a slot of
-        the size asked is a NO_SPACE failure the owner answers (`reconcile`
-        makes the slot and retries the step). `read(adapter, keys, views)`
-        replaces the adapter's `get` in those batched reads (a streamed
-        load reads them layer by layer, ucm/cache/streaming.py)."""
+        the size asked is a NO_SPACE failure the executor answers (its
+        `reconcile` makes the slot and retries the step).
+        `read(adapter, keys, views)` replaces the adapter's `get` in those
+        batched reads (a streamed load reads them layer by layer,
+        ucm/cache/streaming.py)."""
         failures: list[Failure] = []
         steps = ticket.steps
         last = {s.key: i for i, (s, _) in enumerate(steps)}
@@ -295,75 +289,29 @@ class TierStack:
         return sorted(failures)
 
     # ---- single-block operations ---------------------------------------------
-    def reserve_slot(self, t: int, key: Key, size: int) -> Optional[memoryview]:
-        """Tier t's `reserve(key, size)`, tried again when the tier has no
-        slot of that size: once the frees out of t already planned ran
-        (`wait_frees`), then after the owner's `make_slot`."""
+    def reserve_after_frees(self, t: int, key: Key, size: int) -> Optional[memoryview]:
+        """Tier t's `reserve(key, size)`, tried again once the frees out of t
+        already planned ran (`wait_frees`) when the tier has no slot of that
+        size. None: still no slot (the executor may then make one,
+        `PlanExecutor.reserve_slot`)."""
         a = self.adapters[t]
         view = a.reserve(key, size)
         if view is None and has_slots(a):
             bound = self._order.frees_before(t)
             if bound is not None:
-                self._wait_frees(t, bound)
+                self.wait_frees(t, bound)
                 view = a.reserve(key, size)
-        if view is None and self._make_slot(t, key, size):
-            view = a.reserve(key, size)
         return view
 
-    def _wait_frees(self, t: int, seq: int) -> None:
+    def wait_frees(self, t: int, seq: int) -> None:
+        """Waits (at most FREE_WAIT_TIMEOUT_S, no lock held) until the steps
+        freeing room in tier t admitted up to `seq` ran (`Failure.freeing`)."""
         if not self._order.wait_frees(t, seq, FREE_WAIT_TIMEOUT_S):
             log.warning("ucm: steps freeing room in tier %s took over %.0f s", self.names[t], FREE_WAIT_TIMEOUT_S)
 
     def put_block(self, t: int, key: Key, src: Any, parent: Optional[Key]) -> Status:
         """Tier t's `put_with_parents` of one block."""
         return self.adapters[t].put_with_parents([key], [src], [parent])[0]
-
-    def _make_slot(self, t: int, key: Key, size: int) -> bool:
-        if self.make_slot is None or not has_slots(self.adapters[t]):
-            return False
-        ticket = self.make_slot(t, key, size)
-        if ticket is None:
-            return False
-        self.run_through(ticket, {})
-        return True
-
-    # The owner's answer to failed steps (UnifiedCache sets it): under its
-    # lock, each failure that is still its key's latest step is taken back
-    # out of the placement or, for NO_SPACE in a slot tier, retried (once the
-    # frees planned before it ran, when `Failure.freeing`: the owner adds
-    # `retry_after_frees(key)` to the set; else after evictions that free a
-    # slot); every failure is dequeued; the returned ticket (undo and
-    # retries) is run next.
-    reconcile: Optional[Callable[[list[Failure], set], Optional[Ticket]]] = None
-
-    def run_through(self, ticket: Ticket, sources: Mapping[Key, Any], read: Optional[BatchRead] = None) -> bool:
-        """`run`, then the owner's reconciliation of the failures and the
-        plan it makes, until nothing is left. Returns whether every step of
-        `ticket` succeeded (retried steps that then succeeded count)."""
-        failures = self.run(ticket, sources, read)
-        retried: set = set()
-        ok = True
-        while failures:
-            if self.reconcile is None:
-                for f in failures:
-                    self.done(f)
-                return False
-            before, marks = len(retried), set(retried)
-            try:
-                undo = self.reconcile(failures, retried)
-            except Exception:  # never leave a key's queue blocked behind a failure
-                log.exception("ucm: reconciling %d failed steps failed", len(failures))
-                for f in failures:
-                    self.done(f)
-                return False
-            if len(retried) - before < len(failures):  # some were taken back, not retried
-                ok = False
-            for f in failures:  # no lock held, none of this ticket's steps queued any more
-                mark = retry_after_frees(f.step.key)
-                if f.freeing is not None and mark in retried and mark not in marks:
-                    self._wait_frees(f.step.dst, f.freeing)
-            failures = self.run(undo, sources, read) if undo is not None else []
-        return ok
 
     def delete(self, t: int, key: Key) -> None:
         """Tier t's delete of one block; a tier that raises is logged (the
