@@ -79,7 +79,7 @@ import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ucm import _native
 from ucm.adapters import framing
@@ -100,7 +100,11 @@ class MooncakeAdapter(BudgetedAdapter):
     name = "mooncake"
     Config = MooncakeConfig
 
-    def __init__(self, capacity_bytes: int, config: MooncakeConfig) -> None:
+    def __init__(self, capacity_bytes: int, config: MooncakeConfig,
+                 store_factory: Optional[Callable[[], Any]] = None) -> None:
+        """`store_factory()` makes the store client (one per setup; by default
+        the package's `MooncakeDistributedStore`). Wrapping the real client
+        injects faults in tests."""
         self._budget = ClusterBudget("mooncake", capacity_bytes)  # the objects this instance relies on
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -109,7 +113,7 @@ class MooncakeAdapter(BudgetedAdapter):
                                "(pip install mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda)") from exc
         self.config = config
         self._breaker = CircuitBreaker("mooncake", f"master {config.master}", config.retry_after_s)
-        self._store_cls = MooncakeDistributedStore
+        self._store_cls = store_factory or MooncakeDistributedStore
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
         direct = config.zero_copy_unregistered
@@ -512,8 +516,9 @@ class MooncakeAdapter(BudgetedAdapter):
         Caller holds no lock."""
         try:
             descs = store.batch_get_replica_desc(names)
-        except Exception:  # a fault is left for the next read
-            log.debug("mooncake: replica descriptors unavailable", exc_info=True)
+        except Exception:  # the objects are left alone: the next read that fails asks again
+            log.warning("mooncake: the replica descriptors of %d unreadable objects are unavailable; "
+                        "they stay in the pool", len(names), exc_info=True)
             return [False] * len(names)
         refused: dict[str, bool] = {}  # endpoint -> refuses connections, probed once per call
         dead: list[str] = []
