@@ -218,8 +218,8 @@ class TierStack:
                 n = getattr(have, "nbytes", None)
                 return n if isinstance(n, int) else memoryview(have).nbytes
             return None if step.src is None else self.adapters[step.src].size_of(step.key)
-        except Exception:
-            log.debug("ucm: the size of a block in tier %s is unknown", step.src, exc_info=True)
+        except Exception:  # a tier that raises: the step stays a failure, its size unknown
+            log.warning("ucm: the size of a block in tier %s is unknown: the tier failed", step.src, exc_info=True)
             return None
 
     def _read_ahead(self, steps: Sequence[tuple[Step, int]], sources: Mapping[Key, Any]) -> None:
