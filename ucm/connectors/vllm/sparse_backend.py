@@ -47,6 +47,7 @@ process's figures (read by tests through `LLM.collective_rpc`).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -106,13 +107,35 @@ class UcmSparseCpuBackend(CPUAttentionBackend):
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """One step's rows, shared by the layers of the step (kept on its metadata)."""
+    """One step's rows, shared by the layers of the step (_StepPlans)."""
 
     sparse: tuple[int, ...]  # decode rows attended sparsely
     stock: tuple[int, ...]  # rows for the stock kernel
     prefill: tuple[int, ...]  # rows with more than one query token
     starts: tuple[int, ...]  # query_start_loc
     seq_lens: tuple[int, ...]
+
+
+class _StepPlans:
+    """The plan of the step whose metadata was seen last: the layers of one
+    step share one metadata object, so they share its plan. Kept here, keyed
+    by a weak reference to vLLM's metadata object, instead of written onto
+    that object: CPUAttentionMetadata has no field for a backend's own data.
+    Worker's model thread only."""
+
+    def __init__(self) -> None:
+        self._md: Optional[weakref.ReferenceType] = None
+        self._plan: Optional[_Plan] = None
+
+    def get(self, md: CPUAttentionMetadata) -> Optional[_Plan]:
+        """The plan made for `md`, or None (a new step)."""
+        return self._plan if self._md is not None and self._md() is md else None
+
+    def put(self, md: CPUAttentionMetadata, plan: _Plan) -> None:
+        self._md, self._plan = weakref.ref(md), plan
+
+
+_STEP_PLANS = _StepPlans()
 
 
 class UcmSparseCpuImpl(CPUAttentionBackendImpl):
@@ -202,7 +225,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         return output
 
     def _plan(self, md: CPUAttentionMetadata) -> _Plan:
-        plan = getattr(md, "_ucm_sparse_plan", None)
+        plan = _STEP_PLANS.get(md)
         if plan is None:
             starts = tuple(int(x) for x in md.query_start_loc.tolist())
             seq_lens = tuple(int(x) for x in md.seq_lens.tolist())
@@ -211,7 +234,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
             sparse = tuple(i for i, q in enumerate(q_lens) if q == 1 and seq_lens[i] >= max(1, floor))
             stock = tuple(i for i in range(len(seq_lens)) if i not in set(sparse))
             plan = _Plan(sparse, stock, tuple(i for i, q in enumerate(q_lens) if q > 1), starts, seq_lens)
-            md._ucm_sparse_plan = plan  # type: ignore[attr-defined]
+            _STEP_PLANS.put(md, plan)
         return plan
 
     def _sparse_row(self, summaries: PageSummaries, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -269,6 +292,9 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
             query_start_loc=starts, seq_lens=seq_lens, scale=self.scale, causal=md.causal,
             alibi_slopes=None, sliding_window=self.sliding_window, block_table=md.block_table[rows].contiguous(),
             softcap=0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
+            # vLLM 0.32 has no public form of the layer's KV scales: its own
+            # AttentionLayer protocol declares `_k_scale_float` and
+            # `_v_scale_float`, and the stock CPU impl reads them the same way.
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
         output[idx] = out
 
