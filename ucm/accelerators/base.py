@@ -11,7 +11,8 @@ adapters and policies are), enabled in the YAML file
 
 and built once per process that calls its hooks, with the `CacheAPI` of
 that process and the configuration it runs under (`Accelerator(cache,
-config, **options)`: tier order, landing tier, block size). It uses only
+config, **options)`; `config` is read through `CacheSettings`: tier order
+and capacities, landing tier, block size, the accelerators listed). It uses only
 the public API plus the hooks; it never reaches into the cache's internals.
 
 Hook points, each with one event value (new fields may be added to an
@@ -43,17 +44,59 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ucm.config.validation import describe_validation_error
 from ucm.errors import ConfigError
 
 if TYPE_CHECKING:
     from ucm.api import CacheAPI, Key, Outcome
-    from ucm.config.schema import UcmConfig
 
 ACCELERATOR_NAMESPACE = "ucm.accelerators"
+
+
+class TierSettings(Protocol):
+    """One configured tier, as an accelerator reads it."""
+
+    @property
+    def adapter(self) -> str: ...
+
+    @property
+    def capacity(self) -> int:
+        """Bytes."""
+
+
+class AcceleratorEntry(Protocol):
+    """One entry of the configured `accelerators` list."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+
+
+class CacheSettings(Protocol):
+    """What accelerators read of the configuration their cache runs under
+    (`ucm.config.UcmConfig` is one; declared here so that this interface
+    does not import the config schema, which imports it to check names)."""
+
+    @property
+    def block_tokens(self) -> int: ...
+
+    @property
+    def tiers(self) -> Sequence[TierSettings]:
+        """Fastest first."""
+
+    @property
+    def landing_tier(self) -> str:
+        """The adapter name of the tier new blocks land in."""
+
+    @property
+    def accelerators(self) -> Sequence[AcceleratorEntry]:
+        """In the order their hooks run."""
 
 
 class AcceleratorOptions(BaseModel):
@@ -105,7 +148,7 @@ class Accelerator(abc.ABC):
     name: str = ""
     Config: type[AcceleratorOptions] = AcceleratorOptions
 
-    def __init__(self, cache: "CacheAPI", config: "UcmConfig", **options: Any) -> None:
+    def __init__(self, cache: "CacheAPI", config: CacheSettings, **options: Any) -> None:
         self.options = validate_options(type(self), options)
         self.cache = cache
         self.config = config
@@ -132,8 +175,6 @@ class Accelerator(abc.ABC):
 
 def validate_options(cls: type[Accelerator], options: dict[str, Any], prefix: str = "options.") -> AcceleratorOptions:
     """`options` checked against the accelerator's Config, else ConfigError."""
-    from ucm.config.validation import describe_validation_error
-
     try:
         return cls.Config.model_validate(options)
     except ValidationError as exc:

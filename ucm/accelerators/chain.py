@@ -15,13 +15,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ucm.accelerators.base import (Accelerator, BlocksLoaded, BlocksStored, RequestFinished, RequestSeen,
-                                   check_accelerator)
+from ucm.accelerators.base import (Accelerator, BlocksLoaded, BlocksStored, CacheSettings, RequestFinished,
+                                   RequestSeen, check_accelerator)
 from ucm.errors import ConfigError
 
 if TYPE_CHECKING:
     from ucm.api import CacheAPI
-    from ucm.config.schema import UcmConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class Accelerators:
         self._lock = threading.Lock()
 
     @classmethod
-    def build(cls, config: "UcmConfig", cache: "CacheAPI") -> "Accelerators":
+    def build(cls, config: CacheSettings, cache: "CacheAPI") -> "Accelerators":
         """One instance of each accelerator `config` lists, over `cache`; a
         ConfigError naming the entry (and closing those built) if one cannot
         be built."""

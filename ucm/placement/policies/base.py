@@ -73,6 +73,7 @@ from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ucm.config.validation import describe_validation_error
 from ucm.errors import ConfigError, PolicyNotFoundError
 from ucm.placement.heat import HeatTracker, Key
 
@@ -164,8 +165,6 @@ class BoundPolicy:
 
 def validate_options(cls: type[PlacementPolicy], options: dict[str, Any]) -> PolicyOptions:
     """`options` checked against the policy's Config, else ConfigError."""
-    from ucm.config.validation import describe_validation_error
-
     try:
         return cls.Config.model_validate(options)
     except ValidationError as exc:
