@@ -338,14 +338,6 @@ class HeatTracker:
             return 0.0
         return self.score[s] * math.exp(-self._lam * (self.now - self.stamp[s]))
 
-    def count_of(self, key: Key) -> int:
-        s = self._slots.get(key)
-        return 0 if s is None else self.count[s]
-
-    def last_access(self, key: Key) -> int:
-        s = self._slots.get(key)
-        return -1 if s is None else self.last[s]
-
     def next_use(self, key: Key) -> float:
         s = self._slots.get(key)
         return INF if s is None else self.next_uses[s]

@@ -61,10 +61,6 @@ class LeafQueues:
             if heaps[q]:
                 yield q
 
-    def queue_len(self, q: int) -> int:
-        """Live and stale entries of queue q (an upper bound of its blocks)."""
-        return len(self._heaps[q])
-
     def add(self, key: Key, queue: int, priority: Any) -> None:
         """A block entered the tier."""
         if key in self._where:
