@@ -24,12 +24,12 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from concurrent.futures import Executor
+from concurrent.futures import BrokenExecutor, Executor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from ucm.buffers import byte_view
-from ucm.errors import ArgumentError
+from ucm.errors import ArgumentError, ClosedError
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ def submit(pool: Executor, n: int, fn: Callable[..., Sequence[Outcome]], *args: 
            on_error: Callable[[BaseException], None] = lambda exc: None) -> Handle:
     """Runs `fn(*args)` (returning n Outcomes) on `pool` and returns the
     Handle it completes. A bug that raises must not hang the caller: the
-    handle then reports FAILED for every block, after `on_error(exc)`."""
+    handle then reports FAILED for every block, after `on_error(exc)`.
+    Raises ClosedError when the pool was shut down (the owner closed while
+    this call was on its way in)."""
     handle = Handle(n)
 
     def run() -> None:
@@ -135,7 +137,12 @@ def submit(pool: Executor, n: int, fn: Callable[..., Sequence[Outcome]], *args: 
         handle.resolve(results)
 
     if n:
-        pool.submit(run)
+        try:
+            pool.submit(run)
+        except BrokenExecutor:
+            raise
+        except RuntimeError as exc:  # the only other RuntimeError of Executor.submit: after shutdown
+            raise ClosedError(f"a call raced close(): its pool is shut down ({exc})") from exc
     return handle
 
 
