@@ -62,7 +62,9 @@ def test_one_wrong_token_in_any_round_is_not_equal():
     assert bv.summarize(short, 2, 3000, 3020, 3021, 3, {})["outputs_equal"] is False
 
 
-def test_rounds_run_before_each_and_keep_every_sample(monkeypatch):
+def test_rounds_run_before_each_and_keep_every_sample():
+    from ucm.bench.engines.vllm_engine import rounds
+
     calls = []
 
     def fake_phase(llm, prompts, max_tokens=1):
@@ -70,8 +72,7 @@ def test_rounds_run_before_each_and_keep_every_sample(monkeypatch):
         n = len(calls)
         return {"ttft_s": [float(n)] * len(prompts), "tokens": [[n]] * len(prompts), "cached": [n] * len(prompts)}
 
-    monkeypatch.setattr(bv, "_phase", fake_phase)
-    out = bv._rounds(None, [[1], [2]], 2, before=lambda: calls.append("before"))
+    out = rounds(None, [[1], [2]], 2, before=lambda: calls.append("before"), one=fake_phase)
     assert calls == ["before", "phase", "before", "phase"]
     assert out["ttft_s"] == [2.0, 2.0, 4.0, 4.0]
     assert out["tokens"] == [[2], [2], [4], [4]]

@@ -29,7 +29,6 @@ against).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -37,17 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ucm.bench import common
 from ucm.bench.engines import codec_floors
 
 BLOCK_TOKENS = 128
 CODECS = ("lossless", "int8", "int4", "naive-int4", "ulp", "rechunk")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("codec", help="codec size, speed and quality on real SmolLM2 KV",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(p)
-    p.set_defaults(handler=run)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "codec", help="codec size, speed and quality on a real model's KV",
+                     description=__doc__, add_args=_add_args, handler=run)
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -61,9 +59,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="model and KV dtype")
     p.add_argument("--codecs", default=",".join(CODECS), help=f"codecs (default {','.join(CODECS)})")
     p.add_argument("--text", default=None, help="a UTF-8 prose file (default: Opticks from tvm-ffi)")
-    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    common.add_model_flag(p)
     p.add_argument("--seed", type=int, default=21)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_json_flag(p)
 
 
 def find_text(path: Optional[str]) -> str:
@@ -308,26 +306,20 @@ def measure_passkey(model, tok, text_ids, runs, args, log) -> dict[str, dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    try:
-        r = measure(args, log)
-    except ValueError as e:
-        print(f"ucm bench codec: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(r))
-        return 0
-    print(f"{'codec':11s} {'ratio':>6s} {'enc 1t':>7s} {'dec 1t':>7s} {'dec 2t':>7s} {'K err':>7s} {'V err':>7s} "
-          f"{'forced':>7s} {'KL':>8s} {'greedy':>7s} passkey (exact {r['passkey_exact']})")
+    return common.run_measured(args, "codec", lambda log: measure(args, log), table)
+
+
+def table(r: dict[str, Any]) -> str:
+    """One row per codec: size ratio, speeds, errors, agreement, passkey."""
+    lines = [f"{'codec':11s} {'ratio':>6s} {'enc 1t':>7s} {'dec 1t':>7s} {'dec 2t':>7s} {'K err':>7s} {'V err':>7s} "
+             f"{'forced':>7s} {'KL':>8s} {'greedy':>7s} passkey (exact {r['passkey_exact']})"]
     for n, e in r["codecs"].items():
-        print(f"{n:11s} {e['size_ratio']:6.3f} {e.get('encode_gbps_1t', 0):7.2f} {e.get('decode_gbps_1t', 0):7.2f} "
-              f"{e.get('decode_gbps_2t', 0):7.2f} {e['rel_err_k']:7.4f} {e['rel_err_v']:7.4f} "
-              f"{e['forced_agreement']:7.3f} {e['forced_kl']:8.5f} {e['greedy_agreement']:7.3f} {e['passkey']}")
-    return 0
+        lines.append(f"{n:11s} {e['size_ratio']:6.3f} {e.get('encode_gbps_1t', 0):7.2f} "
+                     f"{e.get('decode_gbps_1t', 0):7.2f} {e.get('decode_gbps_2t', 0):7.2f} {e['rel_err_k']:7.4f} "
+                     f"{e['rel_err_v']:7.4f} {e['forced_agreement']:7.3f} {e['forced_kl']:8.5f} "
+                     f"{e['greedy_agreement']:7.3f} {e['passkey']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m ucm.bench.engines.codec_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(ap)
-    sys.exit(run(ap.parse_args()))
+    sys.exit(common.main("python -m ucm.bench.engines.codec_bench", __doc__, _add_args, run))

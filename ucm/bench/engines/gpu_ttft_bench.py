@@ -26,41 +26,37 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from typing import Any, Callable
 
+from ucm.bench import common
 from ucm.errors import ArgumentError
 from ucm.progress import bar
 
 VARIANTS = ("no_cache", "reference_reuse", "ucm_dram_hit", "ucm_hbm_hit")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gpu-ttft", help="TTFT of a long-document hit in transformers on a GPU: ucm against "
-                                        "transformers' own prefix reuse and a full prefill",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="auto (the first CUDA device, else cpu), cpu, cuda, cuda:N")
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "gpu-ttft", help="TTFT of a long-document hit in transformers on a GPU: ucm against "
+                                           "transformers' own prefix reuse and a full prefill",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    common.add_device_flag(p)
     p.add_argument("--layers", type=int, default=16, help="layers (default 16, Llama-3.2-1B)")
-    p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
-    p.add_argument("--heads", type=int, default=32, help="attention heads (default 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--intermediate", type=int, default=8192, help="MLP size (default 8192)")
-    p.add_argument("--vocab", type=int, default=128256, help="vocabulary (default 128256)")
-    p.add_argument("--doc-tokens", type=int, default=8192, help="tokens of the document (default 8192)")
-    p.add_argument("--block-tokens", type=int, default=256, help="tokens per ucm block (default 256)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds; figures are medians (default 5)")
+    common.add_counts(p, hidden=(2048, "hidden size"), heads=(32, "attention heads"), kv_heads=(8, "KV heads"),
+                      intermediate=(8192, "MLP size"), vocab=(128256, "vocabulary"),
+                      doc_tokens=(8192, "tokens of the document"), block_tokens=(256, "tokens per ucm block"),
+                      rounds=(5, "rounds; figures are medians"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=run)
+    common.add_json_flag(p)
 
 
 def _check(args: argparse.Namespace) -> None:
-    for key in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "doc_tokens", "block_tokens",
-                "rounds"):
-        if getattr(args, key) <= 0:
-            raise ArgumentError(f"--{key.replace('_', '-')} must be > 0, got {getattr(args, key)}")
+    common.require_positive(args, ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "doc_tokens",
+                                   "block_tokens", "rounds"))
     if args.hidden % args.heads or args.heads % args.kv_heads:
         raise ArgumentError(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}), and --heads "
                             f"of --kv-heads ({args.kv_heads})")
@@ -167,18 +163,16 @@ def gpu_ttft(device: str = "auto", layers: int = 16, hidden: int = 2048, heads: 
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     _check(args)
     res = gpu_ttft(args.device, args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
-                   args.doc_tokens, args.block_tokens, args.rounds, args.dtype,
-                   log=lambda s: print(s, file=sys.stderr))
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(f"{res['device']}: {res['doc_tokens']}-token document, {res['restored_tokens']} tokens restored, "
-              f"median of {res['rounds']} (s)")
-        for k in VARIANTS:
-            print(f"{k:<18}{res[k + '_ttft_s']:>10.4f}")
-        print(f"outputs equal: {res['outputs_equal']}")
+                   args.doc_tokens, args.block_tokens, args.rounds, args.dtype, log=common.progress_log(True))
+    common.report(res, args.json, _table, sort_keys=True)
     return 0 if res["outputs_equal"] else 1
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = [f"{res['device']}: {res['doc_tokens']}-token document, {res['restored_tokens']} tokens restored, "
+             f"median of {res['rounds']} (s)"]
+    lines += [f"{k:<18}{res[k + '_ttft_s']:>10.4f}" for k in VARIANTS]
+    lines.append(f"outputs equal: {res['outputs_equal']}")
+    return "\n".join(lines)

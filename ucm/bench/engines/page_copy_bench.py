@@ -33,7 +33,6 @@ vllm`).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -41,31 +40,30 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from ucm.bench import common
 from ucm.errors import ArgumentError
 
 GB = 1e9
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pages", help="the vLLM worker's page copies to and from DRAM, against memcpy",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="auto (the first CUDA device, else cpu), cpu, cuda, cuda:N")
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "pages", help="the vLLM worker's page copies to and from DRAM, against memcpy",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    common.add_device_flag(p)
     p.add_argument("--layers", type=int, default=32, help="layers (default 32, Llama-3-8B)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--head-size", type=int, default=128, help="head size (default 128)")
-    p.add_argument("--page-tokens", type=int, default=16, help="tokens per vLLM page (default 16)")
-    p.add_argument("--block-tokens", type=int, default=128, help="tokens per ucm block (default 128)")
+    common.add_counts(p, kv_heads=(8, "KV heads"), head_size=(128, "head size"),
+                      page_tokens=(16, "tokens per vLLM page"), block_tokens=(128, "tokens per ucm block"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--blocks", type=int, default=64, help="blocks per round (default 64)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds; figures are medians (default 5)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=run)
+    common.add_counts(p, blocks=(64, "blocks per round"), rounds=(5, "rounds; figures are medians"))
+    common.add_json_flag(p)
 
 
 def _check(args: argparse.Namespace) -> None:
-    for key in ("layers", "kv_heads", "head_size", "page_tokens", "block_tokens", "blocks", "rounds"):
-        if getattr(args, key) <= 0:
-            raise ArgumentError(f"--{key.replace('_', '-')} must be > 0, got {getattr(args, key)}")
+    common.require_positive(args, ("layers", "kv_heads", "head_size", "page_tokens", "block_tokens", "blocks",
+                                   "rounds"))
     if args.block_tokens % args.page_tokens:
         raise ArgumentError(f"--block-tokens ({args.block_tokens}) must be a multiple of --page-tokens "
                             f"({args.page_tokens})")
@@ -138,7 +136,7 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
         # One block per call, as the service's parts of 16 MiB (client_slots.PART_BYTES) call it.
         add("copier_save_1", _timed(lambda: [copier.copy(True, [b], arena) for b in plan], sync))
         add("copier_load_1", _timed(lambda: [copier.copy(False, [b], arena) for b in plan], sync))
-    registered = bool(cuda and all(a.registered for a in copier._arenas.values()))
+    registered = cuda and _registered(copier)
     copier.close()
     del host_arena
     arena.close()
@@ -173,7 +171,7 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
                 if out != [Outcome.DONE] * blocks or got != [Outcome.DONE] * blocks:
                     raise RuntimeError(f"round {r}: the service stored {out.count(Outcome.DONE)} and loaded "
                                        f"{got.count(Outcome.DONE)} of {blocks} blocks")
-            service["registered"] = bool(cuda and all(a.registered for a in svc_copier._arenas.values()))
+            service["registered"] = cuda and _registered(svc_copier)
         finally:
             svc_copier.close()
             client.close()
@@ -193,6 +191,11 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
     }
 
 
+def _registered(copier: Any) -> bool:
+    """Whether every arena the copier holds is registered (pinned) with CUDA."""
+    return bool(all(a.registered for a in copier._arenas.values()))  # TorchPageCopier exposes no public form
+
+
 def _table(res: dict) -> str:
     lines = [f"{res['device']}, torch {res['torch']}: {res['blocks']} blocks of {res['block_bytes']} bytes per "
              f"round, {res['rounds']} rounds (arena pinned: {res['arena_registered']}; the service's: "
@@ -207,5 +210,5 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     res = pages_bench(args.device, args.layers, args.kv_heads, args.head_size, args.page_tokens,
                       args.block_tokens, args.dtype, args.blocks, args.rounds)
-    print(json.dumps(res, sort_keys=True) if args.json else _table(res))
+    common.report(res, args.json, _table, sort_keys=True)
     return 0

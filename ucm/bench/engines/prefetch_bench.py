@@ -54,7 +54,6 @@ VLLM_CPU_OMP_THREADS_BIND=0-(cores-1), offline).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -66,11 +65,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ucm.apps.demo.run import DTYPE_BYTES, page_bytes
-from ucm.apps.engine_env import bench_env
-from ucm.bench.engines.vllm_bench import BLOCK_TOKENS
+from ucm.apps.engine_env import bench_env, run_spec
+from ucm.bench import common
+from ucm.bench.engines.ttft_workload import QUESTIONS, WARM_TOKENS, vocabulary
+from ucm.bench.engines.vllm_engine import BLOCK_TOKENS
 
 GEN_TOKENS = 8
-QUESTION = "\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:"
 VARIANTS = ("no_ucm", "all_in_dram", "ucm_off", "streaming", "accelerator", "best_effort", "wait_complete",
             "timeout")
 POLICY = {"all_in_dram": "off", "ucm_off": "off", "streaming": "off", "accelerator": "off",
@@ -83,12 +83,9 @@ DRAM_SHARE = 0.4
 CONFIG_TAG = {"all_in_dram": "big", "accelerator": "accel"}  # the service of each ucm variant (else "small")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prefetch", help="TTFT under a queue: no ucm, ucm without prefetch, each prefetch policy, "
-                                        "all in DRAM", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(p)
-    p.set_defaults(handler=run)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "prefetch", help="TTFT under a queue: no ucm, ucm without prefetch, each prefetch policy, "
+                                           "all in DRAM", description=__doc__, add_args=_add_args, handler=run)
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -98,23 +95,22 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (default 4.0)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
     p.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of burst,poisson")
-    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    common.add_model_flag(p)
     p.add_argument("--quick", action="store_true", help="4 requests of ~1K tokens, burst, no_ucm + wait_complete")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
                    help="model and KV dtype (default bfloat16; float32 is faster on a CPU without AVX-512 BF16)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_json_flag(p)
 
 
 def _prompts(model: str, n: int, lo: int, hi: int) -> tuple[list[list[int]], list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(1000, min(tok.vocab_size, 40000)) if i not in special]
+    vocab = vocabulary(tok)
     rng = random.Random(4321)
-    q = tok.encode(QUESTION, add_special_tokens=False)
+    q = tok.encode(QUESTIONS[0], add_special_tokens=False)
     prompts = [[rng.choice(vocab) for _ in range(rng.randint(lo, hi))] + q for _ in range(n)]
-    warm = [rng.choice(vocab) for _ in range(200)]
+    warm = [rng.choice(vocab) for _ in range(WARM_TOKENS)]
     return prompts, warm
 
 
@@ -133,14 +129,7 @@ def arrivals(pattern: str, n: int, rate: float, seed: int = 7) -> list[float]:
 
 # ---- the driver ---------------------------------------------------------------
 def _subprocess(spec: dict, work: Path) -> dict:
-    spec_path, out_path = work / f"spec-{spec['variant']}.json", work / f"out-{spec['variant']}.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "ucm.bench.engines.prefetch_variant", str(spec_path), str(out_path)],
-                          env=bench_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"variant {spec['variant']!r} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out_path.read_text())
+    return run_spec("ucm.bench.engines.prefetch_variant", spec, work, spec["variant"], f"variant {spec['variant']!r}")
 
 
 def _ucm_config(work: Path, tag: str, dram_bytes: int, nvme_bytes: int, accelerator: bool = False) -> Path:
@@ -336,8 +325,7 @@ def summarize(res: dict, variants: list[str], patterns: list[str], prompts: list
 
 
 def run(args: argparse.Namespace) -> int:
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    try:
+    def measured(log: common.Log) -> dict[str, Any]:
         if args.quick:
             requests, lo, hi = 4, 896, 1152
             variants, patterns = ["no_ucm", "wait_complete"], ["burst"]
@@ -346,28 +334,26 @@ def run(args: argparse.Namespace) -> int:
             lo, hi = (int(x) for x in args.doc_tokens.split(","))
             variants = [v for v in args.variants.split(",") if v]
             patterns = [p for p in args.patterns.split(",") if p]
-        r = measure(requests, lo, hi, args.max_num_seqs, args.rate, variants, patterns, args.model, log=log,
-                    dtype=args.dtype)
-    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
-        print(f"ucm bench prefetch: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(r))
-        return 0
-    print(f"{'variant':14s} {'pattern':8s} {'p50':>7s} {'p90':>7s} {'p99':>7s} {'io_s':>7s} {'nvme_MB':>8s} eq")
+        return measure(requests, lo, hi, args.max_num_seqs, args.rate, variants, patterns, args.model, log=log,
+                       dtype=args.dtype)
+
+    return common.run_measured(args, "prefetch", measured, table,
+                               errors=(RuntimeError, ValueError, subprocess.TimeoutExpired))
+
+
+def table(r: dict[str, Any]) -> str:
+    """Per variant and pattern: TTFT percentiles, I/O wait, NVMe bytes read, outputs equal."""
+    lines = [f"{'variant':14s} {'pattern':8s} {'p50':>7s} {'p90':>7s} {'p99':>7s} {'io_s':>7s} {'nvme_MB':>8s} eq"]
     for v, by in r["variants"].items():
         for p, row in by.items():
             io = row["io_blocked_s"]
             nv = row["nvme_bytes_read"]
-            print(f"{v:14s} {p:8s} {row['ttft_p50_s']:7.3f} {row['ttft_p90_s']:7.3f} {row['ttft_p99_s']:7.3f} "
-                  f"{'-' if io is None else f'{io:7.3f}':>7s} {'-' if nv is None else f'{nv / 1e6:8.1f}':>8s} "
-                  f"{row['outputs_equal']}")
-    print(f"outputs_equal {r['outputs_equal']}")
-    return 0
+            lines.append(f"{v:14s} {p:8s} {row['ttft_p50_s']:7.3f} {row['ttft_p90_s']:7.3f} {row['ttft_p99_s']:7.3f} "
+                         f"{'-' if io is None else f'{io:7.3f}':>7s} {'-' if nv is None else f'{nv / 1e6:8.1f}':>8s} "
+                         f"{row['outputs_equal']}")
+    lines.append(f"outputs_equal {r['outputs_equal']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m ucm.bench.engines.prefetch_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(ap)
-    sys.exit(run(ap.parse_args()))
+    sys.exit(common.main("python -m ucm.bench.engines.prefetch_bench", __doc__, _add_args, run))

@@ -32,6 +32,7 @@ class UCMConnector(_Base):
         self._probe_path: Optional[str] = extra.get("bench_probe_path")
         self._wait_from: dict[str, float] = {}
         self._load_from: dict[str, float] = {}
+        self._async: dict[str, bool] = {}  # a request's last answer: whether its load is asynchronous
         self._times: dict[str, dict[str, float]] = {}
 
     def _rec(self, rid: str) -> dict[str, float]:
@@ -40,6 +41,7 @@ class UCMConnector(_Base):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         rid, now = request.request_id, time.monotonic()
+        self._async[rid] = is_async
         if n is None:
             self._wait_from.setdefault(rid, now)
             self._rec(rid)["none_answers"] += 1
@@ -49,8 +51,8 @@ class UCMConnector(_Base):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        st = self.scheduler_side._reqs.get(request.request_id)
-        if num_external_tokens > 0 and st is not None and st.load_async:
+        # vLLM allocates after the answer that gave it `num_external_tokens`: that answer's is_async
+        if num_external_tokens > 0 and self._async.get(request.request_id, False):
             self._load_from[request.request_id] = time.monotonic()
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -67,6 +69,7 @@ class UCMConnector(_Base):
         rec = self._times.pop(rid, None) or {"staging_wait_s": 0.0, "async_load_s": 0.0, "none_answers": 0}
         self._wait_from.pop(rid, None)
         self._load_from.pop(rid, None)
+        self._async.pop(rid, None)
         if self._probe_path:
             try:
                 with open(self._probe_path, "a") as f:

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.bench.blocks import push_below_dram, tier_counts
 from ucm.bench.engines.prefetch_bench import GEN_TOKENS, POLICY, STREAMING
-from ucm.bench.engines.vllm_bench import BLOCK_TOKENS, _count, _evict_to_nvme
+from ucm.bench.engines.vllm_engine import BLOCK_TOKENS, namespace
 
 
 async def _generate(engine, prompt: list[int], rid: str, arrival_at: float, t0: float) -> dict[str, Any]:
@@ -100,14 +101,10 @@ async def _run_variant_async(spec: dict) -> dict:
         keys: list[bytes] = []
         if name != "no_ucm":
             import ucm
-            from ucm.bench.engines.vllm_bench import _namespace
             from ucm.keys import block_keys
 
             client = ucm.connect(spec["ucm_config"], start=False)
-
-            class _L:  # _namespace reads llm.llm_engine.model_config
-                llm_engine = engine
-            ns = _namespace(_L)
+            ns = namespace(engine.vllm_config)
             doc_keys = [block_keys(ns, p, BLOCK_TOKENS) for p in prompts]
             keys = [k for ks in doc_keys for k in ks]
             out["doc_keys"] = [[k.hex() for k in ks] for ks in doc_keys]
@@ -118,15 +115,15 @@ async def _run_variant_async(spec: dict) -> dict:
                 while time.monotonic() < deadline and not all(client.lookup(ks) == len(ks) for ks in doc_keys):
                     await asyncio.sleep(0.5)  # the last saves still in flight
                 client.flush()
-                out["stored_tiers"] = _count(client.locate(keys))
+                out["stored_tiers"] = tier_counts(client.locate(keys))
         for pattern in spec["patterns"]:
             if name == "no_ucm":
                 await engine.reset_prefix_cache()
             elif spec["push_to_nvme"]:
-                out.setdefault("tiers_before", {})[pattern] = _count(
-                    _evict_to_nvme(client, keys, spec["block_bytes"], limit=400))
+                out.setdefault("tiers_before", {})[pattern] = tier_counts(
+                    push_below_dram(client, keys, spec["block_bytes"], limit=400))
             else:
-                out.setdefault("tiers_before", {})[pattern] = _count(client.locate(keys))
+                out.setdefault("tiers_before", {})[pattern] = tier_counts(client.locate(keys))
             s0 = client.stats() if client else None
             res = await _pattern(engine, prompts, spec["arrivals"][pattern], pattern)
             rec: dict[str, Any] = {"requests": res}

@@ -59,6 +59,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ucm.bench import common
+from ucm.bench.blocks import tier_counts
 from ucm.progress import bar
 
 PAGE = 64
@@ -66,17 +68,18 @@ MODEL_ID = "ucm-bench-sglang"  # the server's ucm_model_id: the bench can name t
 QUESTIONS = ((1, 3000, 17), (2, 3100, 23))  # pseudo-random question tails of 17 and 23 tokens
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sglang", help="TTFT in SGLang: cold, device hit, ucm DRAM / NVMe hits, restart",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--docs", type=int, default=2, help="documents (default 2)")
-    p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
-    p.add_argument("--repeat", type=int, default=2, help="rounds of every hit measurement (default 2)")
-    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "sglang", help="TTFT in SGLang: cold, device hit, ucm DRAM / NVMe hits, restart",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    common.add_counts(p, docs=(2, "documents"), doc_tokens=(3000, "tokens per document"),
+                      repeat=(2, "rounds of every hit measurement"))
+    common.add_model_flag(p)
     p.add_argument("--cpu-shim", default=None, help="directory with SGLang's HiCache CPU shim (default: "
                    "tests/sglang_cpu of this checkout)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=run)
+    common.add_json_flag(p)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -128,10 +131,10 @@ def _copy_bench(pages: int, cfg: str, tag: str, rounds: int = 6) -> dict:
     backend.register_mem_pool_host(host)
     idx = host.alloc(tokens)
     host.kv_buffer.view(-1).view(torch.int16).random_(-1000, 1000)
-    nbytes = pages * backend._copier.page_bytes
+    copier, in_copy = backend._copier, [0.0]  # UCMStorage has no public handle on its copier: the bench times it
+    nbytes = pages * copier.page_bytes
     a, b = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
     _native.copy(b, a)  # the baseline's destination touched, as the arena's slots are
-    copier, in_copy = backend._copier, [0.0]
     copy = copier.copy
 
     def timed_copy(*args: Any) -> None:
@@ -251,10 +254,7 @@ def run(args: argparse.Namespace) -> int:
         client.flush(60)
 
     def tiers_of_doc() -> dict:
-        found: dict[str, int] = {}
-        for t in client.locate(doc_keys):
-            found[str(t)] = found.get(str(t), 0) + 1
-        return found
+        return tier_counts(client.locate(doc_keys))
 
     def to_nvme() -> dict:
         fill = np.zeros(page_bytes, dtype=np.uint8)

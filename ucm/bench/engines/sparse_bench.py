@@ -31,22 +31,24 @@ SmolLM2-135M at an 8K context checks relative quality, not the papers'
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from typing import Any
 
+from ucm.bench import common
+from ucm.bench.engines.sparse_setup import budget_name, budgets_of, load_model, reselect_every
 from ucm.bench.engines.sparse_tasks import DOCUMENT_KINDS, HAYSTACKS, find_document
 from ucm.errors import ArgumentError
 
 __all__ = ["register", "run", "find_document", "record", "replay"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sparse", help="sparse-attention selectors over real SmolLM2 queries and keys, "
-                                      "offline and through the sparse decode path",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.set_defaults(handler=run)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "sparse", help="sparse-attention selectors over a real model's queries and keys, "
+                                         "offline and through the sparse decode path",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true",
                    help="only replay selections over recorded queries and keys (no decode)")
     p.add_argument("--document", choices=DOCUMENT_KINDS, default="auto",
@@ -64,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--selectors", default="oracle,lowrank,hybrid,quest,blend,moment,mean,sinklocal,random")
     p.add_argument("--rank", type=int, default=16,
                    help="lowrank: the key basis's rank, fitted on the prompt's keys (default 16)")
-    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    common.add_model_flag(p)
     p.add_argument("--layers", type=int, default=0, help="keep only the first N layers (0: all; for tests)")
     p.add_argument("--seed", type=int, default=0, help="the random selector's and the tasks' seed")
     p.add_argument("--new-tokens", type=int, default=64,
@@ -86,39 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="closed loop: where the prompt's blocks are at decode: dram (a DRAM tier that holds them), "
                         "or nvme (a DRAM tier of 4 blocks over NVMe: pages read from NVMe by ranges)")
     p.add_argument("--plots", default="", help="closed loop: write PNG plots of quality against bytes here")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def budgets_of(args: argparse.Namespace) -> list:
-    from ucm.accelerators.sparse.base import Budget
-
-    out = [Budget.tokens(int(b)) for b in args.budgets.split(",") if b]
-    return out + [Budget.top_p(float(p)) for p in args.top_p.split(",") if p]
-
-
-def reselect_every(args: argparse.Namespace) -> list[int]:
-    """The `--reselect-every` values, each an int >= 1."""
-    raw = getattr(args, "reselect_every", "1")
-    try:
-        out = [int(x) for x in str(raw).split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or any(v < 1 for v in out):
-        raise ArgumentError(f"--reselect-every {raw!r}: expected comma-separated ints >= 1, e.g. 1,4")
-    return out
-
-
-def budget_name(b: Any) -> str:
-    return f"{b.kind}={b.value}"
-
-
-def load_model(model_dir: str, attn: str, layers: int = 0) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    extra = {"num_hidden_layers": layers} if layers else {}
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn,
-                                                **extra).eval()
+    common.add_json_flag(p)
 
 
 def record(model_dir: str, ids: Any, context: int, steps: int, block_tokens: int, layers: int = 0) -> dict[str, Any]:
@@ -277,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ucm.apps.model import prepare
 
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    log = common.progress_log(args.json)
     reselect_every(args)  # an ArgumentError before any model is loaded
     if args.rank < 1:
         raise ArgumentError(f"--rank {args.rank}: must be an int >= 1 (at most the model's head_dim)")
@@ -310,25 +280,28 @@ def run(args: argparse.Namespace) -> int:
             from ucm.bench.engines.sparse_plots import write_plots
 
             result["plots"] = write_plots(result, args.plots)
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    common.report(result, args.json, table)
+    return 0
+
+
+def table(result: dict[str, Any]) -> str:
+    """The offline rows (by budget, units, recall) and the closed-loop rows."""
+    lines = []
     if "offline" in result:
         off = result["offline"]
-        log("summary bytes per float32 block of " + f"{off['block_bytes_float32']:,}: " +
-            ", ".join(f"{n} {b:,}" for n, b in off["summary_bytes_per_block"].items()))
-        log(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} {'extra':>7} "
-            f"{'sel us':>8}")
-        for r in sorted(result["offline"]["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):
-            log(f"{r['selector']:<10} {r['units']:<7} {r['budget']:<14} {r['recall_mean']:>7.4f} "
-                f"{r['recall_p5']:>7.4f} {r['output_error_mean']:>8.4f} {r['extra_tokens_mean']:>7.1f} "
-                f"{r['select_us_mean']:>8.1f}")
+        lines.append("summary bytes per float32 block of " + f"{off['block_bytes_float32']:,}: " +
+                     ", ".join(f"{n} {b:,}" for n, b in off["summary_bytes_per_block"].items()))
+        lines.append(f"{'selector':<10} {'units':<7} {'budget':<14} {'recall':>7} {'p5':>7} {'out err':>8} "
+                     f"{'extra':>7} {'sel us':>8}")
+        for r in sorted(off["rows"], key=lambda r: (r["budget"], r["units"], -r["recall_mean"])):
+            lines.append(f"{r['selector']:<10} {r['units']:<7} {r['budget']:<14} {r['recall_mean']:>7.4f} "
+                         f"{r['recall_p5']:>7.4f} {r['output_error_mean']:>8.4f} {r['extra_tokens_mean']:>7.1f} "
+                         f"{r['select_us_mean']:>8.1f}")
     if "closed_loop" in result:
-        cl = result["closed_loop"]
-        log(f"{'selector':<10} {'budget':<14} {'every':>5} {'greedy':>7} {'prefix':>7} {'KL':>8} {'top1':>6} "
-            f"{'bytes %':>8} passkey")
-        for r in cl["rows"]:
-            log(f"{r['selector']:<10} {r['budget']:<14} {r['reselect_every']:>5} {r['greedy_agreement']:>7.3f} "
-                f"{r['greedy_prefix']:>7.3f} {r['tf_kl_mean']:>8.4f} {r['tf_top1']:>6.3f} "
-                f"{100 * r['bytes_share']:>7.1f}% {r['passkey']}")
-    return 0
+        lines.append(f"{'selector':<10} {'budget':<14} {'every':>5} {'greedy':>7} {'prefix':>7} {'KL':>8} "
+                     f"{'top1':>6} {'bytes %':>8} passkey")
+        for r in result["closed_loop"]["rows"]:
+            lines.append(f"{r['selector']:<10} {r['budget']:<14} {r['reselect_every']:>5} "
+                         f"{r['greedy_agreement']:>7.3f} {r['greedy_prefix']:>7.3f} {r['tf_kl_mean']:>8.4f} "
+                         f"{r['tf_top1']:>6.3f} {100 * r['bytes_share']:>7.1f}% {r['passkey']}")
+    return "\n".join(lines)

@@ -107,7 +107,7 @@ def _bytes(stats: dict[str, Any], token_layer_bytes: int) -> dict[str, Any]:
 def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Namespace,
                 log: Callable[..., None]) -> dict[str, Any]:
     from ucm.accelerators.sparse.base import Budget
-    from ucm.bench.engines.sparse_bench import budget_name, budgets_of, load_model, reselect_every
+    from ucm.bench.engines.sparse_setup import budget_name, budgets_of, load_model, reselect_every
     from ucm.bench.engines.sparse_tasks import passkey_tasks
     from ucm.cache.unified import UnifiedCache
     from ucm.connectors.transformers import TransformersConnector

@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -50,38 +48,27 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ucm.bench.engines.vllm_bench import CHECK_TOKENS, QUESTIONS  # the same workload as ucm bench vllm
+from ucm.bench import common
+from ucm.bench.blocks import push_below_dram, tier_counts
+from ucm.bench.engines.ttft_workload import CHECK_TOKENS, documents  # the same workload as ucm bench vllm
 from ucm.progress import bar
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("transformers", help="TTFT in transformers: no cache, own prefix reuse, ucm cold/DRAM/NVMe",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(p)
-    p.set_defaults(handler=run)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "transformers", help="TTFT in transformers: no cache, own prefix reuse, ucm cold/DRAM/NVMe",
+                     description=__doc__, add_args=_add_args, handler=run)
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=2, help="documents (default 2)")
-    p.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document (default 2048)")
-    p.add_argument("--block-tokens", type=int, default=256, help="tokens per ucm block (default 256)")
+    common.add_counts(p, docs=(2, "documents"), doc_tokens=(2048, "tokens per document"),
+                      block_tokens=(256, "tokens per ucm block"))
     p.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes (default float32,bfloat16)")
-    p.add_argument("--repeat", type=int, default=5, help="rounds of every measurement (default 5)")
-    p.add_argument("--hit-repeat", type=int, default=3,
-                   help="the hit trio (reference, DRAM, NVMe) per document and round (default 3)")
+    common.add_counts(p, repeat=(5, "rounds of every measurement"),
+                      hit_repeat=(3, "the hit trio (reference, DRAM, NVMe) per document and round"))
     p.add_argument("--threads", type=int, default=None, help="torch threads for every variant (default: CPUs)")
-    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
+    common.add_model_flag(p)
     p.add_argument("--quick", action="store_true", help="1 document of 192 tokens, 64-token blocks, 1 round")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _prompts(tok, docs: int, doc_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(1000, min(tok.vocab_size, 40000)) if i not in special]
-    rng = random.Random(1234)
-    q1, q2 = (tok.encode(q, add_special_tokens=False) for q in QUESTIONS)
-    documents = [[rng.choice(vocab) for _ in range(doc_tokens)] for _ in range(docs)]
-    return [d + q1 for d in documents], [d + q2 for d in documents]
+    common.add_json_flag(p)
 
 
 def _cache_config(work: Path, block_bytes: int, blocks: int, block_tokens: int, evictions: int = 4) -> dict:
@@ -97,22 +84,6 @@ def _cache_config(work: Path, block_bytes: int, blocks: int, block_tokens: int, 
                    "options": {"path": str(work), "region_size": region, "direct_io": True}}],
         "policy": {"name": "lru"},
     }
-
-
-def _evict_to_nvme(cache, keys: list[bytes], block_bytes: int, limit: int = 400) -> list:
-    """One-shot filler blocks until every key in `keys` is below DRAM."""
-    import numpy as np
-
-    fill = np.zeros(block_bytes, dtype=np.uint8)
-    tiers = cache.locate(keys)
-    for _ in range(limit):
-        if all(t is not None and t != "dram" for t in tiers):
-            break
-        for _ in range(4):
-            cache.store([os.urandom(16)], [fill]).wait(60)
-        tiers = cache.locate(keys)
-    cache.flush()
-    return cache.locate(keys)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -190,13 +161,14 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
                         samples["reference_reuse"].append(t_ref)
                         cache.prefetch(keys).wait(120)  # the DRAM hit hits DRAM (an NVMe hit left them below)
                         cache.flush()
-                        tiers_before_dram.append(_count(cache.locate(keys)))
+                        tiers_before_dram.append(tier_counts(cache.locate(keys)))
                         t, out = _timed(lambda: conn.generate(b, **gen))
                         samples["ucm_dram_hit"].append(t)
                         paired["ucm_dram_hit_over_reference"].append(t / t_ref)
                         eq["dram_hit"] &= torch.equal(out, firsts[d])
                         conn.wait_stores()
-                        tiers_before_nvme.append(_count(_evict_to_nvme(cache, keys, block_bytes)))
+                        tiers_before_nvme.append(tier_counts(push_below_dram(cache, keys, block_bytes, limit=400,
+                                                                             per_round=4)))
                         cache.flush()
                         t, out = _timed(lambda: conn.generate(b, **gen))
                         samples["ucm_nvme_hit"].append(t)
@@ -246,13 +218,6 @@ def measure_dtype(model_dir: str, dtype_name: str, pass1: list[list[int]], pass2
     }
 
 
-def _count(tiers: list[Optional[str]]) -> dict[str, int]:
-    c: dict[str, int] = {}
-    for t in tiers:
-        c[str(t)] = c.get(str(t), 0) + 1
-    return c
-
-
 def measure(docs: int, doc_tokens: int, block_tokens: int, dtypes: list[str], repeat: int,
             model_name: str = "smollm2", log: Callable[..., None] = print, hit_repeat: int = 1,
             threads: Optional[int] = None) -> dict[str, Any]:
@@ -268,7 +233,7 @@ def measure(docs: int, doc_tokens: int, block_tokens: int, dtypes: list[str], re
 
     torch.set_num_threads(threads or os.cpu_count() or 1)  # the same for every variant
     model_dir = str(prepare(model_name))
-    pass1, pass2 = _prompts(AutoTokenizer.from_pretrained(model_dir), docs, doc_tokens)
+    pass1, pass2, _ = documents(AutoTokenizer.from_pretrained(model_dir), docs, doc_tokens)
     out: dict[str, Any] = {"docs": docs, "doc_tokens": doc_tokens, "pass1_tokens": len(pass1[0]),
                            "pass2_tokens": len(pass2[0]), "block_tokens": block_tokens, "repeat": repeat,
                            "hit_repeat": hit_repeat, "statistic": "median", "torch_threads": torch.get_num_threads(),
@@ -284,7 +249,6 @@ def measure(docs: int, doc_tokens: int, block_tokens: int, dtypes: list[str], re
 
 
 def run(args: argparse.Namespace) -> int:
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     if args.quick:
         args.docs, args.doc_tokens, args.block_tokens, args.repeat, args.hit_repeat = 1, 192, 64, 1, 1
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -293,30 +257,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"ucm bench transformers: --dtypes must name float32, bfloat16 or float16, got {args.dtypes!r}",
               file=sys.stderr)
         return 2
-    try:
-        r = measure(args.docs, args.doc_tokens, args.block_tokens, dtypes, args.repeat, args.model, log=log,
-                    hit_repeat=args.hit_repeat, threads=args.threads)
-    except ValueError as e:
-        print(f"ucm bench transformers: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(r))
-        return 0
-    print(f"{'dtype':9s} {'no cache':>9s} {'ucm cold':>9s} {'own reuse':>9s} {'ucm DRAM':>9s} {'ucm NVMe':>9s} "
-          f"{'cold/none':>9s} {'DRAM/own':>9s} {'NVMe/own':>9s} same output")
+    return common.run_measured(
+        args, "transformers", lambda log: measure(args.docs, args.doc_tokens, args.block_tokens, dtypes, args.repeat,
+                                                  args.model, log=log, hit_repeat=args.hit_repeat,
+                                                  threads=args.threads), table)
+
+
+def table(r: dict[str, Any]) -> str:
+    """Per dtype: the medians, their ratios and the paired ratios."""
+    lines = [f"{'dtype':9s} {'no cache':>9s} {'ucm cold':>9s} {'own reuse':>9s} {'ucm DRAM':>9s} {'ucm NVMe':>9s} "
+             f"{'cold/none':>9s} {'DRAM/own':>9s} {'NVMe/own':>9s} same output"]
     for name, d in r["by_dtype"].items():
         q = d["ratios"]
-        print(f"{name:9s} {d['no_cache_ttft_s']:8.3f}s {d['ucm_cold_ttft_s']:8.3f}s {d['reference_reuse_ttft_s']:8.3f}s "
-              f"{d['ucm_dram_hit_ttft_s']:8.3f}s {d['ucm_nvme_hit_ttft_s']:8.3f}s {q['ucm_cold_over_no_cache']:9.3f} "
-              f"{q['ucm_dram_hit_over_reference']:9.3f} {q['ucm_nvme_hit_over_reference']:9.3f} {d['outputs_equal']}")
+        lines.append(f"{name:9s} {d['no_cache_ttft_s']:8.3f}s {d['ucm_cold_ttft_s']:8.3f}s "
+                     f"{d['reference_reuse_ttft_s']:8.3f}s {d['ucm_dram_hit_ttft_s']:8.3f}s "
+                     f"{d['ucm_nvme_hit_ttft_s']:8.3f}s {q['ucm_cold_over_no_cache']:9.3f} "
+                     f"{q['ucm_dram_hit_over_reference']:9.3f} {q['ucm_nvme_hit_over_reference']:9.3f} "
+                     f"{d['outputs_equal']}")
         pr = {k: v["median"] for k, v in d["paired_ratios"].items()}
-        print(f"{'':9s} {'paired ratios (median):':>49s} {pr['ucm_cold_over_no_cache']:9.3f} "
-              f"{pr['ucm_dram_hit_over_reference']:9.3f} {pr['ucm_nvme_hit_over_reference']:9.3f}")
-    return 0
+        lines.append(f"{'':9s} {'paired ratios (median):':>49s} {pr['ucm_cold_over_no_cache']:9.3f} "
+                     f"{pr['ucm_dram_hit_over_reference']:9.3f} {pr['ucm_nvme_hit_over_reference']:9.3f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m ucm.bench.engines.transformers_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(ap)
-    sys.exit(run(ap.parse_args()))
+    sys.exit(common.main("python -m ucm.bench.engines.transformers_bench", __doc__, _add_args, run))

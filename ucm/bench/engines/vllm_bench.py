@@ -57,126 +57,60 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ucm.apps.engine_env import bench_env
+from ucm.apps.engine_env import bench_env, run_spec
+from ucm.bench import common
+from ucm.bench.blocks import push_below_dram, tier_counts
+from ucm.bench.engines.ttft_workload import CHECK_TOKENS, documents
+from ucm.bench.engines.vllm_engine import BLOCK_TOKENS, make_engine, namespace, phase, rounds, shutdown, timed
 from ucm.progress import bar
 
-BLOCK_TOKENS = 128
-CHECK_TOKENS = 8
 # The ucm engines and their `ucm_load_streaming`.
 UCM_STREAMING = {"ucm": "auto", "ucm_stream_off": "off", "ucm_stream_on": "on"}
-QUESTIONS = ("\n\nQuestion: What is the main topic of the document above? Answer briefly.\nAnswer:",
-             "\n\nQuestion: Which three names appear most often in the document above? List them.\nAnswer:")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("vllm", help="TTFT in vLLM: no connector, APC, ExampleConnector, ucm cold/DRAM/NVMe "
-                                    "(streamed and not)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(p)
-    p.set_defaults(handler=run)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "vllm", help="TTFT in vLLM: no connector, APC, ExampleConnector, ucm cold/DRAM/NVMe "
+                                       "(streamed and not)",
+                     description=__doc__, add_args=_add_args, handler=run)
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=4, help="documents (default 4)")
-    p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
-    p.add_argument("--model", default="smollm2", help="model prepared with `ucm model prepare` (default smollm2)")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of every hit measurement (default 3)")
+    common.add_counts(p, docs=(4, "documents"), doc_tokens=(3000, "tokens per document"))
+    common.add_model_flag(p)
+    common.add_counts(p, repeat=(3, "rounds of every hit measurement"))
     p.add_argument("--codecs", default="lossless,int8",
                    help="codecs of the NVMe tier to measure NVMe-only hits with, comma-separated "
                         "(default lossless,int8; '' for none)")
     p.add_argument("--codec-streaming", default="off",
                    help="ucm_load_streaming of the codec runs, comma-separated: off (default; the "
                         "asynchronous whole-block load), auto (streamed layer by layer), or off,auto")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_json_flag(p)
 
 
 def _prompts(model: str, docs: int, doc_tokens: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(1000, min(tok.vocab_size, 40000)) if i not in special]
-    rng = random.Random(1234)
-    q1, q2 = (tok.encode(q, add_special_tokens=False) for q in QUESTIONS)
-    documents = [[rng.choice(vocab) for _ in range(doc_tokens)] for _ in range(docs)]
-    warm = [rng.choice(vocab) for _ in range(200)]
-    return [d + q1 for d in documents], [d + q2 for d in documents], warm
+    return documents(AutoTokenizer.from_pretrained(model), docs, doc_tokens)
+
+
+def _evict_to_nvme(client: Any, keys: list[bytes], block_bytes: int) -> dict[str, int]:
+    """Filler until every key of `keys` is below DRAM; where they are then."""
+    return tier_counts(push_below_dram(client, keys, block_bytes, limit=200))
 
 
 # ---- one configuration in one engine (runs in a subprocess) -----------------
-def _engine(model: str, max_len: int, prefix_caching: bool, kv: Optional[dict]):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kw: dict[str, Any] = {}
-    if kv is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(**kv)
-    return LLM(model=model, max_model_len=max_len, enforce_eager=True, enable_prefix_caching=prefix_caching,
-               seed=0, **kw)
-
-
-def _timed(llm, prompts: list[list[int]], max_tokens: int = 1) -> tuple[list[float], list[list[int]], list[int]]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ttft, toks, cached = [], [], []
-    for p in prompts:
-        t0 = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
-        ttft.append(time.perf_counter() - t0)
-        toks.append(list(o.outputs[0].token_ids))
-        cached.append(int(o.num_cached_tokens or 0))
-    return ttft, toks, cached
-
-
-def _phase(llm, prompts: list[list[int]], max_tokens: int = 1) -> dict[str, Any]:
-    ttft, toks, cached = _timed(llm, prompts, max_tokens)
-    return {"ttft_s": ttft, "tokens": toks, "cached": cached}
-
-
-def _rounds(llm, prompts: list[list[int]], rounds: int, before=None) -> dict[str, Any]:
-    """`rounds` phases of the same prompts (`before()` ahead of each): every
-    TTFT, round after round; the tokens and cached counts of every round."""
-    phases = []
-    for _ in range(rounds):
-        if before is not None:
-            before()
-        phases.append(_phase(llm, prompts))
-    return {"ttft_s": [t for ph in phases for t in ph["ttft_s"]],
-            "tokens": [tok for ph in phases for tok in ph["tokens"]],
-            "cached": [c for ph in phases for c in ph["cached"]]}
-
-
-def _evict_to_nvme(client, keys: list[bytes], block_bytes: int, limit: int) -> list[Optional[str]]:
-    """Store one-shot filler blocks until every key in `keys` is below DRAM."""
-    import numpy as np
-
-    fill = np.zeros(block_bytes, dtype=np.uint8)
-    tiers = client.locate(keys)
-    for _ in range(limit):
-        if all(t is not None and t != "dram" for t in tiers):
-            break
-        for _ in range(16):
-            client.store([os.urandom(16)], [fill]).wait(60)
-        tiers = client.locate(keys)
-    client.flush()
-    return client.locate(keys)
-
-
 def _run_config(spec: dict) -> dict:
     """One configuration in one engine: the phases named in spec["config"]."""
     pass1, pass2, warm = spec["pass1"], spec["pass2"], spec["warm"]
     name = spec["config"]
-    rounds = int(spec.get("repeat", 1))
+    n_rounds = int(spec.get("repeat", 1))
     max_len = max(len(p) for p in pass1 + pass2) + 64
     kv: Optional[dict] = None
     if name == "example":
@@ -188,75 +122,68 @@ def _run_config(spec: dict) -> dict:
               "kv_connector_extra_config": {"ucm_config": spec["ucm_config"],
                                             "ucm_load_streaming": spec.get("codec_streaming", "off")
                                             if name == "ucm_codec" else UCM_STREAMING.get(name, "off")}}
-    llm = _engine(spec["model"], max_len, prefix_caching=(name == "apc"), kv=kv)
-    _timed(llm, [warm])  # first forward pays one-time costs in every configuration
+    llm = make_engine(spec["model"], max_len, prefix_caching=(name == "apc"), kv=kv)
+    timed(llm, [warm])  # first forward pays one-time costs in every configuration
     out: dict[str, Any] = {}
     if name == "ucm_codec":
         from ucm.bench.engines.vllm_bench_codec import run_codec_config
 
-        out = run_codec_config(llm, spec, _phase, _rounds, _evict_to_nvme, CHECK_TOKENS)
-        _shutdown(llm)
+        out = run_codec_config(llm, spec)
+        shutdown(llm)
         return out
     if name in ("ucm_stream_off", "ucm_stream_on"):
-        out.update(_other_streaming(llm, spec, name, pass2, rounds))
-        _shutdown(llm)
+        out.update(_other_streaming(llm, spec, name, pass2, n_rounds))
+        shutdown(llm)
         return out
-    out["pass1"] = _phase(llm, pass1)
+    out["pass1"] = phase(llm, pass1)
     if name != "none":  # without a connector pass 2 is another full prefill: pass 1 measures it
-        out["pass2"] = _rounds(llm, pass2, rounds)
+        out["pass2"] = rounds(llm, pass2, n_rounds)
     if name == "apc":
-        out["check"] = _phase(llm, pass2, CHECK_TOKENS)
+        out["check"] = phase(llm, pass2, CHECK_TOKENS)
     elif name == "example":
         # Its files read back from the disk, as ucm's NVMe-only hits are.
-        out["disk"] = _rounds(llm, pass2, rounds, before=lambda: _drop_page_cache(Path(spec["example_dir"])))
+        out["disk"] = rounds(llm, pass2, n_rounds, before=lambda: _drop_page_cache(Path(spec["example_dir"])))
     elif name == "ucm":
         import ucm
         from ucm.keys import block_keys
 
         client = ucm.connect(spec["ucm_config"], start=False)
-        ns = _namespace(llm)
+        ns = namespace(llm.llm_engine.vllm_config)
         keys = [k for p in pass2 for k in block_keys(ns, p, BLOCK_TOKENS)]
-        out["tiers_before_evict"] = _count(client.locate(keys))
+        out["tiers_before_evict"] = tier_counts(client.locate(keys))
         out["tiers_nvme_phase"] = []
 
         def evict() -> None:
-            out["tiers_nvme_phase"].append(_count(_evict_to_nvme(client, keys, spec["block_bytes"], limit=200)))
+            out["tiers_nvme_phase"].append(_evict_to_nvme(client, keys, spec["block_bytes"]))
 
         stats0 = client.stats()
-        out["nvme"] = _rounds(llm, pass2, rounds, before=evict)
-        out["check"] = _phase(llm, pass2, CHECK_TOKENS)
+        out["nvme"] = rounds(llm, pass2, n_rounds, before=evict)
+        out["check"] = phase(llm, pass2, CHECK_TOKENS)
         stats1 = client.stats()
         out["promotions"] = stats1["tiers"]["dram"].get("promotions_in", 0) - stats0["tiers"]["dram"].get(
             "promotions_in", 0)
         client.close()
-    _shutdown(llm)
+    shutdown(llm)
     return out
 
 
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-
-
-def _other_streaming(llm, spec: dict, name: str, pass2: list[list[int]], rounds: int) -> dict[str, Any]:
+def _other_streaming(llm, spec: dict, name: str, pass2: list[list[int]], n_rounds: int) -> dict[str, Any]:
     """The second and third ucm engines: NVMe-only hits with streaming off,
     or DRAM hits streamed (on)."""
     import ucm
     from ucm.keys import block_keys
 
     client = ucm.connect(spec["ucm_config"], start=False)
-    keys = [k for p in pass2 for k in block_keys(_namespace(llm), p, BLOCK_TOKENS)]
+    keys = [k for p in pass2 for k in block_keys(namespace(llm.llm_engine.vllm_config), p, BLOCK_TOKENS)]
     out: dict[str, Any] = {"tiers_before": []}
     try:
         if name == "ucm_stream_off":
             def before() -> None:
-                out["tiers_before"].append(_count(_evict_to_nvme(client, keys, spec["block_bytes"], limit=200)))
+                out["tiers_before"].append(_evict_to_nvme(client, keys, spec["block_bytes"]))
         else:
             def before() -> None:
-                out["tiers_before"].append(_count(client.locate(keys)))
-        out["hit"] = _rounds(llm, pass2, rounds, before=before)
+                out["tiers_before"].append(tier_counts(client.locate(keys)))
+        out["hit"] = rounds(llm, pass2, n_rounds, before=before)
         out["streamed_blocks"] = client.stats().get("streamed_blocks", 0)
     finally:
         client.close()
@@ -272,32 +199,10 @@ def _drop_page_cache(root: Path) -> None:
             drop_page_cache(str(path))
 
 
-def _namespace(llm):
-    """The namespace UCMConnector gives this engine's blocks, from the
-    engine's own config (model fingerprint, KV dtype, geometry, pages)."""
-    from ucm.connectors.vllm import build_namespace
-
-    return build_namespace(llm.llm_engine.vllm_config, BLOCK_TOKENS)
-
-
-def _count(tiers: list[Optional[str]]) -> dict[str, int]:
-    c: dict[str, int] = {}
-    for t in tiers:
-        c[str(t)] = c.get(str(t), 0) + 1
-    return c
-
-
 # ---- the driver ---------------------------------------------------------------
 def _subprocess(spec: dict, work: Path) -> dict:
-    spec_path = work / f"spec-{spec['config']}.json"
-    out_path = work / f"out-{spec['config']}.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "ucm.bench.engines.vllm_bench", "--run-config", str(spec_path), str(out_path)],
-                          env=bench_env(work), cwd=str(work), capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"configuration {spec['config']!r} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out_path.read_text())
+    return run_spec("ucm.bench.engines.vllm_bench", spec, work, spec["config"], f"configuration {spec['config']!r}",
+                    flags=("--run-config",))
 
 
 def _mean(xs: list[float]) -> float:
@@ -463,30 +368,27 @@ def summarize(res: dict[str, dict], docs: int, doc_tokens: int, pass1_tokens: in
 
 
 def run(args: argparse.Namespace) -> int:
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    try:
-        codecs = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
-        modes = tuple(m.strip() for m in args.codec_streaming.split(",") if m.strip())
-        r = measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat, codecs=codecs,
-                    codec_streaming=modes)
-    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
-        print(f"ucm bench vllm: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(r))
-        return 0
-    for k in ("no_connector_ttft_s", "apc_hit_ttft_s", "example_connector_hit_ttft_s",
-              "example_connector_disk_hit_ttft_s", "ucm_cold_ttft_s", "ucm_dram_hit_ttft_s", "ucm_nvme_hit_ttft_s",
-              "ucm_nvme_hit_stream_off_ttft_s", "ucm_dram_hit_streamed_ttft_s"):
-        print(f"{k:32s} {r[k]:8.3f}")
-    for k, v in r["ratios"].items():
-        print(f"{k:32s} {v:8.3f}")
+    codecs = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
+    modes = tuple(m.strip() for m in args.codec_streaming.split(",") if m.strip())
+    return common.run_measured(
+        args, "vllm", lambda log: measure(args.docs, args.doc_tokens, args.model, log=log, repeat=args.repeat,
+                                          codecs=codecs, codec_streaming=modes),
+        table, errors=(RuntimeError, ValueError, subprocess.TimeoutExpired))
+
+
+def table(r: dict[str, Any]) -> str:
+    """The medians, their ratios, the codec runs and `outputs_equal`."""
+    lines = [f"{k:32s} {r[k]:8.3f}" for k in (
+        "no_connector_ttft_s", "apc_hit_ttft_s", "example_connector_hit_ttft_s", "example_connector_disk_hit_ttft_s",
+        "ucm_cold_ttft_s", "ucm_dram_hit_ttft_s", "ucm_nvme_hit_ttft_s", "ucm_nvme_hit_stream_off_ttft_s",
+        "ucm_dram_hit_streamed_ttft_s")]
+    lines += [f"{k:32s} {v:8.3f}" for k, v in r["ratios"].items()]
     for codec, c in r.get("ucm_nvme_codecs", {}).items():
-        print(f"{'ucm_nvme_hit_' + codec + '_ttft_s':32s} {c['nvme_hit_ttft_s']:8.3f}  (over DRAM hit "
-              f"{c['nvme_hit_over_dram_hit']:.3f}, first tokens agree {c['first_token_agreement']:.3f}, "
-              f"checks equal {c['check_tokens_equal']}/{c['check_prompts']})")
-    print(f"{'outputs_equal':32s} {r['outputs_equal']}")
-    return 0
+        lines.append(f"{'ucm_nvme_hit_' + codec + '_ttft_s':32s} {c['nvme_hit_ttft_s']:8.3f}  (over DRAM hit "
+                     f"{c['nvme_hit_over_dram_hit']:.3f}, first tokens agree {c['first_token_agreement']:.3f}, "
+                     f"checks equal {c['check_tokens_equal']}/{c['check_prompts']})")
+    lines.append(f"{'outputs_equal':32s} {r['outputs_equal']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
@@ -494,7 +396,4 @@ if __name__ == "__main__":
         spec = json.loads(Path(sys.argv[2]).read_text())
         Path(sys.argv[3]).write_text(json.dumps(_run_config(spec)))
         sys.exit(0)
-    ap = argparse.ArgumentParser(prog="python -m ucm.bench.engines.vllm_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(ap)
-    sys.exit(run(ap.parse_args()))
+    sys.exit(common.main("python -m ucm.bench.engines.vllm_bench", __doc__, _add_args, run))

@@ -10,7 +10,7 @@ hit streamed layer by layer under the forward, a codec tier decoding range
 by range) runs pass 1 cold (the blocks are saved to DRAM raw), then
 `--repeat` rounds of pass 2 after filler has pushed every document block
 to NVMe (demotion encodes it; the hit stages it back and decodes it), and
-the 8-token greedy check. A run is keyed by its codec (`off`) or
+the greedy check (`CHECK_TOKENS`). A run is keyed by its codec (`off`) or
 `<codec>_streamed` (`auto`). Outputs are compared with vLLM's own
 prefix-cache hit: `lossless` must equal it token for token; a lossy
 codec's agreement is reported, not required.
@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+
+from ucm.bench.blocks import push_below_dram, tier_counts
+from ucm.bench.engines.ttft_workload import CHECK_TOKENS
+from ucm.bench.engines.vllm_engine import BLOCK_TOKENS, namespace, phase, rounds
 
 LOSSLESS = ("none", "lossless")
 
@@ -83,25 +87,24 @@ def run_codecs(codecs: list[str], cfg: dict, work: Path, base: dict, run: Callab
     return out
 
 
-def run_codec_config(llm, spec: dict, phase, rounds_fn, evict, check_tokens: int) -> dict[str, Any]:
+def run_codec_config(llm: Any, spec: dict) -> dict[str, Any]:
     """In the engine's subprocess: pass 1 cold, NVMe-only rounds, the check."""
     import ucm
     from ucm.keys import block_keys
 
-    from ucm.bench.engines.vllm_bench import BLOCK_TOKENS, _count, _namespace
-
-    pass1, pass2, rounds = spec["pass1"], spec["pass2"], int(spec.get("repeat", 1))
+    pass1, pass2, n_rounds = spec["pass1"], spec["pass2"], int(spec.get("repeat", 1))
     out: dict[str, Any] = {"pass1": phase(llm, pass1), "tiers_before": []}
     client = ucm.connect(spec["ucm_config"], start=False)
     try:
-        keys = [k for p in pass2 for k in block_keys(_namespace(llm), p, BLOCK_TOKENS)]
+        ns = namespace(llm.llm_engine.vllm_config)
+        keys = [k for p in pass2 for k in block_keys(ns, p, BLOCK_TOKENS)]
 
         def before() -> None:
-            out["tiers_before"].append(_count(evict(client, keys, spec["block_bytes"], limit=200)))
+            out["tiers_before"].append(tier_counts(push_below_dram(client, keys, spec["block_bytes"], limit=200)))
 
-        out["nvme"] = rounds_fn(llm, pass2, rounds, before=before)
+        out["nvme"] = rounds(llm, pass2, n_rounds, before=before)
         before()
-        out["check"] = phase(llm, pass2, check_tokens)
+        out["check"] = phase(llm, pass2, CHECK_TOKENS)
     finally:
         client.close()
     return out
