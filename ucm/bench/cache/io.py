@@ -59,12 +59,16 @@ from ucm.adapters.base import Status
 from ucm.adapters.dram import DramAdapter, DramConfig
 from ucm.adapters.nvme import NvmeAdapter, NvmeConfig
 from ucm.adapters.nvme import format as nvme_format
+from ucm.bench import common
 from ucm.progress import bar
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("io", help="tier bandwidth vs memcpy and fio",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "io", help="tier bandwidth vs memcpy and fio", description=__doc__, add_args=_add_args,
+                     handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="directory for the NVMe tier and fio (default: a temp dir under /var/tmp)")
     p.add_argument("--size-mb", type=int, default=512, help="bytes moved per measurement, MiB (default 512)")
     p.add_argument("--block-kb", type=int, default=2880,
@@ -76,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="paired rounds (nvme with fio, or a cluster tier with its client); medians are "
                         "reported (default 5, a cluster tier 3)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_json_flag(p)
     rng = p.add_argument_group("range reads", "with --range: one layer of each block from nvme vs whole blocks")
     rng.add_argument("--range", action="store_true", help="measure layer range reads instead")
     rng.add_argument("--layers", type=int, default=30, help="equal layer ranges per block (default 30)")
@@ -91,11 +95,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--pool", choices=("peer", "local", "none"), default=None,
                          help="mooncake pool: a started pool node, this process, or the cluster's")
     cluster.add_argument("--redis-url", default=None, help="redis URL (default: start a redis-server on 127.0.0.1)")
-    p.set_defaults(handler=run)
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("inf")
 
 
 def _buffers(n: int, size: int) -> list[mmap.mmap]:
@@ -123,7 +122,7 @@ def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threa
     t = time.perf_counter()
     for d, s in zip(dsts, srcs):
         _native.copy(d, s)
-    res["memcpy_gbps"] = _gbps(total, time.perf_counter() - t)
+    res["memcpy_gbps"] = common.gbps(total, time.perf_counter() - t)
 
     # the arena hands space out in extents of whole slots: room for the blocks plus the rounding
     slot = (block_bytes + 4095) // 4096 * 4096
@@ -131,10 +130,10 @@ def measure(directory: str, size_mb: int, block_bytes: int, batch: int, io_threa
     try:
         t = time.perf_counter()
         st = dram.put(keys, srcs)
-        res["dram_store_gbps"] = _gbps(total, time.perf_counter() - t)
+        res["dram_store_gbps"] = common.gbps(total, time.perf_counter() - t)
         t = time.perf_counter()
         st += dram.get(keys, dsts)
-        res["dram_load_gbps"] = _gbps(total, time.perf_counter() - t)
+        res["dram_load_gbps"] = common.gbps(total, time.perf_counter() - t)
         res["dram_ok"] = all(s is Status.OK for s in st)
     finally:
         dram.close()
@@ -237,7 +236,7 @@ def _nvme_once(cfg: NvmeConfig, cap: int, path: str, srcs: list, dsts: list,
     t = time.perf_counter()
     st = nv.put(keys, srcs)
     flushed = nv.flush()
-    store = _gbps(total, time.perf_counter() - t)
+    store = common.gbps(total, time.perf_counter() - t)
     nv.close()
     if not direct:
         drop_page_cache(path)
@@ -248,16 +247,11 @@ def _nvme_once(cfg: NvmeConfig, cap: int, path: str, srcs: list, dsts: list,
         t = time.perf_counter()
         for i in range(0, n, batch):
             st += nv.get(keys[i:i + batch], dsts[i:i + batch])
-        load = _gbps(total, time.perf_counter() - t)
+        load = common.gbps(total, time.perf_counter() - t)
     finally:
         nv.close()
     ok = flushed and all(s is Status.OK for s in st) and all(d[:] == s[:] for d, s in zip(dsts, srcs))
     return store, load, ok, direct
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def measure_range(directory: str, size_mb: int, block_bytes: int, layers: int, batch: int, io_threads: int,
@@ -317,10 +311,10 @@ def measure_range(directory: str, size_mb: int, block_bytes: int, layers: int, b
                     t = time.perf_counter()
                     ok = ok and nv.get_range([keys[j]], [((which[j] + 1) % layers) * layer], outs[:1]) == [Status.OK]
                     lat_r.append(time.perf_counter() - t)
-                r["whole_p50_ms"] = round(_pct(lat_w, 0.5) * 1e3, 3)
-                r["whole_p99_ms"] = round(_pct(lat_w, 0.99) * 1e3, 3)
-                r["range_p50_us"] = round(_pct(lat_r, 0.5) * 1e6, 1)
-                r["range_p99_us"] = round(_pct(lat_r, 0.99) * 1e6, 1)
+                r["whole_p50_ms"] = round(common.nearest_rank(lat_w, 0.5) * 1e3, 3)
+                r["whole_p99_ms"] = round(common.nearest_rank(lat_w, 0.99) * 1e3, 3)
+                r["range_p50_us"] = round(common.nearest_rank(lat_r, 0.5) * 1e6, 1)
+                r["range_p99_us"] = round(common.nearest_rank(lat_r, 0.99) * 1e6, 1)
             res["by_chunk"][str(ckb << 10)] = r
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -368,7 +362,7 @@ def _stage(directory: str, srcs: list, keys: list[bytes], batch: int, io_threads
                 staged += len(group) * size
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _gbps(staged, seconds), ok and staged > 0
+    return common.gbps(staged, seconds), ok and staged > 0
 
 
 def _lay_out(path: str, size: int) -> None:
@@ -434,12 +428,10 @@ def run(args: argparse.Namespace) -> int:
         return 0 if res["ok"] else 1
     res = measure(directory, args.size_mb, args.block_kb * 1024, args.batch, args.io_threads, not args.no_fio,
                   args.repeats or 5)
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        for k in sorted(res):
-            if k != "rounds":
-                print(f"{k:30s} {res[k]}")
-        for k, v in res["rounds"].items():
-            print(f"{'rounds: ' + k:30s} {v}")
+    common.report(res, args.json, _table, sort_keys=True)
     return 0 if res.get("dram_ok") and res.get("nvme_ok") else 1
+
+
+def _table(res: dict[str, Any]) -> str:
+    rounds = [f"{'rounds: ' + k:30s} {v}" for k, v in res["rounds"].items()]
+    return "\n".join([common.key_values(res, 30, skip=("rounds",)), *rounds])

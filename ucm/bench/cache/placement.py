@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from typing import Sequence
 
+from ucm.bench import common
 from ucm.errors import ArgumentError
 from ucm.placement import PlacementEngine, TierSpec
 from ucm.placement import make_placement as make_engine  # this module's make_placement builds the bench's tiers
@@ -216,13 +216,13 @@ def handle(args: argparse.Namespace) -> int:
 
         doc["service"] = staging.run(args.baseline, clients=args.service_clients, seconds=args.service_seconds,
                                      repeat=args.repeat)
-    if args.json:
-        print(json.dumps(doc), flush=True)
-    else:
-        print(format_table(doc), flush=True)
-        if args.service:
-            print(format_service(doc["service"]), flush=True)
+    common.report(doc, args.json, _tables)
     return 0
+
+
+def _tables(doc: dict) -> str:
+    """The placement table, and the service's when it was measured."""
+    return "\n".join([format_table(doc), *([format_service(doc["service"])] if "service" in doc else [])])
 
 
 def format_service(doc: dict) -> str:
@@ -241,17 +241,19 @@ def format_service(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "placement",
-        help="placement cost per block, batched calls against per-block calls",
+def register(subparsers: common.Subparsers) -> None:
+    common.add_bench(
+        subparsers, "placement", help="placement cost per block, batched calls against per-block calls",
         description=__doc__.split("\n\n")[0],
         epilog=("Output: a table, or with --json one object with `results`, one row per policy and "
                 "request size: python_/native_ per_block/batched _us_per_block (native: null without a "
                 "native twin), per_block_us_per_block and batched_us_per_block of the default engine, "
                 "speedup, native_speedup, evictions, same_decisions. Example: ucm bench placement --policy all "
                 "--blocks-per-request 16,512 --repeat 3 --json"),
-    )
+        add_args=_add_args, handler=handle, raw_description=False)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="all", metavar="NAME[,NAME...]",
                    help="policies to measure, or 'all' (default: every installed `ucm.policies` entry point)")
     p.add_argument("--blocks-per-request", default="16,512", metavar="N[,N...]",
@@ -271,5 +273,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", metavar="DIR",
                    help="with --service: the source tree of another ucm version (a git worktree with its "
                         "native module built in place) measured in the same run, e.g. the commit before")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.set_defaults(handler=handle)
+    common.add_json_flag(p, "print one JSON object instead of a table")

@@ -14,7 +14,6 @@ GB/s are 10^9 bytes per second.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -28,22 +27,23 @@ from typing import Any
 import yaml
 
 from ucm import _native
+from ucm.bench import common
 from ucm.progress import bar
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("service", help="service lookups per second and arena bandwidth",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lookups", type=int, default=20000, help="lookup requests per client (default 20000)")
-    p.add_argument("--keys", type=int, default=16, help="keys per lookup (default 16)")
-    p.add_argument("--size-mb", type=int, default=256, help="bytes stored and loaded, MiB (default 256)")
-    p.add_argument("--block-kb", type=int, default=2880, help="block size, KiB (default 2880)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=run)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "service", help="service lookups per second and arena bandwidth",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    common.add_counts(p, lookups=(20000, "lookup requests per client"), keys=(16, "keys per lookup"),
+                      size_mb=(256, "bytes stored and loaded, MiB"), block_kb=(2880, "block size, KiB"))
+    common.add_json_flag(p)
 
 
 def _pct(sorted_us: list[float], q: float) -> float:
-    return round(sorted_us[min(len(sorted_us) - 1, int(q * len(sorted_us)))], 1)
+    return round(common.nearest_rank(sorted_us, q), 1)
 
 
 def _lookup_worker(sock: str, n: int, n_keys: int, use_index: bool, start: Any, out: Any) -> None:
@@ -138,19 +138,19 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
         t = time.perf_counter()
         for d, s in zip(dsts, srcs):
             _native.copy(d, s)
-        res["memcpy_gbps"] = round(total / (time.perf_counter() - t) / 1e9, 3)
+        res["memcpy_gbps"] = common.gbps(total, time.perf_counter() - t)
         keys = [os.urandom(16) for _ in range(n_blocks)]
         with CacheClient(sock) as c:
             warm = [os.urandom(16) for _ in range(4)]  # fault in the arena pages the client maps
             c.store(warm, srcs[:4]).wait(60)
             t = time.perf_counter()
             st = c.store(keys, srcs).wait(600)
-            res["store_gbps"] = round(total / (time.perf_counter() - t) / 1e9, 3)
+            res["store_gbps"] = common.gbps(total, time.perf_counter() - t)
             for d in dsts:
                 d[:8] = bytes(8)
             t = time.perf_counter()
             ld = c.load(keys, dsts).wait(600)
-            res["load_gbps"] = round(total / (time.perf_counter() - t) / 1e9, 3)
+            res["load_gbps"] = common.gbps(total, time.perf_counter() - t)
         res["lookup_wrong_answers"] = sum(r["wrong"] for r in (one, two, s_one, s_two))
         res["ok"] = (res["lookup_wrong_answers"] == 0 and all(o is Outcome.DONE for o in st + ld)
                      and all(d[:] == s[:] for d, s in zip(dsts, srcs)))
@@ -167,9 +167,5 @@ def measure(lookups: int, n_keys: int, size_mb: int, block_bytes: int) -> dict[s
 
 def run(args: argparse.Namespace) -> int:
     res = measure(args.lookups, args.keys, args.size_mb, args.block_kb * 1024)
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        for k in sorted(res):
-            print(f"{k:28s} {res[k]}")
+    common.report(res, args.json, lambda r: common.key_values(r, 28), sort_keys=True)
     return 0 if res.get("ok") else 1

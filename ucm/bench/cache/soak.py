@@ -44,26 +44,28 @@ from typing import Any, Optional
 
 import yaml
 
+from ucm.bench import common
+from ucm.errors import ArgumentError
 from ucm.progress import bar
 
 KEY_SALT = b"ucm-soak-v1"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("soak", help="clients storing, loading and being killed; every byte checked",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "soak", help="clients storing, loading and being killed; every byte checked",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=2.0, help="how long the clients run (fractions allowed)")
-    p.add_argument("--clients", type=int, default=4, help="client processes at any time (default 4)")
+    common.add_counts(p, clients=(4, "client processes at any time"))
     p.add_argument("--kill-every-s", type=float, default=3.0,
                    help="mean seconds between SIGKILLs of a random client (0: never; default 3)")
-    p.add_argument("--dram-mb", type=int, default=16, help="dram tier, MiB (default 16)")
-    p.add_argument("--nvme-mb", type=int, default=96, help="nvme tier, MiB (default 96)")
+    common.add_counts(p, dram_mb=(16, "dram tier, MiB"), nvme_mb=(96, "nvme tier, MiB"))
     p.add_argument("--block-kb", default="64,200", help="the two block sizes, KiB (default 64,200)")
-    p.add_argument("--chains", type=int, default=64, help="chains in the key space (default 64)")
-    p.add_argument("--max-chain", type=int, default=8, help="blocks per chain (default 8)")
+    common.add_counts(p, chains=(64, "chains in the key space"), max_chain=(8, "blocks per chain"))
     p.add_argument("--seed", type=int, default=None, help="seed of kills and client choices (default: random)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=run)
+    common.add_json_flag(p)
 
 
 # ---- the key space (shared by the clients and the final checks) ----------------------------
@@ -402,10 +404,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         kb = []
     if len(kb) != 2 or min(kb) <= 0 or max(kb) > 1000:
-        from ucm.errors import ArgumentError
         raise ArgumentError(f"--block-kb: two sizes in KiB below the 1 MiB region, like 64,200; got {args.block_kb!r}")
     res = soak(args.minutes, clients=args.clients, kill_every_s=args.kill_every_s, dram_mb=args.dram_mb,
                nvme_mb=args.nvme_mb, sizes=(kb[0] << 10, kb[1] << 10), chains=args.chains,
                max_chain=args.max_chain, seed=args.seed)
-    print(json.dumps(res, sort_keys=True) if args.json else _table(res))
+    common.report(res, args.json, _table, sort_keys=True)
     return 0 if res["ok"] else 1

@@ -21,6 +21,7 @@ uses only calls both versions have (`CacheClient.store/lookup/load`).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from typing import Optional
 
 import yaml
 
+from ucm.bench.blocks import chain
 from ucm.errors import ArgumentError
 
 BLOCK_BYTES = 256 * 1024
@@ -41,8 +43,10 @@ STAGED_BLOCKS = 96
 DRAM_BLOCKS = 32
 NVME_BLOCKS = 2048
 
-_CLIENT = textwrap.dedent('''
-    import hashlib, json, sys, time
+# The client script; it runs under the tree measured (PYTHONPATH), so it
+# carries its own copy of `chain` rather than importing this tree's.
+_CLIENT = "import hashlib\n\n\n" + inspect.getsource(chain) + textwrap.dedent('''
+    import json, sys, time
     from ucm.config.schema import load_config
     from ucm.service import CacheClient
     try:
@@ -51,13 +55,6 @@ _CLIENT = textwrap.dedent('''
         from ucm.service.server.serve import socket_path
     cfg = load_config(sys.argv[1]); role = sys.argv[2]; seed = int(sys.argv[3])
     blocks = int(sys.argv[4]); seconds = float(sys.argv[5]); size = int(sys.argv[6])
-
-    def chain(n, seed):
-        keys, prev = [], seed.to_bytes(16, "little")
-        for i in range(n):
-            prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-            keys.append(prev)
-        return keys
 
     c = CacheClient(socket_path(cfg), cfg)
     blob = bytes(size)

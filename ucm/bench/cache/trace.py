@@ -28,6 +28,7 @@ from ucm.bench.cache.replay import (
     ReplayResult,
     TraceReplay,
 )
+from ucm.bench.common import Subparsers, add_bench, add_json_flag
 from ucm.errors import ArgumentError
 from ucm.placement.heat import HeatTracker
 from ucm.placement import TierSpec, make_placement
@@ -299,10 +300,9 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "trace",
-        help="replay a request trace through the placement policies",
+def register(subparsers: Subparsers) -> None:
+    add_bench(
+        subparsers, "trace", help="replay a request trace through the placement policies",
         description=(
             "Replay a Mooncake-format trace (one JSON request per line, hash_ids = chained ids "
             "of 512-token blocks) through the placement code of UnifiedCache in metadata mode "
@@ -319,7 +319,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "the block minus block_bytes / tier bandwidth; the ratio is over the prefill time "
             "of the whole trace without a cache. Example: ucm bench trace --trace t.jsonl "
             "--policy all --capacity-tokens 1M,3M,10M --plot docs/trace_hit_ratio.png"),
-    )
+        add_args=_add_args, handler=handle, raw_description=False)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, metavar="FILE",
                    help="trace file, JSON Lines in the Mooncake format")
     p.add_argument("--policy", required=True, metavar="NAME[,NAME...]",
@@ -368,8 +371,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bytes-dir", metavar="DIR",
                    help="with --bytes: where the NVMe tier's temporary directory goes "
                         "(default: the system temporary directory)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object per replay (JSON Lines) instead of a table")
+    add_json_flag(p, "print one JSON object per replay (JSON Lines) instead of a table")
     p.add_argument("--plot", metavar="OUT.png",
                    help="also plot hit ratio against --capacity-tokens, one line per policy")
-    p.set_defaults(handler=handle)

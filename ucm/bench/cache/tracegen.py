@@ -41,8 +41,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, TextIO
 
-from ucm.errors import ArgumentError
 from ucm.bench.cache.traces import BLOCK_TOKENS
+from ucm.bench.common import Subparsers, add_bench
+from ucm.errors import ArgumentError
 
 WORKLOADS = ("chat", "sysprompt", "agent", "rag", "scan")
 
@@ -287,25 +288,25 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "tracegen",
-        help="write a synthetic request trace (Mooncake format) for `ucm bench trace`",
-        description=(
-            "Generate a synthetic workload as a Mooncake-format trace (one JSON request per "
-            "line, hash_ids = chained ids of 512-token blocks), to check placement policies "
-            "on traffic other than the development trace. Workloads: chat (multi-turn, Zipf "
-            "system prompts, varied think times), sysprompt (single-turn over Zipf templates), "
-            "agent (tool loops with long growing contexts), rag (mostly unique retrieved "
-            "chunks), scan (chat with bursts of long one-shot documents). Same seed, same "
-            "trace."),
-    )
+def register(subparsers: Subparsers) -> None:
+    add_bench(subparsers, "tracegen", help="write a synthetic request trace (Mooncake format) for `ucm bench trace`",
+              description=(
+                  "Generate a synthetic workload as a Mooncake-format trace (one JSON request per "
+                  "line, hash_ids = chained ids of 512-token blocks), to check placement policies "
+                  "on traffic other than the development trace. Workloads: chat (multi-turn, Zipf "
+                  "system prompts, varied think times), sysprompt (single-turn over Zipf templates), "
+                  "agent (tool loops with long growing contexts), rag (mostly unique retrieved "
+                  "chunks), scan (chat with bursts of long one-shot documents). Same seed, same "
+                  "trace."),
+              add_args=_add_args, handler=handle, raw_description=False)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True, choices=WORKLOADS)
     p.add_argument("--requests", type=int, default=4000, metavar="N",
                    help="number of requests (default 4000)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--out", metavar="FILE", help="output file (default: stdout)")
-    p.set_defaults(handler=handle)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
