@@ -24,7 +24,6 @@ the time of a hit goes (it wraps those internal methods with timers, in
 this process only: a diagnostic). Measures only; asserts nothing.
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -39,19 +38,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ucm.bench.blocks import chain, push_below_dram
 from ucm.codecs.layout import planar_layout
 
 LAYOUT = planar_layout("bfloat16", 30, 3, 128, 64)  # SmolLM2 bf16 block: 2,949,120 B
 BB = LAYOUT.block_bytes
 DOC = 23
-
-
-def chain(n, seed):
-    keys, prev = [], seed.to_bytes(16, "little")
-    for i in range(n):
-        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-        keys.append(prev)
-    return keys
 
 
 def kv_blocks(n, seed):
@@ -81,16 +73,8 @@ def config(work, codec, dram_blocks, headroom, tag=""):
     return p
 
 
-def push_to_nvme(client, keys, fill_src, limit=200):
-    tiers = client.locate(keys)
-    for _ in range(limit):
-        if all(t is not None and t != "dram" for t in tiers):
-            break
-        for _ in range(16):
-            client.store([os.urandom(16)], [fill_src]).wait(60)
-        tiers = client.locate(keys)
-    client.flush()
-    return client.locate(keys)
+def push_to_nvme(cache, keys, fill_src):
+    return push_below_dram(cache, keys, BB, limit=200, filler=fill_src)
 
 
 def stream_times(client, keys):
@@ -226,12 +210,7 @@ def inproc_run(work, codec, samples, dram_blocks, headroom, part_blocks=5):
         cache.store(keys, data).wait(60)
         hits = []
         for _ in range(samples):
-            for _ in range(200):
-                if all(t == "nvme" for t in cache.locate(keys)):
-                    break
-                for _ in range(16):
-                    cache.store([os.urandom(16)], [fill_src]).wait(60)
-            cache.flush()
+            push_to_nvme(cache, keys, fill_src)
             time.sleep(0.5)
             spent.clear()
             t0 = time.perf_counter()
