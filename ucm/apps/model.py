@@ -72,10 +72,6 @@ def model_dir(name: str = "smollm2", cache_dir: Union[None, str, os.PathLike] = 
     return root / model_spec(name).dir_name
 
 
-def is_prepared(name: str = "smollm2", cache_dir: Union[None, str, os.PathLike] = None) -> bool:
-    return (model_dir(name, cache_dir) / COMPLETE_MARKER).is_file()
-
-
 def gguf_path(spec: ModelSpec) -> Path:
     """The GGUF file inside the installed distribution, found from its file
     list (the package itself is not imported: it needs llm and llama_cpp)."""
@@ -165,7 +161,7 @@ def _convert(spec: ModelSpec, source: Path, out: Path, torch: Any, auto_model: A
         except AttributeError:  # a read-only property derived from hf_quantizer
             pass
     model.config.dtype = spec.dtype
-    model.config._name_or_path = spec.dir_name
+    model.config.name_or_path = spec.dir_name
     steps.update(1)
     steps.set_postfix_str("writing safetensors")
     out.mkdir(parents=True)

@@ -100,11 +100,6 @@ class DemoRequest:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "DemoRequest":
-        return cls(index=int(d["index"]), session=str(d["session"]), cls=str(d["cls"]), step=int(d["step"]),
-                   prompt=[int(t) for t in d["prompt"]])
-
 
 def _sentences(rng: random.Random, words: int) -> str:
     out, n = [], 0
