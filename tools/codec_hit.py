@@ -5,17 +5,18 @@
                                   [--dram-blocks 48] [--headroom 0] [--inproc] [--stream]
 
 Per codec a private service (`ucm.connect`) with a DRAM tier of
-`--dram-blocks` SmolLM2-sized blocks (2,949,120 B, bf16, layout
-registered) over a direct-I/O nvme tier with that codec. 23 blocks are
-stored; before each sample filler blocks push them to NVMe (as `ucm bench
-vllm` does), then they are read back with `read_slots`, as vLLM's connector
-loads (16 MiB `acquire` parts, each staging NVMe -> DRAM and demoting as
-many DRAM blocks as it stages), and again (a DRAM hit). `--stream`: then
-pushed to NVMe again and streamed back (`stream_slots`, 30 layers, as the
+`--dram-blocks` blocks of the default model's geometry (30 layers x 3 KV
+heads x 128 tokens x 64, bf16: 2,949,120 B, layout registered) over a
+direct-I/O nvme tier with that codec. 23 blocks are stored; before each
+sample filler blocks push them to NVMe (as `ucm bench vllm` does), then
+they are read back with `read_slots`, as vLLM's connector loads (16 MiB
+`acquire` parts, each staging NVMe -> DRAM and demoting as many DRAM
+blocks as it stages), and again (a DRAM hit). `--stream`: then pushed to
+NVMe again and streamed back (`stream_slots`, 30 layers, as the
 connector's layer-wise load does): the seconds until layer 0 of every
 block landed (when an engine's first layer could start) and until all
-did. Prints one JSON line per codec: every NVMe-only hit's seconds and the
-medians.
+did. Prints one JSON line per codec: every NVMe-only hit's seconds and
+the medians.
 
 `--inproc`: the same hit on a UnifiedCache in this process (`acquire` in
 parts of 5 blocks), with the seconds spent per stage and thread (encode,
@@ -41,7 +42,7 @@ import yaml
 from ucm.bench.blocks import chain, push_below_dram
 from ucm.codecs.layout import planar_layout
 
-LAYOUT = planar_layout("bfloat16", 30, 3, 128, 64)  # SmolLM2 bf16 block: 2,949,120 B
+LAYOUT = planar_layout("bfloat16", 30, 3, 128, 64)  # the default model's bf16 block: 2,949,120 B
 BB = LAYOUT.block_bytes
 DOC = 23
 

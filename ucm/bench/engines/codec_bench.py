@@ -1,6 +1,6 @@
-"""ucm bench codec: the codecs of the tiers below DRAM on real SmolLM2 KV.
+"""ucm bench codec: the codecs of the tiers below DRAM on a real model's KV.
 
-The model computes the KV of prose it was not tuned on (Newton's
+The model (`--model`) computes the KV of prose it was not tuned on (Newton's
 *Opticks*, shipped with tvm-ffi in this environment, or a text given with
 `--text`); every full 128-token block of a prefix goes through each codec
 (encode, decode, exactly as a tier stores and stages it) and the model

@@ -1,9 +1,10 @@
 """`ucm bench gpu-ttft`: time to first token of a long-document hit in
 transformers on a GPU, ucm against transformers' own prefix reuse.
 
-The model has a real model's shapes (default Llama-3.2-1B: 16 layers,
-hidden 2048, 32 heads, 8 KV heads, head 64, vocab 128256) and random
-weights drawn with a seed on the device: time to first token depends on the
+The model is a Llama-architecture transformer with a real model's shapes
+(by default a 1B-parameter model's: 16 layers, hidden 2048, 32 heads, 8 KV
+heads, head 64, vocab 128256) and random weights drawn with a seed on the
+device: time to first token depends on the
 shapes, not on what the weights learnt, and no weights have to be
 downloaded. One document of `--doc-tokens` random token ids is asked
 `--rounds` times with another question; per round, in turn:

@@ -1,5 +1,5 @@
 """`ucm bench prefetch`: what the vLLM connector's prefetch policies buy
-under a queue (vLLM for CPU, SmolLM2-135M).
+under a queue (vLLM for CPU, the model of `--model`).
 
 `--requests` requests, each over its own document of a length drawn from
 `--doc-tokens LO,HI` (deterministic pseudo-random token ids, as in `ucm

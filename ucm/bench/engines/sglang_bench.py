@@ -4,8 +4,8 @@ HiCache storage backend, against SGLang's own device-cache hit, in one run.
 Workload: `--docs` documents of `--doc-tokens` deterministic pseudo-random
 token ids, each asked twice (pass 1 the document and one question, pass 2
 the document and another), max_new_tokens=1 (TTFT = the request's wall
-time), greedy, one request at a time, SmolLM2-135M-Instruct, `--page-size`
-64 (pass 2 reuses the document's full pages). One SGLang server with
+time), greedy, one request at a time, the model of `--model`, pages of
+`PAGE` tokens (pass 2 reuses the document's full pages). One SGLang server with
 `--enable-hierarchical-cache` and ucm as its storage (`page_first`, write
 through, prefetch `wait_complete`); one `ucm serve` (DRAM + NVMe, LRU) for
 the whole run. Per document:
@@ -175,8 +175,8 @@ def _copy_bench(pages: int, cfg: str, tag: str, rounds: int = 6) -> dict:
 
 def _doc_keys(prompts: list[list[int]]) -> list[bytes]:
     """The ucm keys of the full pages of `prompts` as the bench's server
-    names them (ucm_model_id MODEL_ID, SmolLM2's bf16 page_first pool of
-    30 layers x 3 KV heads x 64, TP/PP 1, no cache salt)."""
+    names them (ucm_model_id MODEL_ID, the default model's bf16 page_first
+    pool of 30 layers x 3 KV heads x 64, TP/PP 1, no cache salt)."""
     from sglang.srt.mem_cache.utils import get_hash_str
 
     from ucm.connectors.sglang.namespace import PoolGeometry, build_namespace, page_keys

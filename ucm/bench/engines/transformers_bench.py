@@ -1,7 +1,7 @@
 """`ucm bench transformers`: time to first token in Hugging Face transformers
 (CPU) with and without ucm.
 
-SmolLM2-135M-Instruct in float32 and bfloat16 (`--dtypes`). `--docs`
+The model of `--model` in float32 and bfloat16 (`--dtypes`). `--docs`
 documents of exactly `--doc-tokens` token ids (deterministic pseudo-random
 ids, as `ucm bench vllm` uses), each asked twice: pass 1 with one question,
 pass 2 with another, so pass 2 can reuse the document's full blocks. One
