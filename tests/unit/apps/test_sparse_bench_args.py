@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from ucm.bench.engines.sparse_bench import reselect_every
+from ucm.bench.engines.sparse_setup import reselect_every
 from ucm.errors import ArgumentError
 
 
