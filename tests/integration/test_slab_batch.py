@@ -31,10 +31,6 @@ def cfg(nvme_dir):
     return {"tiers": tiers, "landing_tier": "dram", "policy": {"name": "lru"}}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45: PlanExecutor.slot_evictions (ucm/tiers/executor.py) asks the "
-                   "arena again for a failure reconciled in the same pass as one whose evictions are planned "
-                   "but not run; Placement refuses those blocks (no longer in the tier), so the arena names "
-                   "blocks of the batch itself")
 @pytest.mark.parametrize("below", ["none", "nvme"])
 def test_a_whole_batch_of_a_second_size_lands_in_a_full_dram_tier(below, nvme_dir):
     with UnifiedCache(cfg(nvme_dir if below == "nvme" else None)) as c:

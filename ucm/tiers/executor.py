@@ -34,6 +34,12 @@ from ucm.tiers.stack import BatchRead, Failure, Ticket, TierStack
 log = logging.getLogger(__name__)
 
 
+def after_evictions(key: Key) -> tuple:
+    """The mark of a NO_SPACE step retried once after the slot evictions
+    another failure of the same reconcile pass planned for its size."""
+    return ("after-evictions", key)
+
+
 def retry_after_frees(key: Key) -> tuple:
     """The mark, in `run`'s `retried` set, of a NO_SPACE step retried once
     the frees planned before it ran (at most once per key and run)."""
@@ -112,6 +118,7 @@ class PlanExecutor:
         retries)."""
         p = self.placement
         plan: Plan = []
+        evicting: set[tuple[int, int]] = set()  # (tier, size) whose slot evictions this pass planned
         with self.meta:
             for f in failures:
                 step, key = f.step, f.step.key
@@ -127,8 +134,17 @@ class PlanExecutor:
                 elif (f.status is Status.NO_SPACE and step.op in (Op.WRITE, Op.COPY) and key not in retried
                         and step.dst in p.tiers_of(key)):
                     size = f.size_bytes  # the block's bytes: p.size_of is its footprint, maybe another class
+                    if (step.dst, size) in evicting and after_evictions(key) not in retried:
+                        # Evictions for this size are planned in this pass but not run: the arena
+                        # would name the same blocks again, which placement no longer has in the
+                        # tier, and then blocks of the batch itself. Tried again after them.
+                        retried.add(after_evictions(key))
+                        plan.append(step)
+                        continue
                     evictions = self.slot_evictions(step.dst, key, size) if size is not None else []
                     retried.add(key)
+                    if evictions:
+                        evicting.add((step.dst, size))
                     if evictions or size is not None:
                         # No victim named: the arena has a slot of that size free
                         # by now (a concurrent free landed) or none can be made;
