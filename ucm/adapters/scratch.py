@@ -4,10 +4,9 @@ Reads that cannot land in their destination directly go through scratch:
 an O_DIRECT read of a block whose length is not a multiple of 4 KiB (every
 frame of a codec tier), the frames a codec tier verifies before it decodes
 them. A fresh anonymous mapping per read costs a page fault and a zeroed
-page per 4 KiB on first touch, and its unmapping; for the 23 int8 frames
-of a SmolLM2 prompt (35 MB) that was 32-59 ms against 4-8 ms in memory
-used before (a probe; docs/benchmarks.md, "warm scratch for the codec
-tier's reads").
+page per 4 KiB on first touch, and its unmapping, several times what a
+read into memory used before costs (docs/lab/benchmarks.md, "warm scratch
+for the codec tier's reads").
 
 `lease(n)` hands out a mapping of at least n bytes and takes it back when
 the block exits: the smallest idle one that fits, else a new one (rounded

@@ -21,15 +21,15 @@ key outliers sit in fixed channels, value outliers in tokens):
   pair is q . dk, and queries are large in the pairs where keys are, so
   the encoder gives bits greedily to the pair with the largest (its keys'
   mean energy) x (its squared ranges) x 4^-w (format in
-  cpp/include/ucm/kv_quant.hpp, "paired"). On four SmolLM2 documents
-  that cut int4's teacher-forced KL from 0.0045 to 0.0018 at the same
-  size (docs/benchmarks.md, "int4 keys: bits where the queries look").
+  cpp/include/ucm/kv_quant.hpp, "paired"), which lowers int4's
+  teacher-forced KL at the same size (docs/lab/benchmarks.md, "int4 keys:
+  bits where the queries look").
   A block whose token 0 is an attention sink (ucm.codecs.sinks: its
   values are small) keeps that token's K and V rows exact, after the
   quantised body, and its value tiles span 64 channels, which pays for
-  the rows; the sixth parameter says so (1, else 0). On twelve SmolLM2
-  documents that halved int4's teacher-forced KL (0.0020 to 0.0009;
-  docs/benchmarks.md, "int4: the sink token kept exact").
+  the rows; the sixth parameter says so (1, else 0). Why: see
+  ucm.codecs.sinks and docs/lab/benchmarks.md, "int4: the sink token kept
+  exact".
   Codec ids 3-5 were the earlier int4 formats (4: every key tile at
   4 bits with 0.2 % outliers; 5: no sink kept, five parameters); their
   frames are misses now (no codec has those ids), as any frame of a codec
@@ -51,11 +51,8 @@ one segment, t = its tiles, o = its outliers, e = element bytes):
 where 48 is the frame header (ucm.codecs.frame), |layout| the KvLayout's
 encoding, 20 or 24 the codec's parameters, and the bracket the sink rows
 of a block that keeps them, whose value tiles (in t) span 64 channels
-(`encoded_bytes(layout, sink)` computes it). For SmolLM2 in bf16 at 128
-tokens (3 heads, 64 channels, 30 layers; a 126-byte layout) that is
-1,509,314 bytes for int8 (1.954x) and 841,518 bytes for int4 (3.5045x),
-with or without a sink, against 2,949,120 raw (n = 24,576, t = 768 for
-keys and values, 384 for a sink block's values, o = 49 per value segment).
+(`encoded_bytes(layout, sink)` computes it; the tests pin it for a
+worked geometry).
 
 Blocks the layout does not describe (no layout registered, another size,
 a dtype other than float32 / float16 / bfloat16) are not encoded (the

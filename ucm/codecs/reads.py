@@ -38,11 +38,10 @@ log = logging.getLogger(__name__)
 DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 # Layer ranges a streamed load (`get_layers`) decodes in turn, at most: each
-# range is one pass over the batch's blocks. One pass per layer (30 on
-# SmolLM2) cost more than it brought on 2 cores: the int8 NVMe-only hit of
-# 23 blocks took 0.12-0.17 s to its last layer against 0.07-0.09 s decoding
-# whole, and its first layer no sooner (reading and verifying the frames
-# come first and dominate; docs/benchmarks.md, "Codecs: streamed loads").
+# range is one pass over the batch's blocks. One pass per layer costs more
+# than it brings: reading and verifying the frames come first and dominate,
+# so the first layer lands no sooner and the last one later (measured in
+# docs/lab/benchmarks.md, "Codecs: streamed loads").
 LAYER_RANGES = 4
 
 

@@ -4,18 +4,18 @@ attention sink.
 Attention heads park the attention they do not need on the first token of
 the sequence (an attention sink): its key decides how much of every
 head's attention goes there and its value is read with that weight, so a
-quantisation error in either reaches every later token. On SmolLM2,
-keeping that one token's K and V exact halves int4's teacher-forced KL
-(docs/benchmarks.md, "int4: the sink token kept exact"); IntactKV (Liu et
-al., 2024) keeps the same tokens' KV lossless in quantised LLMs.
+quantisation error in either reaches every later token. Keeping that one
+token's K and V exact lowers int4's teacher-forced KL markedly
+(docs/lab/benchmarks.md, "int4: the sink token kept exact"); IntactKV (Liu
+et al., 2024) keeps the same tokens' KV lossless in quantised LLMs.
 
 A codec does not know where a block lies in its sequence, so it looks. A
 sink's values are small (it is attended as a no-op): token 0 of a block is
 taken for one when the mean over layers and KV heads of |v_0| / mean |v_t|
 (t over every `SAMPLE`-th token of each page, token 0 included) is below
-`SINK_RATIO`. On SmolLM2 the first block of a sequence scores 0.33-0.38
-and every later block 0.66 or more (twelve documents, float32 and bf16). A wrong guess costs bytes
-or quality, never correctness: the frame records which rows it kept.
+`SINK_RATIO`, set between the scores of a sequence's first block and of
+its later blocks (docs/lab/benchmarks.md). A wrong guess costs bytes or
+quality, never correctness: the frame records which rows it kept.
 
 Rows are a layout's rows (ucm.codecs.layout): token 0 of head h of a
 segment is the segment's row h x tokens. The kept rows are stored in the

@@ -25,9 +25,8 @@ the tier's writer thread encodes it and puts the frame into the medium. A
 demotion therefore costs its caller one copy, as a raw tier's buffered put
 does, and never an encode: the victims a staging evicts from a full DRAM
 tier (a reader waits for that staging) are encoded behind it, not before
-its reads. (Encoded on the staging's thread, they took 0.10 s of a 0.21 s
-int8 hit of 23 SmolLM2 blocks in process, 0.27 s of 0.45 s with
-lossless.) A block still waiting is in the tier (`contains`, `size_of`);
+its reads (encoded on the staging's thread, they would take a large
+share of the hit). A block still waiting is in the tier (`contains`, `size_of`);
 a `get` of it waits for its write and then reads the medium, so a reader
 always gets the decoded bytes, never the raw ones of a lossy codec at one
 moment and the decoded ones at another. A delete of a waiting block
