@@ -134,7 +134,7 @@ def test_partial_hits_and_a_prompt_that_is_all_blocks(model):
         assert c.restored_tokens == 2 * BT
         assert torch.equal(out, _reference(model, short, doc, 2 * BT)[0])
         conn.wait_stores()
-        assert cache.lookup(c._rows[0].keys) == 6
+        assert cache.lookup(c.rows[0].keys) == 6
         # A prompt diverging inside block 4 hits blocks 0..3.
         fork = doc.clone()
         fork[0, 4 * BT + 7] = 1234
@@ -169,7 +169,7 @@ def test_a_batch_of_different_prefixes_with_left_padding_restores_the_common_len
         cold, c0 = _generate(conn, ids, mask)
         assert c0.restored_tokens == 0 and torch.equal(cold, _plain(model, ids, mask))
         conn.wait_stores()
-        assert [cache.lookup(r.keys) for r in c0._rows] == [5, 3]
+        assert [cache.lookup(r.keys) for r in c0.rows] == [5, 3]
         # Row a has 5 blocks cached, row b 3 after its padding: the common length is pad_b + 3 blocks.
         hit, c1 = _generate(conn, ids, mask)
         assert c1.restored_tokens == min(5 * BT, pad_b + 3 * BT)
@@ -206,7 +206,7 @@ def test_through_the_service_with_the_hbm_front_and_a_kill_mid_generate(model, t
         assert conn.front is not None and conn.front.tier_names == ["hbm"]
         _generate(conn, a)
         assert conn.wait_stores()
-        assert client.lookup(conn.cache_for(a)._rows[0].keys) == 4
+        assert client.lookup(conn.cache_for(a).rows[0].keys) == 4
         out, c = _generate(conn, b)
         assert c.restored_tokens == 4 * BT and torch.equal(out, _reference(model, a, b, 4 * BT)[0])
         s = conn.stats()
@@ -251,7 +251,7 @@ def test_an_in_process_cache_keeps_reused_blocks_in_hbm_above_dram(model):
         first = torch.cat([_tokens(20, 3 * BT), _tokens(21, 2)], 1)
         _, c = _generate(conn, first)
         conn.wait_stores()
-        keys = c._rows[0].keys
+        keys = c.rows[0].keys
         assert cache.locate(keys) == ["hbm"] * 3
         # Another prompt's blocks push the first ones down to DRAM...
         _generate(conn, torch.cat([_tokens(22, 3 * BT), _tokens(23, 2)], 1))

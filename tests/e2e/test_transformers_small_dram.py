@@ -46,7 +46,7 @@ def _check(model, cache):
         generate(conn, a, NEW)
         assert conn.wait_stores()
         cache.flush()
-        keys = conn.cache_for(a)._rows[0].keys
+        keys = conn.cache_for(a).rows[0].keys
         assert cache.locate(keys).count("nvme") >= DOC_BLOCKS - 3  # the DRAM tier holds 3 blocks at most
         out, c = generate(conn, b, NEW)
         assert c.restored_tokens == DOC_BLOCKS * BT  # the whole document, staged part by part

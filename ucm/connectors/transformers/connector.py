@@ -13,8 +13,9 @@ or, for a forward loop or a generate call of one's own,
 `cache_for` runs before prefill, in the caller's thread: it keys the full
 blocks of every row's prompt (`ucm.keys.block_keys` over the row's real
 tokens, after its left padding), counts the request once per row
-(`begin_request`), finds the longest cached prefix and copies it into the
-layers (restore.py; the layers are layers.SpareLayer, which grow in place);
+(`begin_request`), finds the longest cached prefix and has it read into
+layer buffers (restore.Restorer) that the request's UCMCache adopts
+(request_cache.py; the layers are layers.SpareLayer, which grow in place);
 `generate` then sees a non-empty cache and computes only the rest
 (it slices the input ids by `get_seq_length()`, as with any cache). After
 the forward that completes a prompt block (the prefill, or a chunk of it),
@@ -45,9 +46,12 @@ the prefix (RestoreFault never leaves `connector.generate`). Misuse (a cache giv
 input ids, a batch whose size changed) is logged and stops that request's
 stores, so wrong KV is never stored.
 
+Every call into a cache goes through the connector's guard.CallGuard,
+which also holds the counters (`stats`).
+
 Threads: `cache_for`, `generate` and the model's forward run in the
 caller's thread; stores and finishes run in that order on the connector's
-one store thread. `_lock` guards the in-flight store list and counters.
+one store thread. `_lock` guards the in-flight store and job lists.
 """
 from __future__ import annotations
 
@@ -59,13 +63,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
 
-from ucm.api import CacheAPI, Handle, Key, Outcome
+from ucm.api import CacheAPI, Handle, Outcome
 from ucm.connectors.transformers import front as fronts
+from ucm.connectors.transformers.guard import CallGuard
 from ucm.connectors.transformers.kv_copy import gather_blocks
-from ucm.connectors.transformers.layers import SpareLayer
 from ucm.connectors.transformers.namespace import build_namespace
+from ucm.connectors.transformers.prompt_rows import PromptRow
+from ucm.connectors.transformers.request_cache import UCMCache
 from ucm.connectors.transformers.restore import Restorer, RestoreFault
 from ucm.errors import ArgumentError, ConfigError
 from ucm.keys import block_keys
@@ -74,115 +79,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 256
 _ids = itertools.count()
-
-
-class _Row:
-    """One prompt of a batch: its padding, keys, hit and store progress."""
-
-    __slots__ = ("pad", "keys", "request_id", "hit", "valid", "stored")
-
-    def __init__(self, pad: int, keys: list[Key], request_id: str, valid: bool) -> None:
-        self.pad, self.keys, self.request_id, self.valid = pad, keys, request_id, valid
-        self.hit = 0  # blocks the cache holds (front or shared)
-        self.stored = 0  # blocks below which nothing is left to store
-
-
-class UCMCache(DynamicCache):
-    """A DynamicCache of one request (a batch of prompts) whose prefix came
-    from ucm and whose new full prompt blocks go back to it. Made by
-    `TransformersConnector.cache_for`."""
-
-    def __init__(self, connector: "TransformersConnector", rows: list[_Row], prompt_len: int,
-                 store_after_token: bool = False) -> None:
-        Cache.__init__(self, layers=[SpareLayer() for _ in range(connector.layout.num_layers)])
-        self._connector = connector
-        self._rows = rows
-        self._prompt_len = prompt_len
-        self.restored_tokens = 0  # sequence positions restored from ucm (padding included)
-        self.restored_blocks = 0
-        self._expect_new: Optional[int] = None  # tokens the first forward must bring
-        self._storing = any(r.valid for r in rows)
-        self._finished = False
-        self._deferred: list = []  # restore.DeferredLayers the first forward lands layer by layer
-        # `connector.generate`: a forward's new blocks are stored when the next forward starts (or generate
-        # returns), so their gather and copy never share the CPU with the forward that makes the token.
-        self._store_after_token = store_after_token
-        self._store_due = False
-
-    @property
-    def prompt_len(self) -> int:
-        return self._prompt_len
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx == 0:
-            if self._expect_new is not None:
-                self._check_first_forward(key_states)
-            self.store_due()  # the forward before this one is over: its token is out
-        if self._deferred:
-            self._land(layer_idx)
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self._storing and layer_idx == len(self.layers) - 1:
-            if self._store_after_token:
-                self._store_due = True
-            else:
-                self._connector._after_forward(self)
-        return out
-
-    def store_due(self) -> None:
-        """Schedules the stores a finished forward left due (`generate`)."""
-        if self._store_due:
-            self._store_due = False
-            if self._storing:
-                self._connector._after_forward(self)
-
-    def _check_first_forward(self, key_states: torch.Tensor) -> None:
-        expect, self._expect_new = self._expect_new, None
-        if key_states.shape[0] != len(self._rows) or key_states.shape[-2] != expect:
-            log.error("ucm: the cache made for %d prompts of %d tokens (%d restored) was given %d rows of %d new "
-                      "tokens; pass generate the input ids and mask given to cache_for. Nothing of this request "
-                      "is stored.", len(self._rows), self._prompt_len, self.restored_tokens, key_states.shape[0],
-                      key_states.shape[-2])
-            self._storing = False
-
-    def _land(self, layer_idx: int) -> None:
-        """The deferred copies of layer `layer_idx` (RestoreFault when a
-        restored block did not land: nothing of this cache is stored)."""
-        last = layer_idx == len(self.layers) - 1
-        try:
-            for d in self._deferred:
-                d.land(layer_idx, last)
-        except RestoreFault:
-            self._storing = False
-            self._drop_deferred()
-            raise
-        if last:
-            self._deferred = []
-
-    def _drop_deferred(self) -> None:
-        for d in self._deferred:
-            d.release()
-        self._deferred = []
-
-    def _recompute(self) -> "UCMCache":
-        """A cache for the same request with nothing restored (after a
-        RestoreFault); this one is done with and finishes nothing."""
-        self._drop_deferred()
-        self._storing, self._finished = False, True
-        fresh = UCMCache(self._connector, [_Row(r.pad, r.keys, r.request_id, r.valid) for r in self._rows],
-                         self._prompt_len, self._store_after_token)
-        fresh._expect_new = self._prompt_len
-        return fresh
-
-    def finish(self, output_tokens: Optional[int] = None) -> None:
-        """The request is over (`output_tokens` generated; default: what the
-        cache saw). Idempotent; runs after this request's stores."""
-        if self._finished:
-            return
-        self._finished = True
-        if output_tokens is None:
-            output_tokens = max(0, self.get_seq_length() - self._prompt_len + 1)
-        self._connector._finish(self, int(output_tokens))
 
 
 class TransformersConnector:
@@ -209,7 +105,7 @@ class TransformersConnector:
         self.namespace, self.layout = build_namespace(model, int(bt), model_id, salt)
         self.device = torch.device(model.device)
         self.dtype = model.dtype
-        self._timeout_s = float(timeout_s)
+        self._guard = CallGuard(log)
         nbytes = fronts.front_bytes(hbm_bytes, self.device.type)
         if nbytes and fronts.has_hbm_tier(cache):
             if hbm_bytes:
@@ -222,16 +118,18 @@ class TransformersConnector:
         self._lock = threading.Lock()
         self._inflight: list[tuple[Handle, Any]] = []  # store handles and the sources they read
         self._jobs: list[Any] = []  # futures of store jobs not yet done
-        self._warned: set[str] = set()
         # Sparse decode's hooks (sparse.py): called on the store thread with (keys, CPU payload) before a store;
         # the UCMCache of the `generate` call under way.
         self.block_observer: Optional[Any] = None
         self.generating: Optional[UCMCache] = None
-        self.counters = {"requests": 0, "lookup_blocks": 0, "hit_blocks": 0, "front_hit_blocks": 0,
-                         "restored_tokens": 0, "load_failed_blocks": 0, "stored_blocks": 0,
-                         "store_failed_blocks": 0, "faults": 0}
-        self._restorer = Restorer(self)
-        self._call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
+        self._restorer = Restorer(self.layout, cache=cache, front=self.front, device=self.device, dtype=self.dtype,
+                                  timeout_s=float(timeout_s), guard=self._guard)
+        self._guard.call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
+
+    @property
+    def shared_cache(self) -> CacheAPI:
+        """The cache this connector was given (behind the hbm front, if any)."""
+        return self._cache
 
     # ---- before prefill -------------------------------------------------------
     def cache_for(self, input_ids: Any, attention_mask: Any = None) -> UCMCache:
@@ -261,17 +159,17 @@ class TransformersConnector:
             pad = length - real
             valid = real > 0 and bool(mask_np[b, pad:].all())
             if not valid:
-                self._warn_once("padding", "ucm: a prompt that is not left-padded is neither restored nor stored")
+                self._guard.warn_once("padding", "ucm: a prompt that is not left-padded is neither restored nor stored")
             keys = block_keys(self.namespace, ids_np[b, pad:]) if valid else []
-            rows.append(_Row(pad, keys, f"hf-{os.getpid()}-{req}-{b}", valid))
-        cache = UCMCache(self, rows, length, store_after_token=defer)
-        with self._lock:
-            self.counters["requests"] += 1
+            rows.append(PromptRow(pad, keys, f"hf-{os.getpid()}-{req}-{b}", valid))
+        cache = UCMCache(rows, length, self.layout.num_layers, on_forward=self._after_forward,
+                         on_finish=self._finish, store_after_token=defer)
+        self._guard.count("requests", 1)
         for r in rows:
             if r.valid and r.keys:
-                self._call("begin_request", lambda r=r: self._cache.begin_request(r.request_id, r.keys))
+                self._guard.call("begin_request", lambda r=r: self._cache.begin_request(r.request_id, r.keys))
                 if self.front is not None:
-                    self._call("begin_request", lambda r=r: self.front.begin_request(r.request_id, r.keys))
+                    self._guard.call("begin_request", lambda r=r: self.front.begin_request(r.request_id, r.keys))
         front_hits = [self._lookup(self.front, r) for r in rows]
         for r, fh in zip(rows, front_hits):
             r.hit = max(fh, self._lookup(self._cache, r))
@@ -279,18 +177,20 @@ class TransformersConnector:
         # The common restored length: every row's padding plus at most its cached tokens.
         target = min(length - 1, min((r.pad + r.hit * bt) if r.valid else 0 for r in rows))
         if target > 0:
-            target = self._restorer.restore(cache, rows, front_hits, target, defer=defer)
-        cache._expect_new = length - target
-        with self._lock:
-            self.counters["lookup_blocks"] += sum(len(r.keys) for r in rows)
-            self.counters["hit_blocks"] += sum(r.hit for r in rows)
-            self.counters["restored_tokens"] += sum(max(0, target - r.pad) for r in rows)
+            restored = self._restorer.restore(rows, front_hits, target, length, defer=defer)
+            if restored is not None:
+                cache.adopt(restored)
+            target = restored.length if restored is not None else 0
+        cache.expect_new(length - target)
+        self._guard.count("lookup_blocks", sum(len(r.keys) for r in rows))
+        self._guard.count("hit_blocks", sum(r.hit for r in rows))
+        self._guard.count("restored_tokens", sum(max(0, target - r.pad) for r in rows))
         return cache
 
-    def _lookup(self, source: Optional[CacheAPI], row: _Row) -> int:
+    def _lookup(self, source: Optional[CacheAPI], row: PromptRow) -> int:
         if source is None or not row.valid or not row.keys:
             return 0
-        n = self._call("lookup", lambda: source.lookup(row.keys), default=0)
+        n = self._guard.call("lookup", lambda: source.lookup(row.keys), default=0)
         return n if isinstance(n, int) and 0 <= n <= len(row.keys) else 0
 
     # ---- after a forward --------------------------------------------------------
@@ -301,33 +201,34 @@ class TransformersConnector:
         bt = self.layout.block_tokens
         seq = cache.layers[0].get_seq_length()
         jobs = []
-        for b, r in enumerate(cache._rows):
+        rows = cache.rows
+        for b, r in enumerate(rows):
             if not r.valid:
                 continue
             full = min(len(r.keys), max(0, seq - r.pad) // bt)
             if full > r.stored:
                 jobs.append((b, r.stored, full))
                 r.stored = full
-        if all(not r.valid or r.stored >= len(r.keys) for r in cache._rows):
-            cache._storing = False
+        if all(not r.valid or r.stored >= len(r.keys) for r in rows):
+            cache.stop_storing()
         if not jobs:
             return
         ks = [layer.keys for layer in cache.layers]
         vs = [layer.values for layer in cache.layers]
-        if ks[0].shape[0] != len(cache._rows):
+        if ks[0].shape[0] != len(rows):
             log.error("ucm: the batch changed size (%d rows, made for %d); nothing more of it is stored",
-                      ks[0].shape[0], len(cache._rows))
-            cache._storing = False
+                      ks[0].shape[0], len(rows))
+            cache.stop_storing()
             return
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        fut = self._pool.submit(self._store_job, cache._rows, jobs, ks, vs, event)
+        fut = self._pool.submit(self._store_job, rows, jobs, ks, vs, event)
         with self._lock:
             self._jobs = [f for f in self._jobs if not f.done()] + [fut]
 
-    def _store_job(self, rows: list[_Row], jobs: list, ks: list, vs: list, event: Any) -> None:
+    def _store_job(self, rows: list[PromptRow], jobs: list, ks: list, vs: list, event: Any) -> None:
         """On the store thread: gathers blocks into payloads and stores them
         (front first, then the shared cache). The layer tensors are never
         written again below the length they had (layers.SpareLayer)."""
@@ -342,34 +243,35 @@ class TransformersConnector:
                     gather_blocks(ks, vs, b, r.pad + first * bt, n, bt, payload)
                 keys, parent = r.keys[first:last], (r.keys[first - 1] if first else None)
                 if self.front is not None:
-                    self._call("store", lambda: self.front.store(keys, [payload[i] for i in range(n)], parent=parent,
-                                                                 request_id=r.request_id))
+                    self._guard.call("store", lambda: self.front.store(keys, [payload[i] for i in range(n)],
+                                                                       parent=parent, request_id=r.request_id))
                 host = payload if self.device.type == "cpu" else payload.to("cpu")
                 if self.block_observer is not None:
-                    self._call("block_observer", lambda: self.block_observer(keys, host))
-                handle = self._call("store", lambda: self._cache.store(keys, [host[i] for i in range(n)],
-                                                                       parent=parent, request_id=r.request_id))
+                    self._guard.call("block_observer", lambda: self.block_observer(keys, host))
+                handle = self._guard.call("store", lambda: self._cache.store(keys, [host[i] for i in range(n)],
+                                                                             parent=parent, request_id=r.request_id))
                 if handle is not None:
                     handle.add_done_callback(self._stored)
                     with self._lock:
                         self._inflight = [(h, s) for h, s in self._inflight if not h.done()] + [(handle, host)]
         except Exception:
-            self._fault("store", "ucm: storing blocks failed; they are not cached")
+            self._guard.fault("store", "ucm: storing blocks failed; they are not cached")
 
     def _stored(self, handle: Handle) -> None:
         out = handle.results
         ok = sum(1 for o in out if o is Outcome.DONE)
-        with self._lock:
-            self.counters["stored_blocks"] += ok
-            self.counters["store_failed_blocks"] += len(out) - ok
+        self._guard.count("stored_blocks", ok)
+        self._guard.count("store_failed_blocks", len(out) - ok)
 
     def _finish(self, cache: UCMCache, output_tokens: int) -> None:
+        rows = cache.rows
+
         def job() -> None:
-            for r in cache._rows:
+            for r in rows:
                 if r.valid and r.keys:
-                    self._call("finish", lambda r=r: self._cache.finish(r.keys, output_tokens, r.request_id))
+                    self._guard.call("finish", lambda r=r: self._cache.finish(r.keys, output_tokens, r.request_id))
                     if self.front is not None:
-                        self._call("finish", lambda r=r: self.front.finish(r.keys, output_tokens, r.request_id))
+                        self._guard.call("finish", lambda r=r: self.front.finish(r.keys, output_tokens, r.request_id))
 
         try:
             fut = self._pool.submit(job)
@@ -399,13 +301,14 @@ class TransformersConnector:
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                           past_key_values=cache, **kwargs)
             except RestoreFault:  # raised in the first forward, before any token: recompute the prompt
-                self._fault("restore", "ucm: a restored block did not land during prefill; the prompt is recomputed")
-                cache = self.generating = cache._recompute()
+                self._guard.fault("restore", "ucm: a restored block did not land during prefill; the prompt is "
+                                  "recomputed")
+                cache = self.generating = cache.recompute()
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                           past_key_values=cache, **kwargs)
         finally:
             self.generating = None
-            cache._drop_deferred()
+            cache.drop_deferred()
             cache.store_due()
             seqs = getattr(out, "sequences", out)
             cache.finish(int(seqs.shape[1] - ids.shape[1]) if isinstance(seqs, torch.Tensor) else None)
@@ -433,8 +336,9 @@ class TransformersConnector:
         return True
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self.counters)
+        """The connector's counters (a snapshot): requests, blocks looked up,
+        hit, restored, stored and failed, and faults."""
+        return self._guard.counts()
 
     def close(self) -> None:
         """Waits for the stores in flight and closes the hbm front (never the
@@ -443,31 +347,3 @@ class TransformersConnector:
         self._pool.shutdown(wait=True)
         if self.front is not None:
             self.front.close()
-
-    # ---- faults ---------------------------------------------------------------
-    def _call(self, what: str, fn: Any, default: Any = None) -> Any:
-        """`fn()`, or `default` after logging when it raises: a cache fault
-        is a miss, never an exception in generate."""
-        try:
-            return fn()
-        except Exception:
-            self._fault(what, f"ucm: {what} raised; treated as a miss")
-            return default
-
-    def _count(self, name: str, n: int) -> None:
-        with self._lock:
-            self.counters[name] += n
-
-    def _fault(self, what: str, message: str) -> None:
-        with self._lock:
-            self.counters["faults"] += 1
-        if what in self._warned:
-            log.debug(message, exc_info=True)
-        else:
-            self._warned.add(what)
-            log.warning(message, exc_info=True)
-
-    def _warn_once(self, what: str, message: str) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message)

@@ -1,5 +1,7 @@
-"""Restoring a cached prefix into a UCMCache's layers, before prefill (the
-connector's half that runs in `cache_for`, in the caller's thread).
+"""Restorer: a cached prefix read into layer buffers, before prefill (the
+connector's half that runs in `cache_for`, in the caller's thread). It is
+given the caches, the layout and the connector's CallGuard when it is made,
+and answers a Restored value that the UCMCache adopts.
 
 Every layer gets buffers `[batch, kv_heads, prompt + DECODE_ROOM, head_dim]`
 (layers.SpareLayer): the restored positions first, then room, so the
@@ -28,40 +30,63 @@ shorter hit). Any exception is a fault: logged, and the prefix recomputed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from ucm.api import CacheAPI, Outcome
+from ucm.connectors.transformers.guard import CallGuard
 from ucm.connectors.transformers.kv_copy import byte_view, scatter_blocks, spans_into_layers
 from ucm.connectors.transformers.layers import DECODE_ROOM
+from ucm.connectors.transformers.namespace import BlockLayout
+from ucm.connectors.transformers.prompt_rows import PromptRow
 from ucm.layer_stream import LayerStreams
 
-if TYPE_CHECKING:
-    from ucm.connectors.transformers.connector import TransformersConnector, UCMCache, _Row
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Restored:
+    """A restored prefix, for `UCMCache.adopt`: per layer, key and value
+    buffers `[batch, kv_heads, capacity, head_dim]` whose first `length`
+    positions are filled (padding included), and the DeferredLayers whose
+    later layers the first forward lands (`generate` only)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+    blocks: int  # blocks restored, over every row
+    deferred: list["DeferredLayers"]
 
 
 class Restorer:
-    """The restore path of one connector (its layout, caches and counters)."""
+    """The restore path of one connector (module docstring)."""
 
-    def __init__(self, conn: "TransformersConnector") -> None:
-        self.conn = conn
-        self.layout = conn.layout
-        self._streams = isinstance(conn._cache, LayerStreams)
+    def __init__(self, layout: BlockLayout, *, cache: CacheAPI, front: Optional[CacheAPI], device: torch.device,
+                 dtype: torch.dtype, timeout_s: float, guard: CallGuard) -> None:
+        """`cache`: the shared cache; `front`: the hbm front before it, or
+        None; `device` / `dtype`: the model's; `timeout_s`: the longest a
+        load is waited for; `guard`: the connector's calls and counters."""
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.guard = guard
+        self._cache, self._front = cache, front
+        self._device, self._dtype = device, dtype
+        self._streams = isinstance(cache, LayerStreams)
 
-    def restore(self, cache: "UCMCache", rows: list["_Row"], front_hits: list[int], target: int,
-                defer: bool = False) -> int:
-        """Fills the layers of `cache` with the first `target` positions;
-        returns the length actually restored (shorter where blocks did not
-        come back; 0 on a fault). `defer`: streamed layers after the first
-        are left to the first forward (`cache._deferred`, see DeferredLayers)."""
+    def restore(self, rows: list[PromptRow], front_hits: list[int], target: int, prompt_len: int,
+                defer: bool = False) -> Optional[Restored]:
+        """Reads the first `target` positions of `rows` (a prompt of
+        `prompt_len` positions) into new layer buffers; the length actually
+        restored is shorter where blocks did not come back. None when
+        nothing was (a fault, or no block). `defer`: streamed layers after
+        the first are left to the first forward (`Restored.deferred`)."""
         deferred: Optional[list] = [] if defer else None
-        conn, lay, bt = self.conn, self.layout, self.layout.block_tokens
-        cap = max(target, cache.prompt_len) + DECODE_ROOM
+        lay, bt = self.layout, self.layout.block_tokens
+        cap = max(target, prompt_len) + DECODE_ROOM
         shape = (len(rows), lay.num_kv_heads, cap, lay.head_dim)
         try:
-            ks = [torch.empty(shape, dtype=conn.dtype, device=conn.device) for _ in range(lay.num_layers)]
-            vs = [torch.empty(shape, dtype=conn.dtype, device=conn.device) for _ in range(lay.num_layers)]
+            ks = [torch.empty(shape, dtype=self._dtype, device=self._device) for _ in range(lay.num_layers)]
+            vs = [torch.empty(shape, dtype=self._dtype, device=self._device) for _ in range(lay.num_layers)]
             for b, r in enumerate(rows):  # padding as zeros (masked; never NaN); the rest is filled or cut off
                 if r.pad:
                     for t in (*ks, *vs):
@@ -72,51 +97,48 @@ class Restorer:
                 need = -(-want // bt)
                 got = self._restore_row(r, b, front_hits[b], need, want, ks, vs, deferred) if need else 0
                 delivered.append(min(want, got * bt))
-            if conn.device.type != "cpu":
-                torch.cuda.current_stream(conn.device).synchronize()
+            if self._device.type != "cpu":
+                torch.cuda.current_stream(self._device).synchronize()
         except Exception:
-            conn._fault("restore", "ucm: restoring a prefix failed; it is recomputed")
+            self.guard.fault("restore", "ucm: restoring a prefix failed; it is recomputed")
             for d in deferred or ():
                 d.release()
-            return 0
+            return None
         length = min(target, min(r.pad + d if r.valid else 0 for r, d in zip(rows, delivered)))
         if length <= 0:
             for d in deferred or ():
                 d.release()
-            return 0
-        cache._deferred = deferred or []
-        for layer, k, v in zip(cache.layers, ks, vs):
-            layer.adopt(k, v, length)
-        cache.restored_tokens = length
-        cache.restored_blocks = sum(-(-max(0, length - r.pad) // bt) for r in rows)
-        return length
+            return None
+        return Restored(ks, vs, length, sum(-(-max(0, length - r.pad) // bt) for r in rows), deferred or [])
 
-    def _restore_row(self, r: "_Row", b: int, front_hit: int, need: int, want: int, ks: list, vs: list,
+    def _restore_row(self, r: PromptRow, b: int, front_hit: int, need: int, want: int, ks: list, vs: list,
                      deferred: Optional[list]) -> int:
         """Copies blocks [0, need) of row `r` into row `b` of the layers (the
         first `want` tokens); returns how many consecutive blocks came."""
-        conn = self.conn
+        front = self._front
         got = 0
         n_front = min(front_hit, need)
         if n_front:
-            got = self._load_into(conn.front, r, 0, n_front, b, want, ks, vs, promote=False)
-            conn._count("front_hit_blocks", got)
+            got = self._load_into(front, r, 0, n_front, b, want, ks, vs, promote=False)
+            self.guard.count("front_hit_blocks", got)
             if got < n_front:
                 return got
         if got < need:
-            if conn.front is None and conn.device.type == "cpu":
+            if front is None and self._device.type == "cpu":
                 got += self._read_into(r, got, need, b, want, ks, vs, deferred)
             else:
-                got += self._load_into(conn._cache, r, got, need, b, want, ks, vs, promote=conn.front is not None)
-        conn._count("load_failed_blocks", need - got)
+                got += self._load_into(self._cache, r, got, need, b, want, ks, vs, promote=front is not None)
+        self.guard.count("load_failed_blocks", need - got)
         return got
 
     # ---- CPU, no front: straight out of the cache's slots -----------------------
-    def _spans(self, slots: list, r: "_Row", first: int, want: int) -> list[tuple[int, int, int]]:
+    def spans(self, slots: list, r: PromptRow, first: int, want: int) -> list[tuple[int, int, int]]:
+        """The (slot offset, first position, tokens) of row `r`'s blocks from
+        block `first` on, held in `slots`, its first `want` tokens only."""
         bt = self.layout.block_tokens
         return [(slot[0], r.pad + (first + i) * bt, min(bt, want - (first + i) * bt)) for i, slot in enumerate(slots)]
 
-    def _read_into(self, r: "_Row", first: int, last: int, b: int, want: int, ks: list, vs: list,
+    def _read_into(self, r: PromptRow, first: int, last: int, b: int, want: int, ks: list, vs: list,
                    deferred: Optional[list]) -> int:
         """Blocks [first, last) of row `r` from the cache's slots into the
         layers; returns the consecutive blocks copied."""
@@ -126,7 +148,7 @@ class Restorer:
             return self._stream_into(r, first, last, b, want, kb, vb, cap, item, deferred)
         return self._slots_into(r, first, last, b, want, kb, vb, cap, item)
 
-    def _slots_into(self, r: "_Row", first: int, last: int, b: int, want: int, kb: list, vb: list, cap: int,
+    def _slots_into(self, r: PromptRow, first: int, last: int, b: int, want: int, kb: list, vb: list, cap: int,
                     item: int) -> int:
         """`_read_into` by `read_slots`: every layer of the blocks at once, in
         the parts the cache or its client cuts the call into."""
@@ -142,7 +164,7 @@ class Restorer:
                 copied[start + i] = True
 
         keys = r.keys[first:last]
-        out = self.conn._call("read_slots", lambda: self.conn._cache.read_slots(
+        out = self.guard.call("read_slots", lambda: self._cache.read_slots(
             keys, [lay.block_bytes] * len(keys), fill, request_id=r.request_id), default=None)
         if out is None:
             return 0
@@ -151,15 +173,15 @@ class Restorer:
             n += 1
         return n
 
-    def _stream_into(self, r: "_Row", first: int, last: int, b: int, want: int, kb: list, vb: list, cap: int,
+    def _stream_into(self, r: PromptRow, first: int, last: int, b: int, want: int, kb: list, vb: list, cap: int,
                      item: int, deferred: Optional[list]) -> int:
         """`_read_into` by a streamed load: layer l of the blocks landed so far
         is copied as soon as it is in its slot (blocks in DRAM at once,
         blocks below it as they are read). With `deferred` (a list), only
         layer 0 is copied here and the stream goes into the list."""
-        conn, lay = self.conn, self.layout
+        lay = self.layout
         keys = r.keys[first:last]
-        st = conn._call("stream_slots", lambda: conn._cache.stream_slots(
+        st = self.guard.call("stream_slots", lambda: self._cache.stream_slots(
             keys, [lay.block_bytes] * len(keys), lay.num_layers, request_id=r.request_id), default=None)
         if st is None:
             return 0
@@ -187,36 +209,37 @@ class Restorer:
                 d.release()
 
     # ---- an accelerator, or the hbm front: through a payload buffer --------------
-    def _load_into(self, source: Optional[CacheAPI], r: "_Row", first: int, last: int, b: int, want: int,
+    def _load_into(self, source: Optional[CacheAPI], r: PromptRow, first: int, last: int, b: int, want: int,
                    ks: list, vs: list, promote: bool) -> int:
         """Blocks [first, last) of row `r` loaded from `source` into a
         payload buffer (on the device for the hbm front, else host memory),
         then into the layers; with `promote`, also stored into the front."""
-        conn, lay, bt = self.conn, self.layout, self.layout.block_tokens
+        lay, bt, device = self.layout, self.layout.block_tokens, self._device
         n = last - first
-        on_device = source is conn.front
-        dev = conn.device if on_device else torch.device("cpu")
-        payload = torch.empty((n, *lay.shape), dtype=conn.dtype, device=dev,
-                              pin_memory=(dev.type == "cpu" and conn.device.type == "cuda"))
+        on_device = source is self._front
+        dev = device if on_device else torch.device("cpu")
+        payload = torch.empty((n, *lay.shape), dtype=self._dtype, device=dev,
+                              pin_memory=(dev.type == "cpu" and device.type == "cuda"))
         keys = r.keys[first:last]
-        handle = conn._call("load", lambda: source.load(keys, [payload[i] for i in range(n)],
-                                                        request_id=r.request_id), default=None)
-        out = handle.wait(conn._timeout_s) if handle is not None else None
+        handle = self.guard.call("load", lambda: source.load(keys, [payload[i] for i in range(n)],
+                                                             request_id=r.request_id), default=None)
+        out = handle.wait(self.timeout_s) if handle is not None else None
         if out is None:
             if handle is not None:
-                conn._warn_once("load-timeout", f"ucm: a load took longer than {conn._timeout_s:g} s; recomputed")
+                self.guard.warn_once("load-timeout", f"ucm: a load took longer than {self.timeout_s:g} s; recomputed")
             return 0
         got = 0
         while got < n and out[got] is Outcome.DONE:
             got += 1
         if not got:
             return 0
-        src = payload[:got].to(conn.device, non_blocking=True) if dev != conn.device else payload[:got]
+        src = payload[:got].to(device, non_blocking=True) if dev != device else payload[:got]
         tokens = min(got * bt, want - first * bt)
         scatter_blocks(src, ks, vs, b, r.pad + first * bt, tokens)
-        if promote and conn.front is not None:
+        front = self._front
+        if promote and front is not None:
             parent = r.keys[first - 1] if first else None
-            conn._call("store", lambda: conn.front.store(keys[:got], [src[i] for i in range(got)], parent=parent,
+            self.guard.call("store", lambda: front.store(keys[:got], [src[i] for i in range(got)], parent=parent,
                                                          request_id=r.request_id))
         return got
 
@@ -240,11 +263,11 @@ class DeferredLayers:
     Only `TransformersConnector.generate` defers (a cache given by the
     caller to `model.generate` restores every layer in `cache_for`)."""
 
-    def __init__(self, restorer: Restorer, st: Any, r: "_Row", first: int, want: int, b: int, kb: list, vb: list,
+    def __init__(self, restorer: Restorer, st: Any, r: PromptRow, first: int, want: int, b: int, kb: list, vb: list,
                  cap: int, item: int) -> None:
         self.restorer, self.st, self.r, self.first, self.want, self.b = restorer, st, r, first, want, b
         self.kb, self.vb, self.cap, self.item = kb, vb, cap, item
-        self.deadline = time.monotonic() + restorer.conn._timeout_s
+        self.deadline = time.monotonic() + restorer.timeout_s
         self.claimed = 0
         self._released = False
 
@@ -259,7 +282,7 @@ class DeferredLayers:
         while n < ok and landed[n] and slots[n] is not None and slots[n][1] == lay.block_bytes:
             n += 1
         if n:
-            spans = self.restorer._spans(slots[:n], self.r, self.first, self.want)
+            spans = self.restorer.spans(slots[:n], self.r, self.first, self.want)
             spans_into_layers(st.arena, spans, lay.shape, self.item, self.kb, self.vb, self.b, self.cap, (layer,))
         return n
 
@@ -271,8 +294,8 @@ class DeferredLayers:
         while n < ok and out[n] is Outcome.DONE:
             n += 1
         if n < ok and time.monotonic() >= self.deadline:
-            conn = self.restorer.conn
-            conn._warn_once("load-timeout", f"ucm: a load took longer than {conn._timeout_s:g} s; recomputed")
+            timeout_s = self.restorer.timeout_s
+            self.restorer.guard.warn_once("load-timeout", f"ucm: a load took longer than {timeout_s:g} s; recomputed")
         return n
 
     def land(self, layer: int, last: bool) -> None:
@@ -290,4 +313,4 @@ class DeferredLayers:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.restorer.conn._call("release", self.st.release)
+            self.restorer.guard.call("release", self.st.release)
