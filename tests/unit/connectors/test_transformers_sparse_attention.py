@@ -56,10 +56,10 @@ def test_register_adds_attention_and_mask_functions_once():
     from transformers.masking_utils import AttentionMaskInterface
 
     register()
-    fn = AttentionInterface._global_mapping[impl_name("eager")]
+    fn = AttentionInterface()[impl_name("eager")]
     register()
-    assert AttentionInterface._global_mapping[impl_name("eager")] is fn
-    assert impl_name("sdpa") in AttentionMaskInterface._global_mapping
+    assert AttentionInterface()[impl_name("eager")] is fn
+    assert impl_name("sdpa") in AttentionMaskInterface()
 
 
 @pytest.mark.parametrize("bad,match", [({"base": "flash"}, "base"), ({"reselect_every": 0}, "reselect_every"),

@@ -71,7 +71,8 @@ from ucm.connectors.transformers.sparse_fetch import FetchedPages, PageFetcher, 
 from ucm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ucm.connectors.transformers.connector import TransformersConnector, UCMCache
+    from ucm.connectors.transformers.connector import TransformersConnector
+    from ucm.connectors.transformers.request_cache import UCMCache
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,9 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     masks = {"eager": eager_mask, "sdpa": sdpa_mask}
+    registered = AttentionInterface()  # a fresh instance: only what `register` added, class-wide
     for base in BASES:
-        if impl_name(base) not in AttentionInterface._global_mapping:
+        if impl_name(base) not in registered:
             AttentionInterface.register(impl_name(base), _make_attention(base))
             AttentionMaskInterface.register(impl_name(base), masks[base])
 
@@ -182,7 +184,7 @@ class SparseDecoder:
         # blocks' keys, every layer and head), then kept for every later summary; None until then
         self.basis: Optional[KeyBasis] = None
         connector.block_observer = self._blocks_stored
-        self._selection = SelectionConfig(config.budget, config.sink_tokens, config.local_tokens)
+        self.selection = SelectionConfig(config.budget, config.sink_tokens, config.local_tokens)
         self.counters: dict[str, Any] = {
             "decode_steps": 0, "sparse_layer_steps": 0, "dense_layer_steps": 0, "dense_fallbacks": 0,
             "selections": 0, "attended_tokens": 0, "context_tokens": 0, "summaries_from_layers": 0,
@@ -213,7 +215,7 @@ class SparseDecoder:
         finally:
             _ACTIVE.reset(token)
             model.set_attn_implementation(before)
-            session.close()
+            self._merge(session.close())
 
     def stats(self) -> dict[str, Any]:
         """Counters over every generate call so far (fetch counters added when a call returns)."""
@@ -256,9 +258,9 @@ class _Session:
         self._fetcher: Optional[PageFetcher] = None
         self._summaries: list = []  # the prompt's block summaries, in order
 
-    def close(self) -> None:
-        if self._fetcher is not None:
-            self.d._merge(self._fetcher.counters.as_dict())
+    def close(self) -> dict[str, Any]:
+        """The call is over: its fetch counters (for the decoder's `stats`)."""
+        return self._fetcher.counters.as_dict() if self._fetcher is not None else {}
 
     # ---- per step and layer ---------------------------------------------------
     def attend(self, dense: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -311,7 +313,7 @@ class _Session:
         return dense(module, query, ks, vs, m, **kwargs)
 
     def _cache(self) -> Optional["UCMCache"]:
-        from ucm.connectors.transformers.connector import UCMCache
+        from ucm.connectors.transformers.request_cache import UCMCache
 
         cache = self.d.connector.generating
         return cache if isinstance(cache, UCMCache) else None
@@ -323,7 +325,7 @@ class _Session:
             return self._fetcher is not None
         self._ready = True
         d, conn = self.d, self.d.connector
-        rows = cache._rows
+        rows = cache.rows
         if len(rows) != 1 or not rows[0].valid or rows[0].pad or not rows[0].keys:
             return False
         conn.wait_stores(d.config.wait_stores_s)
@@ -347,7 +349,7 @@ class _Session:
         if any(s is None or not s.keeps(d.parts, basis) for s in got):
             return False
         self._summaries = got
-        self._fetcher = PageFetcher(conn._cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,
+        self._fetcher = PageFetcher(conn.shared_cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,
                                     r.request_id)
         return True
 
@@ -362,7 +364,7 @@ class _Session:
         q = query[0, :, 0, :].detach().float().cpu().numpy()
         keys = key[0].detach().float().cpu().numpy() if d.selector.needs_keys else None
         step = LayerStep(q, n, pt, key.shape[1], summaries=units, keys=keys, scale=scale)
-        sel = d.selector.select(step, d._selection)
+        sel = d.selector.select(step, d.selection)
         d.counters["selections"] += 1
         prev = self.layers.get(layer)
         held = prev.fetched if prev is not None else None
