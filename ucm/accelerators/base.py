@@ -36,6 +36,17 @@ raised into the caller (`ucm.accelerators.chain.Accelerators`).
 `counters()` answers the accelerator's figures (numbers by name), shown by
 `ucm inspect` and `stats()["accelerators"]`; `close()` ends its work.
 
+Where it runs (`runs_in`, data on the class):
+- "cache" (the default): built by the cache (UnifiedCache, in the engine's
+  process or in the service) with the rest of its chain, and fed the hooks
+  above there (prefetch);
+- "engine": built in each engine process by its connector
+  (`Accelerators.build(config, cache, runs_in="engine")`), for work only
+  the engine's forward pass can do (sparse attention selects per layer and
+  decode step). Such an accelerator declares its own typed interface; the
+  connector reaches it with `Accelerators.get(SparseAccelerator)` and calls
+  it directly, and calls the hooks above that apply.
+
 Options: an accelerator declares them as its `Config` (a frozen pydantic
 model that forbids unknown keys), validated when the configuration loads;
 a bad option is a ConfigError naming `accelerators.<i>.options.<key>`.
@@ -44,7 +55,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -55,6 +66,7 @@ if TYPE_CHECKING:
     from ucm.api import CacheAPI, Key, Outcome
 
 ACCELERATOR_NAMESPACE = "ucm.accelerators"
+RUNS_IN = ("cache", "engine")  # where an accelerator is built and called (module docstring)
 
 
 class TierSettings(Protocol):
@@ -147,6 +159,7 @@ class Accelerator(abc.ABC):
 
     name: str = ""
     Config: type[AcceleratorOptions] = AcceleratorOptions
+    runs_in: ClassVar[str] = "cache"  # one of RUNS_IN
 
     def __init__(self, cache: "CacheAPI", config: CacheSettings, **options: Any) -> None:
         self.options = validate_options(type(self), options)
@@ -207,6 +220,9 @@ def load_accelerator_class(name: str, where: str = "name") -> type[Accelerator]:
     if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
         raise ConfigError(f"{where}: accelerator entry point {name} = {ep.value!r} is not a "
                           f"ucm.accelerators.base.Accelerator subclass")
+    if cls.runs_in not in RUNS_IN:
+        raise ConfigError(f"{where}: accelerator entry point {name} = {ep.value!r} declares runs_in "
+                          f"{cls.runs_in!r}, not one of {list(RUNS_IN)}")
     return cls
 
 

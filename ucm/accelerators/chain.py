@@ -2,7 +2,10 @@
 their hooks are called from.
 
 Built from the config's `accelerators` list (`Accelerators.build`), in that
-order; each hook is passed to every accelerator in turn. A hook that raises
+order, those that run where the chain is built (`runs_in`: the cache's
+chain, or an engine process's, ucm/accelerators/base.py); each hook is
+passed to every accelerator in turn, and `get(kind)` hands out the one of a
+class (how a connector reaches an accelerator it calls directly). A hook that raises
 is counted as an `errors` counter of that accelerator and logged (the first
 time with its traceback), and the next accelerator still runs: nothing an
 accelerator does reaches the engine as an exception. An accelerator that
@@ -13,16 +16,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TypeVar
 
-from ucm.accelerators.base import (Accelerator, BlocksLoaded, BlocksStored, CacheSettings, RequestFinished,
-                                   RequestSeen, check_accelerator)
-from ucm.errors import ConfigError
+from ucm.accelerators.base import (RUNS_IN, Accelerator, BlocksLoaded, BlocksStored, CacheSettings,
+                                   RequestFinished, RequestSeen, check_accelerator)
+from ucm.errors import ArgumentError, ConfigError
 
 if TYPE_CHECKING:
     from ucm.api import CacheAPI
 
 log = logging.getLogger(__name__)
+
+A = TypeVar("A", bound=Accelerator)
 
 
 class Accelerators:
@@ -34,14 +39,20 @@ class Accelerators:
         self._lock = threading.Lock()
 
     @classmethod
-    def build(cls, config: CacheSettings, cache: "CacheAPI") -> "Accelerators":
-        """One instance of each accelerator `config` lists, over `cache`; a
-        ConfigError naming the entry (and closing those built) if one cannot
-        be built."""
+    def build(cls, config: CacheSettings, cache: "CacheAPI", runs_in: str = "cache") -> "Accelerators":
+        """One instance of each accelerator `config` lists that runs in
+        `runs_in` ("cache": the cache's chain; "engine": an engine
+        process's, built by its connector), over `cache`; every entry is
+        checked all the same. A ConfigError naming the entry (and closing
+        those built) if one cannot be built."""
+        if runs_in not in RUNS_IN:
+            raise ArgumentError(f"runs_in {runs_in!r} not one of {list(RUNS_IN)}")
         built: list[Accelerator] = []
         try:
             for i, entry in enumerate(config.accelerators):
                 acc_cls = check_accelerator(entry.name, entry.options, i)
+                if acc_cls.runs_in != runs_in:
+                    continue
                 try:
                     built.append(acc_cls(cache, config, **entry.options))
                 except ConfigError:
@@ -61,6 +72,15 @@ class Accelerators:
     @property
     def names(self) -> list[str]:
         return [acc.name for acc in self.members]
+
+    def get(self, kind: type[A]) -> Optional[A]:
+        """The active accelerator of class `kind` (or a subclass of it), or
+        None when the config does not enable one here; e.g.
+        `get(SparseAccelerator)` in a connector."""
+        for acc in self.members:
+            if isinstance(acc, kind):
+                return acc
+        return None
 
     # ---- hooks -----------------------------------------------------------------
     def request_seen(self, event: RequestSeen) -> None:

@@ -54,7 +54,9 @@ class PrefetchOptions(AcceleratorOptions):
     stale_after_s: float = Field(default=120.0, gt=0)
 
 
-class Prefetch(Accelerator):
+class PrefetchAccelerator(Accelerator):
+    """Staging on first sight (module docstring); runs with the cache."""
+
     name = "prefetch"
     Config = PrefetchOptions
 
@@ -201,3 +203,6 @@ class Prefetch(Accelerator):
             out["blocks_inflight"] = self._inflight
             out["staging_s"] = round(self._staging_s, 6)
         return out
+
+
+Prefetch = PrefetchAccelerator  # the name before accelerators ended in their role

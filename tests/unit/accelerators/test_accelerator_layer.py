@@ -128,6 +128,17 @@ def test_an_entry_point_that_fails_to_load_is_an_error_naming_it(tmp_path, insta
         load_config(conf(tmp_path, [{"name": "notone"}]), environ={})
 
 
+def test_an_accelerator_that_runs_nowhere_known_is_an_error_naming_it(tmp_path, installed):
+    class Elsewhere(Recorder):
+        runs_in = "gpu"
+
+    installed(elsewhere=Elsewhere)
+    with pytest.raises(ConfigError, match=r"accelerators\.0\.name: accelerator entry point elsewhere = "
+                                          r"'tests:elsewhere' declares runs_in 'gpu', not one of "
+                                          r"\['cache', 'engine'\]"):
+        load_config(conf(tmp_path, [{"name": "elsewhere"}]), environ={})
+
+
 def test_an_accelerator_that_fails_to_start_fails_the_cache_and_leaves_nothing(tmp_path, installed):
     class Broken(Recorder):
         def __init__(self, cache, config, **options):

@@ -5,7 +5,7 @@ being staged counts them wasted when they arrive)."""
 import pytest
 
 from ucm.accelerators.base import BlocksLoaded, RequestFinished, RequestSeen
-from ucm.accelerators.prefetch import Prefetch
+from ucm.accelerators.prefetch import PrefetchAccelerator
 from ucm.api import Handle, Outcome
 from ucm.config.schema import UcmConfig
 from ucm.errors import ClosedError
@@ -38,7 +38,7 @@ def seen(rid, n, tier="nvme"):
 
 def test_a_prefetch_that_raises_gives_its_blocks_back():
     cache = FakeCache()
-    acc = Prefetch(cache, CONFIG, max_inflight_blocks=4)
+    acc = PrefetchAccelerator(cache, CONFIG, max_inflight_blocks=4)
     cache.closed = True
     for rid in ("a", "b", "c"):
         with pytest.raises(ClosedError):
@@ -52,7 +52,7 @@ def test_a_prefetch_that_raises_gives_its_blocks_back():
 
 def test_blocks_staged_after_their_request_finished_are_wasted():
     cache = FakeCache()
-    acc = Prefetch(cache, CONFIG)
+    acc = PrefetchAccelerator(cache, CONFIG)
     acc.request_seen(seen("r", 3))
     ev = seen("r", 3)
     acc.request_finished(RequestFinished("r", ev.keys, 5))  # before the staging completed
@@ -65,7 +65,7 @@ def test_blocks_staged_after_their_request_finished_are_wasted():
 
 def test_a_staged_block_read_from_dram_is_used_once():
     cache = FakeCache()
-    acc = Prefetch(cache, CONFIG)
+    acc = PrefetchAccelerator(cache, CONFIG)
     ev = seen("r", 2)
     acc.request_seen(ev)
     cache.handles[0].resolve([Outcome.DONE, Outcome.DONE])
@@ -84,7 +84,7 @@ def test_landed_blocks_of_a_request_that_never_finishes_leave_the_budget_once_st
     now = [1000.0]
     monkeypatch.setattr(prefetch.time, "monotonic", lambda: now[0])
     cache = FakeCache()
-    acc = Prefetch(cache, CONFIG, max_staged_bytes=300, stale_after_s=60)
+    acc = PrefetchAccelerator(cache, CONFIG, max_staged_bytes=300, stale_after_s=60)
     acc.request_seen(seen("lost", 3))  # 300 bytes: the whole budget; its engine dies, it never finishes
     cache.handles[0].resolve([Outcome.DONE] * 3)
     other = RequestSeen("next", tuple(key(100 + i) for i in range(2)), None, ("nvme",) * 2, (100,) * 2)
@@ -104,7 +104,7 @@ def test_blocks_still_being_staged_never_expire(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(prefetch.time, "monotonic", lambda: now[0])
     cache = FakeCache()
-    acc = Prefetch(cache, CONFIG, max_staged_bytes=300, stale_after_s=60)
+    acc = PrefetchAccelerator(cache, CONFIG, max_staged_bytes=300, stale_after_s=60)
     acc.request_seen(seen("slow", 3))  # its staging has not completed
     now[0] += 600
     acc.request_seen(RequestSeen("next", (key(100),), None, ("nvme",), (100,)))

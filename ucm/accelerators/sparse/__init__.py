@@ -2,6 +2,9 @@
 apart from the KV, and per decode step and layer a selection of the pages or
 blocks that matter.
 
+- accelerator.py: `SparseAccelerator`, the `sparse` entry of `ucm.accelerators`
+  (enabled in the YAML file; a connector reaches it by type in its engine
+  process's chain) and its options;
 - base.py: the selector interface (`Selector`, `Budget`, `LayerStep`, `Selection`);
 - summaries.py: a block's key summaries from its bytes through its `KvLayout`;
 - index.py: `SummaryIndex`, the summaries by block key in memory;
