@@ -17,12 +17,16 @@ Request events (see ucm.api): `begin_request` is the op `begin`; the
 `request_id` of store/load/write_slots/read_slots travels on every
 `reserve`/`acquire` of the call's chunks, and that of `finish` on `finish`.
 
-A connection (`Link`, ucm/service/client/link.py) is built whole by the
-`ClientConnection` mixin (ucm/service/client/conn.py) before it is
-published: its socket, the service's `hello` (pid, epoch, arena
-identity), the arena mapping, the key index mapping and the liveness poll. Any error on the way (an
-unopenable or unmappable arena, EMFILE, ENOMEM, a refused hello) is
-"service unavailable", and the previous state stays as it was. Every slot
+The client is made of parts, each an object or module with a public
+interface: its `Connection` (ucm/service/client/conn.py), which builds,
+publishes and retires links (`Link`, ucm/service/client/link.py) and
+carries every request; the pipelined slot calls (slots.py) and the
+streamed loads (stream.py), which use the connection only through its
+public methods. A link is built whole before it is published: its
+socket, the service's `hello` (pid, epoch, arena identity), the arena
+mapping, the key index mapping and the liveness poll. Any error on the
+way (an unopenable or unmappable arena, EMFILE, ENOMEM, a refused hello)
+is "service unavailable", and the previous state stays as it was. Every slot
 handed out over a link is filled only through that link's own arena, and
 only when the reply carries the link's epoch and lies inside the arena;
 its commit or release goes over the same link. A link that fails while
@@ -31,97 +35,91 @@ socket stays open until the last of them ends, so the service cannot hand
 those slots to anyone else mid-copy (the service gives back what a
 connection held only when it closes).
 
-Thread-safe: `_lock` serialises requests on the socket and guards the
-links, their in-flight counts and the mappings; copies run outside it (on
-a small pool that completes the Handles, or on the caller's thread for
-read_slots / write_slots); lookups read the service's shared key index
-under `_index_lock`. Lock order: `_lock`, then `_index_lock`.
+Thread-safe: the connection's lock serialises requests on the socket and
+guards the links, their in-flight counts and the mappings; copies run
+outside it (on a small pool that completes the Handles, or on the
+caller's thread for read_slots / write_slots); lookups read the service's
+shared key index under the connection's index lock. Lock order: the lock,
+then the index lock (both inside Connection; this class takes neither).
 """
 from __future__ import annotations
 
 import logging
 import socket
 import subprocess
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 from ucm import _native
 from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_ranges, check_request_id, check_sizes, check_timeout, cut_parts, submit)
+                     check_ranges, check_request_id, check_sizes, check_timeout, submit)
 from ucm.buffers import byte_view
 from ucm.codecs.layout import KvLayout
 from ucm.config.schema import UcmConfig
 from ucm.errors import ArgumentError, ClosedError
 from ucm.service.client import slots as client_slots
-from ucm.service.client.conn import ClientConnection
-from ucm.service.client.link import Link, Mapping, ServiceUnavailable, hung_up
+from ucm.service.client import stream as client_stream
+from ucm.service.client.conn import Connection
+from ucm.service.client.link import Link, ServiceUnavailable
+
+__all__ = ["CacheClient", "ServiceUnavailable"]
 
 log = logging.getLogger(__name__)
 
 
-class CacheClient(ClientConnection):
+class CacheClient:
     def __init__(self, path: str, config: Optional[UcmConfig] = None, io_workers: int = 2,
                  retry_s: float = 0.5, connect: bool = True, use_index: bool = True,
                  socket_factory: Optional[Callable[[], socket.socket]] = None) -> None:
         """`socket_factory` makes the connection's socket (a Unix stream
-        socket by default); tests wrap a real socket through it to inject
-        faults."""
+        socket by default); tests wrap a real socket through it to observe
+        the requests or inject faults."""
         self.path = path
         self.config = config or UcmConfig()
-        self._timeout = self.config.service.request_timeout_s
-        self._limit = self.config.service.max_frame_bytes
-        self._retry_s = retry_s
-        self._spin_s = self.config.service.poll_spin_us / 1e6
-        self._socket_factory = socket_factory or (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-        self._lock = threading.Lock()  # one request at a time on the socket; links and mappings
-        self._index_lock = threading.Lock()  # lookups reading the current link's index
-        self._link: Optional[Link] = None
-        self._maps: dict[tuple, Mapping] = {}  # arena and index mappings by identity
-        self._kept: Optional[tuple] = None  # the last arena, kept mapped for a reconnect to it
-        self.service_info: dict[str, Any] = {}
-        self._use_index = use_index  # False: every lookup is a request over the socket
-        self._rid = 0
-        self._layouts: list[bytes] = []  # registered KV layouts, sent again on every new connection
-        self._next_try = 0.0
-        self._closed = False
+        svc = self.config.service
+        self._conn = Connection(path, socket_factory or (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
+                                timeout_s=svc.request_timeout_s, max_frame_bytes=svc.max_frame_bytes,
+                                spin_s=svc.poll_spin_us / 1e6, retry_s=retry_s, use_index=use_index)
+        self._lock = self._conn.lock  # the connection's: held by every request, never by a lookup
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ucm-client")
         self.spawned: Optional[subprocess.Popen] = None
         if connect:
-            with self._lock:
-                try:
-                    self._connect_locked()
-                except ServiceUnavailable:
-                    pass
+            self._conn.try_connect()
+
+    # ---- the connection ------------------------------------------------------
+    @property
+    def connection(self) -> Connection:
+        """The connection to the service (ucm/service/client/conn.py): raw
+        requests (`call`) and its state, for tools and tests."""
+        return self._conn
+
+    @property
+    def connected(self) -> bool:
+        return self._conn.connected
+
+    @property
+    def reads_index(self) -> bool:
+        """Whether lookups are answered from the service's shared key index
+        (no round trip) on the current connection."""
+        return self._conn.reads_index
+
+    @property
+    def service_info(self) -> dict[str, Any]:
+        """The `hello` of the last service reached (empty before the first)."""
+        return self._conn.service_info
+
+    def try_connect(self) -> bool:
+        """Connects now unless connected (no `retry_s` back-off): whether a
+        connection is up. Never raises for an unavailable service."""
+        return self._conn.try_connect()
 
     # ---- ucm.api.CacheAPI ----------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
         keys = _keys(keys)
         if not keys:
             return 0
-        n = self._lookup_index(keys)
+        n = self._conn.lookup_index(keys)  # no round trip (and no wait for another thread's request)
         return n if n is not None else self._try("lookup", {"keys": keys}, 0)
-
-    def _lookup_index(self, keys: list[bytes]) -> Optional[int]:
-        """The answer from the shared key index, or None to ask the service:
-        no index, no live connection, an inconsistent read, or a partial hit
-        that blocks other nodes put into a shared tier might extend."""
-        # Not under self._lock: a long request (a load from NVMe) on another
-        # thread must not hold up lookups.
-        with self._index_lock:
-            link = self._link
-            if link is None or link.index is None:
-                return None
-            # A dead service hangs up its end: its index is stale from then on.
-            dead = hung_up(link)
-            n = -1 if dead else _native.index_prefix(link.index.m, b"".join(keys))
-        if dead:
-            with self._lock:
-                self._retire_locked(link, backoff=False)
-            return None
-        if n < 0 or (n < len(keys) and link.info.get("shared_tiers")):
-            return None
-        return n
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[str]]:
         keys = _keys(keys)
@@ -139,11 +137,8 @@ class CacheClient(ClientConnection):
         if not isinstance(layout, KvLayout):
             raise ArgumentError(f"register_layout: expected a KvLayout, got {type(layout).__name__}")
         data = layout.to_bytes()
-        with self._lock:
-            if data in self._layouts:
-                return
-            self._layouts.append(data)
-        self._try("layout", {"layout": data}, None)
+        if self._conn.add_layout(data):
+            self._try("layout", {"layout": data}, None)
 
     def begin_request(self, request_id: str, keys: Sequence[Key], parent: Optional[Key] = None) -> None:
         rid = check_request_id(request_id)
@@ -201,7 +196,7 @@ class CacheClient(ClientConnection):
         keys = _keys(keys)
         sizes = check_sizes(keys, sizes)
         rid = check_request_id(request_id)
-        return client_slots.read_slots(self, keys, sizes, fill, rid)
+        return client_slots.read_slots(self._conn, keys, sizes, fill, rid)
 
     def read_ranges(self, keys: Sequence[Key], offsets: Sequence[Sequence[int]], dsts: Sequence[Sequence[Any]],
                     request_id: Optional[str] = None) -> list[RangeRead]:
@@ -209,15 +204,20 @@ class CacheClient(ClientConnection):
         the landing tier are staged whole (client_slots.read_ranges)."""
         keys = _keys(keys)
         offsets, views = check_ranges(keys, offsets, dsts)
-        return client_slots.read_ranges(self, keys, offsets, views, check_request_id(request_id))
+        return client_slots.read_ranges(self._conn, keys, offsets, views, check_request_id(request_id))
 
     def stream_slots(self, keys: Sequence[Key], sizes: Sequence[int], layers: int,
                      request_id: Optional[str] = None) -> Any:
         """The streamed load (ucm.layer_stream.LayerStreams) through the
-        service: ucm/service/client/stream.py."""
-        from ucm.service.client.stream import stream_slots
-
-        return stream_slots(self, keys, sizes, layers, request_id)
+        service: ucm/service/client/stream.py. Faults are misses, never
+        exceptions."""
+        keys = _keys(keys)
+        sizes = check_sizes(keys, sizes)
+        rid = check_request_id(request_id)
+        # The chunks are cut by the arena its hello announced (none before a first connection).
+        live = self._conn.try_live()
+        spans = self._chunks(sizes, arena_bytes=live.info.get("arena_bytes") if live is not None else None)
+        return client_stream.stream_slots(self._conn, keys, sizes, layers, rid, spans, self._begin_fill)
 
     def write_slots(self, keys: Sequence[Key], sizes: Sequence[int], fill: SlotFn,
                     parent: Optional[Key] = None, request_id: Optional[str] = None) -> list[Outcome]:
@@ -230,39 +230,13 @@ class CacheClient(ClientConnection):
         sizes = check_sizes(keys, sizes)
         parent = check_parent(parent)
         rid = check_request_id(request_id)
-        return client_slots.write_slots(self, keys, sizes, fill, parent, rid)
-
-    def _slots(self, link: Link, reply: Any, n: int, width: int) -> list:
-        """The per-key entries of a reserve/acquire reply, checked to be for
-        this link's arena: the reply's epoch is the link's and every slot
-        lies inside the arena. Raises ServiceUnavailable otherwise."""
-        if not (isinstance(reply, dict) and reply.get("epoch") == link.epoch
-                and isinstance(reply.get("slots"), list) and len(reply["slots"]) == n):
-            raise ServiceUnavailable(f"ucm service at {self.path}: slots for another arena or malformed "
-                                     f"(epoch {reply.get('epoch') if isinstance(reply, dict) else None!r}, "
-                                     f"link epoch {link.epoch})")
-        size = len(link.arena.m)
-        for s in reply["slots"]:
-            if isinstance(s, list):
-                ok = len(s) == width and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
-                off, length = (s[width - 2], s[width - 1]) if ok else (-1, 0)
-                if not (ok and 0 <= off and 0 < length and off + length <= size):
-                    raise ServiceUnavailable(f"ucm service at {self.path}: slot {s!r:.60} outside the "
-                                             f"{size}-byte arena")
-        return reply["slots"]
+        return client_slots.write_slots(self._conn, keys, sizes, fill, parent, rid)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._link is not None:
-                self._retire_locked(self._link)
+        if not self._conn.close():
+            return
         self._pool.shutdown(wait=True)  # copies in flight end, and their links close
-        with self._lock:
-            if self._kept is not None:
-                self._unmap_locked(self._kept)
-                self._kept = None
+        self._conn.unmap_kept()
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -275,7 +249,7 @@ class CacheClient(ClientConnection):
         """`fn(*args)` on the copy pool; a bug that raises is FAILED per
         block and logged, never an exception into the engine."""
         name = getattr(fn, "__name__", repr(fn))
-        if self._closed:
+        if self._conn.closed:
             raise ClosedError("CacheClient used after close()")
         return submit(self._pool, n, fn, *args,
                       on_error=lambda exc: log.error("ucm client: %s failed", name, exc_info=exc))
@@ -290,17 +264,6 @@ class CacheClient(ClientConnection):
 
         return self.write_slots(keys, [len(v) for v in views], fill, parent, request_id)
 
-    def _chunks(self, sizes: Sequence[int], part_bytes: Optional[int] = None,
-                arena_bytes: Optional[int] = None) -> list[tuple[int, int]]:
-        """Index ranges of at most 1/8 of the arena (`arena_bytes`: the link's;
-        else the last service's, none before a first connection: one block a
-        range) and `part_bytes` each, at least one block each, so that one
-        request never needs more slots than the arena has."""
-        budget = max(1, (arena_bytes or int(self.service_info.get("arena_bytes", 0))) // 8)
-        if part_bytes is not None:
-            budget = min(budget, part_bytes)
-        return cut_parts(sizes, budget)
-
     def _load(self, keys: list[bytes], views: list[memoryview], request_id: Optional[str]) -> list[Outcome]:
         def fill(first: int, slots: list, arena: Any) -> None:
             m = memoryview(arena)
@@ -309,6 +272,27 @@ class CacheClient(ClientConnection):
                     _native.copy(views[first + i], m[slot[0]:slot[0] + slot[1]])
 
         return self.read_slots(keys, [len(v) for v in views], fill, request_id)
+
+    def _chunks(self, sizes: Sequence[int], part_bytes: Optional[int] = None,
+                arena_bytes: Optional[int] = None) -> list[tuple[int, int]]:
+        """client_slots.arena_parts of the arena `arena_bytes` (the link's;
+        else the last service's, none before a first connection: one block a
+        range)."""
+        arena = arena_bytes or int(self.service_info.get("arena_bytes", 0))
+        return client_slots.arena_parts(sizes, arena, part_bytes)
+
+    def _begin_fill(self, op: str, args: dict) -> tuple[Link, Any]:
+        """Connection.begin_fill: how stream_slots sends each chunk's request."""
+        return self._conn.begin_fill(op, args)
+
+    # ---- requests ------------------------------------------------------------
+    def _call(self, op: str, args: dict) -> Any:
+        """Connection.call: one raw request; raises."""
+        return self._conn.call(op, args)
+
+    def _try(self, op: str, args: dict, default: Any) -> Any:
+        """Connection.try_call: `default` for a fault, never an exception."""
+        return self._conn.try_call(op, args, default)
 
 
 def _keys(keys: Sequence[Key]) -> list[bytes]:

@@ -1,18 +1,21 @@
-"""The connection side of a CacheClient (ucm/service/client/cache_client.py): build a
-link, publish it, retire it, send requests over it and turn its faults
-into ServiceUnavailable.
+"""A CacheClient's connection to the service: build a link, publish it,
+retire it, send requests over it, count the copies running into or out of
+its slots, and turn its faults into ServiceUnavailable.
 
-`ClientConnection` is a mixin of CacheClient, as the nvme adapter's read
-path is of NvmeAdapter: its state is the client's, set in
-`CacheClient.__init__` (`path`, `_socket_factory`, `_timeout`, `_limit`,
-`_spin_s`, `_retry_s`, `_use_index`, `_lock`, `_index_lock`, `_link`,
-`_maps`, `_kept`, `_layouts`, `_rid`, `_next_try`, `_closed`,
-`service_info`), and the rules are the client module's: a link is built
-whole before it is published, any error on the way is "service
-unavailable" and leaves the previous state as it was; a link that fails
-while copies into or out of its slots still run is retired, and its
-socket stays open until the last of them ends. Methods named `_locked`
-run under `_lock`; lock order `_lock`, then `_index_lock`.
+`Connection` is an object of its own. The client (cache_client.py), its
+slot data plane (slots.py) and its streamed loads (stream.py) use it only
+through the public methods below; each takes the connection's lock for as
+long as it runs and never holds it across a copy, so callers never take
+it themselves. The rules are the client module's: a link is built whole
+before it is published, any error on the way is "service unavailable" and
+leaves the previous state as it was; a link that fails while copies into
+or out of its slots still run is retired, and its socket stays open until
+the last of them ends (`end_fill`).
+
+Thread-safe: `_lock` serialises requests on the socket and guards the
+links, their in-flight counts and the mappings (methods named `_locked`
+run under it); lookups read the current link and its key index under
+`_index_lock`. Lock order: `_lock`, then `_index_lock`.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from ucm.config.schema import UcmConfig
+from ucm import _native
 from ucm.errors import ArgumentError, ClosedError, UcmError
 from ucm.service import protocol as proto
 from ucm.service.client.link import Link, Mapping, Pending, ServiceUnavailable, exchange, hung_up, map_arena
@@ -38,35 +41,66 @@ log = logging.getLogger(__name__)
 _CONNECT_ERRORS = (OSError, ValueError, KeyError, TypeError, OverflowError, UcmError)
 
 
-class ClientConnection:
-    """Connecting, requests and faults of CacheClient; see the module docstring."""
+class Connection:
+    """One client's connection to the service at `path`, re-made after a
+    fault; see the module docstring. Any thread may call any method."""
 
-    path: str
-    config: UcmConfig
-    service_info: dict[str, Any]
-    _socket_factory: Callable[[], socket.socket]
-    _timeout: float
-    _limit: int
-    _spin_s: float
-    _retry_s: float
-    _use_index: bool
-    _lock: threading.Lock
-    _index_lock: threading.Lock
-    _link: Optional[Link]
-    _maps: dict[tuple, Mapping]
-    _kept: Optional[tuple]
-    _layouts: list[bytes]
-    _rid: int
-    _next_try: float
-    _closed: bool
+    def __init__(self, path: str, socket_factory: Callable[[], socket.socket], timeout_s: float,
+                 max_frame_bytes: int, spin_s: float, retry_s: float, use_index: bool) -> None:
+        """`socket_factory` makes each link's socket; `timeout_s` bounds a
+        request; `retry_s` is the least time between connection attempts
+        after a fault; `use_index`: answer lookups from the service's shared
+        key index when it announces one."""
+        self.path = path
+        self._socket_factory = socket_factory
+        self._timeout = timeout_s
+        self._limit = max_frame_bytes
+        self._spin_s = spin_s
+        self._retry_s = retry_s
+        self._use_index = use_index  # False: every lookup is a request over the socket
+        self._lock = threading.Lock()  # one request at a time on the socket; links and mappings
+        self._index_lock = threading.Lock()  # lookups reading the current link's index
+        self._link: Optional[Link] = None
+        self._maps: dict[tuple, Mapping] = {}  # arena, index and progress mappings by identity
+        self._kept: Optional[tuple] = None  # the last arena, kept mapped for a reconnect to it
+        self._info: dict[str, Any] = {}
+        self._rid = 0
+        self._layouts: list[bytes] = []  # registered KV layouts, sent again on every new connection
+        self._next_try = 0.0
+        self._closed = False
+
+    # ---- state -------------------------------------------------------------
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock every request on the socket holds (no lookup from the key
+        index does). Holding it keeps requests out; it is not reentrant, so
+        its holder calls no method of this connection meanwhile."""
+        return self._lock
 
     @property
     def connected(self) -> bool:
         return self._link is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def reads_index(self) -> bool:
+        """Whether lookups are answered from the service's shared key index
+        (no round trip) on the current link."""
+        link = self._link
+        return link is not None and link.index is not None
+
+    @property
+    def service_info(self) -> dict[str, Any]:
+        """The `hello` of the last service reached (empty before the first)."""
+        return self._info
+
+    # ---- connecting --------------------------------------------------------
     def try_connect(self) -> bool:
         """Connects now unless connected (no `retry_s` back-off): whether a
-        connection is up. Never raises for an unavailable service."""
+        link is up. Never raises for an unavailable service."""
         with self._lock:
             if self._closed:
                 raise ClosedError("CacheClient used after close()")
@@ -77,13 +111,186 @@ class ClientConnection:
                     return False
             return True
 
-    @property
-    def reads_index(self) -> bool:
-        """Whether lookups are answered from the service's shared key index
-        (no round trip) on the current connection."""
-        link = self._link
-        return link is not None and link.index is not None
+    def live(self) -> Link:
+        """The current link, connecting first when there is none (at most
+        every `retry_s` after a fault). Raises ServiceUnavailable, or
+        ClosedError after `close`."""
+        with self._lock:
+            return self._live_locked()
 
+    def try_live(self) -> Optional[Link]:
+        """`live`, or None when the service is unavailable (logged). Raises
+        ClosedError after `close`."""
+        try:
+            return self.live()
+        except ClosedError:
+            raise
+        except UcmError as exc:
+            log.debug("%s", exc)
+            return None
+
+    def add_layout(self, layout: bytes) -> bool:
+        """Remembers an encoded KV layout, sent again on every new link;
+        whether it was new (then the caller sends it on the current one)."""
+        with self._lock:
+            if layout in self._layouts:
+                return False
+            self._layouts.append(layout)
+            return True
+
+    def close(self) -> bool:
+        """No request goes out from now on; the current link is retired (its
+        socket closes once no copy runs). Whether it was open. `unmap_kept`
+        follows once the copies in flight have ended."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            if self._link is not None:
+                self._retire_locked(self._link)
+            return True
+
+    def unmap_kept(self) -> None:
+        """Unmaps the arena kept for a reconnect (after `close`)."""
+        with self._lock:
+            if self._kept is not None:
+                self._unmap_locked(self._kept)
+                self._kept = None
+
+    # ---- requests ----------------------------------------------------------
+    def call(self, op: str, args: dict) -> Any:
+        """One request over the live link and its reply. Raises
+        ServiceUnavailable (the link is retired), UcmError when the service
+        refused it (the link stays), ClosedError after `close`."""
+        with self._lock:
+            return self._request_locked(self._live_locked(), op, args)
+
+    def try_call(self, op: str, args: dict, default: Any) -> Any:
+        """`call`, with `default` for an unavailable service, a refusal or a
+        bug (logged): a cache fault is never an exception into the engine.
+        Misuse (ClosedError, ArgumentError) raises."""
+        try:
+            return self.call(op, args)
+        except (ClosedError, ArgumentError):
+            raise
+        except ServiceUnavailable as exc:
+            log.debug("%s", exc)
+            return default
+        except UcmError as exc:
+            log.warning("%s", exc)
+            return default
+        except Exception:  # a cache fault is never an exception into the engine
+            log.exception("ucm client: %s failed", op)
+            return default
+
+    def send(self, link: Link, op: str, args: dict, detached: bool = False) -> Pending:
+        """Sends `op` over `link` without waiting for its reply (see
+        ucm.service.client.link; `detached`: nobody will wait for it). A
+        fault retires the link and raises ServiceUnavailable."""
+        with self._lock:
+            return self._send_locked(link, op, args, detached)
+
+    def wait(self, link: Link, p: Pending) -> Any:
+        """The reply to `p`, sent over `link`. A fault retires the link and
+        raises ServiceUnavailable; a refusal raises UcmError."""
+        with self._lock:
+            return self._wait_locked(link, p)
+
+    def lookup_index(self, keys: list[bytes]) -> Optional[int]:
+        """The answer from the shared key index, or None to ask the service:
+        no index, no live link, an inconsistent read, or a partial hit that
+        blocks other nodes put into a shared tier might extend."""
+        # Not under self._lock: a long request (a load from NVMe) on another
+        # thread must not hold up lookups.
+        with self._index_lock:
+            link = self._link
+            if link is None or link.index is None:
+                return None
+            # A dead service hangs up its end: its index is stale from then on.
+            dead = hung_up(link)
+            n = -1 if dead else _native.index_prefix(link.index.m, b"".join(keys))
+        if dead:
+            with self._lock:
+                self._retire_locked(link, backoff=False)
+            return None
+        if n < 0 or (n < len(keys) and link.info.get("shared_tiers")):
+            return None
+        return n
+
+    # ---- copies into and out of slots ----------------------------------------
+    def begin_fill(self, op: str, args: dict) -> tuple[Link, Any]:
+        """Sends `op` (reserve, acquire or stream) over the live link, waits
+        for its reply and counts a copy in flight on that link; `end_fill`
+        must follow. Raises as `call` does."""
+        with self._lock:
+            link = self._live_locked()
+            reply = self._request_locked(link, op, args)
+            link.inflight += 1
+            return link, reply
+
+    def claim(self, link: Link, asked: Optional[Pending], n: int, width: int) -> Optional[list]:
+        """The slots of the reply to `asked` (a reserve or acquire of `n` keys
+        sent ahead over `link`), checked to be in its arena, counting a copy
+        in flight on `link` that `end_fill` ends; None when the request
+        failed or was refused, or its link is gone (no copy is counted).
+        Slots outside the arena retire the link."""
+        if asked is None:
+            return None
+        with self._lock:
+            if link.dead:  # its reply may have been filed by another thread, but the
+                return None  # socket is closing (or closed): the service gave its slots back
+            try:
+                reply = self._wait_locked(link, asked)
+            except UcmError as exc:
+                log.debug("%s", exc)
+                return None
+            try:
+                entries = link.check_slots(reply, n, width)
+            except ServiceUnavailable as exc:
+                log.warning("%s", exc)
+                self._retire_locked(link)  # closing the link gives back what it holds
+                return None
+            link.inflight += 1
+            return entries
+
+    def end_fill(self, link: Link, op: Optional[str] = None, args: Optional[dict] = None, *,
+                 reply: bool = False, detached: bool = False) -> Optional[Pending]:
+        """Ends a copy counted by `begin_fill` or `claim` and sends `op`
+        (commit, abort, release or stream_release) over the same link: waits
+        for its reply unless `reply` (its Pending is returned) or `detached`
+        (nobody waits for it). None when the link is gone: the service then
+        gives the slots back when its socket closes, which happens here once
+        the last copy counted on a retired link has ended."""
+        with self._lock:
+            link.inflight -= 1
+            p = None
+            if op is not None and not link.dead:
+                try:
+                    p = self._send_locked(link, op, args or {}, detached)
+                    if not (reply or detached):
+                        self._wait_locked(link, p)
+                except ServiceUnavailable as exc:
+                    log.debug("%s", exc)
+                    p = None
+                except UcmError as exc:
+                    log.warning("%s", exc)
+            if link.dead and link.inflight == 0:
+                self._close_link_locked(link)
+            return p if reply else None
+
+    # ---- mappings ----------------------------------------------------------
+    def map(self, ident: tuple, make: Callable[[], mmap.mmap]) -> Mapping:
+        """The shared mapping `ident` (made by `make` when none is), counted
+        once more; `unmap` gives the count back."""
+        with self._lock:
+            return self._map_locked(ident, make)
+
+    def unmap(self, ident: tuple) -> None:
+        """Gives back one count of `ident`; the last unmaps it."""
+        with self._lock:
+            self._unmap_locked(ident)
+
+    # ---- under _lock -------------------------------------------------------
     def _connect_locked(self) -> Link:
         """Builds a link and publishes it, or raises ServiceUnavailable and
         leaves everything as it was."""
@@ -135,7 +342,7 @@ class ClientConnection:
             self._kept = arena_id
         with self._index_lock:
             self._link = link
-        self.service_info = info
+        self._info = info
         return link
 
     def _next_rid(self) -> int:
@@ -193,14 +400,10 @@ class ClientConnection:
         return self._wait_locked(link, self._send_locked(link, op, args))
 
     def _send_locked(self, link: Link, op: str, args: dict, detached: bool = False) -> Pending:
-        """Sends `op` over `link` without waiting for its reply (see
-        ucm.service.client.link); a fault retires the link."""
         with self._faults(link, op):
             return link.send(self._next_rid(), op, args, detached)
 
     def _wait_locked(self, link: Link, p: Pending) -> Any:
-        """The reply to `p`; a fault retires the link, a refusal raises
-        UcmError."""
         with self._faults(link, p.op):
             return link.wait(p, self._spin_s)
 
@@ -237,49 +440,3 @@ class ClientConnection:
                 raise ServiceUnavailable(f"ucm service at {self.path} is down")
             return self._connect_locked()
         return self._link
-
-    def _call(self, op: str, args: dict) -> Any:
-        with self._lock:
-            return self._request_locked(self._live_locked(), op, args)
-
-    def _begin_fill(self, op: str, args: dict) -> tuple[Link, Any]:
-        """Sends `op` (reserve or acquire) and counts a copy in flight on the
-        link that answered; `_end_fill` must follow."""
-        with self._lock:
-            link = self._live_locked()
-            reply = self._request_locked(link, op, args)
-            link.inflight += 1
-            return link, reply
-
-    def _end_fill(self, link: Link, op: Optional[str], args: dict) -> Any:
-        """Ends a copy begun by `_begin_fill` and sends `op` (commit, abort or
-        release) over the same link. None when that link is gone: the
-        service then gives the slots back when the link's socket closes."""
-        with self._lock:
-            link.inflight -= 1
-            result = None
-            if op is not None and not link.dead:
-                try:
-                    result = self._request_locked(link, op, args)
-                except ServiceUnavailable as exc:
-                    log.debug("%s", exc)
-                except UcmError as exc:
-                    log.warning("%s", exc)
-            if link.dead and link.inflight == 0:
-                self._close_link_locked(link)
-            return result
-
-    def _try(self, op: str, args: dict, default: Any) -> Any:
-        try:
-            return self._call(op, args)
-        except (ClosedError, ArgumentError):
-            raise
-        except ServiceUnavailable as exc:
-            log.debug("%s", exc)
-            return default
-        except UcmError as exc:
-            log.warning("%s", exc)
-            return default
-        except Exception:  # a cache fault is never an exception into the engine
-            log.exception("ucm client: %s failed", op)
-            return default

@@ -1,9 +1,8 @@
 """One connection of a CacheClient to one service instance, and its replies.
 
 A `Link` is the socket, the service's `hello`, the arena and key index
-mappings it announced and the liveness poll, built whole by
-CacheClient._connect_locked (ucm/service/client/conn.py) before it is
-published.
+mappings it announced and the liveness poll, built whole by the client's
+`Connection` (ucm/service/client/conn.py) before it is published.
 
 Requests may be pipelined: `send` writes a request and queues a `Pending`
 for it; `wait` reads replies until that request's has come. The service
@@ -14,9 +13,11 @@ a detached one nobody waits for, such as a `release`). This lets a caller
 send the reservation of its next chunk before copying the current one
 (ucm/service/client/slots.py), so the service works on it meanwhile.
 
-Not thread-safe by itself: the client's `_lock` is held around every
+Not thread-safe by itself: the `Connection` holds its lock around every
 `send` and `wait` (never across a copy), so a reply is read by one thread
-at a time and the queue is never torn.
+at a time and the queue is never torn. `check_slots` reads only what is
+set when the link is built and `hung_up` has a lock of its own: both run
+under either of the connection's locks or none.
 """
 from __future__ import annotations
 
@@ -162,11 +163,31 @@ class Link:
                 log.warning("ucm service refused %s: %s", head.op, head.value)
         return _result(p.op, [p.rid, p.ok, p.value], self.path)
 
+    def check_slots(self, reply: Any, n: int, width: int) -> list:
+        """The per-key entries of a reserve/acquire/stream reply, checked to
+        be for this link's arena: the reply's epoch is the link's and every
+        slot (an entry of `width` integers ending in offset and length) lies
+        inside the arena. Raises ServiceUnavailable otherwise."""
+        if not (isinstance(reply, dict) and reply.get("epoch") == self.epoch
+                and isinstance(reply.get("slots"), list) and len(reply["slots"]) == n):
+            raise ServiceUnavailable(f"ucm service at {self.path}: slots for another arena or malformed "
+                                     f"(epoch {reply.get('epoch') if isinstance(reply, dict) else None!r}, "
+                                     f"link epoch {self.epoch})")
+        size = len(self.arena.m)
+        for s in reply["slots"]:
+            if isinstance(s, list):
+                ok = len(s) == width and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+                off, length = (s[width - 2], s[width - 1]) if ok else (-1, 0)
+                if not (ok and 0 <= off and 0 < length and off + length <= size):
+                    raise ServiceUnavailable(f"ucm service at {self.path}: slot {s!r:.60} outside the "
+                                             f"{size}-byte arena")
+        return reply["slots"]
+
 
 def hung_up(link: Link) -> bool:
     """Whether the service closed its end of `link` (it exited or was killed).
-    Any thread (lookups ask it under the index lock, requests under the
-    client's lock)."""
+    Any thread (lookups ask it under the connection's index lock, requests
+    under its lock, streamed loads under neither)."""
     with link.poll_lock:
         events = link.poll.poll(0)
     return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events)

@@ -17,8 +17,10 @@ Loads: every part on its own (a miss in one does not end the call); a
 `release` is sent without waiting for its reply (the next request on the
 connection reads it).
 
-Everything runs on the caller's thread; the client's `_lock` is taken per
-send and per reply, never across a copy. Faults are outcomes. A
+Everything runs on the caller's thread and goes over the client's
+`Connection` (ucm/service/client/conn.py) through its public methods,
+each of which takes the connection's lock per send and per reply, never
+across a copy. Faults are outcomes. A
 BaseException out of `fill` (KeyboardInterrupt, SystemExit) ends the call
 and propagates, after the copy stopped counting on the link and the slots
 of its part and of the part asked ahead were given back.
@@ -26,14 +28,12 @@ of its part and of the part asked ahead were given back.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from ucm.api import Outcome, RangeRead, SlotFn
-from ucm.errors import ClosedError, CopyAborted, UcmError
-from ucm.service.client.link import Link, Pending, ServiceUnavailable
-
-if TYPE_CHECKING:
-    from ucm.service.client.cache_client import CacheClient
+from ucm.api import Outcome, RangeRead, SlotFn, cut_parts
+from ucm.errors import CopyAborted, UcmError
+from ucm.service.client.conn import Connection
+from ucm.service.client.link import Link, Pending
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +44,24 @@ PART_BLOCKS = 4
 RANGE_PART = 8  # blocks leased at once by read_ranges (it knows no sizes to cut parts by bytes)
 
 
-def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
+def write_slots(conn: Connection, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                 parent: Optional[bytes], rid: Optional[str]) -> list[Outcome]:
-    link = _live(c)
+    link = conn.try_live()
     if link is None or not keys:
         return [Outcome.FAILED] * len(keys)
-    spans = _parts(c, link, sizes)
+    spans = _parts(link, sizes)
 
     def ask(n: int) -> Optional[Pending]:
         i, j = spans[n]
-        return _send(c, link, "reserve", {"keys": keys[i:j], "sizes": list(sizes[i:j]),
-                                          "parent": keys[i - 1] if i else parent, "request_id": rid,
-                                          "counted": n == 0})
+        return _send(conn, link, "reserve", {"keys": keys[i:j], "sizes": list(sizes[i:j]),
+                                             "parent": keys[i - 1] if i else parent, "request_id": rid,
+                                             "counted": n == 0})
 
     out: list[Outcome] = []
     asked, asked_n = ask(0), 0
     committing: Optional[_Commit] = None  # the part whose commit is on its way
     for n, (i, j) in enumerate(spans):
-        entries = _take(c, link, asked, j - i, 2)
+        entries = conn.claim(link, asked, j - i, 2)
         asked = None
         filled: list[bytes] = []
         slots: list = []
@@ -76,45 +76,45 @@ def write_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill:
                     asked, asked_n = ask(n + 1), n + 1  # reserved by the service while this part is copied
                 copied = not filled or _fill(fill, i, slots, link, "into reserved slots")
             except BaseException:  # KeyboardInterrupt, SystemExit: the copy ends, its slots go back
-                _end(c, link, "abort" if filled else None, {"keys": filled}, detached=True)
+                conn.end_fill(link, "abort" if filled else None, {"keys": filled}, detached=True)
                 if asked is not None:
-                    _abort_unused(c, link, asked, keys[slice(*spans[asked_n])])
+                    _abort_unused(conn, link, asked, keys[slice(*spans[asked_n])])
                 raise
             if not copied:
-                _end(c, link, "abort", {"keys": filled})
+                conn.end_fill(link, "abort", {"keys": filled})
                 part = [Outcome.FAILED if s is not None else o for s, o in zip(slots, part)]
                 filled = []
             elif not filled:
-                _end(c, link, None, {})
-        parent_ok = committing is None or _settled(c, link, committing, out)
+                conn.end_fill(link, None, {})
+        parent_ok = committing is None or _settled(conn, link, committing, out)
         committing = None
         if entries is None and not parent_ok:  # the part before did not commit whole: as sequentially
             part = [Outcome.MISSING] * (j - i)
         if filled:
             if parent_ok:
                 at = [len(out) + x for x, s in enumerate(slots) if s is not None]
-                committing = _Commit(filled, at, _end(c, link, "commit", {"keys": filled}, reply=True))
+                committing = _Commit(filled, at, conn.end_fill(link, "commit", {"keys": filled}, reply=True))
             else:  # the part before did not commit whole: these blocks would lack their parent
-                _end(c, link, "abort", {"keys": filled})
+                conn.end_fill(link, "abort", {"keys": filled})
                 part = [Outcome.MISSING if s is not None else o for s, o in zip(slots, part)]
         out.extend(part)
         if not parent_ok or part[-1] is not Outcome.DONE:
             break
     if committing is not None:
-        _settled(c, link, committing, out)
+        _settled(conn, link, committing, out)
     if asked is not None:  # sent ahead for a part that is not copied now
-        _abort_unused(c, link, asked, keys[slice(*spans[asked_n])])
+        _abort_unused(conn, link, asked, keys[slice(*spans[asked_n])])
     out.extend([Outcome.MISSING] * (len(keys) - len(out)))
     return out
 
 
-def _abort_unused(c: "CacheClient", link: Link, asked: Pending, keys: list[bytes]) -> None:
+def _abort_unused(conn: Connection, link: Link, asked: Pending, keys: list[bytes]) -> None:
     """Aborts what the reservation of `keys` sent ahead got, for a part that
     is then not copied."""
-    entries = _take(c, link, asked, len(keys), 2)
+    entries = conn.claim(link, asked, len(keys), 2)
     if entries is not None:
         unused = [k for k, r in zip(keys, entries) if isinstance(r, list)]
-        _end(c, link, "abort" if unused else None, {"keys": unused})
+        conn.end_fill(link, "abort" if unused else None, {"keys": unused})
 
 
 class _Commit:
@@ -127,41 +127,41 @@ class _Commit:
         self.keys, self.at, self.pending = keys, at, pending
 
 
-def read_slots(c: "CacheClient", keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
+def read_slots(conn: Connection, keys: list[bytes], sizes: Sequence[int], fill: SlotFn,
                rid: Optional[str]) -> list[Outcome]:
-    link = _live(c)
+    link = conn.try_live()
     if link is None or not keys:
         return [Outcome.MISSING] * len(keys)
-    spans = _parts(c, link, sizes)
+    spans = _parts(link, sizes)
 
     def ask(n: int) -> Optional[Pending]:
         i, j = spans[n]
-        return _send(c, link, "acquire", {"keys": keys[i:j], "request_id": rid, "counted": n == 0})
+        return _send(conn, link, "acquire", {"keys": keys[i:j], "request_id": rid, "counted": n == 0})
 
     out: list[Outcome] = []
     asked = ask(0)
     for n, (i, j) in enumerate(spans):
-        leases = _take(c, link, asked, j - i, 3)
+        leases = conn.claim(link, asked, j - i, 3)
         asked = None
         try:
             asked = ask(n + 1) if n + 1 < len(spans) else None  # staged while this part is copied
             part = [Outcome.MISSING] * (j - i) if leases is None else _copy_out(fill, i, leases, sizes[i:j], link)
         except BaseException:  # KeyboardInterrupt, SystemExit: the copy ends, its leases go back
             if leases is not None:
-                _release(c, link, leases)
+                _release(conn, link, leases)
             if asked is not None:  # and those of the part acquired ahead
                 k, m = spans[n + 1]
-                ahead = _take(c, link, asked, m - k, 3)
+                ahead = conn.claim(link, asked, m - k, 3)
                 if ahead is not None:
-                    _release(c, link, ahead)
+                    _release(conn, link, ahead)
             raise
         if leases is not None:
-            _release(c, link, leases)
+            _release(conn, link, leases)
         out.extend(part)
     return out
 
 
-def read_ranges(c: "CacheClient", keys: list[bytes], offsets: Sequence[Sequence[int]],
+def read_ranges(conn: Connection, keys: list[bytes], offsets: Sequence[Sequence[int]],
                 views: list[list[memoryview]], rid: Optional[str]) -> list[RangeRead]:
     """CacheAPI.read_ranges through the service: the service has no range
     read, so the blocks are leased as by read_slots (a block below the
@@ -169,16 +169,16 @@ def read_ranges(c: "CacheClient", keys: list[bytes], offsets: Sequence[Sequence[
     leased slots, RANGE_PART blocks at a time. Each block's tier is where
     `locate` found it just before; a block staged from below it counts its
     whole size (what that tier served), one in the landing tier its ranges."""
-    link = _live(c)
+    link = conn.try_live()
     if link is None or not keys:
         return [RangeRead(Outcome.FAILED)] * len(keys)
-    tiers = c.locate(keys)  # a fault: None each
+    tiers = conn.try_call("locate", {"keys": keys}, [None] * len(keys))  # a fault: None each
     landing = link.info.get("landing_tier")
     out: list[RangeRead] = []
     for i in range(0, len(keys), RANGE_PART):
         part = keys[i:i + RANGE_PART]
-        leases = _take(c, link, _send(c, link, "acquire", {"keys": part, "request_id": rid, "counted": i == 0}),
-                       len(part), 3)
+        asked = _send(conn, link, "acquire", {"keys": part, "request_id": rid, "counted": i == 0})
+        leases = conn.claim(link, asked, len(part), 3)
         if leases is None:
             out.extend([RangeRead(Outcome.FAILED)] * len(part))
             continue
@@ -187,7 +187,7 @@ def read_ranges(c: "CacheClient", keys: list[bytes], offsets: Sequence[Sequence[
                 for j, lease in enumerate(leases):
                     out.append(_ranges_out(arena, lease, offsets[i + j], views[i + j], tiers[i + j], landing))
         finally:
-            _release(c, link, leases)
+            _release(conn, link, leases)
     return out
 
 
@@ -224,63 +224,39 @@ def _copy_out(fill: SlotFn, first: int, leases: list, sizes: Sequence[int], link
     return part
 
 
-def _release(c: "CacheClient", link: Link, leases: list) -> None:
-    """Ends a copy out of `leases` counted by `_take` and gives them back
+def _release(conn: Connection, link: Link, leases: list) -> None:
+    """Ends a copy out of `leases` counted by `claim` and gives them back
     (the reply is read by the next request on the link)."""
     held = [lease[0] for lease in leases if lease is not None]
-    _end(c, link, "release" if held else None, {"leases": held}, detached=True)
+    conn.end_fill(link, "release" if held else None, {"leases": held}, detached=True)
 
 
-def _live(c: "CacheClient") -> Optional[Link]:
-    try:
-        with c._lock:
-            return c._live_locked()
-    except ClosedError:
-        raise
-    except UcmError as exc:
-        log.debug("%s", exc)
-        return None
+def arena_parts(sizes: Sequence[int], arena_bytes: int,
+                part_bytes: Optional[int] = None) -> list[tuple[int, int]]:
+    """Index ranges of at most 1/8 of an arena of `arena_bytes` (none known:
+    one block a range) and `part_bytes` each, at least one block each, so
+    that one request never needs more slots than the arena has."""
+    budget = max(1, arena_bytes // 8)
+    if part_bytes is not None:
+        budget = min(budget, part_bytes)
+    return cut_parts(sizes, budget)
 
 
-def _parts(c: "CacheClient", link: Link, sizes: Sequence[int]) -> list[tuple[int, int]]:
+def _parts(link: Link, sizes: Sequence[int]) -> list[tuple[int, int]]:
     """The call's parts: PART_BYTES, or PART_BLOCKS of the largest block if
     that is more, cut by the arena of the link that carries them (at most
     1/8 of it; its hello announced the size: a client that never connected
-    knows none before `_live`)."""
+    knows none before `try_live`)."""
     part = max(PART_BYTES, PART_BLOCKS * max(sizes, default=0))
-    return c._chunks(sizes, part, link.info["arena_bytes"])
+    return arena_parts(sizes, link.info["arena_bytes"], part)
 
 
-def _send(c: "CacheClient", link: Link, op: str, args: dict) -> Optional[Pending]:
+def _send(conn: Connection, link: Link, op: str, args: dict) -> Optional[Pending]:
     try:
-        with c._lock:
-            return c._send_locked(link, op, args)
+        return conn.send(link, op, args)
     except UcmError as exc:
         log.debug("%s", exc)
         return None
-
-
-def _take(c: "CacheClient", link: Link, asked: Optional[Pending], n: int, width: int) -> Optional[list]:
-    """The checked slots of a reserve/acquire reply, counting a copy in flight
-    on `link` (which `_end` ends); None when it failed or was refused."""
-    if asked is None:
-        return None
-    with c._lock:
-        if link.dead:  # its reply may have been filed by another thread, but the
-            return None  # socket is closing (or closed): the service gave its slots back
-        try:
-            reply = c._wait_locked(link, asked)
-        except UcmError as exc:
-            log.debug("%s", exc)
-            return None
-        try:
-            entries = c._slots(link, reply, n, width)
-        except ServiceUnavailable as exc:
-            log.warning("%s", exc)
-            c._retire_locked(link)  # closing the link gives back what it holds
-            return None
-        link.inflight += 1
-        return entries
 
 
 def _fill(fill: SlotFn, first: int, slots: list, link: Link, where: str) -> bool:
@@ -298,41 +274,16 @@ def _fill(fill: SlotFn, first: int, slots: list, link: Link, where: str) -> bool
         return False
 
 
-def _end(c: "CacheClient", link: Link, op: Optional[str], args: dict, reply: bool = False,
-         detached: bool = False) -> Optional[Pending]:
-    """Ends a copy counted by `_take` and sends `op` (commit, abort or
-    release) over the same link: waits for its reply unless `reply` (the
-    Pending is returned) or `detached`. None when the link is gone: the
-    service gives the slots back when its socket closes."""
-    with c._lock:
-        link.inflight -= 1
-        p = None
-        if op is not None and not link.dead:
-            try:
-                p = c._send_locked(link, op, args, detached=detached)
-                if not (reply or detached):
-                    c._wait_locked(link, p)
-            except ServiceUnavailable as exc:
-                log.debug("%s", exc)
-                p = None
-            except UcmError as exc:
-                log.warning("%s", exc)
-        if link.dead and link.inflight == 0:
-            c._close_link_locked(link)
-        return p if reply else None
-
-
-def _settled(c: "CacheClient", link: Link, commit: _Commit, out: list[Outcome]) -> bool:
+def _settled(conn: Connection, link: Link, commit: _Commit, out: list[Outcome]) -> bool:
     """Waits for a part's commit and marks its blocks that did not commit
     FAILED in `out`, which ends with that part; whether its last block
     committed (the parent of the next part)."""
     ok: Any = None
     if commit.pending is not None:
-        with c._lock:
-            try:
-                ok = c._wait_locked(link, commit.pending)
-            except UcmError as exc:
-                log.debug("%s", exc)
+        try:
+            ok = conn.wait(link, commit.pending)
+        except UcmError as exc:
+            log.debug("%s", exc)
     good = ok if isinstance(ok, list) and len(ok) == len(commit.keys) else [False] * len(commit.keys)
     for pos, g in zip(commit.at, good):
         if not g:

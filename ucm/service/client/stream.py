@@ -10,6 +10,12 @@ every block that has not finished a miss at once, and every wait is
 bounded by its timeout. The connection counts the stream as a copy in
 flight until `release`, so its socket (whose closing gives the slots back)
 stays open while the engine copies out of them.
+
+Requests, mappings and the in-flight count go through the client's
+`Connection` (ucm/service/client/conn.py) and its public methods, each of
+which takes the connection's lock for as long as it runs; waits take none.
+The keys and sizes come checked, and the chunks cut, from the client
+(CacheClient.stream_slots).
 """
 from __future__ import annotations
 
@@ -17,15 +23,13 @@ import logging
 import mmap
 import os
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from ucm.api import Key, Outcome, check_request_id, check_sizes
+from ucm.api import Outcome
 from ucm.errors import ClosedError, UcmError
 from ucm.layer_stream import FAILED, LayerStream, WordView, word_count
-
-if TYPE_CHECKING:
-    from ucm.service.client.cache_client import CacheClient
-    from ucm.service.client.link import Link
+from ucm.service.client.conn import Connection
+from ucm.service.client.link import Link, ServiceUnavailable, hung_up
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ HANGUP_CHECK_S = 0.001
 class _Part:
     __slots__ = ("link", "sid", "first", "n", "view", "ident", "dead")
 
-    def __init__(self, link: "Link", sid: Optional[int], first: int, n: int, view: Optional[WordView],
+    def __init__(self, link: Link, sid: Optional[int], first: int, n: int, view: Optional[WordView],
                  ident: Optional[tuple]) -> None:
         self.link, self.sid, self.first, self.n = link, sid, first, n
         self.view, self.ident = view, ident
@@ -46,8 +50,8 @@ class _Part:
 class ClientStream(LayerStream):
     """A stream served by the service; see the module docstring."""
 
-    def __init__(self, client: "CacheClient", arena: Any, n: int, layers: int) -> None:
-        self._client = client
+    def __init__(self, conn: Connection, arena: Any, n: int, layers: int) -> None:
+        self._conn = conn
         self.arena = arena
         self.layers = layers
         self.slots: list[Optional[tuple[int, int]]] = [None] * n
@@ -57,8 +61,6 @@ class ClientStream(LayerStream):
     def _poll(self, part: _Part, ready: Any, timeout_s: float) -> Any:
         """ready(view) until it is not None, the service hung up, or the
         timeout; None for the two last."""
-        from ucm.service.client.link import hung_up
-
         if part.dead:
             return None
         deadline = time.monotonic() + timeout_s
@@ -101,16 +103,15 @@ class ClientStream(LayerStream):
         if self._released:
             return
         self._released = True
-        c = self._client
         for part in self.parts:
             if part.view is not None:
                 part.view.words.release()
                 part.view = None
             if part.link is not None:
-                c._end_fill(part.link, "stream_release" if part.sid is not None else None, {"sid": part.sid})
+                self._conn.end_fill(part.link, "stream_release" if part.sid is not None else None,
+                                    {"sid": part.sid})
             if part.ident is not None:
-                with c._lock:
-                    c._unmap_locked(part.ident)
+                self._conn.unmap(part.ident)
 
 
 def map_progress(path: str, size: int) -> mmap.mmap:
@@ -123,32 +124,29 @@ def map_progress(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def stream_slots(client: "CacheClient", keys: Sequence[Key], sizes: Sequence[int], layers: int,
-                 request_id: Optional[str]) -> ClientStream:
-    """CacheClient.stream_slots; faults are misses, never exceptions."""
-    from ucm.service.client.cache_client import ServiceUnavailable, _keys
-    from ucm.service.client.slots import _live
-
-    keys = _keys(keys)
-    sizes = check_sizes(keys, sizes)
-    rid = check_request_id(request_id)
+def stream_slots(conn: Connection, keys: list[bytes], sizes: Sequence[int], layers: int,
+                 request_id: Optional[str], spans: Sequence[tuple[int, int]],
+                 begin_fill: Callable[[str, dict], tuple[Link, Any]]) -> ClientStream:
+    """CacheClient.stream_slots over `conn`: one `stream` request per chunk
+    of `spans`, each sent by `begin_fill` (the client's way to
+    Connection.begin_fill), which counts the chunk as a copy in flight until
+    `release`. Faults are misses, never exceptions."""
     stream: Optional[ClientStream] = None
-    live = _live(client)  # the chunks are cut by the arena its hello announced (none before a first connection)
-    for i, j in client._chunks(sizes, arena_bytes=live.info.get("arena_bytes") if live is not None else None):
+    for i, j in spans:
         n = j - i
         try:
-            link, reply = client._begin_fill("stream", {"keys": keys[i:j], "sizes": list(sizes[i:j]),
-                                                        "layers": layers, "request_id": rid})
+            link, reply = begin_fill("stream", {"keys": keys[i:j], "sizes": list(sizes[i:j]),
+                                                "layers": layers, "request_id": request_id})
         except UcmError as exc:
             if isinstance(exc, ClosedError):
                 raise
             log.debug("%s", exc)
             if stream is None:
-                stream = ClientStream(client, None, len(keys), layers)
+                stream = ClientStream(conn, None, len(keys), layers)
             stream.parts.append(_Part(None, None, i, n, None, None))  # type: ignore[arg-type]
             continue
         if stream is None:
-            stream = ClientStream(client, link.arena.m, len(keys), layers)
+            stream = ClientStream(conn, link.arena.m, len(keys), layers)
         elif stream.arena is None:  # the chunks before were refused: this one's arena serves
             stream.arena = link.arena.m
         part = _Part(link, reply.get("sid") if isinstance(reply, dict) else None, i, n, None, None)
@@ -156,15 +154,14 @@ def stream_slots(client: "CacheClient", keys: Sequence[Key], sizes: Sequence[int
         try:
             if link.arena.m is not stream.arena:
                 raise ServiceUnavailable("a streamed load's chunks came from two service instances")
-            slots = client._slots(link, reply, n, 2)
+            slots = link.check_slots(reply, n, 2)
             at = reply.get("words")
             info = link.info
             size = int(info.get("progress_bytes") or 0)
             if not (isinstance(at, int) and size and 0 <= at and (at + word_count(n)) * 4 <= size):
                 raise ServiceUnavailable(f"stream: progress words at {at!r} outside the {size}-byte file")
             ident = ("progress", info["progress_path"], link.epoch)
-            with client._lock:
-                mapping = client._map_locked(ident, lambda: map_progress(info["progress_path"], size))
+            mapping = conn.map(ident, lambda: map_progress(info["progress_path"], size))
             part.ident = ident
             words = memoryview(mapping.m).cast("I")[at:at + word_count(n)]
             part.view = WordView(words, n, layers)
@@ -175,5 +172,5 @@ def stream_slots(client: "CacheClient", keys: Sequence[Key], sizes: Sequence[int
             log.warning("ucm client: a streamed load's reply was unusable: %s", exc)
             part.dead = True
     if stream is None:
-        stream = ClientStream(client, None, 0, layers)
+        stream = ClientStream(conn, None, 0, layers)
     return stream
