@@ -197,7 +197,7 @@ def inproc_run(work, codec, samples, dram_blocks, headroom, part_blocks=5):
     wrap(ctier.CodecAdapter, "_encode", "encode")
     wrap(ctier.CodecAdapter, "_decode", "decode")
     wrap(ctier.CodecAdapter, "get", "codec.get(total)")
-    wrap(tmod.TierStack, "_wait_frees", "wait_frees")
+    wrap(tmod.TierStack, "wait_frees", "wait_frees")
     wrap(key_order.KeyOrder, "wait_turn", "wait_turn")
     wrap(tmod.TierStack, "_execute", "execute(step)")
     wrap(tmod.TierStack, "_copy_batch", "copy_batch")

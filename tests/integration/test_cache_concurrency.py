@@ -89,7 +89,7 @@ def test_a_failed_write_followed_by_planned_moves_leaves_no_phantom(nvme_dir):
         (key,), (blob,) = chain(1, 81, size=SIZE)
         p, tiers = c.placement, c.tiers
         c.adapters[0].fail("put", Status.FAILED, times=1)
-        with c._meta:  # three plans for one key, made before any runs (three threads)
+        with c.core.meta:  # three plans for one key, made before any runs (three threads)
             d = p.insert(key, None, SIZE)
             write = tiers.admit(d.plan, p.parent_of)
             move = tiers.admit(p.evict_keys(0, [key]), p.parent_of)
@@ -123,7 +123,7 @@ def test_a_scratch_write_never_stores_the_bytes_of_a_block_it_skipped(nvme_dir):
 
         def fill(first, slots, arena):
             assert slots[0] is None  # cached: nothing to copy
-            with c._meta:  # the block leaves the cache meanwhile (another thread's eviction)
+            with c.core.meta:  # the block leaves the cache meanwhile (another thread's eviction)
                 ticket = c.plans.admit(c.placement.remove(keys[0]))
             c.plans.run(ticket, {})
             c.adapters[0].delete([keys[0]])
@@ -146,10 +146,10 @@ def test_abort_of_a_committed_block_leaves_other_holds_alone(nvme_dir):
     with UnifiedCache(cfg(nvme_dir)) as c:
         keys, data = chain(2, 92, size=SIZE)
         assert c.store(keys, data).wait(30) == [Outcome.DONE] * 2
-        with c._meta:
+        with c.core.meta:
             c.placement.hold(keys[1:])  # a reader's hold
         c.abort(keys)  # committed, not reserved: nothing to give back
-        with c._meta:
+        with c.core.meta:
             assert not c.placement.may_evict(0, keys[1:])  # the reader's hold stands
             c.placement.unhold(keys[1:])
             assert c.placement.may_evict(0, keys[1:])

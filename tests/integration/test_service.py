@@ -128,8 +128,8 @@ HOLD = """
         prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
         keys.append(prev)
     c = CacheClient(socket_path(cfg), cfg)
-    leases = c._call("acquire", {"keys": keys})
-    half = c._call("reserve", {"keys": [hashlib.blake2b(b"x%d" % i, digest_size=16).digest() for i in range(3)],
+    leases = c.connection.call("acquire", {"keys": keys})
+    half = c.connection.call("reserve", {"keys": [hashlib.blake2b(b"x%d" % i, digest_size=16).digest() for i in range(3)],
                                "sizes": [65536] * 3, "parent": None})
     print(sum(l is not None for l in leases["slots"]), sum(isinstance(h, list) for h in half["slots"]), flush=True)
     time.sleep(600)
@@ -332,7 +332,7 @@ def test_slot_access_copies_straight_between_arena_and_caller(service):
         with pytest.raises(ArgumentError, match="output_tokens"):
             c.finish(keys, -5)
         with pytest.raises(UcmError, match=r"output_tokens: value must be an integer in \[0, "):
-            c._call("finish", {"keys": keys, "output_tokens": -5})  # the service checks too
+            c.connection.call("finish", {"keys": keys, "output_tokens": -5})  # the service checks too
 
         out = bytearray(len(flat))
 
@@ -372,16 +372,16 @@ def test_lookups_from_the_shared_index_equal_the_service_answers(service):
             if rng.random() < 0.6:
                 c.store(keys, [bytes(SIZE)] * len(keys)).wait(30)
             probe = keys[:rng.randint(1, len(keys))] + ([os.urandom(16)] if rng.random() < 0.3 else [])
-            assert c.lookup(probe) == c._call("lookup", {"keys": probe}), step
+            assert c.lookup(probe) == c.connection.call("lookup", {"keys": probe}), step
         # 4 MiB of DRAM and 32 MiB of NVMe hold fewer blocks than were stored:
         # the index followed evictions too.
         every = [k for ch in chains for k in ch]
         assert 0 < sum(c.lookup([k]) for k in every) < len(every)
-        assert sum(c.lookup([k]) for k in every) == sum(c._call("lookup", {"keys": [k]}) for k in every)
+        assert sum(c.lookup([k]) for k in every) == sum(c.connection.call("lookup", {"keys": [k]}) for k in every)
         # A long request on another thread (it holds the socket) does not hold up lookups.
         import threading
         hit = next(ch for ch in chains if c.lookup(ch[:1]))[:1]
-        with c._lock:
+        with c.connection.lock:
             out = []
             t = threading.Thread(target=lambda: out.append(c.lookup(hit)))
             t.start()
@@ -413,7 +413,7 @@ def test_request_ids_cross_the_socket_and_are_checked_on_both_sides(service):
                          ("reserve", {"keys": keys[:1], "sizes": [SIZE], "request_id": "x" * 257}),
                          ("finish", {"keys": keys, "output_tokens": 1, "request_id": b"r"})):
             with pytest.raises(UcmError, match="refused .*request_id"):
-                c._call(op, args)
+                c.connection.call(op, args)
         assert c.stats()["service"]["leases"] == 0  # the service lives on
         assert c.prefetch(keys, tier="dram").wait(30) == [Outcome.DONE] * 5
         with pytest.raises(ArgumentError, match="landing tier 'dram', got tier='nvme'"):
@@ -426,11 +426,11 @@ def test_a_lease_id_must_be_an_integer_not_a_bool(service):
     with CacheClient(sock) as c:
         keys, data = chain(1, 21)
         assert c.store(keys, data).wait(30) == [Outcome.DONE]
-        lease = c._call("acquire", {"keys": keys})["slots"][0]
+        lease = c.connection.call("acquire", {"keys": keys})["slots"][0]
         assert lease[0] == 1 and c.stats()["service"]["leases"] == 1
-        c._call("release", {"leases": [True]})
+        c.connection.call("release", {"leases": [True]})
         assert c.stats()["service"]["leases"] == 1
-        c._call("release", {"leases": [1]})
+        c.connection.call("release", {"leases": [1]})
         assert c.stats()["service"]["leases"] == 0
 
 

@@ -64,8 +64,8 @@ def demote_one_blocked(c, victim):
     nvme.put_with_parents = blocking_put
 
     def demote():
-        with c._meta:
-            plan = c.placement.reclaim(0, c._footprint(SIZE), max_victims=1)
+        with c.core.meta:
+            plan = c.placement.reclaim(0, c.core.footprint(SIZE), max_victims=1)
             ticket = c.plans.admit(plan)
         c.plans.run(ticket, {})
 

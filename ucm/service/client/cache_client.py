@@ -80,7 +80,6 @@ class CacheClient:
         self._conn = Connection(path, socket_factory or (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
                                 timeout_s=svc.request_timeout_s, max_frame_bytes=svc.max_frame_bytes,
                                 spin_s=svc.poll_spin_us / 1e6, retry_s=retry_s, use_index=use_index)
-        self._lock = self._conn.lock  # the connection's: held by every request, never by a lookup
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ucm-client")
         self.spawned: Optional[subprocess.Popen] = None
         if connect:
@@ -286,10 +285,6 @@ class CacheClient:
         return self._conn.begin_fill(op, args)
 
     # ---- requests ------------------------------------------------------------
-    def _call(self, op: str, args: dict) -> Any:
-        """Connection.call: one raw request; raises."""
-        return self._conn.call(op, args)
-
     def _try(self, op: str, args: dict, default: Any) -> Any:
         """Connection.try_call: `default` for a fault, never an exception."""
         return self._conn.try_call(op, args, default)
