@@ -125,6 +125,12 @@ class TorchPageCopier:
         self._current: Optional[int] = None
         self._local = threading.local()
 
+    def arenas_registered(self) -> bool:
+        """Whether every arena this copier has seen is registered (pinned)
+        with CUDA; True when it has seen none."""
+        with self._lock:
+            return all(a.registered for a in self._arenas.values())
+
     # ---- ordering (CUDA only) ---------------------------------------------------
     def record_ready(self) -> Optional[Any]:
         """An event on the caller's current stream (after the work queued so

@@ -136,7 +136,7 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
         # One block per call, as the service's parts of 16 MiB (client_slots.PART_BYTES) call it.
         add("copier_save_1", _timed(lambda: [copier.copy(True, [b], arena) for b in plan], sync))
         add("copier_load_1", _timed(lambda: [copier.copy(False, [b], arena) for b in plan], sync))
-    registered = cuda and _registered(copier)
+    registered = cuda and copier.arenas_registered()
     copier.close()
     del host_arena
     arena.close()
@@ -171,7 +171,7 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
                 if out != [Outcome.DONE] * blocks or got != [Outcome.DONE] * blocks:
                     raise RuntimeError(f"round {r}: the service stored {out.count(Outcome.DONE)} and loaded "
                                        f"{got.count(Outcome.DONE)} of {blocks} blocks")
-            service["registered"] = cuda and _registered(svc_copier)
+            service["registered"] = cuda and svc_copier.arenas_registered()
         finally:
             svc_copier.close()
             client.close()
@@ -189,11 +189,6 @@ def pages_bench(device: str = "auto", layers: int = 32, kv_heads: int = 8, head_
                              "save": round(gbps["copier_save"] / gbps["memcpy_d2h"], 3)},
         "seconds": secs,
     }
-
-
-def _registered(copier: Any) -> bool:
-    """Whether every arena the copier holds is registered (pinned) with CUDA."""
-    return bool(all(a.registered for a in copier._arenas.values()))  # TorchPageCopier exposes no public form
 
 
 def _table(res: dict) -> str:

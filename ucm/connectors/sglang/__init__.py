@@ -159,6 +159,11 @@ class UCMStorage(HiCacheStorage):
         self._owns_cache = cache is None
         self._cache: CacheAPI = open_cache(self.config) if cache is None else cache
 
+    @property
+    def copier(self) -> Optional[HostPageCopier]:
+        """The host pool's page copier, once a pool was registered."""
+        return self._copier
+
     # ---- registration (scheduler process, once) -------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Builds the namespace and the copier of SGLang's host pool."""

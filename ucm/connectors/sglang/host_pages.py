@@ -16,6 +16,8 @@ Thread-safe: it holds the pool's storage and its geometry, nothing that a
 copy changes. Runs in SGLang's prefetch and backup threads."""
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -45,6 +47,15 @@ class HostPageCopier:
         self.buffers_per_page = len(ptrs)
         self.buffer_bytes = int(sizes[0])
         self.page_bytes = self.buffers_per_page * self.buffer_bytes
+        self._spent_lock = threading.Lock()
+        self._spent_s = 0.0
+
+    @property
+    def copy_seconds(self) -> float:
+        """Seconds spent in `copy` so far, over every thread (what a bench
+        compares with a memcpy of the same bytes)."""
+        with self._spent_lock:
+            return self._spent_s
 
     def copy(self, to_arena: bool, host_indices: torch.Tensor, first: int,
              slots: Sequence[Optional[tuple[int, int]]], arena: Any) -> None:
@@ -68,7 +79,13 @@ class HostPageCopier:
             for j in range(bpp):
                 arena_at.append(off + j * n)
                 host_at.append(ptrs[row + j] - self._base)
-        if to_arena:
-            _native.copy_spans(arena, arena_at, self._flat, host_at, n, self._threads)
-        else:
-            _native.copy_spans(self._flat, host_at, arena, arena_at, n, self._threads)
+        t0 = time.perf_counter()
+        try:
+            if to_arena:
+                _native.copy_spans(arena, arena_at, self._flat, host_at, n, self._threads)
+            else:
+                _native.copy_spans(self._flat, host_at, arena, arena_at, n, self._threads)
+        finally:
+            spent = time.perf_counter() - t0
+            with self._spent_lock:
+                self._spent_s += spent
