@@ -178,13 +178,14 @@ class Lease:
     """A committed blob held for reading (`SharedSlots.lease`): `view` is its
     bytes, at [`offset`, `offset` + `length`) of the segment file, and they
     neither change nor move until `release(lease)`. A handle: compared by
-    identity; `_slot` is the issuing adapter's own record, for its use only."""
+    identity; `record` is the issuing adapter's own record of the slot,
+    for its use only (opaque to everyone else)."""
 
     key: Key
     offset: int
     length: int
     view: memoryview  # read-only use: the committed blob
-    _slot: Any = field(default=None, repr=False)
+    record: Any = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

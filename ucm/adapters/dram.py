@@ -180,7 +180,7 @@ class DramAdapter(SharedSlots, RangeReads):
 
     def release(self, lease: Lease) -> None:
         lease.view.release()
-        self._slots.release(lease._slot)
+        self._slots.release(lease.record)
 
     def slot_offset(self, key: Key) -> Optional[tuple[int, int]]:
         """(offset, length) inside the segment file of the committed or
