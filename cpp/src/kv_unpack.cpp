@@ -4,7 +4,7 @@
 // unpacked as 8 vectors (one per column, a shift per lane) and an 8 x 8
 // transpose turns them into 8 row pieces written whole. Value runs: 16
 // bytes (32 codes) at a time, nibbles split and widened in registers.
-// int4's decode of a SmolLM2 block, one thread (docs/benchmarks.md): bf16
+// int4's decode of a SmolLM2 block, one thread (docs/lab/benchmarks.md): bf16
 // 2.0 -> 3.8 GB/s, float32 4.1 -> 6.2 GB/s against one code at a time.
 #include "ucm/kv_unpack.hpp"
 

@@ -63,7 +63,7 @@ def test_live_replay_in_the_connector_call_sequence_keeps_the_policy_figures(req
     policy, the replay promotes what the policy admits.) DRAM holds several
     prompts here; with a DRAM of about one prompt (12 blocks) a reader's
     staging of an NVMe hit can find no room and the live path hits less:
-    docs/design-notes.md, "Requests as events".)"""
+    docs/lab/design-notes.md, "Requests as events".)"""
     from ucm.bench.cache.live import run_live
 
     names = ("dram", "nvme")[:len(blocks)]

@@ -1,5 +1,5 @@
 """Import-only stand-ins for two modules SGLang 0.5.23 imports on CPU but
-never calls there (test tree only; docs/sglang.md):
+never calls there (test tree only; docs/connectors/sglang.md):
 
 - `torchvision` (and any submodule): VLM configs and processors import it
   eagerly; the PyPI build cannot load beside CPU torch;

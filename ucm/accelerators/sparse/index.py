@@ -12,11 +12,7 @@ reads and summarises it again).
 Restart. Nothing is persisted: a summary is a function of the stored bytes
 and the layout (ucm/accelerators/sparse/summaries.py), so after a restart it
 is rebuilt from the block itself, by `add` when the block is read or
-stored again. Its cost in memory is `summaries.summary_nbytes` per block
-(for a SmolLM2 block of 128 tokens at 16-token pages: 368,640 bytes with
-every page part, 184,320 for quest's float16 bounds, 368,640 for
-lowrank's rank-16 projections alone, 552,960 for hybrid's bounds and
-projections).
+stored again. Its cost in memory is `summaries.summary_nbytes` per block.
 
 Fed explicitly (`add(key, block_bytes, layout)` where the bytes are in
 hand, `put(key, summary)`). No accelerator feeds it from `blocks_stored`

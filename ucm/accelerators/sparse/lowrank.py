@@ -10,23 +10,17 @@ head, kept as float16: summaries.py). At a decode step the `lowrank` selector
 context token's logit from the projections, and ranks pages by their
 approximate attention mass: the oracle's rule over approximate keys.
 
-What it buys on SmolLM2-135M at 8K (docs/benchmarks.md, "the `lowrank`
-selector"): offline, rank 4 of 64 channels holds the attention mass
-within 0.02 of the oracle at every budget, where page summaries (quest,
-moment, blend) stay 0.02-0.11 behind, and a basis fitted on another
-document does as well as the document's own; in the closed loop rank 4
-decodes worse than quest and mean (the tokens it misses are the ones a
-head needed), and the KL falls with the rank (at 2K: 0.0094 at rank 4,
-0.0052 at 32, the oracle's 0.0047); at 8K rank 16 decodes as the oracle
-does by greedy agreement on two prompts and is ahead of mean by KL (on four:
-KL 0.0047 against mean's 0.0088 and quest's 0.0135), but loses 8K passkeys
-that quest keeps; the connectors' default, `hybrid`, is lowrank's picks at
-rank 16 with quest's best pages beside them (selectors.py). Cost: `rank x 2` bytes per token, layer and KV head
-(`store_projections`: float16, clamped to its finite range; rank 16 on
-SmolLM2: 2,880 bytes per token, 12.5 % of its bfloat16 K and V, 3.1 % at
-rank 4; the 16-token page summaries' min and max, float16, take 6.25 %,
-with the mean 12.5 %). float16's rounding (a relative 2^-11 per projection) is far
-below what the rank leaves out (docs/benchmarks.md).
+Why (measured in docs/lab/benchmarks.md, "the `lowrank` selector"): a few
+leading directions hold a head's attention mass closer to the oracle's
+than page summaries do, and a basis fitted on another document does as
+well as the document's own; decoding needs a higher rank than mass
+estimation (the tokens a low rank misses are the ones a head needed), and
+it can lose a single needle that quest's bound keeps, hence the
+connectors' default `hybrid` (selectors.py). Cost: `rank x 2` bytes per
+token, layer and KV head (`store_projections`: float16, clamped to its
+finite range), rank / (2 x head_dim) of a bfloat16 block's K and V.
+float16's rounding (a relative 2^-11 per projection) is far below what the
+rank leaves out.
 
 The basis is part of what a projection means: a summary records the
 digest of the basis it was made with (`KeyBasis.digest`), and projections

@@ -13,37 +13,32 @@
   whose keys spread along the query's channels holds more mass than its
   mean says, less than Quest's bound says). `spread` is 1 for independent
   normal channels; real keys are heavier-tailed and correlated, and the
-  default 1.5 was chosen among 0.5-2 on SmolLM2's queries (8K tokens of
-  two documents, 4K of one: docs/benchmarks.md). Not a bound;
+  default 1.5 was chosen on a model's real queries (docs/lab/benchmarks.md).
+  Not a bound;
 - `blend`: half quest's bound, half moment's estimate, per query head,
   and the heads combined by their mean score (as the product of their
   estimated masses ranks) rather than the mean of their masses. Per layer,
   quest's bound does better where attention sits on single keys and
-  moment where it spreads over a page (SmolLM2's early and late layers);
-  the blend holds more of the attention than either at 8K
-  (docs/benchmarks.md, "the `blend` selector"). Reads the same three
+  moment where it spreads over a page (early and late layers);
+  the blend holds more of the attention than either at long contexts
+  (docs/lab/benchmarks.md, "the `blend` selector"). Reads the same three
   summaries; `weight` (0.5) is quest's share;
 - `lowrank`: the oracle's rule over approximate keys: every token's key
   projected on a per-layer, per-head basis of `rank` leading directions
   (Loki; lowrank.py), kept in the summaries, gives each token's logit and
   so each unit's attention mass. Needs summaries made with a `KeyBasis`
   (`UnitSummaries.proj`). Offline it holds more of the attention than
-  the page summaries' selectors at every budget at 8K; at rank 4 it
-  is behind quest and mean in the closed loop (it misses the few tokens
-  a head needs whose match lies outside its directions), at rank 16
-  ahead of both on four 8K prompts (docs/benchmarks.md); the connectors'
-  default until `hybrid`, which keeps its picks;
+  the page summaries' selectors; at a low rank it misses the few tokens a
+  head needs whose match lies outside its directions, so decoding wants a
+  higher one (docs/lab/benchmarks.md);
 - `hybrid`: lowrank's picks and quest's side by side: of every budget,
   `quest_share` (0.25) goes to quest's best units and the rest to
   lowrank's, a unit both pick counted once (`interleaved_rank`). lowrank
-  holds the mass that continuations need but, at 8K, loses the single
-  needle a retrieval head looks for (a match outside its 16 directions),
-  which quest's bound over all channels keeps (docs/benchmarks.md,
-  "lowrank and quest together"). Reads the projections and the bounds
-  (18.75 % of SmolLM2's bf16 K and V at rank 16: the projections 12.5 %,
-  quest's float16 bounds 6.25 %); top-p adds up lowrank's mass in the merged order. The
-  connectors' default: on four 8K prompts it decodes lowrank's tokens,
-  and it answers the 8K passkeys quest and dense answer;
+  holds the mass that continuations need but can lose the single needle
+  a retrieval head looks for (a match outside its directions), which
+  quest's bound over all channels keeps (docs/lab/benchmarks.md, "lowrank
+  and quest together"). Reads the projections and the bounds; top-p adds
+  up lowrank's mass in the merged order. The connectors' default;
 - `sinklocal`: no scoring; the budget widens the local window (the most
   recent candidates first, StreamingLLM);
 - `random`: candidates in a seeded random order.

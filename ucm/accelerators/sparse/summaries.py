@@ -26,13 +26,10 @@ keeps it (projections: made with the basis asked for).
 
 Cost, per block (`summary_nbytes`, `BlockSummary.nbytes`): `layers x
 kv_heads x (pages x head_dim x (2 x 2 for the bounds + 4 for the mean) +
-tokens x rank x 2)` bytes. For the transformers connector's SmolLM2 block
-(30 layers, 3 KV heads, head size 64, 128 tokens in bfloat16: 2,949,120
-bytes) at 16-token pages: bounds 184,320 bytes (6.25 % of the block), the
-mean 184,320 (6.25 %), rank-16 projections 368,640 (12.5 %). So quest
-keeps 6.25 %, mean 6.25 %, moment and blend 12.5 %, lowrank 12.5 %,
-hybrid (bounds and projections) 18.75 %; whole-block pages (`page_tokens`
-= 128) cut the page parts eightfold.
+tokens x rank x 2)` bytes. Against a bfloat16 block's K and V at 16-token
+pages that is 1/16 for the float16 bounds, 1/16 for the mean, and
+rank / (2 x head_dim) for the projections (1/8 at rank 16 and head size
+64); whole-block pages cut the page parts by the pages per block.
 """
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     rng.add_argument("--chunk-kb", type=int, action="append", default=None,
                      help="nvme chunk_bytes in KiB, one medium each (default 32 and 64)")
     cluster = p.add_argument_group("cluster tiers", "with --tier: the tier's adapter next to its raw client "
-                                   "(ucm/bench/cache/cluster_io.py); see docs/cluster.md")
+                                   "(ucm/bench/cache/cluster_io.py); see docs/operations.md")
     cluster.add_argument("--tier", choices=("mooncake", "redis", "fs"), default=None,
                          help="measure this cluster tier instead of dram/nvme")
     cluster.add_argument("--master", default=None, help="mooncake master host:port (default: start one on 127.0.0.1)")

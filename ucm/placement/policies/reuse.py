@@ -22,7 +22,7 @@ Blocks are grouped into classes by four facts that predict reuse of KV blocks:
   the next request may send again); which fate is the likelier one is
   learned, not assumed. Only the first block of such text is told apart:
   the blocks after it have a new parent (keeping the rest of a continuing
-  request's new text apart too was measured, docs/trace_bench.md, and not
+  request's new text apart too was measured, docs/lab/trace_bench.md, and not
   kept);
 - whether its last access was the deepest block of its request. A
   conversation's next turn extends the prompt, which rewrites the last,

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PART_BYTES = 16 << 20  # enough to hide a request's round trip under the copy of the part before
 # ...and at least this many blocks: a copier's fixed cost per call (a CUDA copier launches kernels per
-# layer, ~1 ms a call on an H200) is then shared by several blocks (`ucm bench pages`, docs/benchmarks.md).
+# layer, ~1 ms a call on an H200) is then shared by several blocks (`ucm bench pages`, docs/lab/benchmarks.md).
 PART_BLOCKS = 4
 RANGE_PART = 8  # blocks leased at once by read_ranges (it knows no sizes to cut parts by bytes)
 
