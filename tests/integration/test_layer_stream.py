@@ -4,11 +4,11 @@ layer holds exactly the stored bytes, a corrupted layer range makes its
 block a miss (and forgets it) without holding up the other blocks or the
 later layers' waits."""
 import os
-import time
+import threading
 
 from support import chain
 from ucm import _native
-from ucm.adapters.faults import FaultyDevice
+from ucm.adapters.faults import FaultyAdapter, FaultyDevice
 from ucm.adapters.nvme import NvmeAdapter
 from ucm.api import Outcome
 from ucm.cache.unified import UnifiedCache
@@ -93,16 +93,15 @@ def test_a_corrupted_layer_range_is_a_miss_for_its_block_and_nothing_waits_long(
     with UnifiedCache(cfg(nvme_dir)) as c:
         s = c.stream_slots(keys, [SIZE] * 4, LAYERS)
         try:
-            started = time.monotonic()
             for layer in range(LAYERS):
                 ok = s.wait_layer(layer, 10.0)
+                assert s.progress.landed(layer) is not None  # every block settled: the wait did not time out
                 assert ok[0] and ok[1]  # block 3 may go too: a child is forgotten with its parent
                 if layer >= bad_layer:
                     assert not ok[2]
                 for i in range(4):
                     if ok[i]:  # whatever is reported landed is the stored bytes, never others
                         assert layer_bytes(s, i, layer) == data[i][layer * LAYER:(layer + 1) * LAYER]
-            assert time.monotonic() - started < 5.0  # no wait ran into its timeout
             assert s.outcomes(10.0)[:3] == [Outcome.DONE, Outcome.DONE, Outcome.MISSING]
         finally:
             s.release()
@@ -110,25 +109,55 @@ def test_a_corrupted_layer_range_is_a_miss_for_its_block_and_nothing_waits_long(
         assert c.lookup(keys) == 2  # the bad block is forgotten (and its descendants with it)
 
 
-def slow_reads(delay_s):
-    """A tier factory whose nvme tier reads through a device that waits
-    `delay_s` before each read (a busy disk)."""
-    device = FaultyDevice(_native.IoEngine(2))
-    device.before = lambda op: time.sleep(delay_s) if op == "read" else None
+class ReadGate:
+    """The nvme tier reads through a device that, once `armed`, holds every
+    read at a gate until `open()` (a busy disk made deterministic):
+    `entered` is set when a read reaches the gate, `passed` counts the reads
+    it let through. `factory` is the cache's tier_factory."""
 
-    def make(index, cls, capacity, options):
+    # The longest a read is held, so that a test that fails still ends: longer
+    # than a stream waits for its slots (30 s), so a stream that waited for
+    # the reads to end returns only after some passed.
+    HOLD_S = 60.0
+
+    def __init__(self):
+        self.armed = False
+        self.entered = threading.Event()
+        self.passed = 0
+        self._open = threading.Event()
+        self._lock = threading.Lock()
+        self.device = FaultyDevice(_native.IoEngine(2))
+        self.device.before = self._before
+
+    def _before(self, op):
+        if op != "read" or not self.armed:
+            return
+        self.entered.set()
+        self._open.wait(self.HOLD_S)
+        with self._lock:
+            self.passed += 1
+
+    def open(self):
+        self._open.set()
+
+    def factory(self, index, cls, capacity, options):
         if cls is NvmeAdapter:
-            return cls(capacity_bytes=capacity, config=options, device=device)
+            return cls(capacity_bytes=capacity, config=options, device=self.device)
         return cls(capacity_bytes=capacity, config=options)
-    return make
 
 
 def test_two_prefetches_of_one_block_report_done_only_once_its_bytes_landed(nvme_dir):
     keys, data = on_nvme(nvme_dir, 6, 4)
-    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
-        first = c.prefetch(keys)
-        time.sleep(0.1)  # the first staging has planned its copies and is reading
-        second = c.prefetch(keys)  # joins the first staging's copies instead of skipping them
+    gate = ReadGate()
+    with UnifiedCache(cfg(nvme_dir), tier_factory=gate.factory) as c:
+        gate.armed = True
+        try:
+            first = c.prefetch(keys)
+            assert gate.entered.wait(10)  # the first staging has planned its copies and is reading
+            second = c.prefetch(keys)  # joins the first staging's copies instead of skipping them
+            assert gate.passed == 0  # asked while none of the first staging's reads had ended
+        finally:
+            gate.open()
         assert second.wait(30) == [Outcome.DONE] * 6
         leases = c.acquire(keys)
         try:
@@ -142,8 +171,6 @@ def test_two_prefetches_of_one_block_report_done_only_once_its_bytes_landed(nvme
 def test_a_tier_without_range_reads_is_streamed_a_whole_block_at_a_time(nvme_dir):
     """FaultyAdapter declares no RangeReads over nvme (as redis and mooncake
     have none): each block is read once, whole, and lands all at once."""
-    from ucm.adapters.faults import FaultyAdapter
-
     keys, data = on_nvme(nvme_dir, 3, 5)
 
     def wrap(index, cls, capacity, options):
@@ -169,13 +196,18 @@ def test_a_stream_of_blocks_another_staging_is_copying_returns_its_slots_at_once
     once (it must not block vLLM's worker thread until the whole staging
     ends) and the blocks land, with the stored bytes, once it has."""
     keys, data = on_nvme(nvme_dir, 3, 6)
-    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(2.0)) as c:
-        pre = c.prefetch(keys)
-        time.sleep(0.3)  # the prefetch has planned its copies and is reading
-        started = time.monotonic()
-        s = c.stream_slots(keys, [SIZE] * 3, LAYERS)
+    gate = ReadGate()
+    with UnifiedCache(cfg(nvme_dir), tier_factory=gate.factory) as c:
+        gate.armed = True
         try:
-            assert time.monotonic() - started < 1.0  # not the prefetch's 2 s read
+            pre = c.prefetch(keys)
+            assert gate.entered.wait(10)  # the prefetch has planned its copies and is reading
+            s = c.stream_slots(keys, [SIZE] * 3, LAYERS)
+            held = gate.passed == 0
+        finally:
+            gate.open()
+        try:
+            assert held  # it returned while the prefetch's reads were all held
             assert all(slot is not None for slot in s.slots)
             assert s.wait_layer(LAYERS - 1, 20.0) == [True] * 3
             assert s.outcomes(20.0) == [Outcome.DONE] * 3
@@ -184,6 +216,7 @@ def test_a_stream_of_blocks_another_staging_is_copying_returns_its_slots_at_once
         finally:
             s.release()
         assert pre.wait(30) == [Outcome.DONE] * 3
+        assert gate.passed > 0  # the blocks came through the held reads
 
 
 def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(nvme_dir):
@@ -191,14 +224,18 @@ def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(n
     one after another): each `stream_slots` returns once its own reads are
     issued, not once an earlier stream's reads all ended."""
     keys, data = on_nvme(nvme_dir, 6, 7)
-    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
-        streams, took = [], []
+    gate = ReadGate()
+    with UnifiedCache(cfg(nvme_dir), tier_factory=gate.factory) as c:
+        gate.armed = True
+        streams = []
         try:
             for j in range(3):
-                started = time.monotonic()
                 streams.append(c.stream_slots(keys[2 * j:2 * j + 2], [SIZE] * 2, LAYERS))
-                took.append(time.monotonic() - started)
-            assert max(took) < 0.4, took  # a slow read is 0.5 s: nobody waited for another's
+            held = gate.passed == 0
+        finally:
+            gate.open()
+        try:
+            assert held  # all three returned while every read was held: nobody waited for another's
             for j, s in enumerate(streams):
                 assert s.wait_layer(LAYERS - 1, 20.0) == [True] * 2
                 assert s.outcomes(20.0) == [Outcome.DONE] * 2
@@ -207,6 +244,7 @@ def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(n
         finally:
             for s in streams:
                 s.release()
+        assert gate.passed > 0  # the blocks came through the held reads
 
 
 def test_a_fault_while_a_stream_starts_is_a_miss_and_leaks_no_lease(nvme_dir):
@@ -234,13 +272,19 @@ def test_a_stream_with_a_missing_block_returns_its_slots_before_the_reads_end(nv
     """A block found nowhere (evicted since the lookup) is a miss at once:
     `stream_slots` does not wait for the other blocks' reads to end."""
     keys, data = on_nvme(nvme_dir, 2, 9)
-    with UnifiedCache(cfg(nvme_dir), tier_factory=slow_reads(0.5)) as c:
-        started = time.monotonic()
-        s = c.stream_slots(keys + [os.urandom(16)], [SIZE] * 3, LAYERS)
+    gate = ReadGate()
+    with UnifiedCache(cfg(nvme_dir), tier_factory=gate.factory) as c:
+        gate.armed = True
         try:
-            assert time.monotonic() - started < 0.4
-            assert s.slots[2] is None
+            s = c.stream_slots(keys + [os.urandom(16)], [SIZE] * 3, LAYERS)
+            held = gate.passed == 0
+        finally:
+            gate.open()
+        try:
+            assert held  # it returned while the other blocks' reads were held
+            assert s.slots[0] is not None and s.slots[1] is not None and s.slots[2] is None
             assert s.wait_layer(LAYERS - 1, 20.0) == [True, True, False]
             assert s.outcomes(20.0) == [Outcome.DONE, Outcome.DONE, Outcome.MISSING]
         finally:
             s.release()
+        assert gate.passed > 0  # the blocks came through the held reads

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from pydantic import Field, field_validator
@@ -115,7 +116,9 @@ class RedisAdapter(BudgetedAdapter):
     name = "redis"
     Config = RedisConfig
 
-    def __init__(self, capacity_bytes: int, config: RedisConfig) -> None:
+    def __init__(self, capacity_bytes: int, config: RedisConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the time the circuit breaker reads (tests hold it still)."""
         self._budget = ClusterBudget("redis", capacity_bytes)  # the values this instance relies on
         try:
             import redis
@@ -135,7 +138,7 @@ class RedisAdapter(BudgetedAdapter):
             raise AdapterError(f"redis: bad url {config.url!r}: {exc}") from exc
         self._prefix = config.key_prefix.encode()
         self._ttl = [b"PX", b"%d" % max(1, int(config.ttl_s * 1000))] if config.ttl_s else []
-        self._breaker = CircuitBreaker("redis", _redacted(config.url), config.retry_after_s)
+        self._breaker = CircuitBreaker("redis", _redacted(config.url), config.retry_after_s, clock=clock)
         self._lock = threading.Lock()  # guards _closed and _stats
         self._closed = False
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0,
@@ -346,7 +349,8 @@ class RedisAdapter(BudgetedAdapter):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out = dict(self._stats)
-        return dict(out, **self._budget.stats(), outages=self._breaker.outages, url=_redacted(self.config.url),
+        return dict(out, **self._budget.stats(), outages=self._breaker.outages,
+                    refused_calls=self._breaker.refused, url=_redacted(self.config.url),
                     down=self._breaker.down)
 
     def close(self) -> None:

@@ -7,7 +7,8 @@ while a health probe says the server is down (`probed(False)`) until it says
 it is back. `allows()` is the one question the data path asks.
 
 Each outage (the first trip after calls were allowed, or a probe that turns
-unhealthy) is counted in `outages` and logged once, not per call.
+unhealthy) is counted in `outages` and logged once, not per call; every call
+`allows()` refused (answered without the server) is counted in `refused`.
 
 Thread-safe: one lock of its own, never held while calling out.
 """
@@ -40,11 +41,18 @@ class CircuitBreaker:
         self._down_until = float("-inf")
         self._healthy = True
         self._outages = 0
+        self._refused = 0
 
     def allows(self) -> bool:
-        """Whether a call may go to the server now."""
+        """Whether a call may go to the server now (a refusal is counted)."""
         with self._lock:
-            return self._healthy and self._clock() >= self._down_until
+            ok = self._allows_locked()
+            if not ok:
+                self._refused += 1
+            return ok
+
+    def _allows_locked(self) -> bool:
+        return self._healthy and self._clock() >= self._down_until
 
     def trip(self, cause: object) -> None:
         """A call found the server unreachable: refuse calls for
@@ -78,10 +86,17 @@ class CircuitBreaker:
 
     @property
     def down(self) -> bool:
-        """Whether calls are refused now."""
-        return not self.allows()
+        """Whether calls are refused now (asking counts no refusal)."""
+        with self._lock:
+            return not self._allows_locked()
 
     @property
     def outages(self) -> int:
         with self._lock:
             return self._outages
+
+    @property
+    def refused(self) -> int:
+        """The calls `allows()` refused."""
+        with self._lock:
+            return self._refused

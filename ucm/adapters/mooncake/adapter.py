@@ -77,6 +77,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -101,10 +102,12 @@ class MooncakeAdapter(BudgetedAdapter):
     Config = MooncakeConfig
 
     def __init__(self, capacity_bytes: int, config: MooncakeConfig,
-                 store_factory: Optional[Callable[[], Any]] = None) -> None:
+                 store_factory: Optional[Callable[[], Any]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`store_factory()` makes the store client (one per setup; by default
         the package's `MooncakeDistributedStore`). Wrapping the real client
-        injects faults in tests."""
+        injects faults in tests. `clock`: the time the circuit breaker reads
+        (tests hold it still)."""
         self._budget = ClusterBudget("mooncake", capacity_bytes)  # the objects this instance relies on
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -112,7 +115,7 @@ class MooncakeAdapter(BudgetedAdapter):
             raise AdapterError("mooncake: the mooncake-transfer-engine package is not installed "
                                "(pip install mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda)") from exc
         self.config = config
-        self._breaker = CircuitBreaker("mooncake", f"master {config.master}", config.retry_after_s)
+        self._breaker = CircuitBreaker("mooncake", f"master {config.master}", config.retry_after_s, clock=clock)
         self._store_cls = store_factory or MooncakeDistributedStore
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
@@ -605,7 +608,8 @@ class MooncakeAdapter(BudgetedAdapter):
         with self._lock:
             out = dict(self._stats)
         ready = self._store is not None
-        return dict(out, **self._budget.stats(), outages=self._breaker.outages, master=self.config.master,
+        return dict(out, **self._budget.stats(), outages=self._breaker.outages, refused_calls=self._breaker.refused,
+                    down=self._breaker.down, master=self.config.master,
                     ready=ready, healthy=ready and self._breaker.healthy, zero_copy_unregistered=self._direct_any)
 
     def close(self) -> None:
