@@ -249,23 +249,31 @@ def test_a_third_stream_in_flight_gets_its_slots_without_waiting_for_the_first(n
 
 def test_a_fault_while_a_stream_starts_is_a_miss_and_leaks_no_lease(nvme_dir):
     """`stream_slots` never raises for a cache fault (LayerStreams): a fault
-    after the DRAM blocks were leased (here in adopt_shared) gives those
-    leases back and makes every block a miss."""
+    after a DRAM block was leased gives that lease back and makes every
+    block a miss. Here the DRAM tier (wrapped, ucm.adapters.faults) raises
+    while the stream gives back the slot of its second block, which it asked
+    for at another size than the block's."""
     keys, data = on_nvme(nvme_dir, 2, 8)
-    with UnifiedCache(cfg(nvme_dir)) as c:
-        assert c.load(keys[:1], [bytearray(SIZE)]).wait(30) == [Outcome.DONE]  # block 0 in DRAM
-        dram = c.adapters[0]
 
-        def boom(*a, **kw):
-            raise RuntimeError("injected")
-        c.plans.adopt_shared = boom
-        s = c.stream_slots(keys, [SIZE] * 2, LAYERS)
+    def faulty_dram(index, cls, capacity, options):
+        a = cls(capacity_bytes=capacity, config=options)
+        return FaultyAdapter(a) if cls is not NvmeAdapter else a
+
+    with UnifiedCache(cfg(nvme_dir), tier_factory=faulty_dram) as c:
+        assert c.load(keys, [bytearray(SIZE) for _ in keys]).wait(30) == [Outcome.DONE] * 2  # both in DRAM
+        dram = c.adapters[0]
+        dram.raise_on("release", RuntimeError("injected"), times=1)
+        s = c.stream_slots(keys, [SIZE, 2 * SIZE], LAYERS)  # block 0 leased, then block 1's slot given back
         try:
             assert s.wait_layer(0, 1.0) == [False, False]
             assert s.outcomes(1.0) == [Outcome.MISSING] * 2
         finally:
             s.release()
-        assert dram._slots._index[keys[0]].leases == 0
+        assert dram.calls["release"] >= 2  # the injected fault, then block 0's lease given back
+        # No lease left on block 0: deleted, its slot is free at once (a leased one waits for its release).
+        used = dram.used_bytes
+        assert dram.delete(keys[:1]) == [True]
+        assert dram.used_bytes == used - dram.footprint_bytes(SIZE)
 
 
 def test_a_stream_with_a_missing_block_returns_its_slots_before_the_reads_end(nvme_dir):

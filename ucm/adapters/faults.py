@@ -9,9 +9,10 @@ corrupts or delays the calls it is told to, and passes the rest through.
   deterministically).
 - `FaultyAdapter` wraps any StorageAdapter (`UnifiedCache(config,
   tier_factory=...)` builds the tiers through it): per operation, a Status
-  per key instead of the real call, or an exception raised from it. Every
-  other attribute (the shared-memory slot calls of `dram`, its
-  `segment_path`) is the wrapped adapter's.
+  per key instead of the real call, or an exception raised from it. Over a
+  tier with shared-memory slots (`dram`) the slot calls (`reserve`,
+  `commit`, `abort`, `lease`, `release`) may raise too. Every other
+  attribute (its `segment_path`) is the wrapped adapter's.
 
 Neither is registered as an entry point: they are built in code, by tests
 and by `ucm bench soak`. Thread-safe: the rules are taken under a lock; the
@@ -233,21 +234,30 @@ class FaultyAdapter(StorageAdapter):
 
 
 class FaultySharedSlots(FaultyAdapter, SharedSlots):
-    """FaultyAdapter over a SharedSlots tier (built by FaultyAdapter(inner))."""
+    """FaultyAdapter over a SharedSlots tier (built by FaultyAdapter(inner)).
+    `raise_on` also takes the slot calls: a `release` that raises has not
+    given the lease back (a broken arena), as a real one would not have."""
+
+    OPS = FaultyAdapter.OPS + ("reserve", "commit", "abort", "lease", "release")
 
     def reserve(self, key: Key, size: int) -> Optional[memoryview]:
+        self._fault("reserve", 1)
         return self.inner.reserve(key, size)
 
     def commit(self, key: Key) -> bool:
+        self._fault("commit", 1)
         return self.inner.commit(key)
 
     def abort(self, key: Key) -> None:
+        self._fault("abort", 1)
         self.inner.abort(key)
 
     def lease(self, key: Key) -> Optional[Lease]:
+        self._fault("lease", 1)
         return self.inner.lease(key)
 
     def release(self, lease: Lease) -> None:
+        self._fault("release", 1)
         self.inner.release(lease)
 
     def slot_offset(self, key: Key) -> Optional[tuple[int, int]]:
