@@ -1,9 +1,12 @@
 """The in-process cache: `UnifiedCache`, the one API over a stack of tiers.
 
-unified.py holds the class and its lock; its parts are objects of their own
-with public seams: slots (zero-copy slot access), ranges (layer-range
-reads), staging (below-landing blocks copied up), streaming (layer-wise
-streamed loads), counters (`stats`) and reclaim (headroom).
+unified.py holds the class: it opens the tiers and hands work to its parts,
+each an object acting on one CacheCore (core.py: the tiers, the placement
+engine, the plan executor, the metadata lock, the request bookkeeping, the
+counters of counters.py): blocks.py (whole-block store and load),
+staging.py (blocks below the landing tier copied up), slots.py (zero-copy
+slot access), streaming.py (layer-wise streamed loads), ranges.py (range
+reads) and reclaim.py (headroom).
 """
 from ucm.cache.unified import Handle, Outcome, TierFactory, UnifiedCache
 
