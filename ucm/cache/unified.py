@@ -54,7 +54,7 @@ from ucm.codecs.layout import KvLayout, LayoutBook
 from ucm.codecs.tier import with_codec
 from ucm.config.schema import UcmConfig, adapter_options, load_config
 from ucm.errors import ArgumentError, ClosedError
-from ucm.placement import Placement
+from ucm.placement.factory import make_placement
 from ucm.placement.heat import HeatTracker
 from ucm.placement.plans import TierSpec
 from ucm.placement.policies.base import check_policy, load_policy
@@ -124,7 +124,7 @@ class UnifiedCache:
         policy = load_policy(cfg.policy.name, **cfg.policy.options)
         specs = [TierSpec(n, a.capacity_bytes) for n, a in zip(self.tier_names, self.adapters)]
         landing = self.tier_names.index(cfg.landing_tier)
-        self.placement = Placement(specs, policy, self.heat, landing=landing)
+        self.placement = make_placement(specs, policy, self.heat, landing=landing)
         meta = threading.Lock()
         counters = Counters()
         self.plans = PlanExecutor(self.placement, self.tiers, meta, counters.add, self.adapters[landing].footprint_bytes)
