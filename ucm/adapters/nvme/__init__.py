@@ -1,6 +1,7 @@
 """`nvme`: a log-structured region store on a directory or a block device,
 laid out as CacheLib's Navy block cache is:
 
+- `config`: `NvmeConfig`, the adapter's options;
 - `format`: the on-disk footer and trailer codec and its decoding at
   recovery (pure functions);
 - `regions`: the region table's records and the choice of a victim;
@@ -14,7 +15,8 @@ laid out as CacheLib's Navy block cache is:
 
 The entry point is `ucm.adapters.nvme:NvmeAdapter`.
 """
-from ucm.adapters.nvme.adapter import NvmeAdapter, NvmeConfig
+from ucm.adapters.nvme.adapter import NvmeAdapter
+from ucm.adapters.nvme.config import NvmeConfig
 from ucm.adapters.nvme.recovery import FILE_NAME
 
 __all__ = ["FILE_NAME", "NvmeAdapter", "NvmeConfig"]

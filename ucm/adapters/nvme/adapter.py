@@ -29,8 +29,9 @@ verify is CORRUPT for that read and drops the block as `get` does, while a
 range that does not touch it, read before, was served verified. A range of
 a block from a version-2 region (one checksum for the block) reads and
 verifies the whole block. Blocks still in a write buffer are served from
-memory by both. The read path is ucm/adapters/nvme/reads.py. The index keeps each block's chunk table: 8 bytes per
-chunk, 1/4096 of the data at 32 KiB chunks.
+memory by both. The read path is ucm/adapters/nvme/reads.py. The index
+keeps each block's chunk table: 8 bytes per chunk, 1/4096 of the data at
+32 KiB chunks.
 
 Space. When no region is free, the region with the fewest live bytes (the
 oldest on ties) is reclaimed in place: its live blocks are read back and
@@ -63,6 +64,8 @@ before the new buffer is sealed) and verify them, readers of other regions
 and deletes go on, other writers wait for the new buffer, and the result is
 reconciled under the lock again (a block deleted or dropped meanwhile is
 left out; a reader that finds a block moved reads it where it is now).
+
+Options: `NvmeConfig` (ucm/adapters/nvme/config.py).
 """
 from __future__ import annotations
 
@@ -74,11 +77,10 @@ import threading
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-from pydantic import Field, field_validator, model_validator
-
 from ucm import _native
-from ucm.adapters.base import AdapterConfig, BlockEntry, Key, PaddedReads, RangeReads, Status
+from ucm.adapters.base import BlockEntry, Key, PaddedReads, RangeReads, Status
 from ucm.adapters.nvme import format as fmt
+from ucm.adapters.nvme.config import NvmeConfig
 from ucm.adapters.nvme.format import (ALIGN, CHUNK_SUM, FooterEntry, align_up as _align_up,
                                       footer_bytes as _footer_bytes, n_chunks as _n_chunks)
 from ucm.adapters.nvme.reads import NvmeReads
@@ -89,7 +91,6 @@ from ucm.adapters.nvme.writer import WriteBuffer, write_region
 from ucm.buffers import byte_view
 from ucm.errors import ArgumentError, ClosedError
 from ucm.adapters.scratch import ScratchPool
-from ucm.config.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -98,35 +99,6 @@ def _cost(loc: Loc) -> int:
     """What the block at `loc` counts in its region's live bytes (and so in
     `used_bytes`): the same figure when it is added and when it leaves."""
     return fmt.block_footprint(loc.length, len(loc.chunks))
-
-
-class NvmeConfig(AdapterConfig):
-    path: str  # a directory (a file is created in it) or a block device
-    region_size: int = 16 << 20
-    io_threads: int = Field(default=4, ge=1, le=64)
-    io_chunk: int = 1 << 20  # bytes per write request; a region write has several in flight
-    write_buffers: int = Field(default=2, ge=1, le=64)  # region buffers in memory
-    direct_io: bool = True  # O_DIRECT; falls back to buffered I/O where refused
-    usable_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
-    retry_after_s: float = Field(default=5.0, ge=0.0)
-    put_timeout_s: float = Field(default=30.0, gt=0.0)
-    # bytes per verified chunk (docs/design-notes.md, "Checksum granularity"): what a range read
-    # reads at least, and 8 bytes of footer and index per chunk
-    chunk_bytes: int = 32 << 10
-
-    @field_validator("region_size", "io_chunk", "chunk_bytes", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> int:
-        n = parse_size(v)
-        if n < ALIGN or n % ALIGN:
-            raise ValueError(f"must be a positive multiple of {ALIGN} bytes, got {n}")
-        return n
-
-    @model_validator(mode="after")
-    def _chunk_fits_a_region(self) -> "NvmeConfig":
-        if self.chunk_bytes > self.region_size:
-            raise ValueError(f"chunk_bytes ({self.chunk_bytes}) must not exceed region_size ({self.region_size})")
-        return self
 
 
 class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
