@@ -69,8 +69,9 @@ system-deps:
 	fi
 
 # The placement core's sources, tested by themselves (test_placement); test_core takes the rest.
-PLACEMENT_SRC := cpp/src/placement.cpp cpp/src/policies.cpp cpp/src/policy_heat.cpp cpp/src/policy_opt.cpp \
-	cpp/src/policy_tinylfu.cpp cpp/src/heat_mirror.cpp cpp/src/reuse_model.cpp
+PLACEMENT_SRC := cpp/src/placement.cpp cpp/src/placement_admit.cpp cpp/src/placement_evict.cpp \
+	cpp/src/placement_tree.cpp cpp/src/key_codec.cpp cpp/src/policies.cpp cpp/src/policy_heat.cpp \
+	cpp/src/policy_opt.cpp cpp/src/policy_tinylfu.cpp cpp/src/heat_mirror.cpp cpp/src/reuse_model.cpp
 CORE_SRC := $(filter-out $(PLACEMENT_SRC),$(wildcard cpp/src/*.cpp))
 
 build/test_core: $(CORE_SRC) cpp/tests/test_core.cpp cpp/tests/check.hpp $(wildcard cpp/include/ucm/*.hpp)

@@ -9,6 +9,11 @@
 // a HeatMirror (ucm/heat_mirror.hpp): the records of the Python
 // HeatTracker, kept the same way from the same record_request and
 // finish_request calls.
+//
+// Defined in cpp/src/placement.cpp (state, queries, accesses),
+// placement_admit.cpp (insert, promote), placement_evict.cpp (making room,
+// evicting, removing) and placement_tree.cpp (the prefix tree and each
+// tier's accounting).
 #pragma once
 
 #include <cstdint>
@@ -143,6 +148,8 @@ class PlacementCore {
     std::unique_ptr<PolicyCore> policy;
   };
 
+  static void count_up(KeyMap<int>& counts, const BlockKey& key);
+  static void count_down(KeyMap<int>& counts, const BlockKey& key);  // forgets the key at zero
   const Tier& tier_at(int t) const;
   std::uint32_t mask_of(const BlockKey& key) const;
   bool holds_block(int t, const BlockKey& key) const { return (mask_of(key) >> t & 1u) != 0; }
