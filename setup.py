@@ -6,7 +6,10 @@ from setuptools import setup
 
 ROOT = Path(__file__).parent
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp" / "src").glob("*.cpp"))
-HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp" / "include" / "ucm").glob("*.hpp"))
+HEADERS = sorted(
+    str(p.relative_to(ROOT))
+    for p in [*(ROOT / "cpp" / "include" / "ucm").glob("*.hpp"), *(ROOT / "cpp" / "bindings").glob("*.hpp")]
+)
 
 native = Pybind11Extension(
     "ucm._native",

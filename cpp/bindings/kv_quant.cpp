@@ -1,6 +1,6 @@
 // Python bindings of the KV quantisation kernels (ucm/kv_quant.hpp): argument
 // checks and conversions only; the GIL is released while the kernels run,
-// with every buffer export held (see module.cpp).
+// with every buffer export held (see pinned.hpp).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
