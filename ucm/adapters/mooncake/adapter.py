@@ -42,7 +42,8 @@ answers a miss (reported by `drain_dropped()`, whoever stored it), so that
 lookups stop counting it and a later put writes it again. Any other failed
 transfer (a holder that accepts connections or times out) is FAILED and
 leaves the object alone. A put never answers "already present" for an
-object this instance found unreadable and could not remove. `iter_keys()`
+object this instance found unreadable and could not remove. (This recovery
+is `DeadHolderRecovery`, ucm/adapters/mooncake/recovery.py.) `iter_keys()`
 returns the keys this instance stored or found present when storing, never a
 scan of the pool; `contains`, `get` and `size_of` ask the master, so blocks
 of other nodes are found.
@@ -59,14 +60,18 @@ timeouts. When the master is back the client re-mounts its segment and the
 tier works again (objects held only by the old master's index are misses).
 If the master is down when the adapter is built, the adapter still builds,
 answers misses, and completes its setup in the background once the master
-answers. Nothing on the data path raises for a fault.
+answers. Nothing on the data path raises for a fault. The client's setup,
+probing and registered memory are `StoreSession`
+(ucm/adapters/mooncake/session.py).
 
 The budget index (`ClusterBudget`) and the "answer at once" state
 (`CircuitBreaker`) are shared with the other cluster tiers
 (ucm.adapters.cluster).
 
-Thread-safe. Lock order: `_setup_lock`, then `_lock`, then the budget's or
-the breaker's own lock; the store client is called outside all of them. At
+Thread-safe. Lock order: `_lock` (the counters), then the budget's own
+lock; the session, the recovery and the breaker each have a lock of their
+own, never held while calling out, and the store client's data calls run
+outside every lock. At
 most `concurrency` calls move data at once (each holds one scratch area,
 ucm.adapters.mooncake.scratch); more wait up to `wait_s`, then answer
 FAILED. Config and error codes: ucm.adapters.mooncake.codes.
@@ -74,8 +79,6 @@ FAILED. Config and error codes: ucm.adapters.mooncake.codes.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,12 +91,15 @@ from ucm.adapters.base import Key, Status
 from ucm.adapters.cluster import BudgetedAdapter, CircuitBreaker, ClusterBudget
 from ucm.adapters.mooncake.codes import (LEASE_EXPIRED, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND,
                                          REPLICA_IS_NOT_READY, SIZE_CODES, TENANT_QUOTA_EXCEEDED, TRANSFER_FAIL,
-                                         UNREACHABLE, MooncakeConfig, host_port)
+                                         UNREACHABLE, MooncakeConfig)
+from ucm.adapters.mooncake.recovery import DeadHolderRecovery
 from ucm.adapters.mooncake.scratch import SLOT, Area, ScratchAreas, address, chunks
+from ucm.adapters.mooncake.session import StoreSession
 from ucm.buffers import byte_view
-from ucm.errors import AdapterError, ArgumentError, ClosedError
+from ucm.errors import AdapterError, ArgumentError
 
 log = logging.getLogger(__name__)
+
 
 class MooncakeAdapter(BudgetedAdapter):
     """Framed blocks in a Mooncake Store pool."""
@@ -116,135 +122,44 @@ class MooncakeAdapter(BudgetedAdapter):
                                "(pip install mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda)") from exc
         self.config = config
         self._breaker = CircuitBreaker("mooncake", f"master {config.master}", config.retry_after_s, clock=clock)
-        self._store_cls = store_factory or MooncakeDistributedStore
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
         direct = config.zero_copy_unregistered
         self._direct_any = (config.protocol == "tcp") if direct is None else direct
         self._prefix = config.key_prefix
-        self._lock = threading.Lock()
-        self._setup_lock = threading.Lock()
-        self._unreadable: set[Key] = set()  # found unreadable, not removed: a put must write them anew
-        self._regions: list[tuple[int, int, memoryview]] = []  # registered by the owner: start, end, view
-        self._store: Any = None  # the client, once set up
-        self._closed = False
+        self._lock = threading.Lock()  # guards _stats
+        self._recovery = DeadHolderRecovery(config.key_prefix, config.probe_timeout_s, self._budget)
         self._stats = {"bytes_in": 0, "bytes_out": 0, "hits": 0, "misses": 0, "corrupt": 0, "no_space": 0,
-                       "failed": 0, "unreadable_removed": 0, "staged_bytes": 0,
-                       "setups": 0}
-        self._probe_addr = host_port(config.master)
+                       "failed": 0, "unreadable_removed": 0, "staged_bytes": 0}
         # Scratch: per area, header slots then staging; registered with each client.
         self._scratch = ScratchAreas(config.staging_size, config.concurrency)
         self._movers = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="ucm-mooncake")
-        # A failing setup retries 20 times by default (~90 s); a few are enough.
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
-        if not self._try_setup():
-            log.warning("mooncake: master %s not reachable now; the tier answers misses until it is",
-                        config.master)
-        self._stop = threading.Event()
-        self._prober = threading.Thread(target=self._probe_loop, name="ucm-mooncake-probe", daemon=True)
-        self._prober.start()
+        self._session = StoreSession(config, store_factory or MooncakeDistributedStore, self._breaker,
+                                     (self._scratch.address, len(self._scratch.view)))
 
-    # ---- client lifecycle and health ---------------------------------------
+    # ---- the client and registered memory ------------------------------------
     @property
     def client(self) -> Any:
         """The underlying `MooncakeDistributedStore` (None until set up);
         for benchmarks and tools that need the raw client."""
-        return self._store
+        return self._session.store
 
     def key_name(self, key: Key) -> str:
         """The store key a block lives under."""
         return self._prefix + framing.check_key(key).hex()
 
-    def _tcp_probe(self) -> bool:
-        if self._probe_addr is None:
-            return True
-        try:
-            with socket.create_connection(self._probe_addr, timeout=self.config.probe_timeout_s):
-                return True
-        except OSError:
-            return False
-
-    def _try_setup(self) -> bool:
-        c = self.config
-        with self._setup_lock:
-            if self._store is not None:
-                return True
-            if self._closed or not self._tcp_probe():
-                return False
-            store = self._store_cls()
-            rc = store.setup(c.local_hostname, c.metadata_server, c.segment_size, c.local_buffer_size,
-                             c.protocol, c.device_name, c.master)
-            if rc != 0:
-                log.warning("mooncake: setup against master %s failed (%s)", c.master, rc)
-                store.close()
-                return False
-            regions = [(self._scratch.address, len(self._scratch.view))]
-            with self._lock:
-                regions += [(s, e - s) for s, e, _ in self._regions]
-            for addr, n in regions:
-                rc = store.register_buffer(addr, n)
-                if rc != 0:
-                    log.error("mooncake: registering %d bytes at %#x failed (%s)", n, addr, rc)
-                    store.close()
-                    return False
-            with self._lock:
-                self._store = store
-                self._stats["setups"] += 1
-            log.info("mooncake: joined master %s as %s (segment %d bytes, %s)", c.master, c.local_hostname,
-                     c.segment_size, c.protocol)
-            return True
-
-    def _probe_loop(self) -> None:
-        while not self._stop.wait(self.config.probe_interval_s):
-            try:
-                if self._store is None:
-                    self._try_setup()
-                    continue
-                ok = self._tcp_probe() and self._store.health_check() == 0
-            except Exception:  # a probe must never kill the thread
-                log.exception("mooncake: health probe failed")
-                ok = False
-            self._breaker.probed(ok)
-
-    def _client(self) -> Any:
-        """The client if calls may go to the network now, else None."""
-        with self._lock:
-            if self._closed:
-                raise ClosedError("mooncake adapter used after close()")
-            store = self._store
-        return store if store is not None and self._breaker.allows() else None
-
-    # ---- memory registration -----------------------------------------------
     def register_memory(self, buf: Any) -> None:
         """Registers long-lived memory (the DRAM arena) so that blocks in it
         move without staging on every protocol. The caller keeps `buf` alive
         until `unregister_memory(buf)` or close()."""
-        view = byte_view(buf, what="buffer")
-        start = address(view)
-        with self._setup_lock:
-            with self._lock:
-                if any(s < start + len(view) and start < e for s, e, _ in self._regions):
-                    raise ArgumentError("mooncake: buffer overlaps memory registered already")
-            if self._store is not None:
-                rc = self._store.register_buffer(start, len(view))
-                if rc != 0:
-                    raise AdapterError(f"mooncake: registering {len(view)} bytes failed ({rc})")
-            with self._lock:
-                self._regions.append((start, start + len(view), view))
+        self._session.register_memory(buf)
 
     def unregister_memory(self, buf: Any) -> None:
-        start = address(byte_view(buf, what="buffer"))
-        with self._setup_lock:
-            with self._lock:
-                kept = [r for r in self._regions if r[0] != start]
-                if len(kept) == len(self._regions):
-                    raise ArgumentError("mooncake: buffer was not registered")
-                self._regions = kept
-            if self._store is not None:
-                self._store.unregister_buffer(start)
+        self._session.unregister_memory(buf)
 
-    def _registered(self, addr: int, n: int) -> bool:
-        return any(s <= addr and addr + n <= e for s, e, _ in self._regions)
+    def _client(self) -> Any:
+        """The client if calls may go to the network now, else None."""
+        return self._session.client()
 
     # ---- batches -----------------------------------------------------------
     def _check_stageable(self, views: Sequence[memoryview]) -> None:
@@ -252,17 +167,16 @@ class MooncakeAdapter(BudgetedAdapter):
         if self._direct_any:
             return
         room = self._scratch.staging_share // 2
-        with self._lock:
-            for v in views:
-                if len(v) > room and not self._registered(address(v), len(v)):
-                    raise ArgumentError(
-                        f"mooncake: a {len(v)}-byte buffer outside registered memory exceeds the staging room "
-                        f"of {room} bytes (staging_size / concurrency / 2); raise staging_size or register_memory()")
+        for v in views:
+            if len(v) > room and not self._session.registered(address(v), len(v)):
+                raise ArgumentError(
+                    f"mooncake: a {len(v)}-byte buffer outside registered memory exceeds the staging room "
+                    f"of {room} bytes (staging_size / concurrency / 2); raise staging_size or register_memory()")
 
     def _chunks(self, area: Area, views: Sequence[memoryview], idx: Sequence[int]) -> Iterator[list[tuple]]:
         """Store calls of the items `idx` (see `scratch.chunks`)."""
         return chunks(area, views, idx, self.config.chunk_bytes,
-                      lambda v, addr: self._direct_any or self._registered(addr, len(v)))
+                      lambda v, addr: self._direct_any or self._session.registered(addr, len(v)))
 
     def _take_area(self) -> Optional[Area]:
         return self._scratch.take(self.config.wait_s)
@@ -279,8 +193,13 @@ class MooncakeAdapter(BudgetedAdapter):
             with self._lock:
                 self._stats["failed"] += len(keys)
             return [Status.FAILED] * len(keys)
-        if self._unreadable:
-            self._clear_unreadable(store, keys, names, out)
+        if self._recovery.any_unreadable():  # remove them first; those still there are FAILED
+            stuck = self._recovery.clear_for_put(store, keys, names)
+            for i in stuck:
+                out[i] = Status.FAILED
+            if stuck:
+                with self._lock:
+                    self._stats["failed"] += len(stuck)
         sizes = [len(v) for v in views]
         res = self._budget.reserve(keys, sizes, only=[i for i, s in enumerate(out) if s is None])
         todo = res.todo
@@ -300,24 +219,6 @@ class MooncakeAdapter(BudgetedAdapter):
                     if out[i] is not Status.OK:
                         self._stats["no_space" if out[i] is Status.NO_SPACE else "failed"] += 1
         return [s if s is not None else Status.FAILED for s in out]
-
-    def _clear_unreadable(self, store: Any, keys: Sequence[Key], names: list[str],
-                          out: list[Optional[Status]]) -> None:
-        """Removes the objects of keys found unreadable before (whose removal
-        failed then) ahead of a put of them; those still not removed are
-        FAILED in `out` (never "already present")."""
-        with self._lock:
-            idx = [i for i, k in enumerate(keys) if k in self._unreadable]
-        if not idx:
-            return
-        codes = self._remove(store, [names[i] for i in idx])
-        with self._lock:
-            for i, code in zip(idx, codes):
-                if code in (0, OBJECT_NOT_FOUND):
-                    self._unreadable.discard(keys[i])
-                else:
-                    out[i] = Status.FAILED
-                    self._stats["failed"] += 1
 
     def _put_items(self, store: Any, keys: Sequence[Key], names: list[str], views: list[memoryview],
                    todo: list[int], out: list[Optional[Status]]) -> None:
@@ -362,10 +263,8 @@ class MooncakeAdapter(BudgetedAdapter):
         codes = fut.result()
         for (i, *_), code in zip(chunk, codes):
             out[i] = self._put_status(code)
-            if code == OBJECT_ALREADY_EXISTS:
-                with self._lock:  # found unreadable by a concurrent get since: not a copy to rely on
-                    if keys[i] in self._unreadable:
-                        out[i] = Status.FAILED
+            if code == OBJECT_ALREADY_EXISTS and self._recovery.is_unreadable(keys[i]):
+                out[i] = Status.FAILED  # found unreadable by a concurrent get since: not a copy to rely on
 
     def _put_status(self, code: int) -> Status:
         if code == 0 or code == OBJECT_ALREADY_EXISTS:
@@ -394,21 +293,22 @@ class MooncakeAdapter(BudgetedAdapter):
         if store is not None and keys:
             self._get_items(store, keys, names, views, out, gone, unreadable)
             if unreadable:
-                for i, ok in zip(unreadable, self._remove_unreadable(store, [names[i] for i in unreadable])):
+                for i, ok in zip(unreadable, self._recovery.remove_dead(store, [names[i] for i in unreadable])):
                     if ok:
                         out[i] = Status.NOT_FOUND
                         removed.add(i)
+        readable: list[Key] = []  # read whole, or removed: no longer unreadable
         with self._lock:
             for i, (key, v, s) in enumerate(zip(keys, views, out)):
                 if s is Status.OK:
                     self._stats["hits"] += 1
                     self._stats["bytes_out"] += len(v)
-                    self._unreadable.discard(key)
+                    readable.append(key)
                 elif s is Status.NOT_FOUND:
                     self._stats["misses"] += 1
                     if i in removed:
                         self._stats["unreadable_removed"] += 1
-                        self._unreadable.discard(key)
+                        readable.append(key)
                         self._budget.gone([key], report=True)
                     elif i in gone:
                         self._budget.gone([key])
@@ -416,6 +316,8 @@ class MooncakeAdapter(BudgetedAdapter):
                     self._stats["corrupt"] += 1
                 else:
                     self._stats["failed"] += 1
+        if readable:
+            self._recovery.readable(readable)
         return out
 
     def _get_each_once(self, keys: Sequence[Key], dsts: Sequence[Any], names: list[str]) -> list[Status]:
@@ -508,71 +410,6 @@ class MooncakeAdapter(BudgetedAdapter):
             self._breaker.trip(code)
         return Status.FAILED
 
-    def _remove_unreadable(self, store: Any, names: list[str]) -> list[bool]:
-        """Of objects whose transfer failed while the master listed them at
-        the right size: removes from the pool those whose every replica is in
-        memory at an endpoint that refuses connections (the holder died; its
-        segment stays listed until the master's client_ttl runs out). Per
-        name: True if the object is no longer in the pool. A holder that
-        accepts connections or does not answer, a replica on disk, or an
-        endpoint that is not host:port is a transient fault: left alone.
-        Caller holds no lock."""
-        try:
-            descs = store.batch_get_replica_desc(names)
-        except Exception:  # the objects are left alone: the next read that fails asks again
-            log.warning("mooncake: the replica descriptors of %d unreadable objects are unavailable; "
-                        "they stay in the pool", len(names), exc_info=True)
-            return [False] * len(names)
-        refused: dict[str, bool] = {}  # endpoint -> refuses connections, probed once per call
-        dead: list[str] = []
-        for name in names:
-            replicas = descs.get(name) or []
-            endpoints = [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
-                         for r in replicas if r.is_memory_replica()]
-            if replicas and len(endpoints) == len(replicas) and all(self._refuses(ep, refused) for ep in endpoints):
-                dead.append(name)
-        if not dead:
-            return [False] * len(names)
-        codes = self._remove(store, dead)
-        done = {n for n, c in zip(dead, codes) if c in (0, OBJECT_NOT_FOUND)}
-        log.warning("mooncake: removed %d of %d objects held at dead endpoints %s", len(done), len(dead),
-                    sorted(ep for ep, r in refused.items() if r))
-        if len(done) < len(dead):
-            with self._lock:
-                for name in dead:
-                    if name not in done:
-                        key = bytes.fromhex(name[len(self._prefix):])
-                        self._unreadable.add(key)
-                        self._budget.gone([key])  # not usable: this instance no longer relies on it
-        return [n in done for n in names]
-
-    @staticmethod
-    def _remove(store: Any, names: list[str]) -> list[int]:
-        """Force-removes objects; a client that raises removed none (-1 each:
-        a failure, never an exception out of get or put)."""
-        try:
-            return list(store.batch_remove(names, True))
-        except Exception:
-            log.warning("mooncake: removing %d objects failed", len(names), exc_info=True)
-            return [-1] * len(names)
-
-    def _refuses(self, endpoint: str, seen: dict[str, bool]) -> bool:
-        """Whether a segment's transfer endpoint actively refuses a TCP
-        connection (nothing listens there: its process is gone)."""
-        if endpoint not in seen:
-            addr = host_port(endpoint)
-            refused = False
-            if addr is not None:
-                try:
-                    with socket.create_connection(addr, timeout=self.config.probe_timeout_s):
-                        pass
-                except ConnectionRefusedError:
-                    refused = True
-                except OSError:
-                    pass  # a timeout or an unreachable network says nothing about the holder
-            seen[endpoint] = refused
-        return seen[endpoint]
-
     # ---- the rest of the contract ------------------------------------------
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         names = [self.key_name(k) for k in keys]
@@ -607,26 +444,18 @@ class MooncakeAdapter(BudgetedAdapter):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out = dict(self._stats)
-        ready = self._store is not None
-        return dict(out, **self._budget.stats(), outages=self._breaker.outages, refused_calls=self._breaker.refused,
+        ready = self._session.store is not None
+        return dict(out, setups=self._session.setups, **self._budget.stats(), outages=self._breaker.outages, refused_calls=self._breaker.refused,
                     down=self._breaker.down, master=self.config.master,
                     ready=ready, healthy=ready and self._breaker.healthy, zero_copy_unregistered=self._direct_any)
 
     def close(self) -> None:
         """Leaves the pool: objects held in this node's segment go with it."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._stop.set()
-        self._prober.join(timeout=self.config.probe_timeout_s + 5.0)
+        if not self._session.stop():
+            return
         if not self._scratch.take_all(self.config.wait_s):  # wait for calls still moving data
             log.warning("mooncake: a call still holds scratch memory at close")
             return  # keep the scratch mapped: a transfer may still use it
         self._movers.shutdown(wait=True)
-        with self._setup_lock:
-            store, self._store = self._store, None
-            if store is not None:
-                store.close()
-        self._regions.clear()
+        self._session.close()
         self._scratch.unmap()
