@@ -105,7 +105,7 @@ def _bytes(stats: dict[str, Any], token_layer_bytes: int) -> dict[str, Any]:
 
 def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Namespace,
                 log: Callable[..., None]) -> dict[str, Any]:
-    from ucm.accelerators.sparse.base import Budget
+    from ucm.accelerators.sparse import Budget, SparseOptions
     from ucm.bench.engines.sparse_setup import budget_name, budgets_of, load_model, reselect_every
     from ucm.bench.engines.sparse_tasks import passkey_tasks
     from ucm.cache.unified import UnifiedCache
@@ -164,7 +164,7 @@ def closed_loop(model_dir: str, tok: Any, ids: Any, text: str, args: argparse.Na
         every = reselect_every(args)
         configs = [(s, b, e) for e in every for b in budgets_of(args) for s in args.selectors.split(",") if s]
         if not args.no_full_check:
-            configs.append((SparseDecodeConfig().selector, Budget.ratio(1.0), every[0]))  # the default selector
+            configs.append((SparseOptions().selector, Budget.ratio(1.0), every[0]))  # the default selector
         rows = []
         for name, budget, each in configs:
             t0 = time.perf_counter()

@@ -49,6 +49,19 @@ stores, so wrong KV is never stored.
 Every call into a cache goes through the connector's guard.CallGuard,
 which also holds the counters (`stats`).
 
+Accelerators. The connector builds the engine-side accelerators
+(`runs_in = "engine"`, ucm/accelerators/base.py) of the config of the cache
+it is given (`cache.config`; the defaults for a cache without one) and
+reaches them by type. With the `sparse` entry
+
+    accelerators:
+      - name: sparse
+        options: {selector: hybrid, budget: {tokens: 1024}}
+
+`generate` decodes sparsely (sparse.py: a SparseDecoder of that
+accelerator); `cache_for` is not affected. Their figures are in
+`stats()["accelerators"]`.
+
 Threads: `cache_for`, `generate` and the model's forward run in the
 caller's thread; stores and finishes run in that order on the connector's
 one store thread. `_lock` guards the in-flight store and job lists.
@@ -64,7 +77,10 @@ from typing import Any, Optional
 
 import torch
 
+from ucm.accelerators.chain import Accelerators
+from ucm.accelerators.sparse import SparseAccelerator
 from ucm.api import CacheAPI, Handle, Outcome
+from ucm.config.schema import UcmConfig
 from ucm.connectors.transformers import front as fronts
 from ucm.connectors.transformers.guard import CallGuard
 from ucm.connectors.transformers.kv_copy import gather_blocks
@@ -103,6 +119,11 @@ class TransformersConnector:
         self._cache = cache
         bt = block_tokens or getattr(getattr(cache, "config", None), "block_tokens", None) or DEFAULT_BLOCK_TOKENS
         self.namespace, self.layout = build_namespace(model, int(bt), model_id, salt)
+        # The config the engine-side accelerators are built from (module docstring).
+        config = getattr(cache, "config", None)
+        self.settings: UcmConfig = config if isinstance(config, UcmConfig) else UcmConfig()
+        self.accelerators = Accelerators.build(self.settings, cache, runs_in="engine")
+        self.sparse: Optional[SparseAccelerator] = self.accelerators.get(SparseAccelerator)
         self.device = torch.device(model.device)
         self.dtype = model.dtype
         self._guard = CallGuard(log)
@@ -125,6 +146,15 @@ class TransformersConnector:
         self._restorer = Restorer(self.layout, cache=cache, front=self.front, device=self.device, dtype=self.dtype,
                                   timeout_s=float(timeout_s), guard=self._guard)
         self._guard.call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
+        self.sparse_decoder: Optional[Any] = None  # a sparse.SparseDecoder of `sparse`, which `generate` decodes with
+        if self.sparse is not None:
+            from ucm.connectors.transformers.sparse import SparseDecoder
+
+            try:
+                self.sparse_decoder = SparseDecoder(self, sparse=self.sparse)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def shared_cache(self) -> CacheAPI:
@@ -287,7 +317,15 @@ class TransformersConnector:
         returns. Unlike `cache_for`, a prefix streamed from the cache is
         copied layer by layer inside the prefill (restore.DeferredLayers),
         so blocks read from NVMe overlap the model's compute; a block that
-        fails after prefill began makes generate start again without it."""
+        fails after prefill began makes generate start again without it.
+        With the `sparse` accelerator enabled, decoded sparsely (module
+        docstring)."""
+        if self.sparse_decoder is not None:
+            with self.sparse_decoder.decoding():
+                return self._generate(input_ids, attention_mask, **kwargs)
+        return self._generate(input_ids, attention_mask, **kwargs)
+
+    def _generate(self, input_ids: Any, attention_mask: Any, **kwargs: Any) -> Any:
         if "past_key_values" in kwargs:
             raise ArgumentError("generate: past_key_values is the connector's; use cache_for for a cache of your own")
         ids = torch.as_tensor(input_ids)
@@ -337,13 +375,18 @@ class TransformersConnector:
 
     def stats(self) -> dict[str, Any]:
         """The connector's counters (a snapshot): requests, blocks looked up,
-        hit, restored, stored and failed, and faults."""
-        return self._guard.counts()
+        hit, restored, stored and failed, and faults; with engine-side
+        accelerators, theirs under `accelerators` (by name)."""
+        out = self._guard.counts()
+        if self.accelerators:
+            out["accelerators"] = self.accelerators.stats()
+        return out
 
     def close(self) -> None:
-        """Waits for the stores in flight and closes the hbm front (never the
-        cache it was given)."""
+        """Waits for the stores in flight and closes the hbm front and the
+        engine-side accelerators (never the cache it was given)."""
         self.wait_stores()
         self._pool.shutdown(wait=True)
         if self.front is not None:
             self.front.close()
+        self.accelerators.close()

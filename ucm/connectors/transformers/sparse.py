@@ -1,9 +1,28 @@
 """Sparse decode for transformers: each decode step attends, per layer, only
 over the tokens a selector picked, the picked pages read from ucm.
 
-    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="hybrid", budget=Budget.tokens(1024)))
+What it selects by is the `sparse` accelerator (SparseAccelerator,
+ucm/accelerators/sparse/accelerator.py), enabled in the YAML file of the
+cache the connector is given:
+
+    accelerators:
+      - name: sparse
+        options: {selector: hybrid, budget: {tokens: 1024}, sink_tokens: 128, local_tokens: 256}
+
+The connector then builds its engine-side chain from that config, takes
+the accelerator by type and decodes its `generate` calls through a
+`SparseDecoder` of it (connector.py). A decoder can also be made by hand,
+over the connector's accelerator or over one of its own:
+
+    decoder = SparseDecoder(connector)                     # the YAML's accelerator (or the defaults)
+    decoder = SparseDecoder(connector, SparseDecodeConfig(selector="quest", budget=Budget.tokens(1024)))
     out = decoder.generate(input_ids, max_new_tokens=64)   # connector.generate, decoded sparsely
     decoder.stats()                                        # bytes read per tier per decoded token, ...
+
+`SparseDecodeConfig(selector=..., budget=..., ...)` is a convenience: its
+SparseOptions keywords build a SparseAccelerator the way the YAML entry
+with those options does (the same engine-side chain build), so there is
+one way sparse decode is configured inside.
 
 How. `register()` adds attention functions `ucm_sparse_eager` and
 `ucm_sparse_sdpa` to transformers' `AttentionInterface` (and the matching
@@ -14,7 +33,8 @@ see it). Without an active session, for prefill (more than one query
 token), for a batch of more than one row or a left-padded row, the function
 is its base (`eager`, the same operations as transformers' eager, or
 `sdpa`): prefill (the session's first forward, whatever its length) stays
-dense.
+dense. Every context is decoded sparsely, whatever its length: the
+accelerator's `min_context_tokens` is read by the vLLM backend only.
 
 At a decode step, for layer l (the selection of the layer is shared by its
 query heads; ucm/accelerators/sparse/base.py):
@@ -47,31 +67,35 @@ first prompt decoded sparsely, from its full blocks' resident keys, and
 kept for the decoder's life; blocks summarised before it (or restored)
 are summarised again from the resident keys at that first step.
 
+Figures: `stats()` answers the decoder's own; each generate call also adds
+its figures to the accelerator (`SparseAccelerator.record`), so the
+connector's `stats()["accelerators"]["sparse"]` sums every decoder of it.
+
 Before the first sparse step the decoder waits for the connector's stores
 of the prompt (`wait_stores`), so that the prompt's blocks can be read.
 Runs in the caller's thread; a decoder serves one generate call at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 
-from ucm.accelerators.sparse.base import Budget, LayerStep, Selection, SelectionConfig
-from ucm.accelerators.sparse.index import SummaryIndex
-from ucm.accelerators.sparse.lowrank import KeyBasis, fit_key_basis
-from ucm.accelerators.sparse.selectors import make_selector
-from ucm.accelerators.sparse.summaries import SummaryParts, layer_units, summarize_keys
+from ucm.accelerators.base import validate_options
+from ucm.accelerators.chain import Accelerators
+from ucm.accelerators.sparse import (KeyBasis, LayerStep, Selection, SparseAccelerator, SparseOptions,
+                                     fit_key_basis, layer_units, summarize_keys)
+from ucm.config.schema import AcceleratorConfig
 from ucm.connectors.transformers.kv_copy import byte_view
 from ucm.connectors.transformers.sparse_fetch import FetchedPages, PageFetcher, reuse_pages
-from ucm.errors import ConfigError
+from ucm.errors import ArgumentError, ConfigError
 
 if TYPE_CHECKING:
-    from ucm.connectors.transformers.connector import TransformersConnector
     from ucm.connectors.transformers.request_cache import UCMCache
 
 log = logging.getLogger(__name__)
@@ -80,29 +104,52 @@ BASES = ("eager", "sdpa")
 _ACTIVE: contextvars.ContextVar[Optional["_Session"]] = contextvars.ContextVar("ucm_sparse_session", default=None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class SparseDecodeConfig:
-    # lowrank's continuations and quest's passkeys at 8K (docs/benchmarks.md); summaries 18.75 % of bf16 K and V
-    selector: str = "hybrid"
-    budget: Budget = Budget.tokens(1024)
-    sink_tokens: int = 128
-    local_tokens: int = 256
-    page_tokens: int = 16
-    reselect_every: int = 1  # s: a layer's selection is reused for s steps
-    base: str = "eager"  # the dense attention of prefill and of a fallback
-    summary_capacity_bytes: int = 256 << 20
-    wait_stores_s: float = 30.0
-    rank: int = 16  # the key basis of selectors that read projected keys (`lowrank`, `hybrid`; docs/benchmarks.md)
+    """What the transformers decoder itself decides, apart from what it
+    selects by (the accelerator's): `base`, the dense attention of prefill
+    and of a fallback (`eager` or `sdpa`), and `wait_stores_s`, how long
+    the first sparse step waits for the prompt's stores.
 
-    def __post_init__(self) -> None:
-        if self.base not in BASES:
-            raise ConfigError(f"SparseDecodeConfig.base {self.base!r} not one of {list(BASES)}")
-        if not isinstance(self.reselect_every, int) or self.reselect_every < 1:
-            raise ConfigError(f"SparseDecodeConfig.reselect_every must be an int >= 1, got {self.reselect_every!r}")
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ConfigError(f"SparseDecodeConfig.rank must be an int >= 1, got {self.rank!r}")
-        SelectionConfig(self.budget, self.sink_tokens, self.local_tokens)  # validates
-        make_selector(self.selector)  # names the known ones when unknown
+    `options` (a SparseOptions), or SparseOptions' keywords (`selector`,
+    `budget`, `sink_tokens`, `local_tokens`, `page_tokens`,
+    `reselect_every`, `rank`, ...), make the decoder build a
+    SparseAccelerator of its own from them, as a YAML entry with those
+    options would; without them the decoder takes the connector's. A bad
+    value is a ConfigError naming it."""
+
+    base: str
+    wait_stores_s: float
+    options: Optional[SparseOptions]
+
+    def __init__(self, *, base: str = "eager", wait_stores_s: float = 30.0, options: Optional[SparseOptions] = None,
+                 **sparse_options: Any) -> None:
+        if base not in BASES:
+            raise ConfigError(f"SparseDecodeConfig.base {base!r} not one of {list(BASES)}")
+        if sparse_options:
+            if options is not None:
+                raise ArgumentError(f"SparseDecodeConfig: give options or their keywords "
+                                    f"({sorted(sparse_options)}), not both")
+            options = validate_options(SparseAccelerator, sparse_options, prefix="SparseDecodeConfig.")
+        elif options is not None and not isinstance(options, SparseOptions):
+            raise ArgumentError(f"SparseDecodeConfig.options must be a SparseOptions, got {type(options).__name__}")
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "wait_stores_s", float(wait_stores_s))
+        object.__setattr__(self, "options", options)
+
+
+def own_accelerator(connector: Any, options: SparseOptions) -> SparseAccelerator:
+    """A SparseAccelerator of `options` over `connector`'s cache, built as
+    the connector builds the one its YAML enables (its config with this one
+    `sparse` entry, at the connector's block size, through the engine-side
+    chain)."""
+    entry = AcceleratorConfig(name=SparseAccelerator.name, options=dict(options))
+    settings = connector.settings.model_copy(update={"block_tokens": connector.layout.block_tokens,
+                                                     "accelerators": (entry,)})
+    sparse = Accelerators.build(settings, connector.shared_cache, runs_in="engine").get(SparseAccelerator)
+    if sparse is None:  # the entry point named `sparse` is not this class
+        raise ConfigError(f"accelerator {SparseAccelerator.name!r} is not {SparseAccelerator.__qualname__}")
+    return sparse
 
 
 # ---- the attention functions -------------------------------------------------
@@ -163,28 +210,38 @@ def register() -> None:
 
 # ---- the decoder ---------------------------------------------------------------
 class SparseDecoder:
-    """Sparse decode over a TransformersConnector's cache (module docstring)."""
+    """Sparse decode over a TransformersConnector's cache (module docstring).
 
-    def __init__(self, connector: "TransformersConnector", config: SparseDecodeConfig = SparseDecodeConfig()) -> None:
+    `sparse`: the accelerator to select by; default the one `config`'s
+    options build, else the connector's (its YAML's), else one of the
+    defaults. ConfigError when its pages do not divide the connector's
+    blocks or its rank exceeds the model's head size."""
+
+    def __init__(self, connector: Any, config: SparseDecodeConfig = SparseDecodeConfig(), *,
+                 sparse: Optional[SparseAccelerator] = None) -> None:
+        if sparse is not None and config.options is not None:
+            raise ArgumentError("SparseDecoder: give the accelerator or SparseDecodeConfig's options, not both")
+        if sparse is None:
+            if config.options is not None:
+                sparse = own_accelerator(connector, config.options)
+            else:
+                sparse = connector.sparse or own_accelerator(connector, SparseOptions())
         lay = connector.layout
-        if lay.block_tokens % config.page_tokens:
-            raise ConfigError(f"page_tokens {config.page_tokens} must divide the connector's block_tokens "
-                              f"{lay.block_tokens}")
-        self.selector = make_selector(config.selector)
-        if self.selector.needs_proj and config.rank > lay.head_dim:
-            raise ConfigError(f"SparseDecodeConfig.rank {config.rank} must be at most the model's head_dim "
-                              f"{lay.head_dim}")
+        sparse.check_block_tokens(lay.block_tokens)
+        self.selector = sparse.make_selector()
+        sparse.check_head_dim(lay.head_dim)
         register()
-        self.connector, self.config = connector, config
+        self.connector, self.config, self.sparse = connector, config, sparse
+        self.options = sparse.options
         # summaries keep what the selector reads (quest: the bounds; lowrank: the projections alone; hybrid both)
-        self.parts = SummaryParts.of(self.selector)
-        self.index = SummaryIndex(config.summary_capacity_bytes, config.page_tokens, self.parts)
+        self.parts = sparse.summary_parts()
+        self.index = sparse.new_index()
         self._kv_layout = lay.kv_layout()
         # the key basis of `lowrank` and `hybrid` (lowrank.py): fitted on the first prompt decoded sparsely (its full
         # blocks' keys, every layer and head), then kept for every later summary; None until then
         self.basis: Optional[KeyBasis] = None
         connector.block_observer = self._blocks_stored
-        self.selection = SelectionConfig(config.budget, config.sink_tokens, config.local_tokens)
+        self.selection = sparse.selection
         self.counters: dict[str, Any] = {
             "decode_steps": 0, "sparse_layer_steps": 0, "dense_layer_steps": 0, "dense_fallbacks": 0,
             "selections": 0, "attended_tokens": 0, "context_tokens": 0, "summaries_from_layers": 0,
@@ -205,17 +262,33 @@ class SparseDecoder:
     def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
         """`connector.generate(...)` with sparse decode; the model's attention
         implementation is switched for the call and restored after."""
+        with self.decoding():
+            return self.connector.generate(input_ids, attention_mask, **kwargs)
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """The forward passes of this thread inside are decoded sparsely by
+        this decoder (the model's attention switched, a session active), and
+        its figures counted when it ends. Inside another decoder's `decoding`
+        it does nothing: the outer one decodes (a hand-made decoder over a
+        connector that has its own)."""
+        if _ACTIVE.get() is not None:
+            yield
+            return
         model = self.connector.model
         before = getattr(model.config, "_attn_implementation", None) or "eager"
         session = _Session(self)
+        counted = dict(self.counters)
         model.set_attn_implementation(impl_name(self.config.base))
         token = _ACTIVE.set(session)
         try:
-            return self.connector.generate(input_ids, attention_mask, **kwargs)
+            yield
         finally:
             _ACTIVE.reset(token)
             model.set_attn_implementation(before)
-            self._merge(session.close())
+            fetched = session.close()
+            self._merge(fetched)
+            self.sparse.record(_figures({k: v - counted[k] for k, v in self.counters.items()}, fetched))
 
     def stats(self) -> dict[str, Any]:
         """Counters over every generate call so far (fetch counters added when a call returns)."""
@@ -234,6 +307,18 @@ class SparseDecoder:
                     d[t] = d.get(t, 0) + b
             else:
                 self._fetch[k] = self._fetch.get(k, 0) + v
+
+
+def _figures(counts: Mapping[str, Any], fetched: Mapping[str, Any]) -> dict[str, float]:
+    """One call's figures as the accelerator records them: numbers by name,
+    the bytes read per tier as `bytes_read_<tier>`."""
+    out = dict(counts)
+    for k, v in fetched.items():
+        if isinstance(v, dict):
+            out.update({f"{k}_{t}": b for t, b in v.items()})
+        else:
+            out[k] = v
+    return out
 
 
 @dataclass(slots=True, eq=False)
@@ -281,7 +366,7 @@ class _Session:
                 c["dense_layer_steps"] += 1
                 return dense(module, query, key, value, mask, **kwargs)
             st = self.layers.get(layer)
-            if st is None or self.step - st.step >= d.config.reselect_every:
+            if st is None or self.step - st.step >= d.options.reselect_every:
                 st = self._select(layer, query, key, n, kwargs.get("scaling"))
             if st is None:  # a page could not be fetched: dense for this step
                 c["dense_fallbacks"] += 1
@@ -336,27 +421,27 @@ class _Session:
             if d.basis is None:  # the first prompt: its full blocks' resident keys
                 end = len(r.keys) * bt
                 d.basis = fit_key_basis([ly.keys[0, :, :end].float().cpu().numpy() for ly in cache.layers],
-                                        d.config.rank)
+                                        d.options.rank)
             basis = d.basis
         missing = [j for j, s in enumerate(d.index.get_many(r.keys)) if s is None or not s.keeps(d.parts, basis)]
         # restored blocks (and any the index forgot or summarised before the basis): from the resident
         # keys, the same bytes
         for j in missing:
             keys = torch.stack([ly.keys[0, :, j * bt:(j + 1) * bt] for ly in cache.layers]).float().cpu().numpy()
-            d.index.put(r.keys[j], summarize_keys(keys, d.config.page_tokens, basis, d.parts))
+            d.index.put(r.keys[j], summarize_keys(keys, d.options.page_tokens, basis, d.parts))
             d.counters["summaries_from_layers"] += 1
         got = d.index.get_many(r.keys)
         if any(s is None or not s.keeps(d.parts, basis) for s in got):
             return False
         self._summaries = got
-        self._fetcher = PageFetcher(conn.shared_cache, conn.layout, conn.dtype, d.config.page_tokens, r.keys,
+        self._fetcher = PageFetcher(conn.shared_cache, conn.layout, conn.dtype, d.options.page_tokens, r.keys,
                                     r.request_id)
         return True
 
     def _select(self, layer: int, query: torch.Tensor, key: torch.Tensor, n: int,
                 scale: Optional[float]) -> Optional[_LayerState]:
         d = self.d
-        pt = d.config.page_tokens
+        pt = d.options.page_tokens
         units = self._units.get(layer)
         if units is None:
             units = self._units[layer] = layer_units(self._summaries, layer, pt,
