@@ -1,7 +1,8 @@
 """ucm's sparse CPU attention impl (ucm/connectors/vllm/sparse_backend.py)
 with vLLM's own CPU kernels, without a model: one mixed batch (a prefill
 row, a long decode row, a short decode row) through the stock impl and
-through ucm's; the plugin and the settings.
+through ucm's; the plugin and the settings (the `sparse` accelerator of
+the ucm config vLLM names, switched on and overridden by UCM_VLLM_SPARSE).
 
 - full budget: every row equals the stock kernel's (the long decode row
   through ucm's gather and torch attention, the others through the stock
@@ -21,7 +22,9 @@ pytest.importorskip("vllm")
 
 from pydantic import ValidationError  # noqa: E402
 
-from ucm.connectors.vllm.sparse_config import ENV_SPARSE, VllmSparseConfig, parse_sparse, sparse_from_env  # noqa: E402
+from ucm.accelerators.sparse import Budget, SparseOptions  # noqa: E402
+from ucm.config.schema import load_config  # noqa: E402
+from ucm.connectors.vllm.sparse_config import ENV_SPARSE, parse_sparse, sparse_accelerator, sparse_from_env  # noqa: E402
 from ucm.errors import ConfigError  # noqa: E402
 
 BT, H, QH, D = 128, 2, 4, 64
@@ -194,7 +197,7 @@ def test_scored_row_attends_what_the_selector_picks_from_exact_summaries(monkeyp
     assert (impl.summaries.proj is None) == (selector not in ("lowrank", "hybrid"))
     step = LayerStep(query[t].numpy(), 700, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16, basis),
                      scale=1 / math.sqrt(D))
-    sel = make_selector(selector).select(step, sb.sparse_from_env().selection())
+    sel = make_selector(selector).select(step, impl.sparse.selection)
     pos = range_positions(sel.ranges)
     assert sel.extra_tokens == 128 and len(sel.units) == 8
     assert sb.counters()["attended_tokens"] == pos.numel() < 700
@@ -226,7 +229,7 @@ def test_reselect_every_holds_the_selection_and_adds_the_decoded_tokens(monkeypa
         k, _ = _logical(kv, table, 1, n)
         step = LayerStep(q.numpy(), n, 16, H, summaries=units_from_keys(k.transpose(0, 1).numpy(), 16),
                          scale=1 / math.sqrt(D))
-        return range_positions(make_selector("quest").select(step, sb.sparse_from_env().selection()).ranges)
+        return range_positions(make_selector("quest").select(step, impl.sparse.selection).ranges)
 
     first = pick(query[t], 700)
     _forward(impl, kv, query, layer, metadata())
@@ -301,13 +304,13 @@ def test_bad_settings_name_the_key_and_what_is_allowed(value, message):
         parse_sparse(value)
 
 
-def test_a_config_built_by_hand_is_checked_as_one_read_from_the_environment():
-    """The lowrank basis check is part of the model's validation: a config
+def test_options_built_by_hand_are_checked_as_those_read_from_the_environment():
+    """The lowrank basis check is part of the options' validation: options
     built in code cannot skip it (it once lived in parse_sparse only)."""
     with pytest.raises(ValidationError, match=r"min_context_tokens\n.*31 is below rank \+ page_tokens"):
-        VllmSparseConfig(min_context_tokens=31)
-    assert VllmSparseConfig(selector="quest", min_context_tokens=0).min_context_tokens == 0  # no basis to fit
-    assert VllmSparseConfig(min_context_tokens=32).min_context_tokens == 32
+        SparseOptions(min_context_tokens=31)
+    assert SparseOptions(selector="quest", min_context_tokens=0).min_context_tokens == 0  # no basis to fit
+    assert SparseOptions(min_context_tokens=32).min_context_tokens == 32
 
 
 def test_settings_off_on_and_values():
@@ -318,8 +321,59 @@ def test_settings_off_on_and_values():
     assert (on.selector, on.budget.kind, on.budget.value, on.page_tokens, on.rank) == ("hybrid", "tokens", 1024, 16, 16)
     got = parse_sparse('{"selector": "mean", "budget": {"top_p": 0.9}, "sink_tokens": 32}')
     assert (got.selector, got.budget.kind, got.budget.value, got.sink_tokens) == ("mean", "top_p", 0.9, 32)
-    with pytest.raises(ConfigError, match="page_tokens: 48 does not divide vLLM's block size 128"):
-        parse_sparse("{page_tokens: 48}").check_block_size(128)
+    assert parse_sparse("{page_tokens: 32, rank: 8}").model_fields_set == {"page_tokens", "rank"}
+    defaults = load_config({}, environ={})
+    with pytest.raises(ConfigError, match=r"options.page_tokens 32 does not divide the engine's block size 48"):
+        sparse_accelerator(defaults, {ENV_SPARSE: "{page_tokens: 32}"}).check_block_tokens(48)
+    with pytest.raises(ConfigError, match=r"options.page_tokens 48 does not divide block_tokens 256"):
+        sparse_accelerator(defaults, {ENV_SPARSE: "{page_tokens: 48}"})
+
+
+def _ucm(tmp_path, **options):
+    return load_config({"block_tokens": 256, "accelerators": [{"name": "sparse", "options": options}],
+                        "tiers": [{"adapter": "dram", "capacity": "1MiB", "options": {"path": str(tmp_path)}}]},
+                       environ={})
+
+
+def test_the_yaml_entry_gives_the_options_and_the_variable_switches_and_overrides(tmp_path):
+    cfg = _ucm(tmp_path, selector="quest", budget={"tokens": 256}, sink_tokens=64, min_context_tokens=512)
+    assert sparse_accelerator(cfg, {}) is None  # the variable is the switch: the entry alone runs nothing
+    assert sparse_accelerator(cfg, {ENV_SPARSE: "off"}) is None
+    on = sparse_accelerator(cfg, {ENV_SPARSE: "on"})
+    assert (on.options.selector, on.selection.budget, on.selection.sink_tokens, on.options.min_context_tokens) == (
+        "quest", Budget.tokens(256), 64, 512)
+    assert on.cache is None
+    over = sparse_accelerator(cfg, {ENV_SPARSE: "{budget: {ratio: 0.5}, local_tokens: 32}"})
+    assert (over.options.selector, over.selection.budget, over.selection.sink_tokens, over.selection.local_tokens) == (
+        "quest", Budget.ratio(0.5), 64, 32)
+    alone = sparse_accelerator(load_config({}, environ={}), {ENV_SPARSE: "{selector: mean}"})
+    assert alone.options == SparseOptions(selector="mean")
+    with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.min_context_tokens: 512 is below rank"):
+        sparse_accelerator(cfg, {ENV_SPARSE: "{selector: lowrank, rank: 500}"})  # checked as merged
+
+
+def test_the_backend_reads_the_ucm_config_vllm_names_once_per_process(tmp_path, monkeypatch):
+    """The ucm config path in vLLM's kv_connector_extra_config (the current
+    vLLM config, set while vLLM builds the model) gives the backend its
+    options; every layer's impl shares the one accelerator."""
+    import vllm.config
+
+    from ucm.connectors.vllm import sparse_backend as sb
+
+    path = tmp_path / "ucm.yaml"
+    path.write_text("accelerators:\n  - name: sparse\n    options: {selector: quest, sink_tokens: 64, "
+                    "min_context_tokens: 300}\n")
+    current = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"ucm_config": str(path)}),
+                              parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: current)
+    monkeypatch.setenv(ENV_SPARSE, "{local_tokens: 32}")
+    first, second = _impl(sb.UcmSparseCpuImpl, monkeypatch), _impl(sb.UcmSparseCpuImpl, monkeypatch)
+    assert first.sparse is second.sparse
+    o = first.options
+    assert (o.selector, o.sink_tokens, o.local_tokens, o.min_context_tokens) == ("quest", 64, 32, 300)
+    monkeypatch.setenv(ENV_SPARSE, "{selector: lowrank, rank: 128}")  # above the head size (64)
+    with pytest.raises(ConfigError, match=r"options\.rank 128 must be at most the model's head size 64"):
+        _impl(sb.UcmSparseCpuImpl, monkeypatch)
 
 
 def test_ucm_config_does_not_read_the_sparse_variable_as_a_key():

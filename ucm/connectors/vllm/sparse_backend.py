@@ -2,8 +2,13 @@
 
 vLLM for CPU always takes the backend `CPU_ATTN`; the plugin
 (sparse_plugin.py) points `CPU_ATTN`'s class path here when
-`UCM_VLLM_SPARSE` asks for sparse decode, and only then. The backend is
-the stock one (`CPUAttentionBackend`: its name, metadata builder, KV
+`UCM_VLLM_SPARSE` asks for sparse decode, and only then. Its settings are
+the `sparse` accelerator's (SparseAccelerator), built once per process
+from the ucm config vLLM's current config names (its
+`kv_transfer_config.kv_connector_extra_config["ucm_config"]`, else
+$UCM_CONFIG or the defaults, as UCMConnector loads it) with
+`UCM_VLLM_SPARSE`'s keys over its `sparse` entry (sparse_config.py). The
+backend is the stock one (`CPUAttentionBackend`: its name, metadata builder, KV
 layout and kernels) with one impl per attention layer that, at each
 forward:
 
@@ -41,12 +46,14 @@ compute of decode attention, not KV capacity. Nothing here raises into
 vLLM on the forward path: a sparse row that fails is logged and the whole
 layer step is recomputed by the stock kernel.
 
-Runs in the worker process's model thread. `counters()` answers this
+Runs in the worker process's model thread (the impls are made while vLLM
+builds the model, under its current config). `counters()` answers this
 process's figures (read by tests through `LLM.collective_rpc`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -61,10 +68,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from ucm.accelerators.sparse.base import LayerStep
-from ucm.accelerators.sparse.lowrank import fit_key_basis
-from ucm.accelerators.sparse.selectors import make_selector
-from ucm.connectors.vllm.sparse_config import ENV_SPARSE, VllmSparseConfig, sparse_from_env
+from ucm.accelerators.sparse import LayerStep, SparseAccelerator, fit_key_basis
+from ucm.config.schema import ENV_CONFIG, load_config
+from ucm.connectors.vllm.sparse_config import ENV_SPARSE, sparse_accelerator
 from ucm.connectors.vllm.sparse_pages import (HeldSelections, PageSummaries, attend, context_keys, gather_tokens,
                                               range_positions, vec_kv_views)
 from ucm.errors import ConfigError
@@ -95,6 +101,25 @@ def counters() -> dict[str, int]:
 def reset_counters() -> None:
     for k in _COUNTERS:
         _COUNTERS[k] = 0
+
+
+# The process's accelerator, by what it was built from (UCM_VLLM_SPARSE, $UCM_CONFIG, the ucm_config vLLM names):
+# every layer's impl shares one, built once (loading the config and the entry points is not per layer work).
+_BUILT: dict[tuple[Optional[str], Optional[str], str], Optional[SparseAccelerator]] = {}
+
+
+def process_accelerator() -> Optional[SparseAccelerator]:
+    """The SparseAccelerator of this worker (module docstring), or None
+    when `UCM_VLLM_SPARSE` is off."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    transfer = vllm_config.kv_transfer_config if vllm_config is not None else None
+    source = (transfer.kv_connector_extra_config or {}).get("ucm_config") if transfer is not None else None
+    key = (os.environ.get(ENV_SPARSE), os.environ.get(ENV_CONFIG), repr(source))
+    if key not in _BUILT:
+        _BUILT[key] = sparse_accelerator(load_config(source)) if key[0] is not None else None
+    return _BUILT[key]
 
 
 class UcmSparseCpuBackend(CPUAttentionBackend):
@@ -143,16 +168,15 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg = sparse_from_env()
-        if cfg is None:
+        sparse = process_accelerator()
+        if sparse is None:
             raise ConfigError(f"{BACKEND_PATH} is in use but {ENV_SPARSE} is off; the plugin registers it only "
                               f"when {ENV_SPARSE} asks for sparse decode")
-        self.sparse_config: VllmSparseConfig = cfg
-        self.selector = make_selector(cfg.selector)
-        if self.selector.needs_proj and cfg.rank > self.head_size:
-            raise ConfigError(f"{ENV_SPARSE}.rank: {cfg.rank} is more than the model's head size {self.head_size}; "
-                              f"allowed: 1 to {self.head_size}")
-        self._selection = cfg.selection()
+        self.sparse = sparse
+        self.options = sparse.options
+        self.selector = sparse.make_selector()
+        sparse.check_head_dim(self.head_size)
+        self._selection = sparse.selection
         self.summaries: Optional[PageSummaries] = None
         self.held: Optional[HeldSelections] = None
         self.covered = (self.attn_type == AttentionType.DECODER and self.alibi_slopes is None
@@ -174,11 +198,11 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         nb, heads, bt, _ = kv_cache.shape
         s = self.summaries
         if s is None or (s.num_blocks, s.kv_heads, s.block_tokens) != (nb, heads, bt):
-            self.sparse_config.check_block_size(bt)
-            s = self.summaries = PageSummaries(nb, heads, bt, self.head_size, self.sparse_config.page_tokens,
-                                               keep_bounds=self.selector.needs_bounds,
-                                               keep_mean=self.selector.needs_mean)
-            self.held = HeldSelections(self.sparse_config.reselect_every, bt, self.sparse_config.page_tokens)
+            self.sparse.check_block_tokens(bt)
+            parts = self.sparse.summary_parts()
+            s = self.summaries = PageSummaries(nb, heads, bt, self.head_size, self.options.page_tokens,
+                                               keep_bounds=parts.bounds, keep_mean=parts.mean)
+            self.held = HeldSelections(self.options.reselect_every, bt, self.options.page_tokens)
         return s
 
     # ---- forward ---------------------------------------------------------------------
@@ -230,7 +254,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
             starts = tuple(int(x) for x in md.query_start_loc.tolist())
             seq_lens = tuple(int(x) for x in md.seq_lens.tolist())
             q_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
-            floor = self.sparse_config.min_context_tokens
+            floor = self.options.min_context_tokens
             sparse = tuple(i for i, q in enumerate(q_lens) if q == 1 and seq_lens[i] >= max(1, floor))
             stock = tuple(i for i in range(len(seq_lens)) if i not in set(sparse))
             plan = _Plan(sparse, stock, tuple(i for i, q in enumerate(q_lens) if q > 1), starts, seq_lens)
@@ -251,7 +275,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
                 self._fit_basis(summaries, key_cache, block_row, n)
             units = summaries.units(key_cache, block_row, n)
             keys = context_keys(key_cache, block_row, n) if self.selector.needs_keys else None
-            step = LayerStep(q.detach().float().numpy(), n, self.sparse_config.page_tokens, key_cache.shape[1],
+            step = LayerStep(q.detach().float().numpy(), n, self.options.page_tokens, key_cache.shape[1],
                              summaries=units, keys=keys, scale=self.scale)
             sel = self.selector.select(step, self._selection)
             pos = range_positions(sel.ranges)
@@ -268,7 +292,7 @@ class UcmSparseCpuImpl(CPUAttentionBackendImpl):
         full pages (ucm/accelerators/sparse/lowrank.py), kept from now on."""
         full = n // summaries.page_tokens * summaries.page_tokens
         keys = context_keys(key_cache, block_row, full)
-        summaries.set_basis(fit_key_basis([keys], self.sparse_config.rank).vectors[0])
+        summaries.set_basis(fit_key_basis([keys], self.options.rank).vectors[0])
         _COUNTERS["bases_fitted"] += 1
 
     def _stock_rows(self, layer: Any, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -47,9 +47,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ucm.accelerators.sparse.base import UnitSummaries
-from ucm.accelerators.sparse.lowrank import PROJ_DTYPE, store_projections
-from ucm.accelerators.sparse.summaries import BOUND_DTYPE, store_bounds
+from ucm.accelerators.sparse import BOUND_DTYPE, PROJ_DTYPE, UnitSummaries, store_bounds, store_projections
 from ucm.errors import ArgumentError
 
 

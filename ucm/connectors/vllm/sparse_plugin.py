@@ -2,13 +2,16 @@
 
 vLLM calls `register()` once in each of its processes (the front end,
 EngineCore, every worker; `vllm.plugins.load_general_plugins`, allowlisted
-by `VLLM_PLUGINS` when that is set). With `UCM_VLLM_SPARSE` off (unset) it
-does nothing: vLLM keeps its stock backend, byte for byte. With it on it
-validates the settings (a bad value is a ConfigError that stops the
-engine, never a silent dense run) and, on vLLM for CPU, points
+by `VLLM_PLUGINS` when that is set), before any config exists: the switch
+is therefore the environment variable `UCM_VLLM_SPARSE` (sparse_config.py),
+not the YAML. With it off (unset) it does nothing: vLLM keeps its stock
+backend, byte for byte, whatever the ucm config lists. With it on it
+validates the variable's options (a bad value is a ConfigError that stops
+the engine, never a silent dense run) and, on vLLM for CPU, points
 `CPU_ATTN`'s class path at ucm's backend (sparse_backend.py) with
 `register_backend`; vLLM for CPU always takes `CPU_ATTN`, whatever
-`--attention-backend` says.
+`--attention-backend` says. The backend then builds the `sparse`
+accelerator from the ucm config's entry and the variable's options.
 
 CUDA is not covered: the backend there would be vLLM's `CUSTOM` slot
 (`register_backend(AttentionBackendEnum.CUSTOM, ...)` plus
@@ -44,5 +47,5 @@ def register() -> None:
     from ucm.connectors.vllm.sparse_backend import BACKEND_PATH
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-    log.info("ucm sparse decode: CPU_ATTN -> %s (selector %s, budget %s %s)", BACKEND_PATH, cfg.selector,
-             cfg.budget.kind, cfg.budget.value)
+    log.info("ucm sparse decode: CPU_ATTN -> %s (%s sets %s; the other options come from the ucm config's "
+             "`sparse` entry, else the defaults)", BACKEND_PATH, ENV_SPARSE, sorted(cfg.model_fields_set) or "none")
