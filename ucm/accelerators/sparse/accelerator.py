@@ -22,6 +22,12 @@ checks against the engine's shapes (`check_block_tokens`,
 `check_head_dim`). The connector reports its figures with `record`; they
 are this accelerator's `counters()`.
 
+Where it is used: the transformers connector builds it from its cache's
+config and decodes its `generate` calls with it
+(ucm/connectors/transformers/sparse.py); vLLM's sparse backend builds it
+once per worker from the ucm config vLLM names, switched on, and its
+options overridden, by `UCM_VLLM_SPARSE` (ucm/connectors/vllm/sparse_config.py).
+
 Options (`SparseOptions`; a bad one is a ConfigError naming
 `accelerators.<i>.options.<key>`):
 - `selector`: one of ucm/accelerators/sparse/selectors.py's `SELECTORS`
@@ -39,9 +45,11 @@ Options (`SparseOptions`; a bad one is a ConfigError naming
   selector scores again;
 - `rank` (16): the basis rank of the selectors that read projected keys, at
   most the model's head size;
-- `min_context_tokens` (1024): shorter contexts are attended densely; with
-  a selector that fits a basis, at least `rank + page_tokens`;
-- `summary_capacity_bytes` (256MiB): the memory of a `new_index()`.
+- `min_context_tokens` (1024): shorter decode contexts are attended
+  densely (vLLM's backend; the transformers decoder decodes every context
+  sparsely); with a selector that fits a basis, at least `rank + page_tokens`;
+- `summary_capacity_bytes` (256MiB): the memory of a `new_index()` (the
+  transformers decoder's; vLLM keeps its summaries beside its KV blocks).
 
 Thread safety: `record` and `counters` may be called from any thread; the
 rest reads frozen settings.
