@@ -8,38 +8,27 @@ the C++ core (ucm/placement/native.py) makes exactly the same decisions for
 the policies with a native twin, and `make_placement`
 (ucm/placement/factory.py) picks between the two.
 
-State: per tier, the resident blocks with their sizes, the count of
-resident children per parent and the policy instance; across tiers, a bit
-mask of the tiers holding each key, the prefix tree (parent per key and
-resident children in link order), sizes, pins and holds.
+State: the cached blocks as a prefix tree (`PrefixTree`,
+ucm/placement/tree.py: parents, sizes, children in link order); which tiers
+hold each block, with per tier its resident blocks, bytes and policy
+(`Residency` and `TierLedger`, ucm/placement/residency.py); here, the
+decisions, pins and holds.
 
 Not thread-safe: the owner serialises calls.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 from ucm.errors import ArgumentError
 from ucm.placement.heat import HeatTracker, Key
 from ucm.placement.plans import (Decision, Op, Plan, RunDecision, Step, TierCounters, TierSpec, check_next_uses,
                                 check_tiers)
-from ucm.placement.policies.base import Admission, PlacementPolicy, PolicyFactory, TierInfo
+from ucm.placement.policies.base import Admission, PolicyFactory, TierInfo
+from ucm.placement.residency import Residency, TierLedger
+from ucm.placement.tree import PrefixTree
 
 __all__ = ["PythonPlacement"]
-
-
-@dataclass(slots=True)
-class _Tier:
-    info: TierInfo
-    policy: PlacementPolicy
-    used: int = 0
-    blocks: dict[Key, int] = field(default_factory=dict)  # key -> size_bytes
-    kids: dict[Key, int] = field(default_factory=dict)  # key -> resident children in this tier (> 0)
-    counters: TierCounters = field(default_factory=TierCounters)
-    bit: int = 0  # 1 << index, its bit in PythonPlacement._res
-    evictable: Optional[Callable[[Key], bool]] = None  # victim predicates, built once
-    relaxed: Optional[Callable[[Key], bool]] = None
 
 
 class PythonPlacement:
@@ -57,21 +46,18 @@ class PythonPlacement:
         check_tiers(tiers, landing)
         self.heat = heat if heat is not None else HeatTracker()
         self.landing = landing
-        self._tiers: list[_Tier] = []
+        self._tiers: list[TierLedger] = []
         for i, spec in enumerate(tiers):
             info = TierInfo(spec.name, i, spec.capacity_bytes, i == len(tiers) - 1)
-            self._tiers.append(_Tier(info, policy(info, self.heat), bit=1 << i))
-        self._res: dict[Key, int] = {}  # resident key -> bit mask of the tiers holding it
+            self._tiers.append(TierLedger(info, policy(info, self.heat)))
+        self._tree = PrefixTree()
+        self._res = Residency(self._tiers, self._tree)
         self._protect: list[Optional[Key]] = [None] * len(tiers)  # per tier, while making room
-        self._parent: dict[Key, Optional[Key]] = {}  # resident anywhere -> parent
-        # resident parent -> resident children, in the order they were linked
-        # (a dict as an ordered set: drops and evictions walk them in that order)
-        self._children: dict[Key, dict[Key, None]] = {}
-        self._size: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}  # promised to an engine: stays cached (some tier); counted
         self._holds: dict[Key, int] = {}  # in use where it is: stays in every tier it is in; counted
-        self._on_link: Optional[Callable[[Key], None]] = None
-        self._on_unlink: Optional[Callable[[Key], None]] = None
+        # per tier, its victim predicates (`_build_predicates`)
+        self._evictable: list[Callable[[Key], bool]] = []
+        self._relaxed: list[Callable[[Key], bool]] = []
         for tier in self._tiers:
             self._build_predicates(tier)
 
@@ -96,41 +82,27 @@ class PythonPlacement:
         return self._tiers[t].counters
 
     def contains(self, key: Key) -> bool:
-        return key in self._parent
+        return self._tree.contains(key)
 
     def tiers_of(self, key: Key) -> list[int]:
-        m = self._res.get(key, 0)
-        return [t for t in range(len(self._tiers)) if m >> t & 1]
+        return self._res.tiers_of(key)
 
     def where(self, key: Key) -> Optional[int]:
         """Fastest tier holding `key`, or None."""
-        m = self._res.get(key)
-        if not m:
-            return None
-        return (m & -m).bit_length() - 1
+        return self._res.where(key)
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        n = 0
-        for k in keys:
-            if k not in self._parent:
-                break
-            n += 1
-        return n
+        return self._tree.lookup(keys)
 
     def locate(self, keys: Sequence[Key]) -> list[Optional[int]]:
-        res = self._res
-        out: list[Optional[int]] = []
-        for k in keys:
-            m = res.get(k)
-            out.append((m & -m).bit_length() - 1 if m else None)
-        return out
+        return self._res.locate(keys)
 
     def size_of(self, key: Key) -> Optional[int]:
-        return self._size.get(key)
+        return self._tree.size_of(key)
 
     def parent_of(self, key: Key) -> Optional[Key]:
         """The parent of a cached block (None for a root or an unknown key)."""
-        return self._parent.get(key)
+        return self._tree.parent_of(key)
 
     def resident_keys(self, t: int) -> Iterable[Key]:
         return self._tiers[t].blocks.keys()
@@ -155,12 +127,12 @@ class PythonPlacement:
     def unhold(self, keys: Iterable[Key]) -> None:
         _release(self._holds, keys)
 
-    def _stuck(self, key: Key, tier: "_Tier") -> bool:
+    def _stuck(self, key: Key, tier: TierLedger) -> bool:
         """Whether `key` may not leave `tier` now: held, or pinned with no
         copy in another tier."""
         if key in self._holds:
             return True
-        return key in self._pins and not self._res.get(key, 0) & ~tier.bit
+        return key in self._pins and not self._res.mask(key) & ~tier.bit
 
     # ---- accesses ----------------------------------------------------------
     def record_request(self, keys: Sequence[Key], next_uses: Optional[Sequence[float]] = None,
@@ -181,9 +153,9 @@ class PythonPlacement:
         `output_tokens` tokens: tells the HeatTracker, then, for each block
         whose kind changed, the policy of every tier holding it
         (`on_reclass`)."""
-        res = self._res
+        mask = self._res.mask
         for k in self.heat.finish(keys, output_tokens):
-            m = res.get(k, 0)
+            m = mask(k)
             for tier in self._tiers:
                 if m & tier.bit:
                     tier.policy.on_reclass(k)
@@ -191,11 +163,11 @@ class PythonPlacement:
     def touch(self, keys: Sequence[Key]) -> None:
         """Reports that the resident blocks among `keys` were used by a request:
         one `on_hit` to the tier serving each, deepest block first."""
-        res, tiers = self._res, self._tiers
+        where, tiers = self._res.where, self._tiers
         for k in reversed(keys):
-            m = res.get(k)
-            if m:
-                tier = tiers[(m & -m).bit_length() - 1]
+            t = where(k)
+            if t is not None:
+                tier = tiers[t]
                 tier.policy.on_hit(k)
                 tier.counters.hits += 1
 
@@ -232,14 +204,14 @@ class PythonPlacement:
         t = self.landing if tier is None else tier
         plan: Plan = []
         placed = [False] * n
-        cached = self._parent
+        cached = self._tree.contains
         ins = self._insert
         stop = n
         for i in range(n):
             key = keys[i]
             if ins(key, parent, sizes[i], t, False, plan):
                 placed[i] = True
-            elif key not in cached:
+            elif not cached(key):
                 stop = i
                 break
             parent = key
@@ -247,20 +219,20 @@ class PythonPlacement:
 
     def _insert(self, key: Key, parent: Optional[Key], size_bytes: int, t: int, restored: bool,
                 plan: Plan) -> bool:
-        cached = self._parent
-        if key in cached:
+        cached = self._tree.contains
+        if cached(key):
             return False
-        if parent is not None and parent not in cached:
+        if parent is not None and not cached(parent):
             return False
         dst = self._tiers[t]
         if size_bytes > dst.info.capacity_bytes or not (restored or dst.policy.admit(key, Admission.NEW)):
             return False
         if dst.used + size_bytes > dst.info.capacity_bytes and not self._make_room(t, size_bytes, plan, parent):
             return False
-        if parent is not None and parent not in cached:  # lost while making room
+        if parent is not None and not cached(parent):  # lost while making room
             return False
-        self._link(key, parent, size_bytes)
-        self._enter(key, t, size_bytes)
+        self._tree.link(key, parent, size_bytes)
+        self._res.enter(key, t, size_bytes)
         if not restored:  # a restored block's bytes are already in the tier
             plan.append(Step(Op.WRITE, key, None, t))
         return True
@@ -278,19 +250,19 @@ class PythonPlacement:
         if src is None or src <= t:
             return Decision(False, [])
         dst = self._tiers[t]
-        size = self._size[key]
+        size = self._tree.size_of(key)
         if not (force or dst.policy.admit(key, Admission.PROMOTE)):
             return Decision(False, [])
         plan: Plan = []
         self._holds[key] = self._holds.get(key, 0) + 1  # the source must survive the evictions made for it
         try:
-            room = self._make_room(t, size, plan, protect=self._parent.get(key))
+            room = self._make_room(t, size, plan, protect=self._tree.parent_of(key))
         finally:
             self.unhold([key])
-        if not room or key not in self._parent:
+        if not room or not self._tree.contains(key):
             return Decision(False, plan)
         self._tiers[src].policy.on_copied_up(key)
-        self._enter(key, t, size)
+        self._res.enter(key, t, size)
         dst.counters.promotions_in += 1
         plan.append(Step(Op.COPY, key, src=src, dst=t))
         return Decision(True, plan)
@@ -333,7 +305,7 @@ class PythonPlacement:
         if relaxed and not lowest:
             return True
         for k in group:
-            kids = self._children.get(k, ())
+            kids = self._tree.children_of(k)
             if not lowest or any(k in o.blocks for o in self._tiers if o is not tier):
                 if tier.kids.get(k) and any(c in tier.blocks and c not in group for c in kids):
                     return False
@@ -367,7 +339,7 @@ class PythonPlacement:
         group = dict.fromkeys(keys)  # an ordered set: evictions in the caller's order
         if not self.may_evict(t, group, protect=protect, relaxed=relaxed):
             return plan
-        for k in self._children_first(group):
+        for k in self._tree.children_first(group):
             if k in tier.blocks:  # not dropped meanwhile with a parent whose demotion failed
                 self._evict(k, t, plan)
         return plan
@@ -377,128 +349,61 @@ class PythonPlacement:
         explicit delete); with tier None every copy is gone. If no copy is
         left, its resident descendants are useless and are dropped too: the
         returned DROP steps name them (the caller deletes their bytes)."""
-        if key not in self._parent:
+        if not self._tree.contains(key):
             return []
         tiers = self.tiers_of(key) if tier is None else [tier]
         for t in tiers:
             if key in self._tiers[t].blocks:
-                self._leave(key, t)
+                self._res.leave(key, t)
         plan: Plan = []
         if not self.tiers_of(key):
             self._drop_descendants(key, plan)
         return plan
 
-    # ---- internals ---------------------------------------------------------
     def watch(self, on_link: Callable[[Key], None], on_unlink: Callable[[Key], None]) -> None:
         """Calls on_link(key) for every cached key now and whenever one
         enters the cache, on_unlink(key) when one leaves it (what `lookup`
         and `contains` answer), synchronously under the owner's lock."""
-        for key in self._parent:
-            on_link(key)
-        self._on_link, self._on_unlink = on_link, on_unlink
+        self._tree.watch(on_link, on_unlink)
 
-    def _link(self, key: Key, parent: Optional[Key], size: int) -> None:
-        if self._on_link is not None and key not in self._parent:
-            self._on_link(key)
-        self._parent[key] = parent
-        self._size[key] = size
-        if parent is not None:
-            kids = self._children.get(parent)
-            if kids is None:
-                self._children[parent] = {key: None}
-            else:
-                kids[key] = None
-
-    def _unlink(self, key: Key) -> None:
-        parent = self._parent.pop(key)
-        if self._on_unlink is not None:
-            self._on_unlink(key)
-        self._size.pop(key, None)
-        if parent is not None:
-            kids = self._children.get(parent)
-            if kids is not None:
-                kids.pop(key, None)
-                if not kids:
-                    del self._children[parent]
-
-    def _enter(self, key: Key, t: int, size: int) -> None:
-        tier = self._tiers[t]
-        blocks = tier.blocks
-        blocks[key] = size
-        tier.used += size
-        c = tier.counters
-        c.inserts += 1
-        c.bytes_written += size
-        res = self._res
-        res[key] = res.get(key, 0) | tier.bit
-        kids = self._children.get(key)
-        if kids:
-            n = sum(1 for k in kids if k in blocks)
-            if n:
-                tier.kids[key] = n
-        parent = self._parent.get(key)
-        if parent is not None and parent in blocks:
-            tier.kids[parent] = tier.kids.get(parent, 0) + 1
-        tier.policy.on_insert(key, size)
-
-    def _leave(self, key: Key, t: int) -> None:
-        tier = self._tiers[t]
-        blocks = tier.blocks
-        tier.used -= blocks.pop(key)
-        res = self._res
-        m = res[key] & ~tier.bit
-        if m:
-            res[key] = m
-        else:
-            del res[key]
-        kids = tier.kids
-        kids.pop(key, None)
-        parent = self._parent.get(key)
-        if parent is not None and parent in blocks:
-            left = kids[parent] - 1
-            if left > 0:
-                kids[parent] = left
-            else:
-                del kids[parent]
-        tier.policy.on_remove(key)
-
-    def _build_predicates(self, tier: "_Tier") -> None:
+    # ---- internals ---------------------------------------------------------
+    def _build_predicates(self, tier: TierLedger) -> None:
         """The tier's victim predicates, built once: `evictable` (what a
         policy may offer) and `relaxed` (any block that may leave the tier,
         when only parents are left). Both read the block to protect from
         `_protect[t]`, set while room is made."""
         t = tier.info.index
-        holds, pins, res, protect = self._holds, self._pins, self._res, self._protect
+        holds, pins, mask, protect = self._holds, self._pins, self._res.mask, self._protect
         kids = tier.kids
         others = ~tier.bit
 
         def relaxed(key: Key) -> bool:
-            return key != protect[t] and key not in holds and (key not in pins or res.get(key, 0) & others != 0)
+            return key != protect[t] and key not in holds and (key not in pins or mask(key) & others != 0)
 
         if not tier.info.lowest:
             def evictable(key: Key) -> bool:
                 return (key != protect[t] and key not in kids and key not in holds
-                        and (key not in pins or res.get(key, 0) & others != 0))
+                        and (key not in pins or mask(key) & others != 0))
         else:
-            children = self._children
+            has_children = self._tree.has_children
 
             def evictable(key: Key) -> bool:
                 # From the lowest tier a block leaves the cache unless another tier
                 # holds it; then its children anywhere would be orphaned.
                 if key == protect[t] or key in kids or key in holds:
                     return False
-                elsewhere = res.get(key, 0) & others
+                elsewhere = mask(key) & others
                 if key in pins and not elsewhere:
                     return False
-                return key not in children or elsewhere != 0
+                return elsewhere != 0 or not has_children(key)
 
-        tier.evictable, tier.relaxed = evictable, relaxed
+        self._evictable.append(evictable)
+        self._relaxed.append(relaxed)
 
     def _evictable_in(self, t: int, protect: Optional[Key]) -> Callable[[Key], bool]:
         """Tier t's `evictable` predicate with `protect` as the block to keep
         (for a victim search outside `_make_room`)."""
-        tier = self._tiers[t]
-        evictable, prot = tier.evictable, self._protect
+        evictable, prot = self._evictable[t], self._protect
 
         def check(key: Key) -> bool:
             saved = prot[t]
@@ -522,7 +427,7 @@ class PythonPlacement:
         prot[t] = protect
         try:
             policy = tier.policy
-            evictable, relaxed = tier.evictable, tier.relaxed
+            evictable, relaxed = self._evictable[t], self._relaxed[t]
             lowest = tier.info.lowest
             while tier.used + size > cap:
                 victim = policy.victim(evictable)
@@ -542,79 +447,46 @@ class PythonPlacement:
         tier = tiers[t]
         tier.counters.evictions += 1
         size = tier.blocks[key]
-        elsewhere = self._res[key] & ~tier.bit
+        elsewhere = self._res.mask(key) & ~tier.bit
         lower = t + 1
         if lower < len(tiers) and not elsewhere:
             below = tiers[lower]
-            needed = key in self._children  # has resident children: keep the prefix
+            needed = self._tree.has_children(key)  # has resident children: keep the prefix
             if needed or below.policy.admit(key, Admission.DEMOTE):
-                self._leave(key, t)
+                self._res.leave(key, t)
                 holds = self._holds
                 holds[key] = holds.get(key, 0) + 1
                 try:
-                    room = self._make_room(lower, size, plan, self._parent.get(key))
+                    room = self._make_room(lower, size, plan, self._tree.parent_of(key))
                 finally:
                     n = holds[key]
                     if n <= 1:
                         del holds[key]
                     else:
                         holds[key] = n - 1
-                if room and key in self._parent:
-                    self._enter(key, lower, size)
+                if room and self._tree.contains(key):
+                    self._res.enter(key, lower, size)
                     below.counters.demotions_in += 1
                     plan.append(Step(Op.MOVE, key, t, lower))
                     return
                 plan.append(Step(Op.DROP, key, t))
-                if key in self._parent:  # else lost while making room: an ancestor left the cache
+                if self._tree.contains(key):  # else lost while making room: an ancestor left the cache
                     self._drop_descendants(key, plan)
                 return
-        self._leave(key, t)
+        self._res.leave(key, t)
         plan.append(Step(Op.DROP, key, t))
         if not elsewhere:
             self._drop_descendants(key, plan)
 
-    def _children_first(self, group: dict[Key, None]) -> list[Key]:
-        """The keys of `group` ordered so that each comes after every one of
-        its descendants in the group."""
-        order: list[Key] = []
-        stack = [(k, False) for k in group if self._parent.get(k) not in group]
-        while stack:
-            k, expanded = stack.pop()
-            if expanded:
-                order.append(k)
-                continue
-            stack.append((k, True))
-            stack.extend((c, False) for c in self._children.get(k, ()) if c in group)
-        return order
-
     def _drop_descendants(self, key: Key, plan: Plan) -> None:
         """`key` left its last tier: drop its resident descendants (useless
         without it) and forget the whole subtree."""
-        children, res = self._children, self._res
-        if key not in children:  # a leaf: the common case
-            m = res.get(key, 0)
-            x = 0
-            while m:
-                if m & 1:
-                    self._leave(key, x)
-                    plan.append(Step(Op.DROP, key, x))
-                m >>= 1
-                x += 1
-            self._unlink(key)
-            return
-        stack = [key]
-        order: list[Key] = []
-        while stack:
-            k = stack.pop()
-            order.append(k)
-            kids = children.get(k)
-            if kids:
-                stack.extend(kids)
-        for k in reversed(order):  # deepest first
-            for x in self.tiers_of(k):
-                self._leave(k, x)
+        tree, res = self._tree, self._res
+        for k in tree.subtree(key):  # deepest first
+            for x in res.tiers_of(k):
+                res.leave(k, x)
                 plan.append(Step(Op.DROP, k, x))
-            self._unlink(k)
+            tree.unlink(k)
 
 
 def _release(counts: dict[Key, int], keys: Iterable[Key]) -> None:
