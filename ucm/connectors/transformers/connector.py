@@ -88,6 +88,7 @@ from ucm.connectors.transformers.namespace import build_namespace
 from ucm.connectors.transformers.prompt_rows import PromptRow
 from ucm.connectors.transformers.request_cache import UCMCache
 from ucm.connectors.transformers.restore import Restorer, RestoreFault
+from ucm.connectors.transformers.sparse import SparseDecoder
 from ucm.errors import ArgumentError, ConfigError
 from ucm.keys import block_keys
 
@@ -146,10 +147,8 @@ class TransformersConnector:
         self._restorer = Restorer(self.layout, cache=cache, front=self.front, device=self.device, dtype=self.dtype,
                                   timeout_s=float(timeout_s), guard=self._guard)
         self._guard.call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
-        self.sparse_decoder: Optional[Any] = None  # a sparse.SparseDecoder of `sparse`, which `generate` decodes with
+        self.sparse_decoder: Optional[SparseDecoder] = None  # of `sparse`: what `generate` decodes with
         if self.sparse is not None:
-            from ucm.connectors.transformers.sparse import SparseDecoder
-
             try:
                 self.sparse_decoder = SparseDecoder(self, sparse=self.sparse)
             except BaseException:

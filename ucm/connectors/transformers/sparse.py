@@ -138,7 +138,7 @@ class SparseDecodeConfig:
         object.__setattr__(self, "options", options)
 
 
-def own_accelerator(connector: Any, options: SparseOptions) -> SparseAccelerator:
+def _own_accelerator(connector: Any, options: SparseOptions) -> SparseAccelerator:
     """A SparseAccelerator of `options` over `connector`'s cache, built as
     the connector builds the one its YAML enables (its config with this one
     `sparse` entry, at the connector's block size, through the engine-side
@@ -223,9 +223,9 @@ class SparseDecoder:
             raise ArgumentError("SparseDecoder: give the accelerator or SparseDecodeConfig's options, not both")
         if sparse is None:
             if config.options is not None:
-                sparse = own_accelerator(connector, config.options)
+                sparse = _own_accelerator(connector, config.options)
             else:
-                sparse = connector.sparse or own_accelerator(connector, SparseOptions())
+                sparse = connector.sparse or _own_accelerator(connector, SparseOptions())
         lay = connector.layout
         sparse.check_block_tokens(lay.block_tokens)
         self.selector = sparse.make_selector()
