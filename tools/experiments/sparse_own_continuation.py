@@ -28,7 +28,7 @@ from ucm.bench.engines.sparse_bench import record
 from ucm.bench.engines.sparse_tasks import find_document
 
 PT, SINK, LOCAL, CTX, STEPS, EVERY = 16, 128, 256, 8192, 64, 4
-RUN = Path(__file__).resolve().parents[1] / "data" / "sparse_bench_8k_moment.json"
+RUN = Path(__file__).resolve().parents[2] / "docs" / "lab" / "data" / "sparse_bench_8k_moment.json"
 
 
 def main():

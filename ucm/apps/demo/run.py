@@ -181,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ucm.apps.model import prepare
 
     say = print if not enabled() else (lambda *x: None)  # with a bar on the terminal, its postfix says it
-    base = Path(a.config) if a.config else Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    base = Path(a.config) if a.config else Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
     if not base.is_file():
         print(f"ucm demo: no service config at {base}; pass --config configs/default.yaml of a clone",
               file=sys.stderr)

@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from ucm.apps.model import prepare
     from ucm.bench.engines.sglang_server import SGLangServer, hicache_args
 
-    shim = Path(args.cpu_shim or Path(__file__).resolve().parents[2] / "tests" / "sglang_cpu")
+    shim = Path(args.cpu_shim or Path(__file__).resolve().parents[3] / "tests" / "sglang_cpu")
     if not (shim / "sitecustomize.py").is_file():
         print(f"ucm bench sglang: no SGLang CPU shim at {shim} (--cpu-shim)", file=sys.stderr)
         return 2
