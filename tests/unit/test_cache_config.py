@@ -60,7 +60,7 @@ def test_a_construction_that_fails_after_the_tiers_opened_closes_them(tmp_path, 
     def broken(*args, **kwargs):
         raise RuntimeError("placement failed")
 
-    monkeypatch.setattr(ucm.cache.unified, "Placement", broken)  # past the tiers: nothing else fails there
+    monkeypatch.setattr(ucm.cache.unified, "make_placement", broken)  # past the tiers: nothing else fails there
     with pytest.raises(RuntimeError, match="placement failed"):
         UnifiedCache(dram_only(tmp_path))
     assert os.listdir(tmp_path) == []  # the arena file went with the failed cache
