@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ucm.errors import ConfigError
-from ucm.config.sizes import parse_size
+from ucm.config.sizes import parse_size, positive_size
 from ucm.config.validation import describe_validation_error
 
 ENV_PREFIX = "UCM_"
@@ -60,10 +60,7 @@ class TierConfig(_Strict):
     @field_validator("capacity", mode="before")
     @classmethod
     def _capacity(cls, v: Any) -> int:
-        n = parse_size(v)
-        if n <= 0:
-            raise ValueError(f"capacity must be > 0, got {v!r}")
-        return n
+        return positive_size(v)
 
 
 class PolicyConfig(_Strict):

@@ -36,6 +36,15 @@ def parse_size(value: Union[int, float, str]) -> int:
     raise ValueError(f"invalid size {value!r}; use {ALLOWED}")
 
 
+def positive_size(value: Union[int, float, str]) -> int:
+    """`parse_size`, refusing 0 (a capacity): the ValueError pydantic turns
+    into the key's message."""
+    n = parse_size(value)
+    if n <= 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+    return n
+
+
 def format_size(n: int) -> str:
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:

@@ -66,7 +66,7 @@ from ucm.accelerators.sparse.base import BUDGET_KINDS, Budget, SelectionConfig, 
 from ucm.accelerators.sparse.index import SummaryIndex
 from ucm.accelerators.sparse.selectors import SELECTORS, make_selector
 from ucm.accelerators.sparse.summaries import SummaryParts
-from ucm.config.sizes import parse_size
+from ucm.config.sizes import positive_size
 from ucm.errors import ArgumentError, ConfigError
 
 
@@ -121,10 +121,7 @@ class SparseOptions(AcceleratorOptions):
     @field_validator("summary_capacity_bytes", mode="before")
     @classmethod
     def _capacity(cls, v: Any) -> int:
-        n = parse_size(v)
-        if n <= 0:
-            raise ValueError(f"must be > 0, got {v!r}")
-        return n
+        return positive_size(v)
 
 
 class SparseAccelerator(Accelerator):
