@@ -40,6 +40,7 @@ install: $(STAMP)
 SGL_VENV  := .venv-sglang
 SGL_BIN   := $(SGL_VENV)/bin
 SGL_STAMP := $(SGL_VENV)/.installed
+SGL_DEPS  := $(SGL_VENV)/.deps
 SGL_PINS  := -c requirements/sglang-cpu-constraints.txt
 SGL_TESTS := tests/unit/connectors/hicache tests/e2e/test_sglang_connector.py
 
@@ -47,11 +48,17 @@ $(SGL_BIN)/python:
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_BIN)/python -m pip install -q --upgrade pip setuptools wheel
 
-$(SGL_STAMP): $(SGL_BIN)/python requirements/sglang-cpu.txt requirements/sglang-cpu-constraints.txt pyproject.toml setup.py $(wildcard cpp/*/*.cpp cpp/include/ucm/*.hpp)
+# SGLang's own dependencies need nothing of the main venv (they install beside it, two
+# jobs at a time under `make test`); ucm goes in editable and uses the ucm._native that
+# the main install built in this tree (the same Python), so it is compiled once.
+$(SGL_DEPS): $(SGL_BIN)/python requirements/sglang-cpu.txt requirements/sglang-cpu-constraints.txt
 	$(SGL_BIN)/python -m pip install -q torch==2.13.0
 	$(SGL_BIN)/python -m pip install -q --no-deps sglang==0.5.23
 	$(SGL_BIN)/python -m pip install -q -r requirements/sglang-cpu.txt $(SGL_PINS)
-	$(SGL_BIN)/python -m pip install -q -e '.[test]' $(SGL_PINS)
+	touch $(SGL_DEPS)
+
+$(SGL_STAMP): $(SGL_DEPS) $(STAMP)
+	UCM_NATIVE_PREBUILT=1 $(SGL_BIN)/python -m pip install -q -e '.[test]' $(SGL_PINS)
 	touch $(SGL_STAMP)
 
 $(SGL_VENV): $(SGL_STAMP)
@@ -95,7 +102,9 @@ build/test_kv_pack: cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp cpp/tests/che
 	mkdir -p build
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -Icpp/include cpp/src/kv_pack.cpp cpp/tests/test_kv_pack.cpp -o $@
 
-test-native: build/test_core build/test_placement build/test_kv_unpack build/test_kv_pack
+NATIVE_TESTS := build/test_core build/test_placement build/test_kv_unpack build/test_kv_pack
+
+test-native: $(NATIVE_TESTS)
 	./build/test_core
 	./build/test_placement
 	./build/test_kv_unpack
@@ -108,7 +117,11 @@ test-python: install system-deps
 test-sglang: $(SGL_STAMP)
 	$(SGL_BIN)/python -m pytest -q $(SGL_TESTS)
 
-test: test-native test-python test-sglang
+# The installs and the native tests' builds run two at a time (2 cores; pip's unpacking
+# and byte-compiling is one thread each), then the suites run one after another.
+test:
+	$(MAKE) -j2 --output-sync=target install $(SGL_DEPS) $(NATIVE_TESTS)
+	$(MAKE) test-native test-python test-sglang
 
 # The main job: vLLM for CPU with its prefix cache on and a KV space smaller
 # than the working set, serving interleaved documents and chats three times:

@@ -4,8 +4,10 @@ for CPU, SmolLM2-135M-Instruct, in .venv-sglang; `make test-sglang`).
 Per host layout: a cold request stores pages in ucm; after /flush_cache
 (device and host tiers emptied) the same request is served from storage
 (`cached_tokens_details`: storage > 0, device 0, UCMStorage) with the same
-tokens and logprobs within 1e-3; a fresh server process on the same ucm
-service gets the same; a new cache_salt gets no hit. On NVMe: bytes
+tokens and logprobs within 1e-3; a new cache_salt gets no hit. A fresh
+server process on the same ucm service gets the same hit (checked for one
+layout: the keys a process derives do not depend on the host layout, and a
+server start is a third of this file's time). On NVMe: bytes
 corrupted on the medium are detected and recomputed, never decoded.
 
 The server runs with tests/sglang_cpu on its PYTHONPATH (SGLang's own
@@ -121,6 +123,8 @@ def test_cold_flush_hit_restart_and_salt(tmp_path, layout):
             salted = ask(srv, cache_salt="another-tenant")
             assert salted["details"].get("storage", 0) == 0
             assert salted["ids"] == cold["ids"]
+        if layout != "page_first":
+            return
         with server(cfg, layout, tmp_path, "b") as fresh:  # a new SGLang process, the same ucm service
             again = ask(fresh)
             served_from_ucm(again, 6)
