@@ -26,7 +26,7 @@ import logging
 import threading
 from concurrent.futures import BrokenExecutor, Executor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from ucm.buffers import byte_view
 from ucm.errors import ArgumentError, ClosedError
@@ -215,6 +215,39 @@ def check_ranges(keys: Sequence[Key], offsets: Any, dsts: Any) -> tuple[list[lis
     return offset_lists, views
 
 
+# A described block's request context (ucm.cache.catalog): what its engine
+# hashes the block with besides the tokens, as strings.
+EXTRA_FIELDS = frozenset({"cache_salt", "lora_name", "lora_path"})
+MAX_BLOCK_TOKENS = 1 << 16  # tokens in one described block
+
+
+def check_blocks(blocks: Any) -> list[tuple[Key, Optional[Key], bytes, Optional[dict]]]:
+    """`blocks` as [(key, parent, tokens, extra)]: 16-byte keys, a 16-byte
+    parent or None, tokens as little-endian uint32 bytes (1 to 65536 of
+    them), extra None or a map of EXTRA_FIELDS to strings."""
+    if not isinstance(blocks, (list, tuple)):
+        raise ArgumentError(f"blocks must be a list of [key, parent, tokens, extra], got {type(blocks).__name__}")
+    out = []
+    for b in blocks:
+        if not isinstance(b, (list, tuple)) or len(b) != 4:
+            raise ArgumentError("each block must be [key, parent, tokens, extra]")
+        key, parent, tokens, extra = b
+        if not isinstance(key, (bytes, bytearray)) or len(key) != 16:
+            raise ArgumentError("a block's key must be 16 bytes")
+        if parent is not None and (not isinstance(parent, (bytes, bytearray)) or len(parent) != 16):
+            raise ArgumentError("a block's parent must be 16 bytes or None")
+        if (not isinstance(tokens, (bytes, bytearray)) or not tokens or len(tokens) % 4
+                or len(tokens) > 4 * MAX_BLOCK_TOKENS):
+            raise ArgumentError(f"a block's tokens must be 1 to {MAX_BLOCK_TOKENS} little-endian uint32 values")
+        if extra is not None:
+            if (not isinstance(extra, Mapping) or not set(extra) <= EXTRA_FIELDS
+                    or not all(isinstance(v, str) and len(v) <= 4096 for v in extra.values())):
+                raise ArgumentError(f"a block's extra must map some of {sorted(EXTRA_FIELDS)} to strings")
+            extra = dict(extra) or None
+        out.append((bytes(key), None if parent is None else bytes(parent), bytes(tokens), extra))
+    return out
+
+
 def check_output_tokens(value: Any) -> int:
     """`finish`'s output_tokens: an int >= 0, else ArgumentError."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -307,6 +340,18 @@ class CacheAPI(Protocol):
     def finish(self, keys: Sequence[Key], output_tokens: int, request_id: Optional[str] = None) -> None:
         """Hint: the request over `keys` finished after `output_tokens`
         generated tokens (and its `request_id` is done with)."""
+
+    def describe(self, blocks: Sequence[Any]) -> None:
+        """Describes blocks an engine stores, for the KV events routers
+        read: [key, parent, tokens, extra] each (ucm.cache.catalog)."""
+
+    def events(self, since: int, epoch: Optional[int], limit: int = 256) -> dict:
+        """The block catalog's changes after `since` for a reader of `epoch`
+        ({"epoch", "next", "events", "reset"}; ucm.cache.catalog)."""
+
+    def holdings(self, offset: int, limit: int = 256) -> dict:
+        """The held described blocks from `offset` ({"blocks",
+        "next_offset", "done"}), what a reader told to reset reads first."""
 
     def stats(self) -> dict[str, Any]: ...
 

@@ -86,6 +86,11 @@ class StorageAdapter(abc.ABC):
     # True for a medium other nodes write to as well (a cluster store): the
     # cache asks it directly for blocks it has no record of.
     shared: ClassVar[bool] = False
+    # The medium routers credit this tier's blocks as, in the KV events'
+    # words (ucm.cache.catalog; docs/operations.md, "KV events"): CPU_TIER1
+    # for host memory, DISK for a local drive, EXTERNAL for a store off the
+    # node. None: the tier's blocks are not advertised.
+    kv_medium: ClassVar[Optional[str]] = None
     # True when put, get (and get_range) also take contiguous torch tensors on
     # an accelerator as sources and destinations, and a put's copy is done
     # when it returns (the `hbm` tier). A cache whose every tier says so

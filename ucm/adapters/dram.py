@@ -72,6 +72,7 @@ class DramAdapter(SharedSlots, RangeReads):
     """Blobs in fixed-size slots of a shared-memory arena."""
 
     name = "dram"
+    kv_medium = "CPU_TIER1"
     Config = DramConfig
 
     def __init__(self, capacity_bytes: int, config: Optional[DramConfig] = None) -> None:

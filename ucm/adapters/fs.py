@@ -113,6 +113,7 @@ class FsAdapter(BudgetedAdapter, RangeReads):
     """Blocks as files in a sharded tree on a (shared) file system."""
 
     name = "fs"
+    kv_medium = "DISK"
     Config = FsConfig
 
     def __init__(self, capacity_bytes: int, config: FsConfig) -> None:

@@ -40,6 +40,7 @@ def _torch():
 
 class HbmAdapter(RangeReads):
     name = "hbm"
+    kv_medium = "CPU_TIER1"  # a pool beside the engine's pages, copied in like host memory
     Config = HbmConfig
     device_buffers = True
 

@@ -114,6 +114,7 @@ class RedisAdapter(BudgetedAdapter):
     """Framed blocks in a shared Redis/Valkey server."""
 
     name = "redis"
+    kv_medium = "EXTERNAL"
     Config = RedisConfig
 
     def __init__(self, capacity_bytes: int, config: RedisConfig,

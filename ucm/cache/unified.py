@@ -40,10 +40,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from ucm.accelerators.base import RequestFinished, RequestSeen
 from ucm.accelerators.chain import Accelerators
 from ucm.adapters.base import SharedSlots, StorageAdapter, load_adapter_class
-from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_request_id, check_timeout, submit)
+from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_blocks, check_keys, check_output_tokens,
+                     check_parent, check_request_id, check_timeout, submit)
 from ucm.buffers import block_buffer
 from ucm.cache.blocks import BlockIO
+from ucm.cache.catalog import BlockCatalog
 from ucm.cache.core import CacheCore
 from ucm.cache.counters import Counters
 from ucm.cache.ranges import RangeReader
@@ -104,6 +105,7 @@ class UnifiedCache:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._slots: Optional[SlotAccess] = None
         self._reclaimer: Optional[HeadroomReclaimer] = None
+        self.catalog: Optional[BlockCatalog] = None
         try:
             self._open(cfg)
         except BaseException:
@@ -112,8 +114,11 @@ class UnifiedCache:
 
     def _open(self, cfg: UcmConfig) -> None:
         self.layouts = LayoutBook()
+        media = {}
         for i, tier in enumerate(cfg.tiers):
             cls = load_adapter_class(tier.adapter)
+            if cls.kv_medium:
+                media[tier.adapter] = cls.kv_medium
             self.adapters.append(self._tier_factory(i, cls, tier.capacity, adapter_options(tier, i)))
             if tier.codec != "none":  # the codec's tier: encoded below, raw above (ucm/codecs/tier.py)
                 self.adapters[i] = with_codec(self.adapters[i], tier.codec, i, self.layouts)
@@ -143,6 +148,9 @@ class UnifiedCache:
             self._reclaimer = HeadroomReclaimer(core, headroom)
             core.wake_reclaim = self._reclaimer.wake
         self.accelerators = core.accelerators = Accelerators.build(cfg, self)
+        ev = cfg.events
+        self.catalog = (BlockCatalog(self.locate, media, max_blocks=ev.max_blocks, journal=ev.journal)
+                        if ev.enabled else None)
 
     # ---- queries -----------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -269,6 +277,27 @@ class UnifiedCache:
         if self.accelerators:
             self.accelerators.request_finished(RequestFinished(request_id, tuple(keys), output_tokens))
 
+    # ---- the block catalog (KV events) ---------------------------------------
+    def describe(self, blocks: Sequence[Any]) -> None:
+        """Descriptions of blocks an engine stores, for the KV events
+        (ucm.cache.catalog.check_blocks: [key, parent, tokens, extra])."""
+        blocks = check_blocks(blocks)
+        if self.catalog is not None:
+            self.catalog.describe(blocks)
+
+    def events(self, since: int, epoch: Optional[int], limit: int = 256) -> dict:
+        """The catalog's changes after `since` (BlockCatalog.events); with
+        `events.enabled` off, never any."""
+        if self.catalog is None:
+            return {"epoch": 0, "next": 0, "events": [], "reset": False}
+        return self.catalog.events(int(since), epoch, max(1, min(int(limit), 4096)))
+
+    def holdings(self, offset: int, limit: int = 256) -> dict:
+        """The held described blocks from `offset` (BlockCatalog.holdings)."""
+        if self.catalog is None:
+            return {"blocks": [], "next_offset": 0, "done": True}
+        return self.catalog.holdings(max(0, int(offset)), max(1, min(int(limit), 4096)))
+
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Makes the tiers' headroom, then waits until buffered writes of
         every tier are on their medium."""
@@ -375,7 +404,8 @@ class UnifiedCache:
             tiers[name]["range_bytes"] = counts.pop(f"range_bytes.{name}", 0)
             tiers[name]["served_blocks"] = counts.pop(f"served_blocks.{name}", 0)
         return {"tiers": tiers, **counts, "requests": requests, "open_requests": open_requests,
-                "accelerators": self.accelerators.stats()}
+                "accelerators": self.accelerators.stats(),
+                "catalog": self.catalog.stats() if self.catalog is not None else None}
 
     # ---- internals ---------------------------------------------------------
 

@@ -117,6 +117,13 @@ class ServiceConfig(_Strict):
         return parse_size(v)
 
 
+class EventsConfig(_Strict):
+    # The block catalog behind the KV events routers read (ucm.cache.catalog).
+    enabled: bool = True
+    max_blocks: int = Field(default=1 << 16, ge=1, le=1 << 24)  # block descriptions kept (token ids: 4 bytes each)
+    journal: int = Field(default=1 << 16, ge=16, le=1 << 24)  # changes kept for readers that fall behind
+
+
 class UcmConfig(_Strict):
     block_tokens: int = Field(default=256, gt=0)  # tokens per block; a multiple of the engine's page size
     tiers: tuple[TierConfig, ...] = (
@@ -128,6 +135,7 @@ class UcmConfig(_Strict):
     io_workers: int = Field(default=4, ge=1, le=64)  # threads running asynchronous loads and stores
     service: ServiceConfig = ServiceConfig()
     accelerators: tuple[AcceleratorConfig, ...] = ()  # in the order their hooks run
+    events: EventsConfig = EventsConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "UcmConfig":

@@ -86,10 +86,12 @@ def handlers(cache):
 
 def test_ops_that_may_touch_an_adapter_are_blocking():
     blocking = {name for name, spec in OPS.items() if spec.blocking}
-    assert blocking == {"lookup", "locate", "reserve", "abort", "acquire", "prefetch", "stats", "flush", "stream"}
+    # events: the catalog's sweep locates blocks, and a shared tier answers over the network
+    assert blocking == {"lookup", "locate", "reserve", "abort", "acquire", "prefetch", "stats", "flush", "stream",
+                        "events"}
     # commit publishes filled arena slots in memory; its reclaim runs on the reclaim thread
     assert set(OPS) - blocking == {"hello", "layout", "begin", "commit", "release", "pin", "unpin", "finish",
-                                   "stream_release"}
+                                   "stream_release", "describe", "holdings"}
 
 
 @pytest.fixture

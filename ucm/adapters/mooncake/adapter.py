@@ -105,6 +105,7 @@ class MooncakeAdapter(BudgetedAdapter):
     """Framed blocks in a Mooncake Store pool."""
 
     name = "mooncake"
+    kv_medium = "EXTERNAL"
     Config = MooncakeConfig
 
     def __init__(self, capacity_bytes: int, config: MooncakeConfig,

@@ -109,6 +109,7 @@ class NvmeAdapter(NvmeReads, NvmeRecovery, RangeReads, PaddedReads):
     reclaiming writer reads its victim region with it released."""
 
     name = "nvme"
+    kv_medium = "DISK"
     Config = NvmeConfig
     read_unit = ALIGN  # PaddedReads: every block's extent on the medium is whole pages
 

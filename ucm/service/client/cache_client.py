@@ -51,8 +51,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 from ucm import _native
-from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_keys, check_output_tokens, check_parent,
-                     check_ranges, check_request_id, check_sizes, check_timeout, submit)
+from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_blocks, check_keys, check_output_tokens,
+                     check_parent, check_ranges, check_request_id, check_sizes, check_timeout, submit)
 from ucm.buffers import byte_view
 from ucm.codecs.layout import KvLayout
 from ucm.config.schema import UcmConfig
@@ -65,6 +65,8 @@ from ucm.service.client.link import Link, ServiceUnavailable
 __all__ = ["CacheClient", "ServiceUnavailable"]
 
 log = logging.getLogger(__name__)
+
+DESCRIBE_BATCH = 512  # block descriptions per frame (about 1 KiB each for 256 tokens)
 
 
 class CacheClient:
@@ -152,6 +154,21 @@ class CacheClient:
 
     def stats(self) -> dict[str, Any]:
         return self._try("stats", {}, {"available": False})
+
+    # The block catalog (KV events). A fault answers "available": False: the
+    # reader cannot tell what the service holds (ucm.connectors.kv_events).
+    def describe(self, blocks: Sequence[Any]) -> None:
+        blocks = check_blocks(blocks)
+        for i in range(0, len(blocks), DESCRIBE_BATCH):
+            self._try("describe", {"blocks": [list(b) for b in blocks[i:i + DESCRIBE_BATCH]]}, None)
+
+    def events(self, since: int, epoch: Optional[int], limit: int = 256) -> dict:
+        return self._try("events", {"since": int(since), "epoch": epoch, "limit": int(limit)},
+                         {"available": False, "epoch": None, "next": 0, "events": [], "reset": True})
+
+    def holdings(self, offset: int, limit: int = 256) -> dict:
+        return self._try("holdings", {"offset": int(offset), "limit": int(limit)},
+                         {"available": False, "blocks": [], "next_offset": 0, "done": True})
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         timeout_s = check_timeout(timeout_s, "flush: timeout_s")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ucm import __version__
-from ucm.api import check_timeout
+from ucm.api import check_blocks, check_timeout
 from ucm.codecs.layout import KvLayout
 from ucm.errors import ArgumentError, UcmError
 from ucm.layer_stream import word_count
@@ -356,6 +356,28 @@ class ServiceHandlers:
         keys = self._keys(args, {"keys", "output_tokens", "request_id"})
         tokens = proto.int_arg(args, "output_tokens", 0, 1 << 40)
         self.cache.finish(keys, tokens, request_id=proto.request_id_arg(args))
+
+    @op("describe", blocking=False)  # the block catalog, in memory only
+    def _describe(self, conn: ConnState, args: Any) -> None:
+        proto.check_args(args, {"blocks"})
+        blocks = args.get("blocks")
+        if not isinstance(blocks, list) or len(blocks) > self.max_keys:
+            raise proto.ProtocolError(f"blocks: expected a list of at most {self.max_keys} blocks")
+        self.cache.describe(check_blocks(blocks))
+
+    @op("events", blocking=True)  # its sweep locates blocks: a shared tier's `contains` goes over the network
+    def _events(self, conn: ConnState, args: Any) -> dict:
+        proto.check_args(args, {"since", "epoch", "limit"})
+        epoch = args.get("epoch")
+        if epoch is not None:
+            epoch = proto.int_arg(args, "epoch", 0, (1 << 63) - 1)
+        return self.cache.events(proto.int_arg(args, "since", 0, (1 << 63) - 1), epoch,
+                                 proto.int_arg(args, "limit", 1, 4096))
+
+    @op("holdings", blocking=False)  # the block catalog, in memory only
+    def _holdings(self, conn: ConnState, args: Any) -> dict:
+        proto.check_args(args, {"offset", "limit"})
+        return self.cache.holdings(proto.int_arg(args, "offset", 0, 1 << 40), proto.int_arg(args, "limit", 1, 4096))
 
     @op("stats", blocking=True)  # every adapter's stats (nvme's take its lock)
     def _stats(self, conn: ConnState, args: Any) -> dict:
