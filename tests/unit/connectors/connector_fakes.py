@@ -36,6 +36,7 @@ class FakeCache:
         self.reserving = threading.Event()
         self.closed = False
         self.layouts = []  # KvLayouts registered, in order
+        self.described = []  # block descriptions (describe), in order
 
     def _check(self, name):
         if name in self.broken:
@@ -161,6 +162,19 @@ class FakeCache:
             else:
                 out.append(Outcome.MISSING)
         h.resolve(out)
+
+    # The block catalog: descriptions are recorded; no changes are ever journaled.
+    def describe(self, blocks):
+        self._check("describe")
+        self.described.extend(blocks)
+
+    def events(self, since, epoch, limit=256):
+        self._check("events")
+        return {"epoch": 1, "next": 0, "events": [], "reset": epoch != 1}
+
+    def holdings(self, offset, limit=256):
+        self._check("holdings")
+        return {"blocks": [], "next_offset": 0, "done": True}
 
     def stats(self):
         return {}

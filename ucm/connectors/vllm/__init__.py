@@ -172,6 +172,10 @@ class UCMConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         return self.scheduler_side.get_external_cache_hit_sources(request, num_external_tokens)
 
+    def take_events(self) -> list:
+        """The blocks ucm holds, as KV events in vLLM's stream (kv_events.py)."""
+        return self.scheduler_side.take_events() if self._scheduler is not None else []
+
     # ---- worker side (worker process) ------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)

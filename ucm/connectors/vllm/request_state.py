@@ -6,7 +6,7 @@ PrefetchPolicy (prefetch_policy.py) moving the staging fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ucm.api import Handle, Key
 from ucm.connectors.vllm.settings import ConnectorSettings
@@ -41,3 +41,5 @@ class ReqState:
     pin_charge: int = 0  # of its pins, those the waiting-pin cap counts (0 once allocated)
     room_since: float = 0.0  # monotonic time it began waiting for room under the cap; -1: waited once
     room_deadline: float = 0.0
+    tokens: Optional[Any] = None  # the prompt's token ids, kept when the KV events describe its blocks
+    extra: Optional[dict] = None  # and the context they are hashed with (kv_events.request_extra)

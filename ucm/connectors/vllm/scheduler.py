@@ -38,7 +38,6 @@ The state machine of one request (`request_state.ReqState`):
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -47,6 +46,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
+from ucm.connectors.vllm.kv_events import EngineEvents, events_for, request_extra, request_seed
 from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
@@ -114,6 +114,8 @@ class UCMSchedulerSide:
         self.stagings = PrefetchPolicy(self._prefetch, landing_tier=landing_tier, block_tokens=self.block_tokens,
                                        max_staging_blocks=max_staging_blocks)
         self.bad_request_settings = 0  # requests whose kv_transfer_params overrides were refused
+        # The cache's blocks as KV events (kv_events.py), when vLLM publishes them.
+        self.events: Optional[EngineEvents] = None
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: "UcmConfig",
@@ -139,6 +141,7 @@ class UCMSchedulerSide:
                    can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer,
                    max_staging_blocks=max(1, landing_bytes // 2 // block_bytes),  # half of it: the staging budget
                    below_tiers=frozenset(names[names.index(config.landing_tier) + 1:]))
+        side.events = events_for(vllm_config, cache, namespace)
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
@@ -172,12 +175,9 @@ class UCMSchedulerSide:
         (prompt embeddings, multimodal inputs)."""
         if request.prompt_token_ids is None or request.mm_features:
             return None
-        salt = []
-        if request.cache_salt:
-            salt.append(f"salt={request.cache_salt}")
-        if request.lora_request is not None:
-            salt.append(f"lora={request.lora_request.lora_name}")
-        seed = dataclasses.replace(self.namespace, salt=";".join(salt)).digest() if salt else self._seed
+        lora = request.lora_request
+        seed = (request_seed(self.namespace, request.cache_salt, lora.lora_name if lora is not None else None)
+                if request.cache_salt or lora is not None else self._seed)
         return block_keys(seed, request.prompt_token_ids, self.block_tokens)
 
     def request_settings(self, request: "Request") -> ConnectorSettings:
@@ -203,6 +203,8 @@ class UCMSchedulerSide:
         if keys is None:
             return None
         st = self._reqs[request.request_id] = _ReqState(keys=keys, settings=self.request_settings(request))
+        if self.events is not None:
+            st.tokens, st.extra = request.prompt_token_ids, request_extra(request)
         if keys:
             self._ask("begin_request", None, self._cache.begin_request, request.request_id, keys)
         return st
@@ -422,6 +424,8 @@ class UCMSchedulerSide:
             page_ids=[st.page_ids[b * ppb:(b + 1) * ppb] for b in range(b0, full)],
             parent=st.keys[b0 - 1] if b0 else None,
         ))
+        if self.events is not None:  # what the KV events tell of these blocks once they are held
+            self.events.describe(st.keys, st.tokens, st.extra, b0, full)
         st.next_store = full
         st.stores_issued = True
         self._saving_keys.setdefault(req_id, []).extend(st.keys[b0:full])
@@ -472,6 +476,11 @@ class UCMSchedulerSide:
         below = any(t not in (self._landing, PENDING) for t in st.hit_tiers)
         return {CacheHitSource.DISK if below else CacheHitSource.HOST: num_external_tokens}
 
+    def take_events(self) -> list:
+        """The cache's block changes since the last call as vLLM KV events
+        (none unless vLLM publishes events); never raises into vLLM."""
+        return self.events.take() if self.events is not None else []
+
     def staging_stats(self) -> dict[str, float]:
         """The prefetch policy's figures (a snapshot): stagings and blocks
         issued, stagings that came back short or late, requests given up,
@@ -487,3 +496,5 @@ class UCMSchedulerSide:
         for st in self._reqs.values():
             self._unpin(st)
         self._reqs.clear()
+        if self.events is not None:
+            self.events.close()
