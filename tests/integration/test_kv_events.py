@@ -190,3 +190,43 @@ def test_a_shared_service_advertises_to_every_engine_and_a_restart_never_leaves_
     finally:
         a.close()
         b.close()
+
+
+class SlowCatalog:
+    """A cache whose `events` hangs until released (a service under load)."""
+
+    def __init__(self):
+        import threading
+        self.release = threading.Event()
+        self.calls = 0
+        self.returned = False
+
+    def describe(self, blocks):
+        pass
+
+    def events(self, since, epoch, limit=256):
+        self.calls += 1
+        self.release.wait(30)
+        self.returned = True
+        return {"epoch": 1, "next": 0, "events": [], "reset": epoch != 1}
+
+    def holdings(self, offset, limit=256):
+        return {"blocks": [], "next_offset": 0, "done": True}
+
+
+def test_a_slow_cache_never_blocks_the_engines_take():
+    import time
+
+    slow = SlowCatalog()
+    r = TierEventReader(slow, lambda extra: SEED, BT, hash_pages, poll_s=0.01)
+    try:
+        assert r.take() == []  # starts the poll thread, which hangs in `events`
+        deadline = time.monotonic() + 5
+        while slow.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(100):
+            assert r.take() == []
+        assert slow.calls == 1 and not slow.returned  # the engine's takes went on while the poll waited
+    finally:
+        slow.release.set()
+        r.close()
