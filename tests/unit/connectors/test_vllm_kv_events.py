@@ -82,3 +82,60 @@ def test_no_reader_unless_vllm_publishes_events():
     assert events_for(cfg, object(), Namespace(model="m", kv_dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=64, block_tokens=256)) is None
     cfg.kv_events_config = None
     assert events_for(cfg, object(), Namespace(model="m", kv_dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=64, block_tokens=256)) is None
+
+
+def test_the_scheduler_describes_the_blocks_it_saves_and_publishes_the_caches_changes():
+    """The scheduler side with KV events on, over a real cache: the saves it
+    plans describe their blocks (tokens, parents, the request's salt), and
+    once the blocks are held take_events answers vLLM BlockStored events with
+    the engine's own hashes of the request's pages."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+    from vllm.v1.request import Request
+
+    from ucm.cache.unified import UnifiedCache
+    from ucm.connectors.kv_events import TierEventReader
+    from ucm.connectors.vllm.kv_events import EngineEvents, page_hasher, request_seed
+    from ucm.connectors.vllm.scheduler import UCMSchedulerSide
+    from ucm.keys import Namespace
+
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    ns = Namespace(model="test-model", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=16,
+                   block_tokens=2 * PAGE, layout=f"vllm-cpu-page{PAGE}")
+    with UnifiedCache({"block_tokens": 2 * PAGE, "tiers": [{"adapter": "dram", "capacity": "4MiB"}]}) as cache:
+        cache.catalog.min_sweep_s = 0
+        side = UCMSchedulerSide(cache, ns, page_tokens=PAGE, landing_tier="dram", max_waiting_pin_blocks=8)
+        reader = TierEventReader(cache, lambda extra: request_seed(ns, (extra or {}).get("cache_salt"), None),
+                                 2 * PAGE, page_hasher(vllm_config()), threaded=False)
+        side.events = EngineEvents(reader, PAGE)
+        tokens = list(range(5, 5 + 3 * 2 * PAGE + 7))
+        req = Request("r1", tokens, SamplingParams(max_tokens=4), None, cache_salt="tenant",
+                      block_hasher=get_request_block_hasher(PAGE, get_hash_fn_by_name("sha256")))
+        keys = side.request_keys(req)
+        side.get_num_new_matched_tokens(req, 0)
+        pages = list(range(10, 17))
+        side.update_state_after_alloc(req, _blocks(pages), 0)
+        [job] = side.build_connector_meta(_output(new=[("r1", pages, 0, len(tokens))])).stores
+        reader.poll()  # the descriptions reach the cache
+        cache.store(job.keys, [bytes(1024)] * len(job.keys)).wait(10)
+        reader.poll()
+        events = side.take_events()
+        assert [type(e) for e in events] == [BlockStored] * 3 and keys == job.keys
+        assert [h for e in events for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in req.block_hashes]
+        assert [t for e in events for t in e.token_ids] == tokens[:3 * 2 * PAGE]
+        assert events[0].extra_keys == [("tenant",), None] and events[0].medium == "CPU_TIER1"
+        assert side.take_events() == []
+
+
+def _blocks(page_ids):
+    from test_vllm_scheduler import _blocks as blocks
+
+    return blocks(page_ids)
+
+
+def _output(**kw):
+    from test_vllm_scheduler import _output as output  # vLLM's SchedulerOutput, as the scheduler tests build it
+
+    return output(**kw)
