@@ -76,7 +76,7 @@ def cache_cfg(nvme_dir):
 
 def test_the_medium_follows_a_block_from_dram_to_nvme_back_and_out(nvme_dir):
     with UnifiedCache(cache_cfg(nvme_dir)) as c:
-        c.catalog.min_sweep_s = 0
+        c.catalog.min_sweep_s, c.catalog.sweep_share = 0, 1.0
         r = reader(c)
         toks, keys = prompt(40, 1)  # 40 x 64 KiB > 1 MiB of DRAM: the first ones go down to NVMe
         describe(r, toks, keys)
@@ -123,7 +123,7 @@ def test_the_medium_follows_a_block_from_dram_to_nvme_back_and_out(nvme_dir):
 
 def test_another_namespaces_blocks_and_orphans_are_not_advertised(nvme_dir):
     with UnifiedCache(cache_cfg(nvme_dir)) as c:
-        c.catalog.min_sweep_s = 0
+        c.catalog.min_sweep_s, c.catalog.sweep_share = 0, 1.0
         mine, theirs = reader(c), reader(c, seed=bytes(16))
         toks, keys = prompt(3, 3)
         describe(mine, toks, keys, first=1)  # the first block's description comes later

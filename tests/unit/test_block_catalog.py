@@ -33,7 +33,7 @@ def kinds(page):
 
 def test_a_described_block_is_journaled_as_it_enters_moves_and_leaves():
     where = Where()
-    cat = BlockCatalog(where, MEDIA, min_sweep_s=0)
+    cat = BlockCatalog(where, MEDIA, min_sweep_s=0, sweep_share=1.0)
     cat.describe([block(1), block(2, 1)])
     first = cat.events(0, None)
     assert first["reset"] and first["events"] == []  # a new reader starts from the holdings
@@ -56,7 +56,7 @@ def test_a_described_block_is_journaled_as_it_enters_moves_and_leaves():
 
 def test_a_reader_of_another_epoch_or_too_far_behind_is_told_to_reset():
     where = Where()
-    cat = BlockCatalog(where, MEDIA, journal=16, min_sweep_s=0)
+    cat = BlockCatalog(where, MEDIA, journal=16, min_sweep_s=0, sweep_share=1.0)
     epoch = cat.events(0, None)["epoch"]
     assert cat.events(0, epoch ^ 1)["reset"]
     for i in range(40):  # 40 changes: more than the journal keeps
@@ -78,7 +78,7 @@ def test_a_reader_of_another_epoch_or_too_far_behind_is_told_to_reset():
 
 def test_paging_through_the_journal_loses_nothing():
     where = Where()
-    cat = BlockCatalog(where, MEDIA, min_sweep_s=0)
+    cat = BlockCatalog(where, MEDIA, min_sweep_s=0, sweep_share=1.0)
     first = cat.events(0, None)
     cat.describe([block(i) for i in range(10)])
     where.tier.update({key(i): "dram" for i in range(10)})
@@ -94,7 +94,7 @@ def test_paging_through_the_journal_loses_nothing():
 
 def test_bounds_the_oldest_description_goes_and_a_store_that_never_landed_is_forgotten():
     where = Where()
-    cat = BlockCatalog(where, MEDIA, max_blocks=2, min_sweep_s=0, pending_s=0.0)
+    cat = BlockCatalog(where, MEDIA, max_blocks=2, min_sweep_s=0, sweep_share=1.0, pending_s=0.0)
     e = cat.events(0, None)
     cat.describe([block(1)])
     where.tier[key(1)] = "dram"
@@ -108,7 +108,7 @@ def test_bounds_the_oldest_description_goes_and_a_store_that_never_landed_is_for
 
 def test_a_tier_without_a_medium_is_not_advertised():
     where = Where()
-    cat = BlockCatalog(where, {"nvme": "DISK"}, min_sweep_s=0)
+    cat = BlockCatalog(where, {"nvme": "DISK"}, min_sweep_s=0, sweep_share=1.0)
     e = cat.events(0, None)
     cat.describe([block(1)])
     where.tier[key(1)] = "dram"
@@ -129,3 +129,25 @@ def test_a_tier_without_a_medium_is_not_advertised():
 def test_bad_descriptions_get_a_typed_error_naming_the_field(bad, what):
     with pytest.raises(ArgumentError, match=what):
         check_blocks(bad)
+
+
+def test_sweeps_keep_to_their_share_of_a_core_however_often_readers_ask():
+    import time
+
+    class SlowWhere(Where):
+        def __call__(self, keys):
+            time.sleep(0.02)  # a large catalog's locate
+            return super().__call__(keys)
+
+    where = SlowWhere()
+    cat = BlockCatalog(where, MEDIA, min_sweep_s=0, sweep_share=0.05)
+    e = cat.events(0, None)
+    cat.describe([block(1)])
+    where.tier[key(1)] = "dram"
+    cat.sweep(force=True)  # a 20 ms sweep: the next may run only 380 ms after it
+    before = cat.stats()["sweeps"]
+    for _ in range(5):  # readers asking again at once
+        assert kinds(cat.events(e["next"], e["epoch"])) == [("stored", 1, "CPU_TIER1")]
+    assert cat.stats()["sweeps"] == before
+    cat.sweep(force=True)
+    assert cat.stats()["sweeps"] == before + 1

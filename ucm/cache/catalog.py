@@ -3,11 +3,11 @@
 An engine's connector describes the blocks it stores (`describe`: each
 block's key, its parent's key, its token ids and the request context the
 engine hashes with). The catalog keeps those descriptions, finds the tier
-each described block sits in (`sweep`, through the cache's `locate`, at
-most every `min_sweep_s`, when a reader asks), and journals every change:
-a block that entered a tier or moved to another (`stored`, with its
-description and the tier's KV-event medium) and one that left every tier
-(`removed`). Readers page through the journal (`events`); one that is too
+each described block sits in (`sweep`, through the cache's `locate`, when
+a reader asks: at most every `min_sweep_s`, and less often when the
+catalog is large), and journals every change: a block that entered a
+tier or moved to another (`stored`, with its description and the tier's
+KV-event medium) and one that left every tier (`removed`). Readers page through the journal (`events`); one that is too
 far behind, or that read another instance's journal (`epoch`), is told to
 `reset` and reads the current holdings (`holdings`) before it goes on.
 
@@ -47,7 +47,7 @@ class BlockCatalog:
 
     def __init__(self, locate: Callable[[list[Key]], list[Optional[str]]], media: Mapping[str, str], *,
                  max_blocks: int = 1 << 16, journal: int = 1 << 16, min_sweep_s: float = 0.05,
-                 pending_s: float = 60.0) -> None:
+                 sweep_share: float = 0.05, pending_s: float = 60.0) -> None:
         """`locate`: the cache's fastest tier per key (None: no tier);
         `media`: each tier's KV-event medium (a tier missing from it is not
         advertised)."""
@@ -55,6 +55,7 @@ class BlockCatalog:
         self.media = dict(media)
         self.max_blocks = max_blocks
         self.min_sweep_s = min_sweep_s
+        self.sweep_share = sweep_share  # of a core, at most, that sweeps take
         self.pending_s = pending_s
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1  # this instance's journal
         self._lock = threading.Lock()
@@ -62,7 +63,7 @@ class BlockCatalog:
         self._blocks: OrderedDict[Key, _Entry] = OrderedDict()
         self._journal: deque = deque(maxlen=journal)  # (seq, kind, key, tier, entry)
         self._seq = 0  # the seq of the last event journaled
-        self._last_sweep = 0.0
+        self._next_sweep = 0.0  # monotonic time before which no sweep runs unforced
         self.counts = {"described": 0, "stored": 0, "removed": 0, "forgotten": 0, "sweeps": 0}
 
     # ---- writers -----------------------------------------------------------------
@@ -88,14 +89,17 @@ class BlockCatalog:
         self.counts[kind] += 1
 
     def sweep(self, force: bool = False) -> None:
-        """Finds every described block's tier and journals the changes (at
-        most every `min_sweep_s` unless forced; one sweep at a time)."""
-        if not force and time.monotonic() - self._last_sweep < self.min_sweep_s:
+        """Finds every described block's tier and journals the changes. At
+        most one sweep at a time and, unless forced, none before
+        `min_sweep_s` after the last, nor so soon that sweeps take more
+        than `sweep_share` of a core: a sweep costs a locate per described
+        block, however many readers ask."""
+        if not force and time.monotonic() < self._next_sweep:
             return
         with self._sweeping:
-            if not force and time.monotonic() - self._last_sweep < self.min_sweep_s:
+            if not force and time.monotonic() < self._next_sweep:
                 return
-            self._last_sweep = time.monotonic()
+            t0 = time.monotonic()
             with self._lock:
                 keys = list(self._blocks)
             for i in range(0, len(keys), SWEEP_BATCH):
@@ -120,6 +124,8 @@ class BlockCatalog:
                         else:
                             e.tier = tier
                             self._log("stored", key, tier, e)
+            done = time.monotonic()
+            self._next_sweep = done + max(self.min_sweep_s, (done - t0) * (1 / self.sweep_share - 1))
             self.counts["sweeps"] += 1
 
     # ---- readers -----------------------------------------------------------------

@@ -105,7 +105,7 @@ def test_the_scheduler_describes_the_blocks_it_saves_and_publishes_the_caches_ch
     ns = Namespace(model="test-model", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=16,
                    block_tokens=2 * PAGE, layout=f"vllm-cpu-page{PAGE}")
     with UnifiedCache({"block_tokens": 2 * PAGE, "tiers": [{"adapter": "dram", "capacity": "4MiB"}]}) as cache:
-        cache.catalog.min_sweep_s = 0
+        cache.catalog.min_sweep_s, cache.catalog.sweep_share = 0, 1.0
         side = UCMSchedulerSide(cache, ns, page_tokens=PAGE, landing_tier="dram", max_waiting_pin_blocks=8)
         reader = TierEventReader(cache, lambda extra: request_seed(ns, (extra or {}).get("cache_salt"), None),
                                  2 * PAGE, page_hasher(vllm_config()), threaded=False)
