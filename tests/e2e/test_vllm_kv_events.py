@@ -1,17 +1,19 @@
 """End to end: ucm's blocks in vLLM's own KV event stream (issue 46).
 
-vLLM for CPU with SmolLM2, ucm's connector over DRAM (6 blocks) and NVMe
-(12 blocks), and vLLM's `kv_events_config` publishing over ZMQ (an ipc
-socket: nothing listens on a network). Document A is asked, then five
-other documents push it down to NVMe and then out of ucm. A subscriber
-decodes every batch with vLLM's own msgspec types.
+vLLM for CPU with SmolLM2: two engines on one ucm service (DRAM of 6
+blocks over NVMe of 12), each publishing vLLM's `kv_events_config` stream
+over ZMQ (ipc sockets: nothing listens on a network). Document A is asked
+of engine 1, then five other documents push it down to NVMe and then out
+of ucm; engine 2 only gets short requests. A subscriber per engine decodes
+every batch with vLLM's own msgspec types.
 
 Must hold: ucm's `BlockStored` events for A carry exactly the hashes,
-parent links and token ids of the engine's own GPU-tier events for the
-same pages; A's medium goes CPU_TIER1 -> DISK -> removed, each move a
-removal from the old medium before the store in the new one; at the end
-ucm claims none of A's pages. The file is also the driver (vLLM needs the
-`__main__` guard)."""
+parent links and token ids of engine 1's own GPU-tier events for the same
+pages; A's medium goes CPU_TIER1 -> DISK -> removed, each move a removal
+from the old medium before the store in the new one; at the end ucm
+claims none of A's pages; engine 2's stream advertises A's blocks too
+(the shared service's), with the same hashes. The file is also the driver
+(vLLM needs the `__main__` guard)."""
 from __future__ import annotations
 
 import importlib.util
@@ -65,6 +67,9 @@ def test_ucm_blocks_carry_the_engines_hashes_and_follow_their_tier(tmp_path):
         assert trail[0] == ("BlockStored", "CPU_TIER1"), trail
         assert ("BlockStored", "DISK") in trail, trail
         assert trail[-1] == ("BlockRemoved", "DISK") and held is None, trail
+    # Engine 2 never saw A, yet advertises A's blocks from the shared service, with the same hashes.
+    other = [h for e in r["engine2_ucm_events"] if e["type"] == "BlockStored" for h in e["hashes"]]
+    assert set(a_hashes) <= set(other)
 
 
 # ---- the driver (runs in its own process) -------------------------------------
@@ -116,42 +121,51 @@ def _driver(out: Path, work: Path) -> int:
                       "options": {"path": str(work / "nvme"), "region_size": mib(2)}}],
            "service": {"name": f"kv-events-{int(time.time() * 1000) % 10**9}"}}
     (work / "ucm.yaml").write_text(yaml.safe_dump(cfg))
-    endpoint = f"ipc://{work}/kv-events.sock"
-    events: list = []
+
+    def engine(i: int):
+        endpoint = f"ipc://{work}/kv-events-{i}.sock"
+        llm = LLM(model=model, dtype=E2E_DTYPE, max_model_len=DOC_TOKENS + 256, enforce_eager=True,
+                  enable_prefix_caching=True, seed=0,
+                  kv_transfer_config=KVTransferConfig(
+                      kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm",
+                      kv_role="kv_both", kv_load_failure_policy="recompute",
+                      kv_connector_extra_config={"ucm_config": str(work / "ucm.yaml")}),
+                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                                                  topic=""))
+        sink: list = []
+        return llm, sink, _subscribe(endpoint, sink, stop)
+
     stop = threading.Event()
-    llm = LLM(model=model, dtype=E2E_DTYPE, max_model_len=DOC_TOKENS + 256, enforce_eager=True,
-              enable_prefix_caching=True, seed=0,
-              kv_transfer_config=KVTransferConfig(kv_connector="UCMConnector",
-                                                  kv_connector_module_path="ucm.connectors.vllm",
-                                                  kv_role="kv_both", kv_load_failure_policy="recompute",
-                                                  kv_connector_extra_config={"ucm_config": str(work / "ucm.yaml")}),
-              kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
-                                              topic=""))
-    sub = _subscribe(endpoint, events, stop)
+    llm, events, sub = engine(1)
+    llm2, events2, sub2 = engine(2)
     rng = random.Random(46)
     docs = [[rng.randrange(1000, 40000) for _ in range(DOC_TOKENS)] for _ in range(DOCS)]
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
-    def ask(tokens: list[int]) -> None:
-        llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)
+    def ask(engine, tokens: list[int]) -> None:
+        engine.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)
 
-    def settle() -> None:
+    def settle(engine, sink: list) -> None:
         """Short requests until ucm's events stop coming (the engine publishes on its steps)."""
         quiet, deadline = 0, time.monotonic() + 30
         while quiet < 3 and time.monotonic() < deadline:
-            n = len(events)
-            ask([rng.randrange(1000, 40000) for _ in range(8)])
+            n = len(sink)
+            ask(engine, [rng.randrange(1000, 40000) for _ in range(8)])
             time.sleep(0.3)
-            quiet = quiet + 1 if len(events) == n else 0
+            quiet = quiet + 1 if len(sink) == n else 0
 
     phases = []
-    time.sleep(1.0)  # the subscriber joins before the first batch
+    time.sleep(1.0)  # the subscribers join before the first batch
     for i, doc in enumerate(docs):
-        ask(doc + [7, 8, 9])
-        settle()
+        ask(llm, doc + [7, 8, 9])
+        settle(llm, events)
+        if i == 0:
+            settle(llm2, events2)  # engine 2 advertises what engine 1 stored
         phases.append(len(events))
     stop.set()
     sub.join(5)
+    sub2.join(5)
+    close_engine(llm2)
     close_engine(llm)
     rows = [_row(e) for e in events]
     gpu = [r for r in rows if r["type"] == "BlockStored" and r["medium"] in (None, "GPU")]
@@ -166,6 +180,7 @@ def _driver(out: Path, work: Path) -> int:
         "doc_a": docs[0], "phases": phases,
         "gpu_a": {"hashes": [h for r in chain for h in r["hashes"]], "tokens": [t for r in chain for t in r["tokens"]]},
         "ucm_events": [r for r in rows if r["medium"] not in (None, "GPU")],
+        "engine2_ucm_events": [r for r in map(_row, events2) if r["medium"] not in (None, "GPU")],
     }))
     return 0
 
