@@ -1,7 +1,7 @@
 """The layers, checked on the source (every import statement counts, lazy
 and typing-only ones included):
 
-- engines (vLLM, SGLang, transformers) are imported only in ucm/connectors/,
+- engines (vLLM, SGLang, transformers; Dynamo's runtime) are imported only in ucm/connectors/,
   the engine benches (ucm/bench/engines/) and the applications (ucm/apps/:
   the demo and model preparation); torch below them only by the hbm tier;
 - adapters import nothing above them: the errors, buffers and keys, the size
@@ -22,7 +22,7 @@ import pytest
 import ucm
 
 ROOT = pathlib.Path(ucm.__file__).parent
-ENGINES = {"vllm", "sglang", "transformers"}
+ENGINES = {"vllm", "sglang", "transformers", "dynamo"}  # dynamo: NVIDIA Dynamo's runtime (a router, not an engine)
 ENGINE_HOMES = ("connectors/", "bench/engines/", "apps/")
 
 
