@@ -63,6 +63,22 @@ $(SGL_STAMP): $(SGL_DEPS) $(STAMP)
 
 $(SGL_VENV): $(SGL_STAMP)
 
+# NVIDIA Dynamo's frontend and KV router in a venv of their own (ai-dynamo pins a
+# vLLM of another version): the routing test (tests/e2e/test_dynamo_routing.py)
+# and `ucm bench route` run them next to the main venv's vLLM servers.
+DYN_VENV  := .venv-dynamo
+DYN_STAMP := $(DYN_VENV)/.installed
+
+$(DYN_STAMP): requirements/dynamo.txt
+	$(PYTHON) -m venv $(DYN_VENV)
+	$(DYN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DYN_VENV)/bin/python -m pip install -q ai-dynamo-runtime==1.6.1
+	$(DYN_VENV)/bin/python -m pip install -q --no-deps ai-dynamo==1.6.1
+	$(DYN_VENV)/bin/python -m pip install -q -r requirements/dynamo.txt
+	touch $(DYN_STAMP)
+
+$(DYN_VENV): $(DYN_STAMP)
+
 # Servers the cluster-tier tests start on 127.0.0.1 (redis-server), the
 # fio baseline of `ucm bench io`, and libibverbs1, which the Mooncake wheel's
 # binaries and modules link against even over tcp, from Debian; needs root
@@ -110,7 +126,7 @@ test-native: $(NATIVE_TESTS)
 	./build/test_kv_unpack
 	./build/test_kv_pack
 
-test-python: install system-deps
+test-python: install system-deps $(DYN_STAMP)
 	$(BIN)/python -m pytest -q --durations=25
 
 # The SGLang connector's tests, in SGLang's venv (the main suite skips them).
@@ -120,7 +136,7 @@ test-sglang: $(SGL_STAMP)
 # The installs and the native tests' builds run two at a time (2 cores; pip's unpacking
 # and byte-compiling is one thread each), then the suites run one after another.
 test:
-	$(MAKE) -j2 --output-sync=target install $(SGL_DEPS) $(NATIVE_TESTS)
+	$(MAKE) -j2 --output-sync=target install $(SGL_DEPS) $(DYN_STAMP) $(NATIVE_TESTS)
 	$(MAKE) test-native test-python test-sglang
 
 # The main job: vLLM for CPU with its prefix cache on and a KV space smaller
@@ -132,4 +148,4 @@ demo: install
 	$(BIN)/python -m ucm.apps.demo
 
 clean:
-	rm -rf build $(VENV) $(SGL_VENV) *.egg-info ucm/_native*.so
+	rm -rf build $(VENV) $(SGL_VENV) $(DYN_VENV) *.egg-info ucm/_native*.so

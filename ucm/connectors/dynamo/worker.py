@@ -6,7 +6,7 @@ engine keeps running in its own venv (vLLM for CPU + ucm) while Dynamo's KV
 router sends it requests. Run it with the Dynamo venv's python; it imports
 the stdlib, `dynamo` and aiohttp only (not ucm):
 
-    DYN_FILE_KV=/tmp/dyn-kv /tmp/dynv/bin/python ucm/connectors/dynamo/worker.py \
+    DYN_FILE_KV=/tmp/dyn-kv .venv-dynamo/bin/python ucm/connectors/dynamo/worker.py \
         --namespace dynamo --model-path ~/.cache/ucm/models/smollm2-135m-instruct \
         --served-model-name smollm2 --page-tokens 128 \
         --engine-url http://127.0.0.1:8001 \

@@ -1,4 +1,6 @@
-"""Fakes for checking ucm/connectors/dynamo/worker.py without a vLLM engine.
+"""A probe of Dynamo's KV router with fake engines: which KV-event media it
+credits as which tier, and ucm/connectors/dynamo/worker.py checked without a
+vLLM engine (the mapping in docs/operations.md, "KV events for routers").
 
 `engine` runs one fake vLLM: an OpenAI-compatible `/v1/completions` server
 that streams N tokens (with `token_ids`, as vLLM does for
@@ -23,8 +25,8 @@ events) and where the frontend routes.
 Only the stdlib, msgspec and pyzmq are needed (both are in the Dynamo venv
 and in ucm's venv).
 
-    python tests/e2e/dynamo_fakes.py engine --http-port 8101 --zmq-port 5557
-    python tests/e2e/dynamo_fakes.py scenario --dynamo-python /tmp/dynv/bin/python \
+    python tools/dynamo_media_probe.py engine --http-port 8101 --zmq-port 5557
+    python tools/dynamo_media_probe.py scenario --dynamo-python .venv-dynamo/bin/python \
         --model-dir ~/.cache/ucm/models/smollm2-135m-instruct --workdir /tmp/dynfake
 """
 
@@ -352,7 +354,7 @@ def scenario(args: argparse.Namespace) -> None:
     os.makedirs(wd, exist_ok=True)
     disc = os.path.join(wd, "discovery")
     os.makedirs(disc, exist_ok=True)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env.update({
         "DYN_FILE_KV": disc, "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp",
@@ -595,7 +597,7 @@ def main(argv=None) -> None:
     e.add_argument("--tokens", type=int, default=8, help="tokens streamed per request (max)")
     e.add_argument("--record", default=None, help="append each request as JSON here")
     s = sub.add_parser("scenario", help="frontend + 2 thin workers + 2 fake engines")
-    s.add_argument("--dynamo-python", default="/tmp/dynv/bin/python")
+    s.add_argument("--dynamo-python", default=".venv-dynamo/bin/python")
     s.add_argument("--model-dir", default=os.path.expanduser("~/.cache/ucm/models/smollm2-135m-instruct"))
     s.add_argument("--workdir", default="/tmp/dynfake")
     s.add_argument("--namespace", default="dynamo")
