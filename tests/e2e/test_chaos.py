@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 DRIVER = Path(__file__).resolve().with_name("chaos_vllm.py")
 KILLS = 4
-REQUESTS = 16
+REQUESTS = 20
 
 
 def _run(tmp_path: Path, variant: str) -> dict:
