@@ -341,21 +341,29 @@ class CacheAPI(Protocol):
         """Hint: the request over `keys` finished after `output_tokens`
         generated tokens (and its `request_id` is done with)."""
 
-    def describe(self, blocks: Sequence[Any]) -> None:
-        """Describes blocks an engine stores, for the KV events routers
-        read: [key, parent, tokens, extra] each (ucm.cache.catalog)."""
-
-    def events(self, since: int, epoch: Optional[int], limit: int = 256) -> dict:
-        """The block catalog's changes after `since` for a reader of `epoch`
-        ({"epoch", "next", "events", "reset"}; ucm.cache.catalog)."""
-
-    def holdings(self, offset: int, limit: int = 256) -> dict:
-        """The held described blocks from `offset` ({"blocks",
-        "next_offset", "done"}), what a reader told to reset reads first."""
-
     def stats(self) -> dict[str, Any]: ...
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Waits until buffered writes are on their medium."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class CatalogAPI(Protocol):
+    """A cache that tells the routers above the engines what it holds (its
+    block catalog, ucm.cache.catalog): UnifiedCache and the service's
+    CacheClient. Optional beside CacheAPI: a cache without it publishes no
+    KV events."""
+
+    def describe(self, blocks: Sequence[Any]) -> None:
+        """Describes blocks an engine stores, for the KV events routers
+        read: [key, parent, tokens, extra] each (`check_blocks`)."""
+
+    def events(self, since: int, epoch: Optional[int], limit: int = 256) -> dict:
+        """The block catalog's changes after `since` for a reader of `epoch`
+        ({"epoch", "next", "events", "reset"})."""
+
+    def holdings(self, offset: int, limit: int = 256) -> dict:
+        """The held described blocks from `offset` ({"blocks",
+        "next_offset", "done"}), what a reader told to reset reads first."""

@@ -73,10 +73,15 @@ def test_events_round_trip_through_vllms_msgspec_types():
     assert c.block_hashes == h and c.medium == "CPU_TIER1"
 
 
-def test_no_reader_unless_vllm_publishes_events():
+def test_no_events_unless_vllm_publishes_them_and_the_cache_keeps_a_catalog():
+    from connector_fakes import FakeCache
+
     from ucm.connectors.vllm.kv_events import events_for
     from ucm.keys import Namespace
 
+    ns = Namespace(model="m", kv_dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=64, block_tokens=256)
+    assert events_for(vllm_config(), FakeCache(), ns) is not None
+    assert events_for(vllm_config(), object(), ns) is None  # a CacheAPI without describe/events/holdings
     cfg = vllm_config()
     cfg.kv_events_config.enable_kv_cache_events = False
     assert events_for(cfg, object(), Namespace(model="m", kv_dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=64, block_tokens=256)) is None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-from ucm.api import CacheAPI, Key
+from ucm.api import CacheAPI, CatalogAPI, Key
 from ucm.connectors.kv_events import HashPages, Removed, TierEventReader
 from ucm.keys import Namespace
 
@@ -149,6 +149,10 @@ def events_for(vllm_config: "VllmConfig", cache: CacheAPI, namespace: Namespace)
     events; None otherwise."""
     kec = getattr(vllm_config, "kv_events_config", None)
     if kec is None or not kec.enable_kv_cache_events:
+        return None
+    if not isinstance(cache, CatalogAPI):
+        log.info("UCMConnector: the cache (%s) keeps no block catalog: vLLM's KV events carry the engine's "
+                 "own blocks only", type(cache).__name__)
         return None
     reader = TierEventReader(cache, lambda extra: request_seed(namespace, (extra or {}).get("cache_salt"),
                                                                (extra or {}).get("lora_name")),
