@@ -43,3 +43,11 @@ def test_unknown_variants_are_refused_naming_the_allowed_ones(capsys):
     assert route_bench.run(args) == 2
     err = capsys.readouterr().err
     assert "fastest" in err and "round_robin" in err
+
+
+def test_the_run_inside_the_namespace_gets_the_same_flags():
+    p = argparse.ArgumentParser()
+    route_bench._add_args(p)
+    args = p.parse_args(["--json", "--quick", "--variants", "kv_ucm_events", "--docs", "4", "--plot", "/x/y.png"])
+    again = p.parse_args(route_bench._flags(args))
+    assert vars(again) == vars(args)

@@ -38,7 +38,7 @@ from ucm.bench import common
 
 VARIANTS = ("round_robin", "kv_engine_events", "kv_ucm_events", "shared_service")
 REPEATS = ("doc, asked again", "chat, next turn")  # the demo's classes whose prefix an earlier request computed
-PAGE = 128
+PAGE = 128  # vLLM for CPU's page, and the nodes' ucm block (as the demo's: its token accounting is per page)
 
 
 def register(sub: common.Subparsers) -> None:
@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print("ucm bench route: needs root, to run Dynamo's router in a loopback-only network namespace "
               "(ip netns add)", file=sys.stderr)
         return 1
+    args.plot = str(Path(args.plot).resolve())
     name = f"ucm-route-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if made.returncode != 0:
@@ -80,12 +81,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        argv = [a for a in sys.argv[1:] if a != "--inside"]
-        cmd = [sys.executable, "-m", "ucm.cli", *argv, "--inside"] if argv[:2] == ["bench", "route"] else \
-            [sys.executable, "-m", "ucm.cli", "bench", "route", *argv, "--inside"]
+        cmd = [sys.executable, "-m", "ucm.cli", "bench", "route", *_flags(args), "--inside"]
         return subprocess.run(["ip", "netns", "exec", name, *cmd]).returncode
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The command line of `args`, for the run inside the namespace."""
+    out = ["--json"] if args.json else []
+    out += ["--quick"] if args.quick else []
+    for name in ("variants", "docs", "max_tokens", "engine_pages", "dtype", "plot", "work"):
+        v = getattr(args, name)
+        if v is not None:
+            out += [f"--{name.replace('_', '-')}", str(v)]
+    return out
 
 
 def _measure(args: argparse.Namespace, variants: list[str]) -> int:
@@ -139,7 +149,7 @@ def _variant(name: str, work: Path, model: str, requests: list, args: argparse.N
     log(f"{name}: starting two nodes and Dynamo")
     with RoutedCluster(work, model, router_mode="round-robin" if name == "round_robin" else "kv",
                        ucm_events=name != "kv_engine_events", shared_service=name == "shared_service",
-                       dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, log=log, **geometry) as c:
+                       block_tokens=PAGE, dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, log=log, **geometry) as c:
         rows = []
         for r in requests:
             holders = [n for n in (1, 2) if c.lookup(n, r.prompt)[0] > 0]
