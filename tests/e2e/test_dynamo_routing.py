@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_support import E2E_DTYPE, driver_env, model_installed  # noqa: E402
+from vllm_support import E2E_DTYPE, driver_env, driver_main, model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -116,10 +116,4 @@ def _driver(out: Path, work: Path) -> int:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", required=True)
-    a = ap.parse_args()
-    sys.exit(_driver(Path(a.out), Path(a.work)))
+    driver_main(_driver)
