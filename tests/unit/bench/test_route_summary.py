@@ -48,6 +48,7 @@ def test_unknown_variants_are_refused_naming_the_allowed_ones(capsys):
 def test_the_run_inside_the_namespace_gets_the_same_flags():
     p = argparse.ArgumentParser()
     route_bench._add_args(p)
-    args = p.parse_args(["--json", "--quick", "--variants", "kv_ucm_events", "--docs", "4", "--plot", "/x/y.png"])
+    args = p.parse_args(["--json", "--quick", "--variants", "kv_ucm_events", "--docs", "4", "--plot", "/x/y.png",
+                         "--shared-prefix"])
     again = p.parse_args(route_bench._flags(args))
     assert vars(again) == vars(args)

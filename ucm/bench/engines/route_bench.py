@@ -20,8 +20,11 @@ Reported per variant: TTFT p50/p90 per request class and overall, the sum
 of TTFTs and of the repeats' (requests whose prefix an earlier request
 computed), prompt tokens by source (vLLM's prefix cache, ucm DRAM, ucm
 NVMe, computed), which node served each request, `repeats_to_holder` (of
-the repeats with a node whose ucm held their first block, the share sent
-there), and whether outputs equal the reference's.
+the repeats whose prefix one node's ucm held further than the other's, the
+share sent there), and whether outputs equal the reference's. Each session
+starts with a 32-token tag of its own (users of different tenants; without
+it, `--shared-prefix`, every document shares the demo's system prompt and a
+KV router sends every request to the one node that holds it).
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model and KV dtype")
     p.add_argument("--plot", default="out/route_ttft.png", help="PNG written here (default out/route_ttft.png)")
     p.add_argument("--work", default=None, help="directory for the logs (default: a new temporary one)")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="keep the demo's system prompts shared by every session (default: a tag per session)")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the namespace
 
 
@@ -89,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _flags(args: argparse.Namespace) -> list[str]:
     """The command line of `args`, for the run inside the namespace."""
-    out = ["--json"] if args.json else []
-    out += ["--quick"] if args.quick else []
+    out = [f"--{flag.replace('_', '-')}" for flag in ("json", "quick", "shared_prefix") if getattr(args, flag)]
     for name in ("variants", "docs", "max_tokens", "engine_pages", "dtype", "plot", "work"):
         v = getattr(args, name)
         if v is not None:
@@ -109,6 +113,8 @@ def _measure(args: argparse.Namespace, variants: list[str]) -> int:
     model = str(prepare("smollm2"))
     spec = dataclasses.replace(QUICK if args.quick else WorkloadSpec(), docs=args.docs or (3 if args.quick else 8))
     requests = build_workload(AutoTokenizer.from_pretrained(model), spec)
+    if not args.shared_prefix:  # users of different tenants: sessions share no prefix (see the module docstring)
+        requests = _tagged(requests)
     classes = {r.index: r.cls for r in requests}
     longest = max(len(r.prompt) for r in requests)
     pages = args.engine_pages or int(1.5 * -(-longest // PAGE))
@@ -127,6 +133,20 @@ def _measure(args: argparse.Namespace, variants: list[str]) -> int:
     result["plot"] = note or str(Path(args.plot).resolve())
     common.report(result, args.json, lambda r: table(summary) + "\n\n" + _routing_table(r))
     return 0
+
+
+def _tagged(requests: list) -> list:
+    """Each session's prompts behind a tag of its own (32 token ids seeded by
+    the session's name): without it every document shares the demo's system
+    prompt, and a KV router sends every request to the node that holds it."""
+    import random
+
+    tags: dict = {}
+    out = []
+    for r in requests:
+        tag = tags.setdefault(r.session, [random.Random(r.session).randrange(1000, 40000) for _ in range(32)])
+        out.append(dataclasses.replace(r, prompt=tag + r.prompt))
+    return out
 
 
 def _reference(work: Path, model: str, requests: list, args: argparse.Namespace, longest: int, pages: int,
@@ -152,7 +172,8 @@ def _variant(name: str, work: Path, model: str, requests: list, args: argparse.N
                        block_tokens=PAGE, dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, log=log, **geometry) as c:
         rows = []
         for r in requests:
-            holders = [n for n in (1, 2) if c.lookup(n, r.prompt)[0] > 0]
+            held = [c.lookup(n, r.prompt)[0] for n in (1, 2)]
+            holders = [n for n in (1, 2) if held[n - 1] == max(held)] if max(held) > min(held) else []
             rows.append(_row(c, r, args.max_tokens, holders=holders))
             log(f"{name}: {r.index + 1}/{len(requests)} {r.cls}: node {rows[-1]['node']} "
                 f"{rows[-1]['ttft_s'] * 1000:.0f} ms")
