@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ucm.apps.demo.run import page_bytes, service_config
+from ucm.apps.demo.run import service_config
+from ucm.apps.model import page_bytes
 from ucm.apps.demo.report import machine_line, summarize, table
 from ucm.apps.demo.workload import (CHAT_FIRST, CHAT_NEXT, DOC_AGAIN, DOC_FIRST, QUICK, WorkloadSpec,
                                     build_workload, distinct_blocks)
@@ -83,8 +84,8 @@ def test_a_bad_workload_size_is_refused_naming_it():
 def test_page_bytes_follow_the_model_geometry(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}))
-    assert page_bytes(tmp_path, "float32") == 5_898_240  # 30 x (K, V) x 3 heads x 64 x 4 B x 128 tokens
-    assert page_bytes(tmp_path, "bfloat16") == 2_949_120
+    assert page_bytes(tmp_path, "float32", 128) == 5_898_240  # 30 x (K, V) x 3 heads x 64 x 4 B x 128 tokens
+    assert page_bytes(tmp_path, "bfloat16", 128) == 2_949_120
 
 
 def test_the_service_config_is_valid_and_holds_exactly_its_dram_blocks(tmp_path):

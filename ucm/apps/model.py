@@ -180,3 +180,20 @@ def _convert(spec: ModelSpec, source: Path, out: Path, torch: Any, auto_model: A
     }
     (out / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     log.info("prepared %s in %.1f s", spec.dir_name, marker["build_s"])
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_shape(model_dir: Union[str, os.PathLike]) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) from a prepared model's config.json."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    return c["num_hidden_layers"], c.get("num_key_value_heads", heads), c.get("head_dim") or c["hidden_size"] // heads
+
+
+def page_bytes(model_dir: Union[str, os.PathLike], dtype: str, page_tokens: int) -> int:
+    """KV bytes of one `page_tokens` page over all layers: layers x (K, V) x
+    KV heads x head size x dtype bytes x tokens."""
+    layers, heads, head = kv_shape(model_dir)
+    return layers * 2 * heads * head * DTYPE_BYTES[dtype] * page_tokens

@@ -46,19 +46,10 @@ from ucm.apps.demo.engine import BLOCK_TOKENS, PROGRESS_FD
 from ucm.apps.demo.report import machine_line, plot, summarize, table
 from ucm.apps.demo.workload import QUICK, WorkloadSpec, build_workload, distinct_blocks
 from ucm.apps.engine_env import with_ipc_dir
+from ucm.apps.model import DTYPE_BYTES, page_bytes
 from ucm.progress import bar, enabled
 
 RUN_NAMES = ("vLLM alone", "vLLM + ucm", "restarted + ucm")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def page_bytes(model_dir: Path, dtype: str, page_tokens: int = BLOCK_TOKENS) -> int:
-    """KV bytes of one `page_tokens` page over all layers, from the model's
-    config.json: layers x (K, V) x KV heads x head size x dtype bytes x tokens."""
-    c = json.loads((model_dir / "config.json").read_text())
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    heads = c.get("num_key_value_heads", c["num_attention_heads"])
-    return c["num_hidden_layers"] * 2 * heads * head * DTYPE_BYTES[dtype] * page_tokens
 
 
 def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, nvme_bytes: int) -> dict[str, Any]:
@@ -197,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     requests = build_workload(AutoTokenizer.from_pretrained(str(model)), spec)
     classes = {r.index: r.cls for r in requests}
     longest = max(len(r.prompt) for r in requests)
-    page = page_bytes(model, a.dtype)
+    page = page_bytes(model, a.dtype, BLOCK_TOKENS)
     kv_pages = max(math.ceil(a.engine_kv_prompts * longest / BLOCK_TOKENS),
                    math.ceil((longest + a.max_tokens) / BLOCK_TOKENS) + 1)
     blocks = distinct_blocks(requests, BLOCK_TOKENS)

@@ -30,18 +30,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ucm.apps.model import kv_shape, page_bytes
+
 ROOT = Path(__file__).resolve().parents[3]
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
 WORKER = ROOT / "ucm" / "connectors" / "dynamo" / "worker.py"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MODEL_ID = "route-bench"  # names the model in the nodes' block keys (`ucm_model_id`): locate needs no fingerprint
-
-
-def model_shape(model_dir: str) -> tuple[int, int, int]:
-    """(layers, KV heads, head size) from a Hugging Face config.json."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = c["num_attention_heads"]
-    return c["num_hidden_layers"], c.get("num_key_value_heads", heads), c.get("head_dim") or c["hidden_size"] // heads
 
 
 def _get(url: str, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -74,9 +68,8 @@ class RoutedCluster:
         self.shared_service = shared_service
         self.engine_pages, self.dram_blocks, self.nvme_blocks = engine_pages, dram_blocks, nvme_blocks
         self.dtype, self.block_tokens, self.page_tokens, self.max_model_len = dtype, block_tokens, page_tokens, max_model_len
-        layers, heads, head = model_shape(model_dir)
-        self.shape = (layers, heads, head)
-        self.page_bytes = layers * 2 * heads * head * DTYPE_BYTES[dtype] * page_tokens
+        self.shape = kv_shape(model_dir)
+        self.page_bytes = page_bytes(model_dir, dtype, page_tokens)
         self.engines: list[str] = []
         self.worker_ids: list[int] = []
         self.frontend = "http://127.0.0.1:8080"
