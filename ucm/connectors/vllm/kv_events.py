@@ -142,6 +142,7 @@ class EngineEvents:
 
     def close(self) -> None:
         self.reader.close()
+        log.info("UCMConnector: KV events of ucm's tiers at shutdown: %s", self.reader.stats())
 
 
 def events_for(vllm_config: "VllmConfig", cache: CacheAPI, namespace: Namespace) -> Optional[EngineEvents]:
