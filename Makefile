@@ -80,15 +80,16 @@ $(DYN_STAMP): requirements/dynamo.txt
 $(DYN_VENV): $(DYN_STAMP)
 
 # Servers the cluster-tier tests start on 127.0.0.1 (redis-server), the
-# fio baseline of `ucm bench io`, and libibverbs1, which the Mooncake wheel's
+# fio baseline of `ucm bench io`, `ip` (iproute2: the routing test's loopback-only
+# network namespace), and libibverbs1, which the Mooncake wheel's
 # binaries and modules link against even over tcp, from Debian; needs root
 # (CI runs as root). Without redis-server and fio their tests skip.
 system-deps:
-	@if ! command -v redis-server >/dev/null || ! command -v fio >/dev/null || \
+	@if ! command -v redis-server >/dev/null || ! command -v fio >/dev/null || ! command -v ip >/dev/null || \
 	    ! /sbin/ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fio libibverbs1 >/dev/null; \
-		else echo "redis-server/fio/libibverbs1 missing and not root: their tests will skip"; fi; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fio libibverbs1 iproute2 >/dev/null; \
+		else echo "redis-server/fio/libibverbs1/iproute2 missing and not root: their tests will skip"; fi; \
 	fi
 
 # The placement core's sources, tested by themselves (test_placement); test_core takes the rest.

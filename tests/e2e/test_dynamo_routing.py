@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +51,8 @@ def _ns(cmd: list[str]) -> subprocess.CompletedProcess:
 def test_a_document_held_only_in_a_nodes_ucm_is_routed_to_that_node(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("a loopback-only network namespace needs root (ip netns add)")
+    if shutil.which("ip") is None:
+        pytest.skip("a loopback-only network namespace needs `ip` (iproute2; `make system-deps` installs it)")
     name = f"ucm-dyn-{os.getpid()}"
     made = _ns(["ip", "netns", "add", name])
     if made.returncode != 0:

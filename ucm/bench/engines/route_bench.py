@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("ucm bench route: needs root, to run Dynamo's router in a loopback-only network namespace "
               "(ip netns add)", file=sys.stderr)
+        return 1
+    if shutil.which("ip") is None:
+        print("ucm bench route: needs `ip` (iproute2) for its loopback-only network namespace", file=sys.stderr)
         return 1
     args.plot = str(Path(args.plot).resolve())
     name = f"ucm-route-{os.getpid()}"
