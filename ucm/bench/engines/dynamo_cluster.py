@@ -12,6 +12,9 @@ loopback-only one: Dynamo's event plane binds every interface):
   engine's own blocks only;
 - Dynamo 1.6.1's frontend (`--router-mode`, file discovery) and one thin
   worker per node (ucm/connectors/dynamo/worker.py), from `.venv-dynamo`.
+Several clusters run side by side with a `port_base` each (the frontend
+listens on 8080 + port_base, node i on 8100 + port_base + i, its event
+stream on 5556 + port_base + i) and a Dynamo `namespace` each.
 
 `ask` sends a prompt (token ids) to the frontend or to one node and times
 its first streamed token; `counters` reads a node's prefix-cache counters;
@@ -61,7 +64,8 @@ class RoutedCluster:
                  dynamo: bool = True,
                  ucm_events: bool = True, shared_service: bool = False, engine_pages: int = 16,
                  dram_blocks: int = 8, nvme_blocks: int = 64, dtype: str = "float32", block_tokens: int = 256,
-                 page_tokens: int = 128, max_model_len: int = 4096, log: Callable[..., None] = print) -> None:
+                 page_tokens: int = 128, max_model_len: int = 4096, port_base: int = 0, namespace: str = "ucm",
+                 log: Callable[..., None] = print) -> None:
         self.work, self.model_dir, self.log = Path(work), model_dir, log
         self.router_mode, self.nodes, self.ucm, self.ucm_events = router_mode, nodes, ucm, ucm_events
         self.dynamo = dynamo
@@ -70,9 +74,10 @@ class RoutedCluster:
         self.dtype, self.block_tokens, self.page_tokens, self.max_model_len = dtype, block_tokens, page_tokens, max_model_len
         self.shape = kv_shape(model_dir)
         self.page_bytes = page_bytes(model_dir, dtype, page_tokens)
+        self.port_base, self.namespace = port_base, namespace  # several clusters side by side: ports and names apart
         self.engines: list[str] = []
         self.worker_ids: list[int] = []
-        self.frontend = "http://127.0.0.1:8080"
+        self.frontend = f"http://127.0.0.1:{8080 + port_base}"
         self._procs: list[subprocess.Popen] = []
         self._configs: list[Path] = []
         self._clients: list[Any] = []
@@ -131,7 +136,8 @@ class RoutedCluster:
                              {"adapter": "nvme", "capacity": mib(self.nvme_blocks),
                               "options": {"path": str(self.work / f"nvme{node}")}}],
                    "events": {"enabled": self.ucm_events},
-                   "service": {"name": f"route-{os.getpid()}-{node}", "socket": str(self.work / f"ucm{node}.sock")}}
+                   "service": {"name": f"route-{os.getpid()}-{self.port_base}-{node}",
+                               "socket": str(self.work / f"ucm{node}.sock")}}
             path.write_text(yaml.safe_dump(cfg))
             self._spawn(f"ucm{node}", [sys.executable, "-m", "ucm.cli", "serve", "--config", str(path)])
             client = self._client(path)
@@ -150,11 +156,12 @@ class RoutedCluster:
             raise RuntimeError(f"{DYNAMO_PYTHON} is missing: `make .venv-dynamo` builds Dynamo's venv")
         for i in range(1, self.nodes + 1):
             args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                    "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(8100 + i), "--dtype", self.dtype,
+                    "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(8100 + self.port_base + i),
+                    "--dtype", self.dtype,
                     "--max-model-len", str(self.max_model_len), "--enforce-eager", "--enable-prefix-caching",
                     "--kv-cache-memory-bytes", str(self.engine_pages * self.page_bytes), "--seed", "0",
                     "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                      "endpoint": f"tcp://*:{5556 + i}", "topic": ""})]
+                                                      "endpoint": f"tcp://*:{5556 + self.port_base + i}", "topic": ""})]
             if self.ucm:
                 cfg = self._ucm_config(i)
                 self._configs.append(cfg)
@@ -163,7 +170,7 @@ class RoutedCluster:
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"ucm_config": str(cfg), "ucm_model_id": MODEL_ID}})]
             self._spawn(f"engine{i}", args)
-            self.engines.append(f"http://127.0.0.1:{8100 + i}")
+            self.engines.append(f"http://127.0.0.1:{8100 + self.port_base + i}")
         for u in self.engines:
             self._wait(lambda u=u: _get(u, "/health")[0] == 200, 900, f"vLLM at {u}")
         if self.dynamo:
@@ -171,15 +178,15 @@ class RoutedCluster:
 
     def _start_dynamo(self) -> None:
         self._spawn("frontend", [str(DYNAMO_PYTHON), "-m", "dynamo.frontend", "--router-mode", self.router_mode,
-                                 "--discovery-backend", "file", "--http-host", "127.0.0.1", "--http-port", "8080",
-                                 "--namespace", "ucm"])
+                                 "--discovery-backend", "file", "--http-host", "127.0.0.1",
+                                 "--http-port", str(8080 + self.port_base), "--namespace", self.namespace])
         for i in range(1, self.nodes + 1):
             idf = self.work / f"worker{i}.id"
             idf.unlink(missing_ok=True)
-            self._spawn(f"worker{i}", [str(DYNAMO_PYTHON), str(WORKER), "--namespace", "ucm", "--model-path",
+            self._spawn(f"worker{i}", [str(DYNAMO_PYTHON), str(WORKER), "--namespace", self.namespace, "--model-path",
                                        self.model_dir, "--served-model-name", "m", "--page-tokens",
                                        str(self.page_tokens), "--engine-url", self.engines[i - 1],
-                                       "--kv-events-endpoint", f"tcp://127.0.0.1:{5556 + i}",
+                                       "--kv-events-endpoint", f"tcp://127.0.0.1:{5556 + self.port_base + i}",
                                        "--discovery-dir", str(self.work / "discovery"), "--worker-id-file", str(idf),
                                        "--total-kv-blocks", str(self.engine_pages),
                                        "--context-length", str(self.max_model_len)])

