@@ -59,7 +59,9 @@ reaches them by type. With the `sparse` entry
         options: {selector: hybrid, budget: {tokens: 1024}}
 
 `generate` decodes sparsely (sparse.py: a SparseDecoder of that
-accelerator); `cache_for` is not affected. Their figures are in
+accelerator); `cache_for` is not affected. With the `blend` entry, its
+options are how `generate(..., chunks=...)` recomputes reused passages
+(blend.py; the defaults without it). Their figures are in
 `stats()["accelerators"]`.
 
 Threads: `cache_for`, `generate` and the model's forward run in the
@@ -82,6 +84,7 @@ from ucm.accelerators.sparse import SparseAccelerator
 from ucm.api import CacheAPI, Handle, Outcome
 from ucm.config.schema import UcmConfig
 from ucm.connectors.transformers import front as fronts
+from ucm.connectors.transformers.blend import ChunkBlender
 from ucm.connectors.transformers.guard import CallGuard
 from ucm.connectors.transformers.kv_copy import gather_blocks
 from ucm.connectors.transformers.namespace import build_namespace
@@ -148,12 +151,20 @@ class TransformersConnector:
                                   timeout_s=float(timeout_s), guard=self._guard)
         self._guard.call("register_layout", lambda: cache.register_layout(self.layout.kv_layout()))
         self.sparse_decoder: Optional[SparseDecoder] = None  # of `sparse`: what `generate` decodes with
+        self._blender: Optional[ChunkBlender] = None
         if self.sparse is not None:
             try:
                 self.sparse_decoder = SparseDecoder(self, sparse=self.sparse)
             except BaseException:
                 self.close()
                 raise
+
+    @property
+    def blender(self) -> "ChunkBlender":
+        """The ChunkBlender of this connector (built on first use)."""
+        if self._blender is None:
+            self._blender = ChunkBlender(self)
+        return self._blender
 
     @property
     def shared_cache(self) -> CacheAPI:
@@ -310,15 +321,20 @@ class TransformersConnector:
             self._jobs = [f for f in self._jobs if not f.done()] + [fut]
 
     # ---- the convenience call and the rest -----------------------------------
-    def generate(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+    def generate(self, input_ids: Any, attention_mask: Any = None, chunks: Any = None, **kwargs: Any) -> Any:
         """`model.generate(input_ids, attention_mask=..., past_key_values=
         self.cache_for(...), **kwargs)`, then `finish`. Returns what generate
-        returns. Unlike `cache_for`, a prefix streamed from the cache is
-        copied layer by layer inside the prefill (restore.DeferredLayers),
+        returns. With `chunks` (spans [start, end) of one prompt's retrieved
+        passages), the chunks are reused wherever they sit (blend.py, the
+        `blend` accelerator's options) and the prefix path is not used.
+        Unlike `cache_for`, a prefix streamed from the cache is copied layer
+        by layer inside the prefill (restore.DeferredLayers),
         so blocks read from NVMe overlap the model's compute; a block that
         fails after prefill began makes generate start again without it.
         With the `sparse` accelerator enabled, decoded sparsely (module
         docstring)."""
+        if chunks is not None:
+            return self.blender.generate(input_ids, chunks, attention_mask=attention_mask, **kwargs)
         if self.sparse_decoder is not None:
             with self.sparse_decoder.decoding():
                 return self._generate(input_ids, attention_mask, **kwargs)
@@ -370,7 +386,7 @@ class TransformersConnector:
                 return False
         with self._lock:
             self._inflight = [(h, s) for h, s in self._inflight if not h.done()]
-        return True
+        return self._blender is None or self._blender.wait_stores(max(0.001, deadline - time.monotonic()))
 
     def stats(self) -> dict[str, Any]:
         """The connector's counters (a snapshot): requests, blocks looked up,

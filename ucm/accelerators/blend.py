@@ -1,0 +1,89 @@
+"""BlendAccelerator: a prompt's chunks (retrieved passages) reused wherever
+they sit, with a share of their tokens recomputed so that they attend to
+each other again (CacheBlend, Yao et al. 2025; EPIC, Hu et al. 2024).
+
+    accelerators:
+      - name: blend
+        options: {select: deviation, ratio: 0.15}
+
+It runs in the engine's process (`runs_in = "engine"`): the recompute is a
+forward pass. The transformers connector takes it by type and blends the
+`generate` calls that declare chunks
+(ucm/connectors/transformers/blend.py); without the entry, such calls blend
+with the defaults below.
+
+Options (`BlendOptions`; a bad one is a ConfigError naming
+`accelerators.<i>.options.<key>`):
+- `select`: which chunk tokens are recomputed in every layer:
+  - `deviation` (default): the first `check_layers` layers are computed for
+    every chunk token; the `ratio` of chunk tokens whose K/V at layer
+    `check_layers` deviate most from the reused K/V are recomputed in the
+    layers after it (CacheBlend's selection);
+  - `leading`: the first `leading_tokens` of each chunk, in every layer
+    (EPIC's); no layer is computed for every token;
+- `ratio` (0.15): the share of reused chunk tokens recomputed under
+  `deviation`; 0 is plain concatenation (nothing recomputed, no layer
+  computed for all), 1 the full prefill;
+- `leading_tokens` (16): under `leading`;
+- `check_layers` (1): under `deviation`, at least 1;
+- `anchor_tokens` (0): under `deviation`, each passage's first tokens
+  recomputed before the deviation picks the rest of the ratio's budget.
+Tokens that no cached chunk covers (text between chunks, the part of a
+chunk after its last whole block) are always computed in every layer.
+
+Counters (`record` from the connector): blended requests, chunks read from
+the cache and chunks computed alone, tokens reused and recomputed.
+
+Thread safety: `record` and `counters` may be called from any thread.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+from pydantic import Field, field_validator
+
+from ucm.accelerators.base import Accelerator, AcceleratorOptions, CacheSettings
+
+SELECTS = ("deviation", "leading")
+
+
+class BlendOptions(AcceleratorOptions):
+    """How chunks are blended (module docstring)."""
+
+    select: str = "deviation"
+    ratio: float = Field(default=0.15, ge=0.0, le=1.0)
+    leading_tokens: int = Field(default=16, ge=0)
+    check_layers: int = Field(default=1, ge=1)
+    anchor_tokens: int = Field(default=0, ge=0)
+
+    @field_validator("select")
+    @classmethod
+    def _select(cls, v: str) -> str:
+        if v not in SELECTS:
+            raise ValueError(f"unknown select {v!r}; allowed: {list(SELECTS)}")
+        return v
+
+
+class BlendAccelerator(Accelerator):
+    """Chunk blending's settings and figures in one engine process (module
+    docstring)."""
+
+    name = "blend"
+    Config = BlendOptions
+    runs_in = "engine"
+    options: BlendOptions
+
+    def __init__(self, cache: Any, config: CacheSettings, **options: Any) -> None:
+        super().__init__(cache, config, **options)
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+
+    def record(self, counts: Mapping[str, float]) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counts[name] = self._counts.get(name, 0) + n
+
+    def counters(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counts)
