@@ -20,7 +20,7 @@ BENCHES = {name: f"ucm.bench.cache.{name}" for name in ("io", "placement", "serv
 BENCHES.update({name: f"ucm.bench.engines.{module}" for name, module in (
     ("vllm", "vllm_bench"), ("transformers", "transformers_bench"), ("sglang", "sglang_bench"),
     ("prefetch", "prefetch_bench"), ("codec", "codec_bench"), ("sparse", "sparse_bench"), ("pages", "page_copy_bench"),
-    ("gpu-ttft", "gpu_ttft_bench"), ("route", "route_bench"))})
+    ("gpu-ttft", "gpu_ttft_bench"), ("route", "route_bench"), ("blend", "blend_bench"))})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,87 @@
+"""The RAG workload of `ucm bench blend` (ucm/bench/engines/blend_tasks.py)
+over a character tokenizer, and the bench's per-method row."""
+from __future__ import annotations
+
+import pytest
+
+from ucm.bench.engines.blend_bench import _row, table
+from ucm.bench.engines.blend_tasks import NAMES, WORDS, rag_prompts
+from ucm.errors import ArgumentError
+
+
+class _Chars:
+    """One token per character (its code point)."""
+
+    class _Out:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    def __call__(self, text, add_special_tokens=False):
+        return self._Out([ord(c) for c in text])
+
+
+def _text(ids):
+    return "".join(map(chr, ids))
+
+
+def _prompts(**kw):
+    args = dict(prompts=12, k=4, pool=6, passage_tokens=300, seed=3, document="stdlib")
+    args.update(kw)
+    return rag_prompts(_Chars(), **args)[1]
+
+
+def test_prompts_are_seeded_and_share_passages_at_different_positions():
+    a, b, c = _prompts(), _prompts(), _prompts(seed=4)
+    assert [p.ids for p in a] == [p.ids for p in b]
+    assert [p.ids for p in a] != [p.ids for p in c]
+    seen: dict[int, tuple[list[int], set[int]]] = {}
+    for p in a:
+        assert len(p.spans) == len(p.passages) == 4
+        assert p.spans[0][0] == p.system_tokens
+        for (s, e), idx in zip(p.spans, p.passages):
+            assert e - s == 300
+            body, starts = seen.setdefault(idx, (p.ids[s:e], set()))
+            assert p.ids[s:e] == body  # the same passage, token for token, wherever it sits
+            starts.add(s)
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(p.spans, p.spans[1:]))
+    assert any(len(starts) > 1 for _, starts in seen.values())  # some passage moved between prompts
+
+
+def test_every_answer_is_in_the_prompts_passages():
+    for p in _prompts(two_hop_share=0.5):
+        passages = [_text(p.ids[s:e]) for s, e in p.spans]
+        question = _text(p.ids[p.spans[-1][1]:])
+        holder = [t for t in passages if f"pass key is {p.key}" in t]
+        assert len(holder) == 1
+        if p.kind == "two_hop":
+            word = next(w for w in WORDS if f"The {w} door" in question)
+            keeper = next(t for t in passages if f"The {word} door is kept by" in t)
+            name = keeper.split(f"The {word} door is kept by ")[1].split(".")[0]
+            assert f"{name}'s pass key is {p.key}" in holder[0]
+        else:
+            name = next(n for n in NAMES if f"What is {n}'s" in question)
+            assert f"{name}'s pass key is {p.key}" in holder[0]
+        assert p.correct(f" {p.key[:2]} {p.key[2:]}.") and not p.correct("12")
+
+
+def test_bad_workloads_are_typed_errors():
+    with pytest.raises(ArgumentError, match="pool"):
+        _prompts(k=8, pool=6)
+    with pytest.raises(ArgumentError, match="passage_tokens"):
+        _prompts(passage_tokens=10)
+
+
+def test_a_row_summarizes_a_method():
+    d = {"ttft": [0.4, 0.1, 0.2, 0.3], "kl": [0.1, 0.3], "agree": [1.0, 0.5], "needle": [True, False, True],
+         "two_hop": [], "work": [0.2, 0.4], "reads": [{"dram": 2, "nvme": 1}, {"dram": 4, "nvme": 0}]}
+    row = _row({"method": "blend", "source": "ucm", "ratio": 0.15}, d, block_bytes=1000)
+    assert row["ttft_p50_s"] == pytest.approx(0.25) and row["ttft_p90_s"] == 0.4
+    assert row["kl"] == pytest.approx(0.2) and row["greedy_agreement"] == 0.75
+    assert row["needle_accuracy"] == pytest.approx(2 / 3) and row["two_hop_accuracy"] is None
+    assert row["recompute_share"] == pytest.approx(0.3)
+    assert row["kv_read_bytes"] == {"dram": 3000, "nvme": 500}  # per request
+    assert row["label"] == "blend 15%"
+    full = _row({"method": "full", "source": None, "ratio": None}, dict(d, kl=[0, 0]), block_bytes=1000)
+    text = table({"machine": "m", "workload": {"prompts": 4, "k": 6, "passage_tokens": 512}, "source": "s",
+                  "dtype": "float32", "rows": [full, row], "plot": "p.png"})
+    assert "blend 15%" in text and "blend 15% 1.00x" in text
