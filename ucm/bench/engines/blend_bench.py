@@ -26,7 +26,9 @@ recomputed tokens plus the question, against every token in every layer),
 KV bytes read per tier, and quality against the full prefill over the
 first `--answer-tokens` tokens of the full prefill's greedy answer,
 teacher-forced: `kl` (mean KL of the next-token distributions, full ||
-method), `greedy_agreement` (positions whose argmax is the full's token);
+method), `greedy_agreement` (positions whose argmax is the full's answer
+token; the answer is generated with the end of text held off for its
+length, so the full row reads below 1 where its own argmax was the end);
 `needle_accuracy` and `two_hop_accuracy` (the key in the method's own
 greedy answer). The JSON: `rows`, one per engine and method with `engine`,
 `method`, `source`, `ratio`, `ttft_p50_s`, `ttft_p90_s`, `kl`,
