@@ -45,7 +45,9 @@ Where it runs (`runs_in`, data on the class):
   the engine's forward pass can do (sparse attention selects per layer and
   decode step). Such an accelerator declares its own typed interface; the
   connector reaches it with `Accelerators.get(SparseAccelerator)` and calls
-  it directly, and calls the hooks above that apply.
+  it directly, and calls the hooks above that apply. `EngineAccelerator`
+  is the base of such ones: it keeps the figures their connector
+  `record`s (sparse, blend).
 
 Options: an accelerator declares them as its `Config` (a frozen pydantic
 model that forbids unknown keys), validated when the configuration loads;
@@ -54,6 +56,7 @@ a bad option is a ConfigError naming `accelerators.<i>.options.<key>`.
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Protocol, Sequence
 
@@ -184,6 +187,28 @@ class Accelerator(abc.ABC):
 
     def close(self) -> None:
         """Ends the accelerator's work (called once, when its cache closes)."""
+
+
+class EngineAccelerator(Accelerator):
+    """An accelerator that runs in the engine's process and whose figures
+    its connector reports: `record` adds numbers by name, from any thread;
+    `counters` answers their sums."""
+
+    runs_in = "engine"
+
+    def __init__(self, cache: "CacheAPI", config: CacheSettings, **options: Any) -> None:
+        super().__init__(cache, config, **options)
+        self._counts_lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+
+    def record(self, counts: Mapping[str, float]) -> None:
+        with self._counts_lock:
+            for name, n in counts.items():
+                self._counts[name] = self._counts.get(name, 0) + n
+
+    def counters(self) -> dict[str, float]:
+        with self._counts_lock:
+            return dict(self._counts)
 
 
 def validate_options(cls: type[Accelerator], options: dict[str, Any], prefix: str = "options.") -> AcceleratorOptions:

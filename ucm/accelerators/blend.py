@@ -38,12 +38,9 @@ Thread safety: `record` and `counters` may be called from any thread.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Mapping
-
 from pydantic import Field, field_validator
 
-from ucm.accelerators.base import Accelerator, AcceleratorOptions, CacheSettings
+from ucm.accelerators.base import AcceleratorOptions, EngineAccelerator
 
 SELECTS = ("deviation", "leading")
 
@@ -65,25 +62,10 @@ class BlendOptions(AcceleratorOptions):
         return v
 
 
-class BlendAccelerator(Accelerator):
+class BlendAccelerator(EngineAccelerator):
     """Chunk blending's settings and figures in one engine process (module
     docstring)."""
 
     name = "blend"
     Config = BlendOptions
-    runs_in = "engine"
     options: BlendOptions
-
-    def __init__(self, cache: Any, config: CacheSettings, **options: Any) -> None:
-        super().__init__(cache, config, **options)
-        self._lock = threading.Lock()
-        self._counts: dict[str, float] = {}
-
-    def record(self, counts: Mapping[str, float]) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._counts[name] = self._counts.get(name, 0) + n
-
-    def counters(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._counts)

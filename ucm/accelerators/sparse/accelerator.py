@@ -56,12 +56,11 @@ rest reads frozen settings.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Mapping
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from ucm.accelerators.base import Accelerator, AcceleratorOptions, CacheSettings
+from ucm.accelerators.base import AcceleratorOptions, CacheSettings, EngineAccelerator
 from ucm.accelerators.sparse.base import BUDGET_KINDS, Budget, SelectionConfig, Selector
 from ucm.accelerators.sparse.index import SummaryIndex
 from ucm.accelerators.sparse.selectors import SELECTORS, make_selector
@@ -124,13 +123,12 @@ class SparseOptions(AcceleratorOptions):
         return positive_size(v)
 
 
-class SparseAccelerator(Accelerator):
+class SparseAccelerator(EngineAccelerator):
     """Sparse attention's settings and figures in one engine process
     (module docstring)."""
 
     name = "sparse"
     Config = SparseOptions
-    runs_in = "engine"
     options: SparseOptions
 
     def __init__(self, cache: Any, config: CacheSettings, **options: Any) -> None:
@@ -140,8 +138,6 @@ class SparseAccelerator(Accelerator):
             raise ConfigError(f"accelerator 'sparse': options.page_tokens {opts.page_tokens} does not divide "
                               f"block_tokens {config.block_tokens}; use a divisor of it such as 16 or 32")
         self.selection = SelectionConfig(opts.budget, opts.sink_tokens, opts.local_tokens)
-        self._lock = threading.Lock()
-        self._counts: dict[str, float] = {}
 
     # ---- what the connector builds sparse decode from ------------------------------
     def make_selector(self) -> Selector:
@@ -174,14 +170,3 @@ class SparseAccelerator(Accelerator):
             raise ConfigError(f"accelerator 'sparse': options.rank {o.rank} must be at most the model's head "
                               f"size {head_dim}")
 
-    # ---- figures -------------------------------------------------------------------
-    def record(self, counts: Mapping[str, float]) -> None:
-        """Adds the connector's figures (numbers by name: decode steps,
-        layers attended sparsely or densely, tokens attended, pages read)."""
-        with self._lock:
-            for name, n in counts.items():
-                self._counts[name] = self._counts.get(name, 0) + n
-
-    def counters(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._counts)
