@@ -135,11 +135,11 @@ def test_ratio_zero_is_plain_concatenation(model):
         # what no whole block covers (the separator, the first chunk's tail) is all that was computed
         covered = {p for s, e in parts for p in range(s, s + (e - s) // BT * BT)}
         assert report.selected == [p for p in range(report.blended_tokens) if p not in covered]
-        assert out_equal(conn, ids, spans, again)
+        assert _generates_over(conn, ids, spans, again)
         conn.close()
 
 
-def out_equal(conn, ids, spans, cache):
+def _generates_over(conn, ids, spans, cache):
     """generate from the connector equals generate over the given cache."""
     from transformers import DynamicCache
 

@@ -141,15 +141,14 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
             if m["method"] in ("naive", "blend", "leading")}
         system = prompts[0].ids[:prompts[0].system_tokens]
         sys_cache = model(input_ids=torch.tensor([system]), use_cache=True).past_key_values
-        log("warming: every prompt's passages into ucm (one unmeasured blend each), the system prompt's blocks")
+        log("warming: every prompt's passages into ucm (one unmeasured blend each)")
         warm = next(iter(blenders.values()))
         for p in prompts:
             warm.prefill(p.ids, p.spans)
-        conn.generate(torch.tensor([system + [13] * 8]), max_new_tokens=1)
         conn.wait_stores()
         for n, p in enumerate(prompts):
             ids = torch.tensor([p.ids])
-            ref_ttft, ref = _generate(model, ids, args.answer_tokens, lambda kw: model.generate(**kw))
+            ref_ttft, ref = _generate(ids, args.answer_tokens, lambda kw: model.generate(**kw))
             answer = ref.sequences[0, len(p.ids):].tolist()
             p_full = torch.log_softmax(torch.stack(ref.logits).float()[:, 0], dim=-1)
             for i, m in enumerate(methods):
@@ -157,13 +156,13 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
                 if m["method"] == "full":
                     ttft, out = ref_ttft, ref
                 elif m["method"] == "prefix" and m["source"] == "engine":
-                    ttft, out = _generate(model, ids, args.answer_tokens, lambda kw: model.generate(
+                    ttft, out = _generate(ids, args.answer_tokens, lambda kw: model.generate(
                         past_key_values=copy.deepcopy(sys_cache), **kw))
                 elif m["method"] == "prefix":
-                    ttft, out = _generate(model, ids, args.answer_tokens, lambda kw: conn.generate(**kw))
+                    ttft, out = _generate(ids, args.answer_tokens, lambda kw: conn.generate(**kw))
                 else:
                     b = blenders[i]
-                    ttft, out = _generate(model, ids, args.answer_tokens,
+                    ttft, out = _generate(ids, args.answer_tokens,
                                           lambda kw, b=b, p=p: b.generate(kw.pop("input_ids"), p.spans, **kw))
                 after = _reads(cache)
                 # quality, teacher-forced; the prefix rows' is the engine's reuse of the system prompt (ucm's
@@ -203,7 +202,7 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
     return result
 
 
-def _generate(model: Any, ids: Any, new: int, call) -> tuple[float, Any]:
+def _generate(ids: Any, new: int, call) -> tuple[float, Any]:
     """(seconds to the first token's logits, generate's output with its
     logits) of a greedy `call(kwargs)`."""
     from transformers import LogitsProcessor, LogitsProcessorList

@@ -120,7 +120,6 @@ class ChunkBlender:
     the module docstring)."""
 
     def __init__(self, connector: Any, options: Optional[BlendOptions] = None, timeout_s: float = 30.0) -> None:
-        self.connector = connector
         self.model = connector.model
         self.cache = connector.shared_cache
         self.layout = connector.layout
@@ -272,7 +271,7 @@ class ChunkBlender:
         exact = torch.zeros(n, dtype=torch.bool)
         first = spans[0][0] if spans else n
         parts = ([(0, first)] if first > 0 else []) + list(spans)
-        for i, (s, e) in enumerate(parts):
+        for s, e in parts:
             ks, vs, t = self._chunk_kv(ids[s:e], report)
             t = min(t, n - s)
             if t <= 0:
