@@ -194,7 +194,7 @@ def _reference(work: Path, model: str, requests: list, args: argparse.Namespace,
 
     log("reference: one engine, no ucm")
     with RoutedCluster(work, model, nodes=1, ucm=False, dynamo=False, engine_pages=pages, dtype=args.dtype,
-                       max_model_len=longest + args.max_tokens + 64, log=log) as c:
+                       max_model_len=longest + args.max_tokens + 64) as c:
         _warm(c)
         rows = []
         for r in requests:
@@ -221,7 +221,7 @@ def _variants(names: list[str], work: Path, model: str, requests: list, args: ar
                 work / name, model, router_mode="round-robin" if name == "round_robin" else "kv",
                 ucm_events=name != "kv_engine_events", shared_service=name == "shared_service", block_tokens=PAGE,
                 dtype=args.dtype, max_model_len=longest + args.max_tokens + 64, port_base=20 * k,
-                namespace=f"ucm{k}", log=log, **geometry)))
+                namespace=f"ucm{k}", **geometry)))
         for c in clusters:
             _warm(c)
         rows: dict[str, list[dict]] = {name: [] for name in names}
