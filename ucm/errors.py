@@ -46,3 +46,9 @@ class TraceError(UcmError, ValueError):
 
 class ModelError(UcmError):
     """A local model directory cannot be prepared (unknown name, missing package)."""
+
+
+class TransferParamsWarning(UserWarning):
+    """A request's `kv_transfer_params` name blocks this engine cannot use
+    (malformed, or another prompt's or namespace's): it is served as a plain
+    request, computing what its own cache does not hold."""

@@ -22,13 +22,16 @@ class LoadJob:
     `is_async`: run in the background and report the request through
     get_finished (what get_num_new_matched_tokens told vLLM). `stream`
     (synchronous loads only): streamed layer by layer under the forward
-    (`wait_for_layer_load`), not copied whole before it."""
+    (`wait_for_layer_load`), not copied whole before it. `wait_s`
+    (asynchronous loads only): how long to wait for blocks another engine
+    is still committing (P/D, pd.py) before copying them."""
 
     req_id: str
     keys: list[Key]
     page_ids: list[list[int]]
     is_async: bool
     stream: bool = False
+    wait_s: float = 0.0
 
 
 @dataclass(slots=True)

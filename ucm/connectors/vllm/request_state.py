@@ -43,3 +43,7 @@ class ReqState:
     room_deadline: float = 0.0
     tokens: Optional[Any] = None  # the prompt's token ids, kept when the KV events describe its blocks
     extra: Optional[dict] = None  # and the context they are hashed with (kv_events.request_extra)
+    pd_named: int = 0  # decode side of P/D: leading blocks a prefill engine named (pd.py), until a load lost some
+    pd_producer: bool = False  # prefill side of P/D: its blocks are returned in kv_transfer_params
+    pd_decode: bool = False  # decode side of P/D: its kv_transfer_params came from a prefill engine
+    external_tokens: int = 0  # what the last lookup answered vLLM (0 once a load lost blocks)

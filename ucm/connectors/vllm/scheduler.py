@@ -35,6 +35,14 @@ The state machine of one request (`request_state.ReqState`):
   it); finished saves stop counting as pending hits.
 - `request_finished`: pins released, `cache.finish` with the output length
   and the request id; the pages are kept while its saves run.
+
+P/D (pd.py): a request that asks this engine to prefill for a decode
+engine (`do_remote_decode`) gets the keys of the blocks it saved back in
+its finished output's `kv_transfer_params`; a request whose params name a
+prefill engine's blocks (`do_remote_prefill`) claims them as an
+asynchronous load whose worker waits for them (`ucm_pd_wait_s`), even
+those not committed yet; a load that lost some ends the claim, and the
+request is looked up like any other.
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
@@ -50,6 +59,7 @@ from ucm.connectors.vllm.kv_events import EngineEvents, events_for, request_extr
 from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
+from ucm.connectors.vllm.pd import named_blocks, producer_params, wants_blocks
 from ucm.connectors.vllm.prefetch_policy import PrefetchPolicy, StagingStep
 from ucm.connectors.vllm.request_state import MAX_LOAD_FAILURES, ReqState as _ReqState
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
@@ -114,6 +124,7 @@ class UCMSchedulerSide:
         self.stagings = PrefetchPolicy(self._prefetch, landing_tier=landing_tier, block_tokens=self.block_tokens,
                                        max_staging_blocks=max_staging_blocks)
         self.bad_request_settings = 0  # requests whose kv_transfer_params overrides were refused
+        self.pd_requests = 0  # decode steps of P/D that claimed a prefill engine's blocks
         # The cache's blocks as KV events (kv_events.py), when vLLM publishes them.
         self.events: Optional[EngineEvents] = None
 
@@ -205,6 +216,12 @@ class UCMSchedulerSide:
         st = self._reqs[request.request_id] = _ReqState(keys=keys, settings=self.request_settings(request))
         if self.events is not None:
             st.tokens, st.extra = request.prompt_token_ids, request_extra(request)
+        params = getattr(request, "kv_transfer_params", None)
+        st.pd_producer = self.can_save and wants_blocks(params)
+        if self.can_load:
+            st.pd_decode = isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+            st.pd_named = named_blocks(params, keys, request.request_id)
+            self.pd_requests += st.pd_named > 0
         if keys:
             self._ask("begin_request", None, self._cache.begin_request, request.request_id, keys)
         return st
@@ -317,6 +334,8 @@ class UCMSchedulerSide:
         if self.stagings.wait_for_room(st):
             return None, False  # capped: vLLM asks again; the lookup is redone once there is room
         st.local_tokens = num_computed_tokens
+        if st.pd_named > st.hit_blocks:  # a prefill engine's blocks: loaded asynchronously once committed
+            return self._claim_named(st, request, num_computed_tokens)
         mode = st.settings.load_mode
         blocks = st.hit_blocks
         if st.settings.prefetch_policy != "off" and blocks and not st.unstaged:
@@ -332,12 +351,26 @@ class UCMSchedulerSide:
             blocks = next((i for i, t in enumerate(st.hit_tiers[:blocks]) if t == PENDING), blocks)
         hit = min(blocks * self.block_tokens, request.num_tokens - 1)
         if hit <= num_computed_tokens:
+            st.external_tokens = 0
             return 0, False
         first, last = num_computed_tokens // self.block_tokens, -(-hit // self.block_tokens)
         is_async, st.load_stream = choose_load(st.hit_tiers[first:last], self._landing, mode,
                                                st.settings.load_streaming)
         st.load_async = is_async
-        return hit - num_computed_tokens, is_async
+        st.external_tokens = hit - num_computed_tokens
+        return st.external_tokens, is_async
+
+    def _claim_named(self, st: _ReqState, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """The decode step of P/D: the blocks a prefill engine named, beyond
+        vLLM's own hit, as one asynchronous load whose worker waits for the
+        ones still being committed (the ones found now are pinned)."""
+        hit = min(st.pd_named * self.block_tokens, request.num_tokens - 1)
+        st.external_tokens = max(0, hit - num_computed_tokens)
+        if not st.external_tokens:
+            return 0, False
+        st.next_store = max(st.next_store, st.pd_named)  # the prefill engine saves them
+        st.load_async, st.load_stream = True, False
+        return st.external_tokens, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -368,8 +401,9 @@ class UCMSchedulerSide:
             pages.append(row)
         # An async load is reported through get_finished; it must be async
         # exactly when get_num_new_matched_tokens said so.
+        wait = st.settings.pd_wait_s if st.pd_named and st.load_async else 0.0
         self._pending_loads.append(LoadJob(request.request_id, st.keys[b0:b1], pages, st.load_async,
-                                           st.load_stream and not st.load_async))
+                                           st.load_stream and not st.load_async, wait))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> UCMConnectorMetadata:
         """This step's plan: the loads planned since the last step, the saves
@@ -449,6 +483,8 @@ class UCMSchedulerSide:
                     st.looked_up = False
                     st.staging, st.staging_tried = None, False
                     st.load_failures += 1
+                    st.pd_named = 0  # what the prefill engine named did not all come: computed here
+                    st.external_tokens = 0
                     self._unpin(st)
                     break
 
@@ -465,7 +501,15 @@ class UCMSchedulerSide:
             # A placement hint: how long an answer this prompt got (ucm/placement/policies/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,
                       request_id=request.request_id)
-        return st.stores_issued, None
+        if st.pd_decode:  # what the decode step of P/D took from the prefill engine, and computed
+            prompt = request.num_prompt_tokens
+            log.info("UCMConnector: P/D request %s: %d prompt tokens, %d loaded through ucm, %d computed here",
+                     request.request_id, prompt, st.external_tokens, prompt - st.local_tokens - st.external_tokens)
+        params = None
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if st.pd_producer and finished:  # the blocks a decode engine loads: those saved (or planned), or cached
+            params = producer_params(st.keys[:st.next_store], self.block_tokens)
+        return st.stores_issued, params
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         if num_external_tokens == 0:

@@ -22,7 +22,7 @@ STREAMING = ("off", "auto", "on")
 # server's "kv_transfer_params" field), under the same `ucm_` names. The
 # others name the engine's cache, namespace or worker waits and stay per engine.
 PER_REQUEST = ("load_mode", "load_streaming", "prefetch_policy", "prefetch_timeout_s",
-               "prefetch_timeout_per_1k_tokens_s")
+               "prefetch_timeout_per_1k_tokens_s", "pd_wait_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,9 @@ class ConnectorSettings:
     load_streaming: str = "off"
     prefetch_timeout_s: float = 0.5
     prefetch_timeout_per_1k_tokens_s: float = 0.05
+    # P/D (pd.py): how long a decode engine's worker waits for the blocks a
+    # prefill engine named to be committed before vLLM computes the rest.
+    pd_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "kv_connector_extra_config")
@@ -104,7 +107,7 @@ def _check(values: Mapping[str, Any], where: str) -> None:
                           ("load_streaming", STREAMING)):
         if name in values and values[name] not in allowed:
             raise ConfigError(f"{where}.ucm_{name}: {values[name]!r} not one of {list(allowed)}")
-    for name in ("load_timeout_s", "prefetch_timeout_s", "prefetch_timeout_per_1k_tokens_s"):
+    for name in ("load_timeout_s", "prefetch_timeout_s", "prefetch_timeout_per_1k_tokens_s", "pd_wait_s"):
         if name not in values:
             continue
         t = values[name]

@@ -14,7 +14,9 @@ Threads and blocking:
   synchronous loads (blocks already in DRAM) before the forward and never
   waits there for a save in flight; asynchronous loads and every save run
   on a background pool of two threads and are reported through
-  `get_finished`.
+  `get_finished`; the loads of P/D's decode steps (`LoadJob.wait_s`),
+  which may wait for another engine's saves, run on a pool of their own
+  so that they never hold up this engine's saves.
 - A save holds the request's pages until reported; `handle_preemptions`
   takes them back at once (`_PageGuard`: it waits only for a copy in
   progress; a save not yet copied is dropped, never committed).
@@ -134,6 +136,7 @@ class UCMWorkerSide:
         self._copy_threads = copy_threads or max(1, min(4, len(os.sched_getaffinity(0))))
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-vllm")
+        self._pd_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ucm-vllm-pd")
         # req_id -> background jobs touching its pages, each with its hold on them
         self._inflight: dict[str, list[tuple[Future, _PageGuard]]] = {}
         self._saves: dict[Key, Future] = {}  # block key -> the save in flight writing it
@@ -148,7 +151,7 @@ class UCMWorkerSide:
                                    lambda: len(self._layouts), settings.load_timeout_s, self._copy_threads)
         self.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0,
                          "store_failed_blocks": 0, "abandoned_blocks": 0, "tainted_blocks": 0,
-                         "load_s": 0.0, "store_s": 0.0}
+                         "load_s": 0.0, "store_s": 0.0, "pd_wait_s": 0.0, "pd_late_blocks": 0}
 
     @classmethod
     def from_vllm(cls, kv_cache_config: "KVCacheConfig", pages_per_block: int, settings: ConnectorSettings,
@@ -246,6 +249,8 @@ class UCMWorkerSide:
         try:
             if job.is_async:
                 self._wait_saves(job.keys)
+                if job.wait_s > 0:
+                    self._wait_committed(job.keys, job.wait_s, guard)
             if not guard.revoked:
                 results = self._cache.read_slots(job.keys, [self.block_bytes] * n, fill, request_id=job.req_id)
                 while ok < n and results[ok] is Outcome.DONE:
@@ -271,6 +276,29 @@ class UCMWorkerSide:
                         job.req_id)
         return not bad
 
+    def _wait_committed(self, keys: list[Key], wait_s: float, guard: _PageGuard) -> None:
+        """Waits, at most `wait_s`, until the cache holds every one of `keys`
+        (blocks another engine is still saving: P/D's decode step); the
+        ones that do not come in time are load errors after the read."""
+        started = time.monotonic()
+        deadline, pause = started + wait_s, 0.001
+        held = 0
+        while not guard.revoked:
+            try:
+                held = self._cache.lookup(keys)
+            except Exception:  # a cache fault: the read that follows reports what is there
+                log.warning("UCMConnector: lookup while waiting for a prefill engine's blocks failed",
+                            exc_info=True)
+                break
+            now = time.monotonic()
+            if held >= len(keys) or now >= deadline:
+                break
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, 0.02)
+        with self._lock:
+            self.counters["pd_wait_s"] += time.monotonic() - started
+            self.counters["pd_late_blocks"] += len(keys) - held
+
     def _load_async(self, job: LoadJob, ready: Any, guard: _PageGuard) -> None:
         try:
             self._load(job, ready, guard)
@@ -294,7 +322,8 @@ class UCMWorkerSide:
                 self._streams.start(job)  # copied layer by layer in wait_for_layer_load
             elif job.is_async:
                 guard = _PageGuard()
-                self._track(job.req_id, self._pool.submit(self._load_async, job, ready, guard), guard)
+                pool = self._pd_pool if job.wait_s > 0 else self._pool
+                self._track(job.req_id, pool.submit(self._load_async, job, ready, guard), guard)
             elif not self._load(job, ready):
                 # This step's forward runs over the pages that did not arrive:
                 # whatever it computes for the request is not saved.
@@ -455,6 +484,7 @@ class UCMWorkerSide:
         goes), then lets the copier go."""
         if self._streams:
             self._finish_streams()
+        self._pd_pool.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True)
         log.info("UCMConnector worker: %s %s", self.counters, self._streams.counters)
         if self._copier is not None:
