@@ -1,4 +1,4 @@
-"""The `ucm` command line: serve, bench, inspect, model.
+"""The `ucm` command line: serve, bench, inspect, model, pd-proxy.
 
 Each benchmark lives in its own module (ucm/bench/cache/ for the cache's
 own, ucm/bench/engines/ for those that drive an engine) and registers its subcommand with
@@ -20,7 +20,7 @@ BENCHES = {name: f"ucm.bench.cache.{name}" for name in ("io", "placement", "serv
 BENCHES.update({name: f"ucm.bench.engines.{module}" for name, module in (
     ("vllm", "vllm_bench"), ("transformers", "transformers_bench"), ("sglang", "sglang_bench"),
     ("prefetch", "prefetch_bench"), ("codec", "codec_bench"), ("sparse", "sparse_bench"), ("pages", "page_copy_bench"),
-    ("gpu-ttft", "gpu_ttft_bench"), ("route", "route_bench"), ("blend", "blend_bench"))})
+    ("gpu-ttft", "gpu_ttft_bench"), ("route", "route_bench"), ("blend", "blend_bench"), ("pd", "pd_bench"))})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     inspect.set_defaults(handler=_inspect)
     importlib.import_module("ucm.apps.model_cli").register(sub)
+    importlib.import_module("ucm.apps.pd_proxy").register(sub)
     bench = sub.add_parser("bench", help="measure ucm against baselines from the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for module in BENCHES.values():

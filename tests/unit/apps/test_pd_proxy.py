@@ -1,0 +1,212 @@
+"""`ucm pd-proxy` (ucm/apps/pd_proxy.py) against fake engines on 127.0.0.1:
+the prefill step gets a one-token, unstreamed copy asking for
+`do_remote_decode`; the decode step gets the original request with the
+prefill engine's `kv_transfer_params`, and its answer (streamed or not)
+reaches the client unchanged; a failed prefill step leaves a plain decode
+request; engines are picked by load; bad input is a typed error."""
+import asyncio
+import json
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from ucm.apps.pd_proxy import EnginePool, PdProxy  # noqa: E402
+from ucm.errors import ConfigError  # noqa: E402
+
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "ucm_blocks": ["ab" * 16], "remote_num_tokens": 256}
+
+
+class FakeEngine:
+    """An OpenAI server that records what it got. `role` "prefill" answers
+    with PARAMS (or `status`); "decode" answers, streamed or not, with
+    the kv_transfer_params it got. `hold`: an Event each request waits for."""
+
+    def __init__(self, role, status=200, hold=None):
+        self.role, self.status, self.hold, self.got = role, status, hold, []
+        self.url, self._runner = None, None
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self):
+        await self._runner.cleanup()
+
+    async def _health(self, request):
+        return web.Response(text="ok")
+
+    async def _models(self, request):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def _handle(self, request):
+        body = await request.json()
+        self.got.append((request.path, body, request.headers.get("X-Request-Id")))
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.status != 200:
+            return web.Response(status=self.status, text="engine error")
+        if self.role == "prefill":
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+        params = body.get("kv_transfer_params")
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "answer"}], "got_params": params})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for word in ("one", "two", "three"):
+            await out.write(f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+async def _with_proxy(prefill, decode, fn):
+    engines = [await e.start() for e in (*prefill, *decode)]
+    proxy = PdProxy([e.url for e in prefill], [e.url for e in decode])
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await fn(session, url, proxy)
+    finally:
+        await runner.cleanup()
+        for e in engines:
+            await e.stop()
+
+
+def test_the_prefill_step_is_one_unstreamed_token_and_the_decode_step_gets_its_params():
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 64, "stream": False, "min_tokens": 4,
+            "kv_transfer_params": {"ucm_pd_wait_s": 2.0}}
+
+    async def run(session, url, proxy):
+        async with session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            return await r.json()
+
+    got = asyncio.run(_with_proxy([p], [d], run))
+    [(path, pre, pid)] = p.got
+    assert path == "/v1/completions"
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "min_tokens" not in pre
+    assert pre["kv_transfer_params"] == {"ucm_pd_wait_s": 2.0, "do_remote_decode": True, "do_remote_prefill": False}
+    [(_, dec, did)] = d.got
+    assert dec["max_tokens"] == 64 and dec["min_tokens"] == 4 and dec["prompt"] == [1, 2, 3]
+    assert dec["kv_transfer_params"] == {"ucm_pd_wait_s": 2.0, **PARAMS}
+    assert pid == did and pid.startswith("pd-")  # one request id for both steps
+    assert got == {"choices": [{"text": "answer"}], "got_params": {"ucm_pd_wait_s": 2.0, **PARAMS}}
+
+
+def test_a_streamed_chat_answer_reaches_the_client_as_the_decode_engine_sent_it():
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 32,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    async def run(session, url, proxy):
+        async with session.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "mine"}) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            return (await r.read()).decode()
+
+    text = asyncio.run(_with_proxy([p], [d], run))
+    [(path, pre, pid)] = p.got
+    assert path == "/v1/chat/completions" and pid == "mine"
+    assert pre["max_completion_tokens"] == 1 and pre["max_tokens"] == 1 and "stream_options" not in pre
+    assert d.got[0][1]["stream_options"] == {"include_usage": True}
+    words = [json.loads(line[5:])["choices"][0]["text"] for line in text.split("\n\n")
+             if line.startswith("data:") and line != "data: [DONE]"]
+    assert words == ["one", "two", "three"] and text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("status", [500, 404])
+def test_a_failed_prefill_step_leaves_a_plain_decode_request(status):
+    p, d = FakeEngine("prefill", status=status), FakeEngine("decode")
+
+    async def run(session, url, proxy):
+        async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+            assert r.status == 200
+            return await r.json(), dict(proxy.counters)
+
+    got, counters = asyncio.run(_with_proxy([p], [d], run))
+    assert got["got_params"] is None  # computed by the decode engine
+    assert counters["prefill_failures"] == 1 and counters["requests"] == 1
+
+
+def test_a_dead_prefill_engine_leaves_a_plain_decode_request():
+    d = FakeEngine("decode")
+
+    async def run(session, url, proxy):
+        proxy.prefill.engines[0].url = "http://127.0.0.1:9"  # nothing listens there
+        async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+            return r.status, await r.json()
+
+    status, got = asyncio.run(_with_proxy([FakeEngine("prefill")], [d], run))
+    assert status == 200 and got["got_params"] is None
+
+
+def test_a_dead_decode_engine_is_an_upstream_error_not_a_hang():
+    async def run(session, url, proxy):
+        proxy.decode.engines[0].url = "http://127.0.0.1:9"
+        async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+            return r.status, await r.json()
+
+    status, got = asyncio.run(_with_proxy([FakeEngine("prefill")], [FakeEngine("decode")], run))
+    assert status == 502 and got["error"]["type"] == "upstream_error"
+
+
+def test_requests_go_to_the_engine_with_the_fewest_in_flight():
+    hold = asyncio.Event()
+    slow, fast = FakeEngine("decode", hold=hold), FakeEngine("decode")
+
+    async def run(session, url, proxy):
+        first = asyncio.create_task(session.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+        for _ in range(1000):  # the first goes to the first engine (a tie), which holds it
+            if slow.got:
+                break
+            await asyncio.sleep(0.01)
+        async with session.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2}) as r:
+            assert r.status == 200
+        hold.set()
+        (await first).release()
+
+    asyncio.run(_with_proxy([FakeEngine("prefill")], [slow, fast], run))
+    assert [b["prompt"] for _, b, _ in slow.got] == ["a"] and [b["prompt"] for _, b, _ in fast.got] == ["b"]
+
+
+def test_bad_bodies_and_health_and_stats():
+    async def run(session, url, proxy):
+        async with session.post(url + "/v1/completions", data=b"not json") as r:
+            bad = (r.status, (await r.json())["error"]["type"])
+        async with session.get(url + "/health") as r:
+            health = (r.status, await r.json())
+        async with session.get(url + "/pd/stats") as r:
+            stats = await r.json()
+        async with session.get(url + "/v1/models") as r:
+            models = await r.json()
+        return bad, health, stats, models
+
+    bad, health, stats, models = asyncio.run(_with_proxy([FakeEngine("prefill")], [FakeEngine("decode")], run))
+    assert bad == (400, "invalid_request_error")
+    assert health[0] == 200 and all(v for role in health[1].values() for v in role.values())
+    assert stats["requests"] == 0 and len(stats["prefill"]) == 1 and len(stats["decode"]) == 1
+    assert models == {"data": [{"id": "m"}]}
+
+
+def test_bad_arguments_are_typed_errors():
+    with pytest.raises(ConfigError, match="--prefill needs at least one engine URL"):
+        EnginePool("prefill", [])
+    with pytest.raises(ConfigError, match="--decode URLs must start with http"):
+        EnginePool("decode", ["127.0.0.1:8000"])
+    with pytest.raises(ConfigError, match="--timeout-s must be > 0"):
+        PdProxy(["http://a:1"], ["http://b:2"], timeout_s=0)

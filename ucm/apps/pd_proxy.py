@@ -1,0 +1,247 @@
+"""`ucm pd-proxy`: prefill/decode disaggregation in front of vLLM engines that
+run ucm's connector, in vLLM's own disaggregated-serving pattern (its
+examples' proxy for the NIXL and Mooncake connectors).
+
+An OpenAI request (`/v1/completions`, `/v1/chat/completions`, streamed or
+not) goes first to a prefill engine, as a copy with `max_tokens` 1, not
+streamed, and `kv_transfer_params: {"do_remote_decode": true}`: its
+connector (kv_producer or kv_both) saves the prompt's blocks and returns
+their keys in the response's `kv_transfer_params` (ucm/connectors/vllm/pd.py).
+Then the original request goes to a decode engine with those params, and
+its answer, streamed as it comes, is the client's. The decode engine's
+connector (kv_consumer or kv_both) loads the blocks once committed and
+computes only the prompt's last partial block.
+
+Engines are picked by load: the one with the fewest requests in flight
+from this proxy, ties by the fewest served. A prefill step that fails
+(engine down, an error status, no params) is logged and counted, and the
+decode engine serves the request as a plain one. The proxy itself holds no
+KV and talks HTTP only; the blocks travel through ucm (on one node the
+service's shared arena). `GET /v1/models` is the first decode engine's;
+`GET /health` is 200 while some prefill and some decode engine answer;
+`GET /pd/stats` gives the counters as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ucm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Response headers of an engine that the proxy's own response must not copy.
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+
+
+@dataclass
+class Engine:
+    """One engine behind the proxy, with what the proxy knows of its load."""
+
+    url: str
+    inflight: int = 0
+    served: int = 0
+    failures: int = 0
+
+
+class EnginePool:
+    """Engines of one role; `pick` takes the least loaded."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ConfigError(f"pd-proxy: --{role} needs at least one engine URL")
+        bad = [u for u in urls if not (u.startswith("http://") or u.startswith("https://"))]
+        if bad:
+            raise ConfigError(f"pd-proxy: --{role} URLs must start with http:// or https://, got {bad}")
+        self.role = role
+        self.engines = [Engine(u.rstrip("/")) for u in urls]
+
+    def pick(self) -> Engine:
+        return min(self.engines, key=lambda e: (e.inflight, e.served))
+
+
+class PdProxy:
+    """The proxy's state and handlers; `app()` builds the aiohttp app."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"pd-proxy: --timeout-s must be > 0, got {timeout_s!r}")
+        self.prefill, self.decode = EnginePool("prefill", prefill), EnginePool("decode", decode)
+        self.timeout_s = timeout_s
+        self.counters = {"requests": 0, "prefill_failures": 0, "decode_failures": 0, "prefill_s": 0.0}
+        self._session: Any = None
+
+    # ---- the app --------------------------------------------------------------
+    def app(self) -> Any:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        for path in ROUTES:
+            app.router.add_post(path, self._relay)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/pd/stats", self._stats)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, app: Any) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                              connector=aiohttp.TCPConnector(limit=0))
+
+    async def _close(self, app: Any) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- the two steps ----------------------------------------------------------
+    async def _prefill_step(self, path: str, body: dict, request_id: str) -> Optional[dict]:
+        """The prefill engine's `kv_transfer_params` for the request, or None
+        when the step failed (the decode engine then computes the prompt)."""
+        engine = self.prefill.pick()
+        req = copy.deepcopy(body)
+        params = dict(req.get("kv_transfer_params") or {})
+        params.update(do_remote_decode=True, do_remote_prefill=False)
+        req["kv_transfer_params"] = params
+        req["stream"] = False
+        req["max_tokens"] = 1
+        if "max_completion_tokens" in req:
+            req["max_completion_tokens"] = 1
+        for k in ("stream_options", "min_tokens"):
+            req.pop(k, None)
+        engine.inflight += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            async with self._session.post(engine.url + path, json=req,
+                                          headers={"X-Request-Id": request_id}) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {text[:300]}")
+                got = json.loads(text).get("kv_transfer_params")
+                if not isinstance(got, dict) or not got.get("do_remote_prefill"):
+                    raise RuntimeError(f"no kv_transfer_params in its answer (is it running ucm's connector as "
+                                       f"kv_producer or kv_both?): {text[:200]}")
+                engine.served += 1
+                return got
+        except Exception as exc:
+            engine.failures += 1
+            self.counters["prefill_failures"] += 1
+            log.warning("pd-proxy: prefill at %s failed for %s (%s); the decode engine computes the prompt",
+                        engine.url, request_id, exc)
+            return None
+        finally:
+            engine.inflight -= 1
+            self.counters["prefill_s"] += loop.time() - started
+
+    async def _relay(self, request: Any) -> Any:
+        from aiohttp import web
+
+        path = request.path
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "the body must be a JSON object", "type":
+                                                "invalid_request_error"}}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "the body must be a JSON object", "type":
+                                                "invalid_request_error"}}, status=400)
+        self.counters["requests"] += 1
+        request_id = request.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
+        params = await self._prefill_step(path, body, request_id)
+        req = dict(body)
+        if params is not None:
+            req["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), **params}
+        engine = self.decode.pick()
+        engine.inflight += 1
+        out = None
+        try:
+            async with self._session.post(engine.url + path, json=req,
+                                          headers={"X-Request-Id": request_id}) as resp:
+                headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+                if not body.get("stream"):
+                    return web.Response(body=await resp.read(), status=resp.status, headers=headers)
+                out = web.StreamResponse(status=resp.status, headers=headers)
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                engine.served += 1
+                return out
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away
+        except Exception as exc:
+            engine.failures += 1
+            self.counters["decode_failures"] += 1
+            log.warning("pd-proxy: decode at %s failed for %s: %s", engine.url, request_id, exc)
+            if out is not None and out.prepared:  # part of the answer went out: end it there
+                return out
+            return web.json_response({"error": {"message": f"decode engine {engine.url} failed: {exc}",
+                                                "type": "upstream_error"}}, status=502)
+        finally:
+            engine.inflight -= 1
+
+    # ---- the rest -----------------------------------------------------------------
+    async def _models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            async with self._session.get(self.decode.engines[0].url + "/v1/models") as resp:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+        except Exception as exc:
+            return web.json_response({"error": {"message": str(exc), "type": "upstream_error"}}, status=502)
+
+    async def _up(self, engine: Engine) -> bool:
+        try:
+            async with self._session.get(engine.url + "/health") as resp:
+                return resp.status == 200
+        except Exception:
+            return False
+
+    async def _health(self, request: Any) -> Any:
+        from aiohttp import web
+
+        ups = {role: await asyncio.gather(*(self._up(e) for e in pool.engines))
+               for role, pool in (("prefill", self.prefill), ("decode", self.decode))}
+        ok = any(ups["prefill"]) and any(ups["decode"])
+        return web.json_response({role: dict(zip((e.url for e in pool.engines), ups[role]))
+                                  for role, pool in (("prefill", self.prefill), ("decode", self.decode))},
+                                 status=200 if ok else 503)
+
+    async def _stats(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({**self.counters, **{
+            pool.role: [{"url": e.url, "inflight": e.inflight, "served": e.served, "failures": e.failures}
+                        for e in pool.engines] for pool in (self.prefill, self.decode)}})
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("pd-proxy", help="prefill/decode disaggregation: run each request on a prefill engine, "
+                                        "then on a decode engine that loads its KV through ucm",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill engines (vLLM with ucm's connector, kv_producer or kv_both)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode engines (vLLM with ucm's connector, kv_consumer or kv_both)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request and step (default 600)")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    proxy = PdProxy(args.prefill, args.decode, timeout_s=args.timeout_s)
+    logging.getLogger().setLevel(logging.INFO)
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=lambda msg: log.info("%s", msg))
+    return 0
