@@ -61,3 +61,51 @@ def test_bad_bytes_in_the_pool_are_a_miss(tmp_path):
         res = b.load(down, out).wait(30)
         assert res[0] is Outcome.CORRUPT
         assert all(r is not Outcome.DONE or bytes(o) == d for r, o, d in zip(res, out, data))
+
+
+def _copy_in(data):
+    def fill(first, slots, arena):
+        for i, s in enumerate(slots):
+            if s is not None:
+                off, n = s
+                arena[off:off + n] = data[first + i]
+    return fill
+
+
+@pytest.mark.parametrize("tier", ["fs", "redis", "mooncake"])
+def test_a_write_through_tier_gets_every_block_stored_at_once(tmp_path, cluster_servers, tier):
+    """Blocks that fit node A's DRAM (never demoted) are in the cluster tier
+    as soon as they are stored, by a store or a slot write, for node B."""
+    shared = str(tmp_path / "pool")
+    opts = _tier_options(tier, shared)
+    keys, data = chain(8, 3)
+    cfg = {"tiers": [{"adapter": "dram", "capacity": "4MiB"},
+                     {"adapter": tier, "capacity": "64MiB", "options": opts, "write_through": True}],
+           "policy": {"name": "lru"}}
+    with UnifiedCache(cfg) as a:
+        assert a.store(keys[:4], data[:4]).wait(30) == [Outcome.DONE] * 4
+        assert a.write_slots(keys[4:], [SIZE] * 4, _copy_in(data[4:]), parent=keys[3]) == [Outcome.DONE] * 4
+        assert a.flush(30)
+        assert a.locate(keys) == ["dram"] * 8  # node A keeps them where they were
+        assert a.stats()["write_through_blocks"] == 8
+        with node(shared, dram="4MiB", tier=tier) as b:
+            assert b.lookup(keys) == 8
+            out = [bytearray(SIZE) for _ in keys]
+            assert b.load(keys, out).wait(30) == [Outcome.DONE] * 8
+            assert [bytes(o) for o in out] == data
+
+
+@pytest.mark.parametrize("tiers, why", [
+    ([{"adapter": "dram", "capacity": "4MiB", "write_through": True}], "only a tier below the landing tier"),
+    ([{"adapter": "dram", "capacity": "4MiB"},
+      {"adapter": "nvme", "capacity": "64MiB", "write_through": True, "options": {"path": "{tmp}"}}],
+     "only a tier other nodes read"),
+])
+def test_write_through_needs_a_cluster_tier_below_the_landing_one(tmp_path, tiers, why):
+    from ucm.errors import ConfigError
+
+    for t in tiers:
+        if "path" in t.get("options", {}):
+            t["options"]["path"] = str(tmp_path)
+    with pytest.raises(ConfigError, match=f"tiers.[01].write_through: {why}"):
+        UnifiedCache({"tiers": tiers}).close()

@@ -59,6 +59,8 @@ class BlockIO:
         new = [i for i, o in enumerate(out) if o is Outcome.DONE and placed[i]]
         core.counters.add("stored_blocks", len(new))
         core.counters.add("bytes_stored", sum(len(views[i]) for i in new))
+        if new:
+            core.write_through([keys[i] for i in new])
         if new and core.accelerators:
             core.accelerators.blocks_stored(BlocksStored(
                 tuple(keys[i] for i in new), tuple(len(views[i]) for i in new),

@@ -33,9 +33,10 @@ MAX_OPEN_REQUESTS = 65536
 class CacheCore:
     """The shared state of one cache. Built once its tiers are open; every
     attribute is set at construction and never rebound, except
-    `accelerators` (built last, once the cache can serve their calls) and
+    `accelerators` (built last, once the cache can serve their calls),
     `wake_reclaim` (the headroom thread's wake, when a tier keeps
-    headroom)."""
+    headroom) and `write_through` (blocks just stored, handed to the
+    WriteThrough part when a tier is configured so)."""
 
     def __init__(self, config: Any, tier_names: Sequence[str], adapters: Sequence[StorageAdapter], tiers: Any,
                  layouts: Any, heat: Any, placement: Any, meta: threading.Lock, plans: Any,
@@ -53,6 +54,7 @@ class CacheCore:
         self.accelerators: Any = None
         self.shared = tiers.shared  # tiers other nodes write: asked directly on a miss
         self.wake_reclaim: Callable[[], None] = lambda: None
+        self.write_through: Callable[[Sequence[Key]], None] = lambda keys: None
         self._requests: OrderedDict[str, None] = OrderedDict()
         self._requests_counted = 0  # request events the policy saw (ticks of the heat clock)
         self._closed = False

@@ -135,6 +135,7 @@ class SlotAccess:
                 self._core.placement.unhold(committed)
             self._core.counters.add("stored_blocks", len(committed))
             self._core.counters.add("bytes_stored", stored)
+            self._core.write_through(committed)
             if self._core.accelerators:
                 self._core.accelerators.blocks_stored(BlocksStored(
                     tuple(committed), tuple(sizes), self._core.tier_names[self._core.placement.landing], None))

@@ -51,10 +51,11 @@ from ucm.cache.ranges import RangeReader
 from ucm.cache.reclaim import HeadroomReclaimer
 from ucm.cache.slots import SlotAccess
 from ucm.cache.staging import Stager
+from ucm.cache.write_through import WriteThrough
 from ucm.codecs.layout import KvLayout, LayoutBook
 from ucm.codecs.tier import with_codec
 from ucm.config.schema import UcmConfig, adapter_options, load_config
-from ucm.errors import ArgumentError, ClosedError
+from ucm.errors import ArgumentError, ClosedError, ConfigError
 from ucm.placement.factory import make_placement
 from ucm.placement.heat import HeatTracker
 from ucm.placement.plans import TierSpec
@@ -68,6 +69,20 @@ __all__ = ["UnifiedCache", "Outcome", "Handle", "TierFactory"]
 
 # tier_factory(index, adapter class, capacity_bytes, validated options) -> adapter
 TierFactory = Callable[[int, type, int, Any], StorageAdapter]
+
+
+def _shared_adapters() -> list[str]:
+    """The installed adapters of tiers other nodes read."""
+    from ucm.adapters.base import adapter_names
+
+    out = []
+    for name in adapter_names():
+        try:
+            if load_adapter_class(name).shared:
+                out.append(name)
+        except Exception:  # an adapter whose package is broken is not offered
+            continue
+    return out
 
 
 def _default_tier(index: int, cls: type, capacity_bytes: int, options: Any) -> StorageAdapter:
@@ -105,6 +120,7 @@ class UnifiedCache:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._slots: Optional[SlotAccess] = None
         self._reclaimer: Optional[HeadroomReclaimer] = None
+        self._write_through: Optional[WriteThrough] = None
         self.catalog: Optional[BlockCatalog] = None
         try:
             self._open(cfg)
@@ -117,6 +133,9 @@ class UnifiedCache:
         media = {}
         for i, tier in enumerate(cfg.tiers):
             cls = load_adapter_class(tier.adapter)
+            if tier.write_through and not cls.shared:
+                raise ConfigError(f"tiers.{i}.write_through: only a tier other nodes read (a cluster store: "
+                                  f"{', '.join(_shared_adapters())}) takes it, got {tier.adapter!r}")
             if cls.kv_medium:
                 media[tier.adapter] = cls.kv_medium
             self.adapters.append(self._tier_factory(i, cls, tier.capacity, adapter_options(tier, i)))
@@ -147,6 +166,10 @@ class UnifiedCache:
         if headroom:
             self._reclaimer = HeadroomReclaimer(core, headroom)
             core.wake_reclaim = self._reclaimer.wake
+        through = [t for t, tier in enumerate(cfg.tiers) if tier.write_through]
+        if through:
+            self._write_through = WriteThrough(core, through)
+            core.write_through = self._write_through.submit
         self.accelerators = core.accelerators = Accelerators.build(cfg, self)
         ev = cfg.events
         self.catalog = (BlockCatalog(self.locate, media, max_blocks=ev.max_blocks, journal=ev.journal)
@@ -299,11 +322,14 @@ class UnifiedCache:
         return self.catalog.holdings(max(0, int(offset)), max(1, min(int(limit), 4096)))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Makes the tiers' headroom, then waits until buffered writes of
-        every tier are on their medium."""
+        """Makes the tiers' headroom, waits for the write-through copies of
+        the blocks stored so far, then until buffered writes of every tier
+        are on their medium."""
         timeout_s = check_timeout(timeout_s, "flush: timeout_s")
         if self._reclaimer is not None:
             self._reclaimer.run_now()
+        if self._write_through is not None and not self._write_through.wait_idle(timeout_s):
+            return False
         return self.tiers.flush(timeout_s)
 
     def watch_keys(self, on_add: Callable[[Key], None], on_remove: Callable[[Key], None]) -> None:
@@ -327,6 +353,8 @@ class UnifiedCache:
             self._slots.close()
         if self._reclaimer is not None:
             self._reclaimer.close()
+        if self._write_through is not None:
+            self._write_through.close()
         if self.tiers is not None:
             self.tiers.close()
         else:  # the TierStack was not built yet: close what was opened

@@ -46,6 +46,11 @@ class TierConfig(_Strict):
     # wrote them), lossless, int8, int4, or an installed `ucm.codecs` entry
     # point. Only tiers below the landing tier take one.
     codec: str = "none"
+    # A cluster tier (one other nodes read: mooncake, redis) that receives
+    # a copy of every block stored on this node at once, in the background,
+    # instead of on its demotion: a decode node of P/D finds a prefill
+    # node's blocks as soon as they are stored (ucm/cache/write_through.py).
+    write_through: bool = False
 
     @field_validator("headroom", mode="before")
     @classmethod
@@ -164,6 +169,10 @@ class UcmConfig(_Strict):
             raise ValueError(f"accelerators: each accelerator may appear once, got {accs}")
         if self.landing_tier not in names:
             raise ValueError(f"landing_tier: {self.landing_tier!r} is not one of the configured tiers {names}")
+        for i, t in enumerate(self.tiers):
+            if t.write_through and names.index(t.adapter) <= names.index(self.landing_tier):
+                raise ValueError(f"tiers.{i}.write_through: only a tier below the landing tier "
+                                 f"({self.landing_tier}) takes copies of what is stored there, got {t.adapter}")
         if self.tiers[-1].headroom:
             raise ValueError(f"tiers.{len(names) - 1}.headroom: only a tier with a tier below it can keep "
                              f"headroom (its victims are demoted there); the lowest tier must have 0, "
