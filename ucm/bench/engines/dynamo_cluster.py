@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ucm.apps.model import kv_shape, page_bytes
-from ucm.bench.engines.vllm_servers import SERVED_NAME, Servers, counter, get, stream, ucm_transfer
+from ucm.bench.engines.vllm_servers import Cluster, SERVED_NAME, Servers, counter, get, stream, ucm_transfer
 
 ROOT = Path(__file__).resolve().parents[3]
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
@@ -39,7 +39,7 @@ WORKER = ROOT / "ucm" / "connectors" / "dynamo" / "worker.py"
 MODEL_ID = "route-bench"  # names the model in the nodes' block keys (`ucm_model_id`): locate needs no fingerprint
 
 
-class RoutedCluster:
+class RoutedCluster(Cluster):
     """See the module docstring. A context manager: `close` stops everything."""
 
     def __init__(self, work: Path, model_dir: str, *, router_mode: str = "kv", nodes: int = 2, ucm: bool = True,
@@ -67,17 +67,6 @@ class RoutedCluster:
             DYN_TCP_RPC_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1", DYN_EVENT_PLANE_HOST="127.0.0.1"))
 
     # ---- lifecycle -------------------------------------------------------------------
-    def __enter__(self) -> "RoutedCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def _ucm_config(self, i: int) -> Path:
         mib = lambda blocks: f"{-(-blocks * self.page_bytes * self.block_tokens // self.page_tokens // (1 << 20))}MiB"  # noqa: E731
         node = 0 if self.shared_service else i

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ucm.apps.model import page_bytes
-from ucm.bench.engines.vllm_servers import Servers, counter, get, logging_config, ucm_transfer
+from ucm.bench.engines.vllm_servers import Cluster, Servers, counter, get, logging_config, ucm_transfer
 
 MODEL_ID = "pd-bench"  # names the model in the block keys (`ucm_model_id`)
 MODES = ("pd", "pd_cluster", "colocated", "reference")
 _RECORD = re.compile(r"P/D request (\S+): (\d+) prompt tokens, (\d+) loaded through ucm, (-?\d+) computed here")
 
 
-class PdCluster:
+class PdCluster(Cluster):
     """See the module docstring. A context manager: `close` stops everything."""
 
     def __init__(self, work: Path, model_dir: str, *, mode: str = "pd", prefill: int = 1, decode: int = 1,
@@ -60,17 +60,6 @@ class PdCluster:
         self.engines: list[str] = []  # plain engines ("colocated", "reference")
         self.service: Any = None  # a client of the (prefill node's) ucm service
         self.master: Any = None  # the Mooncake master ("pd_cluster")
-
-    def __enter__(self) -> "PdCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _engine(self, tag: str, index: int, transfer: Optional[dict]) -> str:
         env = {"VLLM_LOGGING_CONFIG_PATH": str(logging_config(self.work))}

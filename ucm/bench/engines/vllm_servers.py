@@ -10,6 +10,7 @@ and times its chunks. Everything binds 127.0.0.1.
 """
 from __future__ import annotations
 
+import abc
 import http.client
 import json
 import os
@@ -95,6 +96,29 @@ def logging_config(work: Path) -> Path:
         "handlers": {"out": handler},
         "loggers": {name: {"handlers": ["out"], "level": "INFO", "propagate": False} for name in ("vllm", "ucm")}}))
     return path
+
+
+class Cluster(abc.ABC):
+    """Servers started together and stopped together: a context manager
+    that `start`s on entry (stopping what started if that fails) and
+    `close`s on exit."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class Servers:
