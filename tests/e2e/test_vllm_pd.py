@@ -13,7 +13,8 @@ block (one token of a whole-block prompt). Asked of the decode engine
 directly with params naming blocks nobody stores, it waits (bounded) and
 computes them, with the same output; params that are malformed or name
 another prompt's blocks serve a plain request, with the warning in its log.
-With the prefill engine killed, the proxy's requests are computed by the
+With the node's service killed, the decode engine computes the prompt
+after the request's own `ucm_pd_wait_s`. With the prefill engine killed, the proxy's requests are computed by the
 decode engine, with the output of its own prefix reuse."""
 from __future__ import annotations
 
@@ -152,6 +153,20 @@ def test_unusable_params_serve_a_plain_request_with_a_warning(cluster):
     log = (c.work / "decode1.log").read_text(errors="replace")
     assert "kv_transfer_params.ucm_blocks must be a list of block keys in hex" in log
     assert "is not this prompt's block under this engine's namespace" in log
+
+
+@pytest.mark.timeout(600)
+def test_with_the_service_killed_the_decode_engine_computes_the_request(cluster):
+    from ucm.bench.engines.vllm_servers import stream
+
+    c = cluster
+    tokens = _prompt(50, 900)
+    c.servers.stop("ucm")  # the node's service: the prefill engine's saves and the decode engine's loads fail
+    body = _body(tokens, params={"ucm_pd_wait_s": 1.0})  # the proxy passes a request's own params on
+    got = stream(c.url, body, request_id="pd-nosvc")
+    record = next(v for k, v in c.decode_records().items() if "pd-nosvc" in k)
+    assert record["loaded"] == 0 and record["computed"] == 900
+    assert got["text"] == stream(c.decode[0], _body(tokens))["text"]  # the decode engine's own prefix reuse
 
 
 @pytest.mark.timeout(600)

@@ -21,7 +21,8 @@ The reference outputs come from one engine's own prefix reuse of each
 prompt (asked once for one token, then in full), the numerics of a
 decode engine that computes the last partial block over loaded KV.
 
-Reported per variant: TTFT p50/p90, inter-token latency p50/p90/p99,
+Reported per variant: TTFT p50/p90, inter-token latency p50/p90/p99, its
+maximum and the gaps over one second (decode stalls),
 output tokens per second over the run, the prompt tokens the engine that
 decoded a request computed for it (`decode_computed_tokens_max`; under P/D
 from the decode connector's per-request line, colocated from the engines'
@@ -42,6 +43,7 @@ from ucm.bench import common
 from ucm.errors import UcmError
 
 CORES = (0, 1)
+REFERENCE_AT_ONCE = 3  # reference requests in flight: their prompts fit the engine's KV space together
 
 
 def register(sub: common.Subparsers) -> None:
@@ -62,10 +64,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     common.add_json_flag(p, "print one JSON object (every request, the summary)")
     p.add_argument("--quick", action="store_true", help="a reduced run: 4 short requests")
     p.add_argument("--requests", type=int, default=None, help="requests of the load (default 16; quick 4)")
-    p.add_argument("--prompt-tokens", type=_span, default=None, help="prompt lengths, a range (default 1024-2560)")
+    p.add_argument("--prompt-tokens", type=_span, default=None, help="prompt lengths, a range (default 1024-2048)")
     p.add_argument("--output-tokens", type=_span, default=None, help="answer lengths, a range (default 64-256)")
     p.add_argument("--interval", type=float, default=None,
-                   help="mean seconds between arrivals (default 3.0; quick 1.0)")
+                   help="mean seconds between arrivals (default 6.0; quick 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model and KV dtype")
     p.add_argument("--work", default=None, help="directory for the logs (default: a new temporary one)")
@@ -134,7 +136,8 @@ def _summary(rows: list[dict], reference: list[str], computed_max: Any) -> dict[
     return {"requests": len(rows), "failed": len(rows) - len(ok),
             "ttft_p50_s": round(q(ttft, 0.5), 4) if ttft else None, "ttft_p90_s": round(q(ttft, 0.9), 4) if ttft else None,
             "itl_p50_s": round(q(itl, 0.5), 4) if itl else None, "itl_p90_s": round(q(itl, 0.9), 4) if itl else None,
-            "itl_p99_s": round(q(itl, 0.99), 4) if itl else None,
+            "itl_p99_s": round(q(itl, 0.99), 4) if itl else None, "itl_max_s": round(max(itl), 4) if itl else None,
+            "itl_over_1s": sum(x > 1.0 for x in itl),  # decode stalls: gaps a prefill put into a request's tokens
             "output_tokens_per_s": round(sum(r["tokens"] for r in ok) / span, 2) if span > 0 else None,
             "outputs_equal": len(ok) == len(rows) and all(r["text"] == reference[r["index"]] for r in ok),
             "outputs_matching": sum(r.get("text") == reference[r["index"]] for r in rows),
@@ -148,9 +151,9 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
 
     quick = args.quick
     n = args.requests or (4 if quick else 16)
-    prompt = args.prompt_tokens or ((300, 700) if quick else (1024, 2560))
+    prompt = args.prompt_tokens or ((300, 700) if quick else (1024, 2048))
     output = args.output_tokens or ((16, 32) if quick else (64, 256))
-    interval = args.interval or (1.0 if quick else 3.0)
+    interval = args.interval or (1.0 if quick else 6.0)
     requests = workload(n, prompt, output, interval, args.seed)
     model = str(prepare("smollm2"))
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ucm-pd-"))
@@ -164,12 +167,16 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
 
     log("reference: one engine's own prefix reuse of each prompt")
     with PdCluster(work / "reference", model, mode="reference", **geometry) as c:
+        from concurrent.futures import ThreadPoolExecutor
+
         from ucm.bench.engines.vllm_servers import stream
 
-        reference = []
-        for r in requests:
+        def ask(r: dict) -> str:  # one token (the prompt into the prefix cache), then the answer over it
             stream(c.engines[0], _body(r, 1))
-            reference.append(stream(c.engines[0], _body(r, r["max_tokens"]))["text"])
+            return stream(c.engines[0], _body(r, r["max_tokens"]))["text"]
+
+        with ThreadPoolExecutor(max_workers=REFERENCE_AT_ONCE) as pool:  # decodes batched; prompts fit the KV
+            reference = list(pool.map(ask, requests))
 
     log("colocated: two engines, one core each, round robin")
     with PdCluster(work / "colocated", model, mode="colocated", engines=2, cores=CORES, **geometry) as c:
@@ -216,14 +223,15 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
 
 
 def _table(r: dict) -> str:
-    head = ("", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "ITL p99", "tok/s", "decode computed max",
-            "outputs equal")
+    head = ("", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "ITL p99", "ITL max", "gaps > 1 s", "tok/s",
+            "decode computed max", "outputs equal")
     rows = [head]
     for name in ("colocated", "pd", "pd_cluster"):
         s = r[name]
         ms = lambda x: "-" if x is None else f"{1000 * x:.0f} ms"  # noqa: E731
         rows.append((name, ms(s["ttft_p50_s"]), ms(s["ttft_p90_s"]), ms(s["itl_p50_s"]), ms(s["itl_p90_s"]),
-                     ms(s["itl_p99_s"]), str(s["output_tokens_per_s"]), str(s["decode_computed_tokens_max"]),
+                     ms(s["itl_p99_s"]), ms(s["itl_max_s"]), str(s["itl_over_1s"]), str(s["output_tokens_per_s"]),
+                     str(s["decode_computed_tokens_max"]),
                      f"{s['outputs_matching']} / {s['requests']}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
