@@ -159,6 +159,8 @@ def test_the_decode_side_computes_only_the_last_partial_block_and_one_token_of_a
     whole = TOKENS[:2 * BLOCK]
     assert side.get_num_new_matched_tokens(_request("w", whole, _named(whole)), 0) == (2 * BLOCK - 1, True)
     assert side.get_num_new_matched_tokens(_request("v", TOKENS, _named()), BLOCK) == (BLOCK, True)
+    # vLLM's own cache holds every named block: nothing to load, and never an empty asynchronous load
+    assert side.get_num_new_matched_tokens(_request("u", TOKENS, _named()), 2 * BLOCK) == (0, False)
 
 
 def test_committed_blocks_load_as_any_hit_without_waiting():

@@ -26,16 +26,62 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+from vllm.v1.request import RequestStatus
 
 from ucm.api import Key
 from ucm.errors import TransferParamsWarning
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from ucm.connectors.vllm.request_state import ReqState
 
 log = logging.getLogger(__name__)
 
 BLOCKS = "ucm_blocks"  # the key under which a prefill engine names its blocks
 
 
+FINISHED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+# ---- a request's P/D part, as the scheduler side (scheduler.py) drives it ------------
+def begin(st: "ReqState", params: Any, request_id: str, can_load: bool, can_save: bool) -> None:
+    """Reads a new request's P/D part from its `kv_transfer_params` into
+    `st`: whether it prefills for a decode engine, and on a decode engine
+    the prefill engine's blocks it may claim."""
+    st.pd_producer = can_save and wants_blocks(params)
+    if can_load:
+        st.pd_decode = isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
+        st.pd_named = named_blocks(params, st.keys, request_id)
+
+
+def claim(st: "ReqState", num_tokens: int, num_computed_tokens: int, block_tokens: int) -> int:
+    """The decode step's claim: the named blocks beyond vLLM's own hit, as
+    tokens of one asynchronous load (whose worker waits for the blocks
+    still being committed); the prefill engine saves them, this one does not."""
+    hit = min(st.pd_named * block_tokens, num_tokens - 1)
+    st.external_tokens = max(0, hit - num_computed_tokens)
+    if st.external_tokens:
+        st.next_store = max(st.next_store, st.pd_named)
+        st.load_async, st.load_stream = True, False
+    return st.external_tokens
+
+
+def finish(st: "ReqState", request: "Request", block_tokens: int) -> Optional[dict[str, Any]]:
+    """At the request's end: the decode step's line (what it loaded and
+    computed), and the prefill step's params for the decode engine."""
+    if st.pd_decode:
+        prompt = request.num_prompt_tokens
+        log.info("UCMConnector: P/D request %s: %d prompt tokens, %d loaded through ucm, %d computed here",
+                 request.request_id, prompt, st.external_tokens, prompt - st.local_tokens - st.external_tokens)
+    if st.pd_producer and request.status in FINISHED:  # saved (or planned) blocks, or found cached
+        return producer_params(st.keys[:st.next_store], block_tokens)
+    return None
+
+
+# ---- the params ---------------------------------------------------------------------
 def wants_blocks(params: Any) -> bool:
     """Whether a request asks this engine to prefill for a decode engine
     (`do_remote_decode`): its connector then returns `producer_params`."""

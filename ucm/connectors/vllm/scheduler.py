@@ -51,7 +51,6 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.request import RequestStatus
 
 from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
@@ -59,7 +58,7 @@ from ucm.connectors.vllm.kv_events import EngineEvents, events_for, request_extr
 from ucm.connectors.vllm.load_choice import PENDING, choose_load
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
-from ucm.connectors.vllm.pd import named_blocks, producer_params, wants_blocks
+from ucm.connectors.vllm import pd
 from ucm.connectors.vllm.prefetch_policy import PrefetchPolicy, StagingStep
 from ucm.connectors.vllm.request_state import MAX_LOAD_FAILURES, ReqState as _ReqState
 from ucm.connectors.vllm.settings import ConnectorSettings, pages_per_block
@@ -216,12 +215,8 @@ class UCMSchedulerSide:
         st = self._reqs[request.request_id] = _ReqState(keys=keys, settings=self.request_settings(request))
         if self.events is not None:
             st.tokens, st.extra = request.prompt_token_ids, request_extra(request)
-        params = getattr(request, "kv_transfer_params", None)
-        st.pd_producer = self.can_save and wants_blocks(params)
-        if self.can_load:
-            st.pd_decode = isinstance(params, dict) and bool(params.get("do_remote_prefill"))
-            st.pd_named = named_blocks(params, keys, request.request_id)
-            self.pd_requests += st.pd_named > 0
+        pd.begin(st, getattr(request, "kv_transfer_params", None), request.request_id, self.can_load, self.can_save)
+        self.pd_requests += st.pd_named > 0
         if keys:
             self._ask("begin_request", None, self._cache.begin_request, request.request_id, keys)
         return st
@@ -335,7 +330,8 @@ class UCMSchedulerSide:
             return None, False  # capped: vLLM asks again; the lookup is redone once there is room
         st.local_tokens = num_computed_tokens
         if st.pd_named > st.hit_blocks:  # a prefill engine's blocks: loaded asynchronously once committed
-            return self._claim_named(st, request, num_computed_tokens)
+            claimed = pd.claim(st, request.num_tokens, num_computed_tokens, self.block_tokens)
+            return claimed, claimed > 0
         mode = st.settings.load_mode
         blocks = st.hit_blocks
         if st.settings.prefetch_policy != "off" and blocks and not st.unstaged:
@@ -359,18 +355,6 @@ class UCMSchedulerSide:
         st.load_async = is_async
         st.external_tokens = hit - num_computed_tokens
         return st.external_tokens, is_async
-
-    def _claim_named(self, st: _ReqState, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        """The decode step of P/D: the blocks a prefill engine named, beyond
-        vLLM's own hit, as one asynchronous load whose worker waits for the
-        ones still being committed (the ones found now are pinned)."""
-        hit = min(st.pd_named * self.block_tokens, request.num_tokens - 1)
-        st.external_tokens = max(0, hit - num_computed_tokens)
-        if not st.external_tokens:
-            return 0, False
-        st.next_store = max(st.next_store, st.pd_named)  # the prefill engine saves them
-        st.load_async, st.load_stream = True, False
-        return st.external_tokens, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -501,15 +485,7 @@ class UCMSchedulerSide:
             # A placement hint: how long an answer this prompt got (ucm/placement/policies/reuse.py).
             self._ask("finish", None, self._cache.finish, st.keys, request.num_output_tokens,
                       request_id=request.request_id)
-        if st.pd_decode:  # what the decode step of P/D took from the prefill engine, and computed
-            prompt = request.num_prompt_tokens
-            log.info("UCMConnector: P/D request %s: %d prompt tokens, %d loaded through ucm, %d computed here",
-                     request.request_id, prompt, st.external_tokens, prompt - st.local_tokens - st.external_tokens)
-        params = None
-        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        if st.pd_producer and finished:  # the blocks a decode engine loads: those saved (or planned), or cached
-            params = producer_params(st.keys[:st.next_store], self.block_tokens)
-        return st.stores_issued, params
+        return st.stores_issued, pd.finish(st, request, self.block_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         if num_external_tokens == 0:
