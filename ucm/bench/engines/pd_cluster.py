@@ -58,7 +58,6 @@ class PdCluster(Cluster):
         self.prefill: list[str] = []
         self.decode: list[str] = []
         self.engines: list[str] = []  # plain engines ("colocated", "reference")
-        self.service: Any = None  # a client of the (prefill node's) ucm service
         self.master: Any = None  # the Mooncake master ("pd_cluster")
 
     def _engine(self, tag: str, index: int, transfer: Optional[dict]) -> str:
@@ -69,7 +68,9 @@ class PdCluster(Cluster):
                                    max_model_len=self.max_model_len, kv_bytes=self.engine_pages * self.page_bytes,
                                    kv_transfer=transfer, args=self.engine_args, env=env)
 
-    def _service(self, tag: str, write_through: bool = False) -> tuple[Path, Any]:
+    def _service(self, tag: str, write_through: bool = False) -> Path:
+        """Starts a ucm service (DRAM, over the Mooncake pool when there is
+        one); its config's path."""
         mib = -(-self.dram_blocks * self.page_bytes * self.block_tokens // self.page_tokens // (1 << 20))
         tiers: list[dict] = [{"adapter": "dram", "capacity": f"{mib}MiB"}]
         if self.master is not None:
@@ -78,7 +79,7 @@ class PdCluster(Cluster):
                                       "local_buffer_size": "64MiB", "key_prefix": f"pd-{os.getpid()}/"}})
         return self.servers.service(tag, {
             "block_tokens": self.block_tokens, "policy": {"name": "lru"}, "tiers": tiers, "events": {"enabled": False},
-            "service": {"name": f"pd-{os.getpid()}-{self.port_base}-{tag}", "socket": str(self.work / f"{tag}.sock")}})
+            "service": {"name": f"pd-{os.getpid()}-{self.port_base}-{tag}", "socket": str(self.work / f"{tag}.sock")}})[0]
 
     def start(self) -> None:
         if self.mode == "pd_cluster":
@@ -89,8 +90,8 @@ class PdCluster(Cluster):
             self.master.start()
         if self.mode.startswith("pd"):
             across = self.mode == "pd_cluster"
-            prefill_cfg, self.service = self._service("ucm_prefill" if across else "ucm", write_through=across)
-            decode_cfg = self._service("ucm_decode")[0] if across else prefill_cfg
+            prefill_cfg = self._service("ucm_prefill" if across else "ucm", write_through=across)
+            decode_cfg = self._service("ucm_decode") if across else prefill_cfg
             for j in range(self.n_prefill):
                 self.prefill.append(self._engine(f"prefill{j + 1}", j, ucm_transfer("kv_producer", prefill_cfg,
                                                                                    MODEL_ID)))
