@@ -47,6 +47,17 @@ def test_prompts_are_seeded_and_share_passages_at_different_positions():
     assert any(len(starts) > 1 for _, starts in seen.values())  # some passage moved between prompts
 
 
+def test_no_two_passages_share_text():
+    # distinct passages of a corpus share no run of text (a few boilerplate lines at most, under 256 characters)
+    text = {}
+    for p in _prompts(prompts=30, k=6, pool=32, passage_tokens=12000, document="essays"):  # 384K of 700K chars
+        for (s, e), idx in zip(p.spans, p.passages):
+            text[idx] = p.ids[s:e]
+    grams = {i: {tuple(t[j:j + 256]) for j in range(len(t) - 256)} for i, t in text.items()}
+    assert len(grams) > 20
+    assert all(not grams[a] & grams[b] for a in grams for b in grams if a < b)
+
+
 def test_every_answer_is_in_the_prompts_passages():
     for p in _prompts(two_hop_share=0.5):
         passages = [_text(p.ids[s:e]) for s, e in p.spans]

