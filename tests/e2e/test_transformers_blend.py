@@ -77,6 +77,15 @@ def _kv_at(model, ids, first_position):
     return [(layer.keys[0], layer.values[0]) for layer in kv.layers]
 
 
+def _kv_after(model, prefix, ids, first_position):
+    """Per layer (K, V) of `ids` computed after `prefix`, the two at
+    positions that put ids at first_position.. (the model's own RoPE)."""
+    pos = torch.arange(first_position - len(prefix), first_position + len(ids))[None]
+    with torch.no_grad():
+        kv = model(input_ids=torch.cat([prefix, ids])[None], position_ids=pos, use_cache=True).past_key_values
+    return [(layer.keys[0, :, len(prefix):], layer.values[0, :, len(prefix):]) for layer in kv.layers]
+
+
 def test_keys_move_exactly_between_positions(model):
     from ucm.connectors.rope import rope_of, rotate
 
@@ -110,14 +119,17 @@ def test_ratio_one_is_the_full_prefill(model):
         conn.close()
 
 
-def test_ratio_zero_is_plain_concatenation(model):
-    """Each chunk computed alone at its own positions (the model's own RoPE,
-    not ucm's rotation), concatenated; the tokens no whole block covers
-    computed over it: what blend at ratio 0 must hold, layer by layer."""
+@pytest.mark.parametrize("context", ["prefix", "none"])
+def test_ratio_zero_is_plain_concatenation(model, context):
+    """Each chunk computed after the system prompt (`prefix`) or alone
+    (`none`) at its own positions (the model's own RoPE, not ucm's
+    rotation), concatenated; the tokens no whole block covers computed over
+    it: what blend at ratio 0 must hold, layer by layer."""
     from ucm.connectors.transformers import TransformersConnector
 
     ids, spans, _ = _prompt()
-    with _cache(**_blend_cfg(ratio=0.0)) as cache:
+    system = ids[:spans[0][0]]
+    with _cache(**_blend_cfg(ratio=0.0, context=context)) as cache:
         conn = TransformersConnector(model, cache)
         blended, report = conn.blender.prefill(ids, spans)
         assert report.chunks_computed == 3 and report.chunks_hit == 0  # the system prompt and two chunks
@@ -127,7 +139,10 @@ def test_ratio_zero_is_plain_concatenation(model):
         parts = [(0, spans[0][0])] + spans
         for s, e in parts:
             whole = (e - s) // BT * BT
-            alone = _kv_at(model, ids[s:s + whole], s)
+            if context == "prefix" and s > 0:
+                alone = _kv_after(model, system, ids[s:s + whole], s)
+            else:
+                alone = _kv_at(model, ids[s:s + whole], s)
             for layer, (k, v) in enumerate(alone):
                 for got in (blended, again):
                     assert torch.allclose(got.layers[layer].keys[0, :, s:s + whole], k, rtol=1e-4, atol=2e-4)
@@ -198,7 +213,7 @@ def test_a_corrupt_chunk_entry_is_computed_never_served(model, tmp_path):
         want, _ = conn.blender.prefill(ids, spans)
         conn.wait_stores()
         cache.flush()
-        keys = conn.blender.chunk_keys(chunks[2].tolist())
+        keys = conn.blender.chunk_keys(chunks[2].tolist(), ids[:spans[0][0]].tolist())
         block = torch.empty(conn.layout.shape)
         assert cache.load(keys[:1], [block]).wait(30)[0].value == "done"
         conn.close()
@@ -240,6 +255,29 @@ def test_another_namespace_or_rope_base_is_a_miss(model):
             c.close()
 
 
+def test_chunks_computed_after_another_system_prompt_are_a_miss(model):
+    from ucm.accelerators.blend import BlendOptions
+    from ucm.connectors.transformers import TransformersConnector
+    from ucm.connectors.transformers.blend import ChunkBlender
+
+    ids, spans, _ = _prompt()
+    other = ids.clone()
+    other[0] += 1  # the same chunks after another system prompt
+    with _cache(**_blend_cfg(ratio=0.0)) as cache:
+        conn = TransformersConnector(model, cache)
+        conn.blender.prefill(ids, spans)
+        conn.wait_stores()
+        assert conn.blender.prefill(other, spans)[1].chunks_hit == 0
+        conn.wait_stores()
+        assert conn.blender.prefill(ids, spans)[1].chunks_hit == 3
+        alone = ChunkBlender(conn, BlendOptions(ratio=0.0, context="none"))
+        assert alone.prefill(ids, spans)[1].chunks_hit == 1  # the system prompt: entries alone are others
+        system = ids[:spans[0][0]].tolist()
+        assert conn.blender.namespace_after(system) != conn.blender.namespace_after(other[:spans[0][0]].tolist())
+        assert conn.blender.namespace_after([]) == conn.blender.namespace
+        conn.close()
+
+
 def test_without_chunks_the_prefix_path_is_unchanged(model):
     from ucm.connectors.transformers import TransformersConnector
 
@@ -270,7 +308,8 @@ def test_bad_chunks_and_options_are_typed_errors(model):
             conn.generate(torch.stack([ids, ids]), chunks=spans, max_new_tokens=1)
         conn.close()
     for options, key in (({"ratio": 1.5}, "ratio"), ({"select": "random"}, "select"), ({"check_layers": 0},
-                                                                                        "check_layers")):
+                                                                                        "check_layers"),
+                         ({"context": "document"}, "context")):
         with pytest.raises(ConfigError, match=f"options.{key}"):
             UnifiedCache({"block_tokens": BT, "tiers": [{"adapter": "dram", "capacity": "8MiB"}],
                           **_blend_cfg(**options)})

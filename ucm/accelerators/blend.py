@@ -27,7 +27,13 @@ Options (`BlendOptions`; a bad one is a ConfigError naming
 - `leading_tokens` (16): under `leading`;
 - `check_layers` (1): under `deviation`, at least 1;
 - `anchor_tokens` (0): under `deviation`, each passage's first tokens
-  recomputed before the deviation picks the rest of the ratio's budget.
+  recomputed before the deviation picks the rest of the ratio's budget;
+- `context`: what a chunk's entry is computed after:
+  - `prefix` (default): the prompt's tokens before its first chunk (the
+    system prompt), so that a chunk never holds the attention sink of a
+    sequence's first token; its entries serve prompts that begin with the
+    same prefix;
+  - `none`: nothing (alone at position 0): entries serve any prompt.
 Tokens that no cached chunk covers (text between chunks, the part of a
 chunk after its last whole block) are always computed in every layer.
 
@@ -43,6 +49,7 @@ from pydantic import Field, field_validator
 from ucm.accelerators.base import AcceleratorOptions, EngineAccelerator
 
 SELECTS = ("deviation", "leading")
+CONTEXTS = ("prefix", "none")
 
 
 class BlendOptions(AcceleratorOptions):
@@ -53,12 +60,20 @@ class BlendOptions(AcceleratorOptions):
     leading_tokens: int = Field(default=16, ge=0)
     check_layers: int = Field(default=1, ge=1)
     anchor_tokens: int = Field(default=0, ge=0)
+    context: str = "prefix"
 
     @field_validator("select")
     @classmethod
     def _select(cls, v: str) -> str:
         if v not in SELECTS:
             raise ValueError(f"unknown select {v!r}; allowed: {list(SELECTS)}")
+        return v
+
+    @field_validator("context")
+    @classmethod
+    def _context(cls, v: str) -> str:
+        if v not in CONTEXTS:
+            raise ValueError(f"unknown context {v!r}; allowed: {list(CONTEXTS)}")
         return v
 
 

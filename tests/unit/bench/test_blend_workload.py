@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucm.bench.engines.blend_bench import _row, table
+from ucm.bench.engines.blend_bench import _methods, _row, table
 from ucm.bench.engines.blend_tasks import NAMES, WORDS, rag_prompts
 from ucm.errors import ArgumentError
 
@@ -91,8 +91,18 @@ def test_a_row_summarizes_a_method():
     assert row["needle_accuracy"] == pytest.approx(2 / 3) and row["two_hop_accuracy"] is None
     assert row["recompute_share"] == pytest.approx(0.3)
     assert row["kv_read_bytes"] == {"dram": 3000, "nvme": 500}  # per request
-    assert row["label"] == "blend 15%"
+    assert row["label"] == "blend 15%" and row["context"] == "prefix"
+    alone = _row({"method": "naive", "source": "ucm", "ratio": 0.0, "context": "none"}, d, block_bytes=1000)
+    assert alone["label"] == "naive (alone)" and alone["context"] == "none"
     full = _row({"method": "full", "source": None, "ratio": None}, dict(d, kl=[0, 0]), block_bytes=1000)
     text = table({"machine": "m", "workload": {"prompts": 4, "k": 6, "passage_tokens": 512}, "source": "s",
                   "dtype": "float32", "rows": [full, row], "plot": "p.png"})
     assert "blend 15%" in text and "blend 15% 1.00x" in text
+
+
+def test_methods_compare_chunks_alone_at_the_ratio_nearest_15_percent():
+    methods = _methods([0.05, 0.1, 0.2, 0.3], 16)
+    alone = [m for m in methods if m.get("context") == "none"]
+    assert [(m["method"], m["ratio"]) for m in alone] == [("naive", 0.0), ("blend", 0.1)]
+    assert [m["ratio"] for m in methods if m["method"] == "blend" and "context" not in m] == [0.05, 0.1, 0.2, 0.3]
+    assert not [m for m in _methods([], 16) if m["method"] == "blend"]

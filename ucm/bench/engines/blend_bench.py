@@ -17,7 +17,11 @@ Methods, each prompt in turn through every one:
   more where an earlier prompt began with the same passage);
 - `naive`: blend at ratio 0, the passages' KV concatenated;
 - `blend` at each `--ratios` (CacheBlend's selection, `check_layers` 1);
-- `leading`: each passage's first `--leading-tokens` recomputed (EPIC's).
+- `leading`: each passage's first `--leading-tokens` recomputed (EPIC's);
+- `naive` and `blend` at the ratio nearest 15 % with `context: none`: the
+  passages' entries computed alone at position 0 (CacheBlend's and EPIC's
+  chunks) rather than after the system prompt (ucm's default), labelled
+  "(alone)".
 
 Per method: TTFT p50/p90 (request to first token, loads included: the time
 `generate` first asks for a token's logits), `recompute_share` (layer-token
@@ -31,7 +35,7 @@ token; the answer is generated with the end of text held off for its
 length, so the full row reads below 1 where its own argmax was the end);
 `needle_accuracy` and `two_hop_accuracy` (the key in the method's own
 greedy answer). The JSON: `rows`, one per engine and method with `engine`,
-`method`, `source`, `ratio`, `ttft_p50_s`, `ttft_p90_s`, `kl`,
+`method`, `source`, `ratio`, `context`, `ttft_p50_s`, `ttft_p90_s`, `kl`,
 `greedy_agreement`, `needle_accuracy`, `two_hop_accuracy`,
 `recompute_share`, `kv_read_bytes`; the workload; the machine. A plot of KL
 against TTFT p50.
@@ -93,10 +97,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _methods(ratios: list[float], leading: int) -> list[dict[str, Any]]:
+    near = min(ratios, key=lambda r: abs(r - 0.15)) if ratios else None
     return ([{"method": "full", "source": None, "ratio": None}, {"method": "prefix", "source": "engine", "ratio": None},
              {"method": "prefix", "source": "ucm", "ratio": None}, {"method": "naive", "source": "ucm", "ratio": 0.0}]
             + [{"method": "blend", "source": "ucm", "ratio": r} for r in ratios]
-            + [{"method": "leading", "source": "ucm", "ratio": None, "leading_tokens": leading}])
+            + [{"method": "leading", "source": "ucm", "ratio": None, "leading_tokens": leading},
+               {"method": "naive", "source": "ucm", "ratio": 0.0, "context": "none"}]
+            + ([{"method": "blend", "source": "ucm", "ratio": near, "context": "none"}] if near is not None else []))
 
 
 def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any]:
@@ -137,14 +144,17 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
         conn = TransformersConnector(model, cache)
         blenders = {i: ChunkBlender(conn, BlendOptions(
             select="leading" if m["method"] == "leading" else "deviation", ratio=m["ratio"] or 0.0,
-            leading_tokens=m.get("leading_tokens", 16))) for i, m in enumerate(methods)
+            leading_tokens=m.get("leading_tokens", 16), context=m.get("context", "prefix")))
+            for i, m in enumerate(methods)
             if m["method"] in ("naive", "blend", "leading")}
         system = prompts[0].ids[:prompts[0].system_tokens]
         sys_cache = model(input_ids=torch.tensor([system]), use_cache=True).past_key_values
         log("warming: every prompt's passages into ucm (one unmeasured blend each)")
-        warm = next(iter(blenders.values()))
+        warm = [next(b for i, b in blenders.items() if methods[i].get("context", "prefix") == c)
+                for c in ("prefix", "none")]
         for p in prompts:
-            warm.prefill(p.ids, p.spans)
+            for b in warm:
+                b.prefill(p.ids, p.spans)
         conn.wait_stores()
         for n, p in enumerate(prompts):
             ids = torch.tensor([p.ids])
@@ -240,13 +250,14 @@ def _reads(cache: Any) -> dict[str, int]:
 
 
 def _label(m: dict[str, Any]) -> str:
+    alone = " (alone)" if m.get("context") == "none" else ""
     if m["method"] == "blend":
-        return f"blend {m['ratio'] * 100:.0f}%"
+        return f"blend {m['ratio'] * 100:.0f}%{alone}"
     if m["method"] == "prefix":
         return f"prefix ({m['source']})"
     if m["method"] == "leading":
         return f"leading {m['leading_tokens']}"
-    return m["method"]
+    return m["method"] + alone
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -262,6 +273,7 @@ def _row(m: dict[str, Any], d: dict[str, list], block_bytes: int) -> dict[str, A
     mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
     return {"engine": "transformers", "method": m["method"], "source": m["source"], "ratio": m["ratio"],
             "leading_tokens": m.get("leading_tokens"), "label": _label(m),
+            "context": m.get("context", "prefix") if m["method"] in ("naive", "blend", "leading") else None,
             "ttft_p50_s": statistics.median(d["ttft"]), "ttft_p90_s": _pct(d["ttft"], 0.9),
             "kl": mean(d["kl"]), "greedy_agreement": mean(d["agree"]),
             "needle_accuracy": mean([float(x) for x in d["needle"]]),
@@ -273,13 +285,13 @@ def _row(m: dict[str, Any], d: dict[str, list], block_bytes: int) -> dict[str, A
 def table(r: dict[str, Any]) -> str:
     lines = [f"{r['machine']}; {r['workload']['prompts']} prompts of {r['workload']['k']} passages of "
              f"{r['workload']['passage_tokens']} tokens ({r['source']}), {r['dtype']}",
-             f"{'method':<16}{'TTFT p50':>10}{'p90':>8}{'compute':>9}{'KL':>8}{'agree':>7}{'needle':>8}"
+             f"{'method':<24}{'TTFT p50':>10}{'p90':>8}{'compute':>9}{'KL':>8}{'agree':>7}{'needle':>8}"
              f"{'2-hop':>7}  KV read per request"]
     full = next(x for x in r["rows"] if x["method"] == "full")
     for x in r["rows"]:
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         reads = ", ".join(f"{t} {b / (1 << 20):.0f} MiB" for t, b in x["kv_read_bytes"].items() if b)
-        lines.append(f"{x['label']:<16}{x['ttft_p50_s'] * 1000:>8.0f}ms{x['ttft_p90_s'] * 1000:>6.0f}ms"
+        lines.append(f"{x['label']:<24}{x['ttft_p50_s'] * 1000:>8.0f}ms{x['ttft_p90_s'] * 1000:>6.0f}ms"
                      f"{x['recompute_share']:>9.2f}{x['kl']:>8.3f}{x['greedy_agreement']:>7.2f}"
                      f"{fmt(x['needle_accuracy']):>8}{fmt(x['two_hop_accuracy']):>7}  {reads or '-'}")
     lines.append("TTFT against the full prefill's: " + ", ".join(

@@ -6,23 +6,30 @@ ucm/accelerators/blend.py).
     out = connector.generate(input_ids, chunks=[(s0, e0), (s1, e1)], max_new_tokens=32)
     # or: ChunkBlender(connector).generate(...); prefill(...) answers the blended cache
 
-Chunks as entries. A chunk's KV is computed alone, at positions 0.., and
-stored as the full blocks of its tokens in a namespace of its own: the
-connector's (model, dtype, layout, salt) with a layout that also names the
-position it was computed at and the model's RoPE (`ucm.connectors.rope`:
-pairing and every frequency). Another base, scaling or model is another
-namespace, so never a hit. One lookup per chunk finds how many of its
-blocks are cached; a chunk not wholly cached is computed alone (one forward
-of its tokens) and its missing blocks stored. A load that fails, times out
-or finds a block corrupt (the tier's checksum) is a miss: the chunk is
-computed; never bytes of another chunk. The tokens before the first chunk
-(the system prompt) are one more chunk, at position 0, which is exact.
+Chunks as entries. A chunk's KV is computed after the prompt's tokens
+before its first chunk (the system prompt; `context: prefix`, the default)
+or alone at position 0 (`context: none`), and stored as the full blocks of
+its tokens in a namespace of its own: the connector's (model, dtype,
+layout, salt) with a layout that also names the model's RoPE
+(`ucm.connectors.rope`: pairing and every frequency) and what the chunk was
+computed after (the prefix's length, which is the position it was computed
+at, and a digest of its tokens). Another base, scaling, model or prefix is
+another namespace, so never a hit. One lookup per chunk finds how many of
+its blocks are cached; a chunk not wholly cached is computed (one forward
+of its tokens, over the prefix's KV) and its missing blocks stored. A load
+that fails, times out or finds a block corrupt (the tier's checksum) is a
+miss: the chunk is computed; never bytes of another chunk. The tokens
+before the first chunk (the system prompt) are one more chunk, at position
+0, which is exact. Computed after the system prompt, a chunk's first tokens
+do not take the attention a sequence's first token draws (the sink): on
+`ucm bench blend`'s prompts this halves what naive concatenation loses
+(docs/results.md).
 
 Blend. The prompt's first N tokens, N the end of the last chunk (at most
 the prompt's length - 1), become a DynamicCache that `generate` continues
 from; the rest (the question) is computed by `generate` as usual. Per
-layer, the cache holds each chunk's K rotated from 0.. to its positions and
-its V unchanged. Tokens without a reused entry (between chunks, after a
+layer, the cache holds each chunk's K rotated from where it was computed to
+its positions and its V unchanged. Tokens without a reused entry (between chunks, after a
 chunk's last whole block) are computed in every layer. Of the reused chunk
 tokens (not the system prompt's), a share is recomputed (`select`,
 `ratio`, `leading_tokens`, `check_layers`):
@@ -35,7 +42,12 @@ tokens (not the system prompt's), a share is recomputed (`select`,
 A recomputed token runs through the model's own decoder layers, attending
 over the layer's blended KV up to its position (the layer's cache `update`
 writes its fresh K/V into the blended KV and answers the whole), so the
-model's attention, norms and MLP are used as they are.
+model's attention, norms and MLP are used as they are. Where the model's
+attention is transformers' `sdpa`, the recompute calls it band by band
+(`ucm_banded_sdpa`, registered with transformers' AttentionInterface and
+set on the model's config only while the blend's layers run): each band of
+tokens attends over the keys up to its last position, not the whole
+prompt's.
 
 Models. RoPE models whose keys `ucm.connectors.rope` can move (Llama and
 its family) with the layers transformers' `model.model.layers` calls as
@@ -48,6 +60,8 @@ sources are kept until they are done.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import math
 import threading
@@ -113,6 +127,22 @@ class _BlendKV:
 
 class _Probed(Exception):
     """Stops a decoder layer once its K/V are projected (a probe)."""
+
+
+class _Prefix:
+    """The tokens chunks are computed after, and their KV, computed on the
+    first `cache()` (only a chunk that misses needs it): a DynamicCache the
+    caller crops back to the prefix after each chunk."""
+
+    def __init__(self, model: Any, ids: torch.Tensor, device: torch.device) -> None:
+        self.model, self.ids, self.device = model, ids.tolist(), device
+        self._cache: Any = None
+
+    def cache(self) -> Any:
+        if self._cache is None:
+            row = torch.tensor([self.ids], device=self.device)
+            self._cache = self.model(input_ids=row, use_cache=True, logits_to_keep=1).past_key_values
+        return self._cache
 
 
 class ChunkBlender:
@@ -201,15 +231,30 @@ class ChunkBlender:
         return all(h.wait(timeout_s) is not None for h, _ in pending)
 
     # ---- chunks as entries -----------------------------------------------------------
-    def chunk_keys(self, tokens: Sequence[int]) -> list:
-        return block_keys(self.namespace, list(tokens)) if self.namespace is not None else []
+    def chunk_keys(self, tokens: Sequence[int], prefix: Sequence[int] = ()) -> list:
+        """The block keys of a chunk's entry: computed after `prefix` (empty:
+        alone at position 0)."""
+        ns = self.namespace_after(prefix)
+        return block_keys(ns, list(tokens)) if ns is not None else []
 
-    def _chunk_kv(self, tokens: torch.Tensor, report: BlendReport) -> tuple[list, list, int]:
+    def namespace_after(self, prefix: Sequence[int]) -> Optional[Namespace]:
+        """The namespace of chunks computed after `prefix` (`namespace` for
+        none): the prefix's length and a digest of its tokens in the
+        layout."""
+        if self.namespace is None or not len(prefix):
+            return self.namespace
+        digest = hashlib.blake2b(torch.tensor(list(prefix), dtype=torch.int64).numpy().tobytes(),
+                                 digest_size=8).hexdigest()
+        return dataclasses.replace(self.namespace, layout=f"after-{len(prefix)}-{digest}-{self.namespace.layout}")
+
+    def _chunk_kv(self, tokens: torch.Tensor, report: BlendReport, prefix: Optional["_Prefix"] = None
+                  ) -> tuple[list, list, int]:
         """Per layer, K and V `[kv_heads, t, head_dim]` of the chunk computed
-        alone at positions 0.., for its t tokens in whole blocks (read from
-        the cache, or computed and stored)."""
+        after `prefix` (or alone) at positions len(prefix).., for its t
+        tokens in whole blocks (read from the cache, or computed and
+        stored)."""
         bt = self.layout.block_tokens
-        keys = self.chunk_keys(tokens.tolist())
+        keys = self.chunk_keys(tokens.tolist(), prefix.ids if prefix is not None else ())
         if not keys:
             return [], [], 0
         got = self._load(keys)
@@ -219,11 +264,18 @@ class ChunkBlender:
             payload = got.to(self.device)
         else:
             report.chunks_computed += 1
-            out = self.model(input_ids=tokens[None].to(self.device), use_cache=True, logits_to_keep=1)
-            kv = out.past_key_values
             t = len(keys) * bt
-            payload = torch.stack([torch.stack((kv.layers[layer].keys[0, :, :t], kv.layers[layer].values[0, :, :t]))
+            if prefix is None:
+                kv = self.model(input_ids=tokens[None].to(self.device), use_cache=True, logits_to_keep=1).past_key_values
+                at = 0
+            else:
+                kv, at = prefix.cache(), len(prefix.ids)
+                self.model(input_ids=tokens[None].to(self.device), past_key_values=kv, use_cache=True, logits_to_keep=1)
+            payload = torch.stack([torch.stack((kv.layers[layer].keys[0, :, at:at + t],
+                                                kv.layers[layer].values[0, :, at:at + t]))
                                    for layer in range(len(kv.layers))])  # [L, 2, H, t, D]
+            if prefix is not None:
+                kv.crop(at - kv.get_seq_length())  # back to the prefix (a negative count drops that many)
             payload = payload.reshape(*payload.shape[:3], len(keys), bt, payload.shape[-1]).permute(3, 0, 1, 2, 4, 5)
             self._store(keys, payload.contiguous(), report)
         # payload [blocks, L, 2, H, bt, D] -> per layer [H, blocks * bt, D]
@@ -270,20 +322,27 @@ class ChunkBlender:
         reused = torch.zeros(n, dtype=torch.bool)
         exact = torch.zeros(n, dtype=torch.bool)
         first = spans[0][0] if spans else n
-        parts = ([(0, first)] if first > 0 else []) + list(spans)
-        for s, e in parts:
-            ks, vs, t = self._chunk_kv(ids[s:e], report)
-            t = min(t, n - s)
-            if t <= 0:
-                continue
-            for layer in range(lay.num_layers):
-                k = ks[layer][:, :t]
-                keys[layer][0, :, s:s + t] = k if s == 0 else rotate(k, s, self.rope)
-                values[layer][0, :, s:s + t] = vs[layer][:, :t]
-            reused[s:s + t] = True
-            if s == 0:
-                exact[:t] = True
+        prefix = _Prefix(self.model, ids[:first], self.device) if self.options.context == "prefix" and first else None
+        at = len(prefix.ids) if prefix is not None else 0  # where the chunks were computed
+        if first > 0:
+            self._place(keys, values, reused, *self._chunk_kv(ids[:first], report), 0, 0, n)
+            exact[:min(first, n)] = reused[:min(first, n)]
+        for s, e in spans:
+            self._place(keys, values, reused, *self._chunk_kv(ids[s:e], report, prefix), s, at, n)
         return keys, values, reused, exact
+
+    def _place(self, keys: list, values: list, reused: torch.Tensor, ks: list, vs: list, t: int, s: int, at: int,
+               n: int) -> None:
+        """A chunk's K (rotated from position `at` to `s`) and V into the
+        blended K/V at s.."""
+        t = min(t, n - s)
+        if t <= 0:
+            return
+        for layer in range(len(keys)):
+            k = ks[layer][:, :t]
+            keys[layer][0, :, s:s + t] = k if s == at else rotate(k, s - at, self.rope)
+            values[layer][0, :, s:s + t] = vs[layer][:, :t]
+        reused[s:s + t] = True
 
     def _select(self, ids: torch.Tensor, keys: list, values: list, reused: torch.Tensor, exact: torch.Tensor,
                 spans: list, n: int, report: BlendReport) -> list[int]:
@@ -338,9 +397,19 @@ class ChunkBlender:
         pid = pos[None]
         emb = self._rotary(h, pid)
         mask = self._mask(pos, keys[0].shape[2], h.dtype)
-        for layer in self._layers[first:last]:
-            h = _hidden(layer(h, attention_mask=mask, position_ids=pid, past_key_values=kv,
-                              position_embeddings=emb, use_cache=True))
+        config = self._layers[first].self_attn.config if first < last else None
+        base = getattr(config, "_attn_implementation", None)
+        banded = base == "sdpa" and len(pos) > 1
+        extra = {"ucm_bands": _bands(pos)} if banded else {}
+        if banded:
+            config._attn_implementation = _banded_sdpa()
+        try:
+            for layer in self._layers[first:last]:
+                h = _hidden(layer(h, attention_mask=mask, position_ids=pid, past_key_values=kv,
+                                  position_embeddings=emb, use_cache=True, **extra))
+        finally:
+            if banded:
+                config._attn_implementation = base
         return h
 
     def _deviation(self, hidden: torch.Tensor, pos: torch.Tensor, k_reused: torch.Tensor, v_reused: torch.Tensor,
@@ -394,6 +463,42 @@ class ChunkBlender:
 
 def _hidden(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
+
+
+BANDED_SDPA = "ucm_banded_sdpa"
+
+
+def _banded_sdpa() -> str:
+    """The name of an attention function (registered with transformers'
+    AttentionInterface on first use) that is transformers' `sdpa` band by
+    band when a layer is called with `ucm_bands`, and plain `sdpa` without:
+    a band of queries attends over the keys up to its last position only,
+    which halves the masked product of tokens spread over the prompt."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if BANDED_SDPA not in ALL_ATTENTION_FUNCTIONS:
+        def banded(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], *args: Any, ucm_bands: Optional[list] = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+            sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            if ucm_bands is None or attention_mask is None:
+                return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+            out = [sdpa(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end],
+                        attention_mask[:, :, lo:hi, :end], *args, **kwargs)[0] for lo, hi, end in ucm_bands]
+            return torch.cat(out, dim=1), None  # [batch, queries, heads, head_dim], as sdpa answers
+
+        AttentionInterface.register(BANDED_SDPA, banded)
+    return BANDED_SDPA
+
+
+def _bands(pos: torch.Tensor, most: int = 8, least: int = 32) -> list[tuple[int, int, int]]:
+    """The queries at `pos` (ascending) in up to `most` bands of at least
+    `least`: (first, end, keys) with keys one past the band's last position."""
+    q = len(pos)
+    count = max(1, min(most, q // least))
+    edges = [round(i * q / count) for i in range(count + 1)]
+    return [(lo, hi, int(pos[hi - 1]) + 1) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
 def _check_spans(chunks: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int]]:
