@@ -44,7 +44,7 @@ Thread safety: `record` and `counters` may be called from any thread.
 """
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ucm.accelerators.base import AcceleratorOptions, EngineAccelerator
 
@@ -62,18 +62,12 @@ class BlendOptions(AcceleratorOptions):
     anchor_tokens: int = Field(default=0, ge=0)
     context: str = "prefix"
 
-    @field_validator("select")
+    @field_validator("select", "context")
     @classmethod
-    def _select(cls, v: str) -> str:
-        if v not in SELECTS:
-            raise ValueError(f"unknown select {v!r}; allowed: {list(SELECTS)}")
-        return v
-
-    @field_validator("context")
-    @classmethod
-    def _context(cls, v: str) -> str:
-        if v not in CONTEXTS:
-            raise ValueError(f"unknown context {v!r}; allowed: {list(CONTEXTS)}")
+    def _one_of(cls, v: str, info: ValidationInfo) -> str:
+        allowed = {"select": SELECTS, "context": CONTEXTS}[info.field_name]
+        if v not in allowed:
+            raise ValueError(f"unknown {info.field_name} {v!r}; allowed: {list(allowed)}")
         return v
 
 

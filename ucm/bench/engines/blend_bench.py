@@ -311,7 +311,9 @@ def _plot(rows: list[dict[str, Any]], path: Path, result: dict[str, Any]) -> Opt
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for x in rows:
         ax.scatter(x["ttft_p50_s"], x["kl"], s=40, color="#444" if x["method"] in ("full", "prefix") else "#c33")
-        ax.annotate(x["label"], (x["ttft_p50_s"], x["kl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        below = x["method"] == "full"  # the prefix rows sit at its KL (0), near its TTFT
+        ax.annotate(x["label"], (x["ttft_p50_s"], x["kl"]), textcoords="offset points",
+                    xytext=(5, -11 if below else 4), fontsize=8)
     ax.set_xlabel("TTFT p50 (s)")
     ax.set_ylabel(f"KL to the full prefill (mean over {result['workload']['answer_tokens']} answer tokens)")
     w = result["workload"]

@@ -22,17 +22,17 @@ miss: the chunk is computed; never bytes of another chunk. The tokens
 before the first chunk (the system prompt) are one more chunk, at position
 0, which is exact. Computed after the system prompt, a chunk's first tokens
 do not take the attention a sequence's first token draws (the sink): on
-`ucm bench blend`'s prompts this halves what naive concatenation loses
-(docs/results.md).
+`ucm bench blend`'s prompts this nearly halves naive concatenation's KL to
+the full prefill (docs/results.md).
 
 Blend. The prompt's first N tokens, N the end of the last chunk (at most
 the prompt's length - 1), become a DynamicCache that `generate` continues
 from; the rest (the question) is computed by `generate` as usual. Per
-layer, the cache holds each chunk's K rotated from where it was computed to
-its positions and its V unchanged. Tokens without a reused entry (between chunks, after a
-chunk's last whole block) are computed in every layer. Of the reused chunk
-tokens (not the system prompt's), a share is recomputed (`select`,
-`ratio`, `leading_tokens`, `check_layers`):
+layer, the cache holds each chunk's K rotated from where it was computed
+to its positions and its V unchanged. Tokens without a reused entry
+(between chunks, after a chunk's last whole block) are computed in every
+layer. Of the reused chunk tokens (not the system prompt's), a share is
+recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`):
 - `deviation`: layers 0..check_layers-1 are computed for every token after
   the system prompt; at layer `check_layers`, each reused token's fresh K/V
   (projected by the model's own layer) is compared with its reused K/V, and
@@ -265,12 +265,12 @@ class ChunkBlender:
         else:
             report.chunks_computed += 1
             t = len(keys) * bt
+            row = tokens[None].to(self.device)
             if prefix is None:
-                kv = self.model(input_ids=tokens[None].to(self.device), use_cache=True, logits_to_keep=1).past_key_values
-                at = 0
+                kv, at = self.model(input_ids=row, use_cache=True, logits_to_keep=1).past_key_values, 0
             else:
                 kv, at = prefix.cache(), len(prefix.ids)
-                self.model(input_ids=tokens[None].to(self.device), past_key_values=kv, use_cache=True, logits_to_keep=1)
+                self.model(input_ids=row, past_key_values=kv, use_cache=True, logits_to_keep=1)
             payload = torch.stack([torch.stack((kv.layers[layer].keys[0, :, at:at + t],
                                                 kv.layers[layer].values[0, :, at:at + t]))
                                    for layer in range(len(kv.layers))])  # [L, 2, H, t, D]
