@@ -32,3 +32,12 @@ def test_ranges_are_typed_errors():
     for bad in ("0-10", "20-10", "x"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             _span(bad)
+
+
+def test_a_step_budget_that_is_not_positive_is_refused_before_any_server():
+    from ucm.bench.engines.pd_bench import run
+    from ucm.errors import ArgumentError
+
+    args = argparse.Namespace(requests=None, interval=None, max_num_batched_tokens=0)
+    with pytest.raises(ArgumentError, match="--max-num-batched-tokens must be > 0"):
+        run(args)

@@ -17,6 +17,11 @@ answers of `--output-tokens` (EOS ignored), arriving at exponential gaps of
 mean `--interval` seconds, so that long prompts arrive while earlier
 requests decode. Each request is streamed; its TTFT is the first token's
 arrival, its inter-token latencies the gaps between the next tokens'.
+Every engine (the reference's too) runs with vLLM's defaults but for
+`--max-num-batched-tokens`, the budget of one step: at vLLM's CPU default
+(2048) a prompt of this load is one prefill step, during which the
+colocated engine's decodes wait; a smaller budget splits it into more,
+shorter steps, each carrying the decodes along.
 The reference outputs come from one engine's own prefix reuse of each
 prompt (asked once for one token, then in full), the numerics of a
 decode engine that computes the last partial block over loaded KV.
@@ -70,11 +75,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="mean seconds between arrivals (default 6.0; quick 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model and KV dtype")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="every engine's token budget per step (default vLLM's, 2048 on CPU): a smaller one splits "
+                        "a prefill into more, shorter steps that colocated decodes wait for")
     p.add_argument("--work", default=None, help="directory for the logs (default: a new temporary one)")
 
 
 def run(args: argparse.Namespace) -> int:
-    common.require_positive(args, [n for n in ("requests", "interval") if getattr(args, n) is not None])
+    common.require_positive(args, [n for n in ("requests", "interval", "max_num_batched_tokens")
+                                   if getattr(args, n) is not None])
     # A server that does not start (an engine, a service, mooncake_master) ends the run with why.
     return common.run_measured(args, "pd", lambda log: measure(args, log), _table,
                                errors=(RuntimeError, TimeoutError, OSError, UcmError))
@@ -161,7 +170,9 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
     max_len = -(-(longest + 16) // 128) * 128
     # Each engine's KV space holds a few requests in flight, far fewer than the load.
     pages = max(16, 4 * -(-longest // 128))
-    geometry = dict(dtype=args.dtype, engine_pages=pages, max_model_len=max_len)
+    budget = args.max_num_batched_tokens
+    geometry = dict(dtype=args.dtype, engine_pages=pages, max_model_len=max_len,
+                    engine_args=("--max-num-batched-tokens", str(budget)) if budget else ())
     log(f"machine: {machine_line()}\n{n} requests, prompts {prompt[0]}-{prompt[1]} tokens, answers "
         f"{output[0]}-{output[1]}, mean gap {interval} s; engines of {pages} pages; logs in {work}")
 
@@ -205,6 +216,7 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
 
     result = {"machine": machine_line(), "requests": n, "prompt_tokens": list(prompt), "output_tokens": list(output),
               "interval_s": interval, "seed": args.seed, "engine_pages": pages, "dtype": args.dtype,
+              "max_num_batched_tokens": budget,
               "colocated": _summary(colocated, reference, colo_max),
               **{mode: _summary(rows, reference, top) for mode, (rows, top) in runs.items()},
               "partial_block_tokens_max": max(len(r["tokens"]) % 128 or 1 for r in requests)}
