@@ -40,9 +40,8 @@ greedy answer). The JSON: `rows`, one per engine and method with `engine`,
 `recompute_share`, `kv_read_bytes`; the workload; the machine. A plot of KL
 against TTFT p50.
 
-Only the transformers engine runs it: vLLM's path is not built
-(docs/connectors/transformers.md, "Passages reused anywhere in the
-prompt").
+Only the transformers engine runs it: vLLM's path is designed, not built
+(docs/decisions/0020-blend-on-vllm.md).
 """
 from __future__ import annotations
 
