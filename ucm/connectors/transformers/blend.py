@@ -397,19 +397,18 @@ class ChunkBlender:
         pid = pos[None]
         emb = self._rotary(h, pid)
         mask = self._mask(pos, keys[0].shape[2], h.dtype)
-        config = self._layers[first].self_attn.config if first < last else None
-        base = getattr(config, "_attn_implementation", None)
-        banded = base == "sdpa" and len(pos) > 1
+        base = getattr(self.model.config, "_attn_implementation", None)  # as transformers' attention docs read it
+        banded = base == "sdpa" and len(pos) > 1 and first < last
         extra = {"ucm_bands": _bands(pos)} if banded else {}
         if banded:
-            config._attn_implementation = _banded_sdpa()
+            self.model.set_attn_implementation(_banded_sdpa())
         try:
             for layer in self._layers[first:last]:
                 h = _hidden(layer(h, attention_mask=mask, position_ids=pid, past_key_values=kv,
                                   position_embeddings=emb, use_cache=True, **extra))
         finally:
             if banded:
-                config._attn_implementation = base
+                self.model.set_attn_implementation(base)
         return h
 
     def _deviation(self, hidden: torch.Tensor, pos: torch.Tensor, k_reused: torch.Tensor, v_reused: torch.Tensor,
