@@ -169,6 +169,32 @@ def _generates_over(conn, ids, spans, cache):
     return got == ref
 
 
+def test_the_banded_recompute_equals_one_masked_call(model, monkeypatch):
+    """Tokens spread over the prompt, recomputed by `sdpa` band by band,
+    hold the K/V of one masked call over the whole prompt per layer."""
+    import ucm.connectors.transformers.blend as blend
+    from ucm.connectors.transformers import TransformersConnector
+
+    ids, spans, _ = _prompt()
+    with _cache(**_blend_cfg(select="leading", leading_tokens=40)) as cache:
+        conn = TransformersConnector(model, cache)
+        bands: list = []
+        real = blend._bands
+        monkeypatch.setattr(blend, "_bands", lambda pos: bands.append(real(pos)) or bands[-1])
+        got, report = conn.blender.prefill(ids, spans)
+        assert model.config._attn_implementation == "sdpa"  # set back after the blend
+        assert len(bands[-1]) > 1  # more than one band
+        sel = report.selected
+        assert sel != list(range(sel[0], sel[-1] + 1))  # not one run of positions
+        monkeypatch.setattr(blend, "_bands", lambda pos: [(0, len(pos), int(pos[-1]) + 1)])
+        want, report2 = conn.blender.prefill(ids, spans)
+        assert report2.selected == sel
+        for a, b in zip(got.layers, want.layers):
+            assert torch.allclose(a.keys, b.keys, rtol=1e-4, atol=2e-4)
+            assert torch.allclose(a.values, b.values, rtol=1e-4, atol=2e-4)
+        conn.close()
+
+
 def test_chunks_are_found_at_any_position_and_blend_selects_the_ratio(model):
     from ucm.accelerators.blend import BlendAccelerator
     from ucm.connectors.transformers import TransformersConnector
