@@ -174,19 +174,19 @@ def test_the_banded_recompute_equals_one_masked_call(model, monkeypatch):
     hold the K/V of one masked call over the whole prompt per layer."""
     import ucm.connectors.transformers.blend as blend
     from ucm.connectors.transformers import TransformersConnector
+    from ucm.connectors.transformers.banded import bands
 
     ids, spans, _ = _prompt()
     with _cache(**_blend_cfg(select="leading", leading_tokens=40)) as cache:
         conn = TransformersConnector(model, cache)
-        bands: list = []
-        real = blend._bands
-        monkeypatch.setattr(blend, "_bands", lambda pos: bands.append(real(pos)) or bands[-1])
+        seen: list = []
+        monkeypatch.setattr(blend, "bands", lambda pos: seen.append(bands(pos)) or seen[-1])
         got, report = conn.blender.prefill(ids, spans)
         assert model.config._attn_implementation == "sdpa"  # set back after the blend
-        assert len(bands[-1]) > 1  # more than one band
+        assert len(seen[-1]) > 1  # more than one band
         sel = report.selected
         assert sel != list(range(sel[0], sel[-1] + 1))  # not one run of positions
-        monkeypatch.setattr(blend, "_bands", lambda pos: [(0, len(pos), int(pos[-1]) + 1)])
+        monkeypatch.setattr(blend, "bands", lambda pos: [(0, len(pos), int(pos[-1]) + 1)])
         want, report2 = conn.blender.prefill(ids, spans)
         assert report2.selected == sel
         for a, b in zip(got.layers, want.layers):

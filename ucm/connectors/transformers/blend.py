@@ -73,6 +73,7 @@ import torch
 from ucm.accelerators.blend import BlendAccelerator, BlendOptions
 from ucm.api import Handle, Outcome
 from ucm.connectors.rope import RopeSpec, rope_of, rotate
+from ucm.connectors.transformers.banded import banded_sdpa, bands
 from ucm.errors import ArgumentError, ModelError
 from ucm.keys import Namespace, block_keys
 
@@ -399,9 +400,9 @@ class ChunkBlender:
         mask = self._mask(pos, keys[0].shape[2], h.dtype)
         base = getattr(self.model.config, "_attn_implementation", None)  # as transformers' attention docs read it
         banded = base == "sdpa" and len(pos) > 1 and first < last
-        extra = {"ucm_bands": _bands(pos)} if banded else {}
+        extra = {"ucm_bands": bands(pos)} if banded else {}
         if banded:
-            self.model.set_attn_implementation(_banded_sdpa())
+            self.model.set_attn_implementation(banded_sdpa())
         try:
             for layer in self._layers[first:last]:
                 h = _hidden(layer(h, attention_mask=mask, position_ids=pid, past_key_values=kv,
@@ -462,42 +463,6 @@ class ChunkBlender:
 
 def _hidden(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
-
-
-BANDED_SDPA = "ucm_banded_sdpa"
-
-
-def _banded_sdpa() -> str:
-    """The name of an attention function (registered with transformers'
-    AttentionInterface on first use) that is transformers' `sdpa` band by
-    band when a layer is called with `ucm_bands`, and plain `sdpa` without:
-    a band of queries attends over the keys up to its last position only,
-    which halves the masked product of tokens spread over the prompt."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if BANDED_SDPA not in ALL_ATTENTION_FUNCTIONS:
-        def banded(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: Optional[torch.Tensor], *args: Any, ucm_bands: Optional[list] = None,
-                   **kwargs: Any) -> tuple[torch.Tensor, None]:
-            sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            if ucm_bands is None or attention_mask is None:
-                return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-            out = [sdpa(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end],
-                        attention_mask[:, :, lo:hi, :end], *args, **kwargs)[0] for lo, hi, end in ucm_bands]
-            return torch.cat(out, dim=1), None  # [batch, queries, heads, head_dim], as sdpa answers
-
-        AttentionInterface.register(BANDED_SDPA, banded)
-    return BANDED_SDPA
-
-
-def _bands(pos: torch.Tensor, most: int = 8, least: int = 32) -> list[tuple[int, int, int]]:
-    """The queries at `pos` (ascending) in up to `most` bands of at least
-    `least`: (first, end, keys) with keys one past the band's last position."""
-    q = len(pos)
-    count = max(1, min(most, q // least))
-    edges = [round(i * q / count) for i in range(count + 1)]
-    return [(lo, hi, int(pos[hi - 1]) + 1) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
 def _check_spans(chunks: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int]]:
