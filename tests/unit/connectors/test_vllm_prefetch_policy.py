@@ -255,6 +255,9 @@ def test_keys_of_other_connectors_are_left_alone():
     assert base.for_request(None) is base
     got = base.for_request({"ucm_prefetch_timeout_s": 2, "ucm_load_mode": "async"})
     assert (got.prefetch_timeout_s, got.load_mode, got.prefetch_policy) == (2, "async", "timeout")
+    # a prefill engine's blocks and a blend's chunk spans ride along with an override: neither is refused
+    got = base.for_request({"ucm_blocks": ["00"], "ucm_chunks": [[0, 4]], "ucm_pd_wait_s": 0.5})
+    assert got.pd_wait_s == 0.5 and got.prefetch_policy == "timeout"
 
 
 class _Staged:

@@ -23,6 +23,10 @@ STREAMING = ("off", "auto", "on")
 # others name the engine's cache, namespace or worker waits and stay per engine.
 PER_REQUEST = ("load_mode", "load_streaming", "prefetch_policy", "prefetch_timeout_s",
                "prefetch_timeout_per_1k_tokens_s", "pd_wait_s")
+# What a request's `kv_transfer_params` carry under `ucm_` names that is not a
+# setting: the blocks a prefill engine names (pd.py), the spans of the
+# chunks to blend (blend_request.py).
+REQUEST_DATA = ("blocks", "chunks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +85,14 @@ class ConnectorSettings:
 
     def for_request(self, params: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
         """These settings with a request's overrides: the `ucm_` keys of its
-        `kv_transfer_params` among PER_REQUEST (other keys belong to other
-        connectors). A bad value or a `ucm_` key that is not per request
+        `kv_transfer_params` among PER_REQUEST (REQUEST_DATA are read
+        elsewhere, other keys belong to other connectors). A bad value or a `ucm_` key that is not per request
         raises ConfigError naming `kv_transfer_params.<key>`."""
         if not params or not isinstance(params, Mapping):
             return self
         kwargs = {}
         for k, v in params.items():
-            if not isinstance(k, str) or not k.startswith("ucm_"):
+            if not isinstance(k, str) or not k.startswith("ucm_") or k[4:] in REQUEST_DATA:
                 continue
             if k[4:] not in PER_REQUEST:
                 raise ConfigError(f"kv_transfer_params: {k!r} cannot be set per request; allowed: "
