@@ -63,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -72,6 +71,7 @@ import torch
 
 from ucm.accelerators.blend import BlendAccelerator, BlendOptions
 from ucm.api import Handle, Outcome
+from ucm.connectors.blend_select import checked_layers, select
 from ucm.connectors.rope import RopeSpec, rope_of, rotate
 from ucm.connectors.transformers.banded import banded_sdpa, bands
 from ucm.errors import ArgumentError, ModelError
@@ -349,39 +349,18 @@ class ChunkBlender:
                 spans: list, n: int, report: BlendReport) -> list[int]:
         """Recomputes the chosen tokens (module docstring) into `keys` and
         `values`; answers their positions."""
-        o = self.options
-        forced = ~reused
-        todo = ~exact  # every token after the system prompt
-        start = 0
+        plan = select(self.options, reused, exact, spans, n)
+        start = self._checked_layers()
         hidden: Optional[torch.Tensor] = None
-        if o.select == "leading":
-            sel = forced.clone()
-            for s, e in spans:
-                sel[s:min(s + o.leading_tokens, e, n)] = True
-        elif o.ratio <= 0.0:
-            sel = forced.clone()
-        else:  # deviation: the first check_layers layers for every token after the system prompt, then a probe
-            start = self._checked_layers()
-            pos = torch.nonzero(todo).flatten()
+        if start:  # deviation: the checked layers for every token after the system prompt, then a probe
+            pos = torch.nonzero(~exact[:n]).flatten()
             hidden = self._run(ids, keys, values, pos, 0, start)
-            candidates = reused & todo
-            sel = forced.clone()
-            k = math.ceil(o.ratio * int(candidates.sum()))
-            for s, e in spans:  # anchors: each passage's first tokens, within the ratio's budget
-                take = candidates[s:min(s + o.anchor_tokens, e, n)]
-                k -= int(take.sum())
-                sel[s:s + len(take)] |= take
-                candidates[s:s + len(take)] = False
-            k = max(0, k)
-            if k and start < len(keys):
-                dev = self._deviation(hidden, pos, keys[start], values[start], start)
-                dev[~candidates[pos]] = -1.0
-                sel[pos[torch.topk(dev, k).indices]] = True
-            elif k:
-                sel |= candidates
-            keep = sel[pos]
-            hidden = hidden[:, keep.to(hidden.device)]
-        positions = torch.nonzero(sel).flatten()
+            if plan.budget and start < len(keys):
+                plan.add_top(self._deviation(hidden, pos, keys[start], values[start], start), pos)
+            elif plan.budget:
+                plan.chosen |= plan.candidates
+            hidden = hidden[:, plan.chosen[pos].to(hidden.device)]
+        positions = torch.nonzero(plan.chosen).flatten()
         if len(positions) and start < len(keys):
             self._run(ids, keys, values, positions, start, len(keys), hidden)
         return positions.tolist()
@@ -443,8 +422,7 @@ class ChunkBlender:
     # ---- helpers -----------------------------------------------------------------------
     def _checked_layers(self) -> int:
         """The layers computed for every token after the system prompt."""
-        o = self.options
-        return min(o.check_layers, len(self._layers)) if o.select == "deviation" and o.ratio > 0 else 0
+        return checked_layers(self.options, len(self._layers))
 
     def _row(self, input_ids: Any) -> torch.Tensor:
         ids = torch.as_tensor(input_ids)

@@ -1,0 +1,77 @@
+"""Which of a blended prompt's tokens are recomputed: the part of the
+`blend` accelerator's selection (ucm/accelerators/blend.py) that does not
+depend on the engine. The transformers connector
+(ucm/connectors/transformers/blend.py) and the vLLM one
+(ucm/connectors/vllm/blend.py) compute the layers and the deviation with
+their engine's modules and pick the tokens here.
+
+Positions are indices into the blended part of the prompt, [0, n). A token
+is `reused` where a chunk's entry supplied its KV, `exact` where that KV is
+what a full prefill computes (the system prompt's); the others (text
+between chunks, the part of a chunk after its last whole block) are always
+recomputed in every layer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ucm.accelerators.blend import BlendOptions
+
+
+@dataclass
+class Selection:
+    """The tokens recomputed in every layer after the checked ones (`chosen`,
+    a mask over [0, n)), and under `deviation`, the `budget` more that the
+    deviation at the check layer picks among `candidates`."""
+
+    chosen: torch.Tensor
+    candidates: Optional[torch.Tensor] = None
+    budget: int = 0
+
+    def add_top(self, deviation: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`chosen` with the `budget` candidates of largest `deviation`
+        (one value per token at `positions`, the tokens the checked layers
+        ran for) added; answers it."""
+        if self.candidates is None or self.budget <= 0:
+            return self.chosen
+        dev = deviation.clone()
+        dev[~self.candidates[positions]] = -1.0
+        self.chosen[positions[torch.topk(dev, min(self.budget, len(dev))).indices]] = True
+        return self.chosen
+
+
+def checked_layers(options: BlendOptions, num_layers: int) -> int:
+    """The layers computed for every token after the system prompt before
+    the deviation is measured (0 when no deviation is measured)."""
+    if options.select == "deviation" and options.ratio > 0:
+        return min(options.check_layers, num_layers)
+    return 0
+
+
+def select(options: BlendOptions, reused: torch.Tensor, exact: torch.Tensor,
+           spans: Sequence[tuple[int, int]], n: int) -> Selection:
+    """The selection before any deviation is known: tokens without a
+    reused entry; under `leading`, each chunk's first `leading_tokens`;
+    under `deviation` with a ratio above 0, each chunk's first
+    `anchor_tokens` within the ratio's budget, and the rest of the budget
+    (a `ratio` of the reused tokens after the system prompt) left to the
+    deviation."""
+    chosen = ~reused[:n]
+    if options.select == "leading":
+        for s, e in spans:
+            chosen[s:min(s + options.leading_tokens, e, n)] = True
+        return Selection(chosen)
+    if options.ratio <= 0.0:
+        return Selection(chosen)
+    candidates = reused[:n] & ~exact[:n]
+    budget = math.ceil(options.ratio * int(candidates.sum()))
+    for s, e in spans:  # anchors: each passage's first tokens, within the ratio's budget
+        take = candidates[s:min(s + options.anchor_tokens, e, n)]
+        budget -= int(take.sum())
+        chosen[s:s + len(take)] |= take
+        candidates[s:s + len(take)] = False
+    return Selection(chosen, candidates, max(0, budget))
