@@ -78,6 +78,7 @@ from ucm.config.schema import UcmConfig, load_config
 from ucm.connectors.kv_pages import SKIP
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace, model_identity
+from ucm.connectors.vllm.blend import VllmBlender
 from ucm.connectors.vllm.scheduler import UCMSchedulerSide
 from ucm.connectors.vllm.settings import ConnectorSettings, check_engine
 from ucm.connectors.vllm.worker import UCMWorkerSide
@@ -122,6 +123,8 @@ class UCMConnector(KVConnectorBase_V1):
         self._cache: CacheAPI = open_cache(self.config) if cache is None else cache
         self._scheduler: Optional[UCMSchedulerSide] = None
         self._worker: Optional[UCMWorkerSide] = None
+        self.blender: Optional[VllmBlender] = None  # set by bind_model (blend_worker.UcmCPUWorker)
+        self.blend_unsupported = ""  # why bind_model could not build one
         try:
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = UCMSchedulerSide.from_vllm(vllm_config, kv_cache_config, self.config,
@@ -183,8 +186,32 @@ class UCMConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self.worker_side.handle_preemptions(kv_connector_metadata)
 
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """The worker's model, for blended prefills (blend.py); called by
+        `blend_worker.UcmCPUWorker` once the connector exists. A model
+        blending does not support is logged, and its blended requests are
+        recomputed by vLLM."""
+        from ucm.accelerators.blend import BlendOptions
+
+        entry = next((a for a in self.config.accelerators if a.name == "blend"), None)
+        try:
+            self.blender = VllmBlender(model, self._vllm_config, self._kv_cache_config, self._cache,
+                                       BlendOptions(**entry.options) if entry is not None else BlendOptions())
+        except UcmError as exc:
+            self.blend_unsupported = str(exc)
+            log.warning("UCMConnector: blended requests will be computed in full: %s", exc)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self.worker_side.start_load_kv(self._connector_metadata)
+        meta = self._connector_metadata
+        self.worker_side.start_load_kv(meta)
+        for job in getattr(meta, "blends", ()):
+            try:
+                if self.blender is None:
+                    raise UcmError(self.blend_unsupported or "no model: vLLM's worker_cls is not UcmCPUWorker")
+                self.blender.blend(job)
+            except Exception:  # never into vLLM: its pages are load errors, and vLLM computes the request
+                log.warning("UCMConnector: blending request %s failed; vLLM computes it", job.req_id, exc_info=True)
+                self.worker_side.add_load_errors(job.blended_pages(self._vllm_config.cache_config.block_size))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker_side.wait_for_layer_load(layer_name)  # streamed loads; the others finish in start_load_kv

@@ -1,7 +1,7 @@
 """The per-step plan the scheduler side builds and vLLM ships to every
 worker (pickled across the process boundary): which blocks to load into
-which pages, which pages to save as which blocks, and which requests were
-preempted. Plain values; nothing here runs."""
+which pages, which pages to save as which blocks, which requests were
+preempted, and which prompts to blend. Plain values; nothing here runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ucm.api import Key
 from ucm.connectors.kv_pages import SKIP
 
-__all__ = ["SKIP", "LoadJob", "StoreJob", "UCMConnectorMetadata"]
+__all__ = ["SKIP", "BlendJob", "LoadJob", "StoreJob", "UCMConnectorMetadata"]
 
 
 @dataclass(slots=True)
@@ -45,8 +45,32 @@ class StoreJob:
     parent: Optional[Key]
 
 
+@dataclass(slots=True)
+class BlendJob:
+    """Blend the request's first `len(tokens)` tokens into its `page_ids`
+    before the forward (blend.py): the tokens from `start` (vLLM's own hit)
+    to the first chunk computed, each chunk in `spans` read from the
+    entries `keys[i]` (whole blocks of `block_tokens`; computed and stored
+    where missing), rotated into place, and a share recomputed (`ratio`,
+    or the engine's)."""
+
+    req_id: str
+    tokens: list[int]
+    spans: list[tuple[int, int]]
+    keys: list[list[Key]]
+    block_tokens: int
+    page_ids: list[int]
+    start: int
+    ratio: Optional[float] = None  # the request's own share recomputed (None: the engine's)
+
+    def blended_pages(self, page_tokens: int) -> list[int]:
+        """The pages the blend writes (from vLLM's own hit to the end)."""
+        return self.page_ids[self.start // page_tokens:-(-len(self.tokens) // page_tokens)]
+
+
 @dataclass
 class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    blends: list[BlendJob] = field(default_factory=list)

@@ -47,3 +47,6 @@ class ReqState:
     pd_producer: bool = False  # prefill side of P/D: its blocks are returned in kv_transfer_params
     pd_decode: bool = False  # decode side of P/D: its kv_transfer_params came from a prefill engine
     external_tokens: int = 0  # what the last lookup answered vLLM (0 once a load lost blocks)
+    chunks: list = field(default_factory=list)  # blend: the declared chunk spans (blend_request.py), until declined
+    blending: bool = False  # blend: its blended part is claimed; none of its blocks is saved
+    blend_ratio: Optional[float] = None  # blend: the request's own ratio (None: the engine's)

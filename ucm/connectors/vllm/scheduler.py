@@ -54,9 +54,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.api import CacheAPI, Handle, Key
 from ucm.connectors.kv_pages import SKIP
+from ucm.connectors.vllm.blend_request import BlendPlanner
 from ucm.connectors.vllm.kv_events import EngineEvents, events_for, request_extra, request_seed
 from ucm.connectors.vllm.load_choice import PENDING, choose_load
-from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
+from ucm.connectors.vllm.metadata import BlendJob, LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace
 from ucm.connectors.vllm import pd
 from ucm.connectors.vllm.prefetch_policy import PrefetchPolicy, StagingStep
@@ -108,6 +109,8 @@ class UCMSchedulerSide:
         self._below = below_tiers
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadJob] = []
+        self._pending_blends: list[BlendJob] = []
+        self.blends = BlendPlanner(namespace)  # blended requests (blend_request.py); from_vllm sets the engine's
         # Blocks whose save is planned but not yet reported done (per request
         # and counted per key): a request arriving meanwhile (the next turn of
         # a chat) still hits them; its load waits in the worker for the save.
@@ -152,6 +155,7 @@ class UCMSchedulerSide:
                    max_staging_blocks=max(1, landing_bytes // 2 // block_bytes),  # half of it: the staging budget
                    below_tiers=frozenset(names[names.index(config.landing_tier) + 1:]))
         side.events = events_for(vllm_config, cache, namespace)
+        side.blends = BlendPlanner.from_vllm(vllm_config, namespace)
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",
@@ -216,6 +220,8 @@ class UCMSchedulerSide:
         if self.events is not None:
             st.tokens, st.extra = request.prompt_token_ids, request_extra(request)
         pd.begin(st, getattr(request, "kv_transfer_params", None), request.request_id, self.can_load, self.can_save)
+        if self.can_load:
+            self.blends.begin(st, request)
         self.pd_requests += st.pd_named > 0
         if keys:
             self._ask("begin_request", None, self._cache.begin_request, request.request_id, keys)
@@ -323,6 +329,10 @@ class UCMSchedulerSide:
         st = self._begin(request)
         if st is None:
             return 0, False
+        if st.chunks:  # a blended request: its blended part is the worker's to fill (blend.py)
+            claimed = self.blends.claim(st, request, num_computed_tokens)
+            if claimed:
+                return claimed, False
         if not st.looked_up or (st.capped and not st.allocated
                                 and self.waiting_pinned_blocks < self.max_waiting_pin_blocks):
             self._lookup(st)
@@ -372,6 +382,9 @@ class UCMSchedulerSide:
         st.page_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
+        if st.blending:
+            self._pending_blends.append(self.blends.job(st, request))
+            return
         start, end = st.local_tokens, st.local_tokens + num_external_tokens
         first_page, end_page = start // self.page_tokens, -(-end // self.page_tokens)
         b0, b1 = start // self.block_tokens, -(-end // self.block_tokens)
@@ -392,8 +405,8 @@ class UCMSchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> UCMConnectorMetadata:
         """This step's plan: the loads planned since the last step, the saves
         of blocks the scheduled tokens fill, and the preempted requests."""
-        meta = UCMConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = []
+        meta = UCMConnectorMetadata(loads=self._pending_loads, blends=self._pending_blends)
+        self._pending_loads, self._pending_blends = [], []
         sched = scheduler_output.num_scheduled_tokens
         for r in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(r.req_id)
@@ -429,7 +442,7 @@ class UCMSchedulerSide:
         return meta
 
     def _plan_store(self, req_id: str, st: _ReqState, computed_tokens: int, meta: UCMConnectorMetadata) -> None:
-        if not self.can_save:
+        if not self.can_save or st.blending:  # a blended request's pages are not what its keys name
             return
         full = min(computed_tokens // self.block_tokens, len(st.keys), len(st.page_ids) // self.pages_per_block)
         if full <= st.next_store:
@@ -468,6 +481,7 @@ class UCMSchedulerSide:
                     st.staging, st.staging_tried = None, False
                     st.load_failures += 1
                     st.pd_named = 0  # what the prefill engine named did not all come: computed here
+                    self.blends.failed(st)  # not blended: computed here as a plain request
                     st.external_tokens = 0
                     self._unpin(st)
                     break

@@ -474,6 +474,12 @@ class UCMWorkerSide:
             done_recving, self._done_recving = self._done_recving, set()
         return done_sending or None, done_recving or None
 
+    def add_load_errors(self, page_ids: list[int]) -> None:
+        """Pages another part of the connector failed to fill this step (a
+        blend): reported with the loads' errors, so vLLM recomputes them."""
+        with self._lock:
+            self._load_errors |= set(page_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             bad, self._load_errors = self._load_errors, set()

