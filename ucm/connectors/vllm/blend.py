@@ -238,12 +238,9 @@ class VllmBlender:
                ref: Optional[tuple[torch.Tensor, torch.Tensor]], c: int) -> None:
         """A chunk's K (`[layers, t, H, D]`, rotated by `delta` positions)
         and V into the request's slots at s..; the check layer's into `ref`."""
-        layers, t = k.shape[0], k.shape[1]
+        t = k.shape[1]
         if delta:
-            flat = k.reshape(layers * t, self.kv_heads * self.head_size).clone()
-            query = torch.zeros((layers * t, self.head_size), dtype=flat.dtype)
-            _, flat = self.rotary(torch.full((layers * t,), delta, dtype=torch.long), query, flat)
-            k = flat.view(layers, t, self.kv_heads, self.head_size)
+            k = rotate_keys(self.rotary, k, delta)
         slots = self._slots(torch.arange(s, s + t), pages)
         for i, attn in enumerate(self.attns):
             attn.impl.do_kv_cache_update(attn, k[i].contiguous(), v[i].contiguous(), attn.kv_cache, slots)
@@ -330,6 +327,18 @@ class VllmBlender:
     def _slots(self, positions: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         pt = self.page_tokens
         return pages[positions // pt].long() * pt + positions % pt
+
+
+def rotate_keys(rotary: Any, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """`keys` (`[..., heads, head_size]`, computed at some positions) moved
+    `delta` positions on by the model's own `rotary` embedding: a rotation
+    of delta * each frequency, so that a key computed at p becomes the key
+    computed at p + delta (module docstring)."""
+    shape = keys.shape
+    flat = keys.reshape(-1, shape[-2] * shape[-1]).clone()  # vLLM's rotary works in place
+    query = torch.zeros((flat.shape[0], shape[-1]), dtype=flat.dtype)
+    _, flat = rotary(torch.full((flat.shape[0],), delta, dtype=torch.long), query, flat)
+    return flat.view(shape)
 
 
 def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
