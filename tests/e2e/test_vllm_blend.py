@@ -8,9 +8,10 @@ driver processes run at once:
 
 - `blend`: an engine with UCMConnector and `worker_cls` UcmCPUWorker, vLLM's
   prefix cache off, the `blend` accelerator at ratio 0.15 (requests set
-  their own `ucm_blend_ratio`). In order: A (passages 0, 1, 2) at ratio 1,
-  B (2, 0, 1) at ratio 1, C (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15,
-  A with malformed spans, and A at ratio 1 after the ucm service is gone;
+  their own, `ucm_blend: {ratio: ...}`). In order: A (passages 0, 1, 2) at ratio 1,
+  B (2, 0, 1) at ratio 1, C (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15, B
+  with each passage's first 16 tokens recomputed (`select: leading`), A
+  with malformed spans, and A at ratio 1 after the ucm service is gone;
   after each, the worker's blend counters (`collective_rpc`).
 - `reference`: vLLM with its own prefix cache: a prompt's system prompt,
   then its first 896 tokens, then the whole prompt (the rows a blend at
@@ -22,7 +23,7 @@ What must hold:
 - the first blend computes and stores the three passages' entries; later
   prompts with the same system prompt find all three, in any order;
 - ratio 0 recomputes nothing (the passages fill the blended part in whole
-  blocks) and 0.15 recomputes 15 % of the passage tokens;
+  blocks), 0.15 recomputes 15 % of the passage tokens, `leading` 16 each;
 - malformed spans are served as a plain request (the cold reference);
 - with the service gone, chunks cannot be read or stored: they are
   computed, and ratio 1 still equals the reference.
@@ -92,7 +93,7 @@ def test_passages_are_computed_once_and_found_in_any_order(runs):
     first = b["A"]["stats"]
     assert (first["requests"], first["chunks_computed"], first["chunk_blocks_stored"]) == (1, 3, 3)
     assert first.get("chunks_hit", 0) == 0
-    for name in ("B", "C", "D"):
+    for name in ("B", "C", "D", "E"):
         st = b[name]["stats"]
         assert (st["requests"], st["chunks_hit"], st["chunk_blocks_loaded"]) == (1, 3, 3), name
         assert st.get("chunks_computed", 0) == 0, name
@@ -105,6 +106,7 @@ def test_the_ratio_sets_what_is_recomputed(runs):
     assert b["A"]["stats"]["recomputed_tokens"] == PASSAGES * PASSAGE  # ratio 1: every passage token
     assert b["C"]["stats"].get("recomputed_tokens", 0) == 0  # ratio 0: plain concatenation
     assert b["D"]["stats"]["recomputed_tokens"] == -(-15 * PASSAGES * PASSAGE // 100)
+    assert b["E"]["stats"]["recomputed_tokens"] == 16 * PASSAGES  # leading: each passage's first 16
     for name in ("C", "D"):
         assert b[name]["cached"] == BLENDED and len(b[name]["tokens"]) == MAX_TOKENS
     print("agreement with the full prefill over", MAX_TOKENS, "tokens:",
@@ -189,16 +191,17 @@ def _blend(model: str, work: Path, prompts: dict) -> dict:
         out[name] = got
 
     out: dict = {}
-    run("A", "A", ucm_blend_ratio=1.0)
-    run("B", "B", ucm_blend_ratio=1.0)
-    run("C", "C", ucm_blend_ratio=0.0)
+    run("A", "A", ucm_blend={"ratio": 1.0})
+    run("B", "B", ucm_blend={"ratio": 1.0})
+    run("C", "C", ucm_blend={"ratio": 0.0})
     run("D", "D")
+    run("E", "B", ucm_blend={"select": "leading", "leading_tokens": 16})
     ids, spans = prompts["A"]
     prompts["bad"] = (ids, [[0, 10], [5, 20]])
     run("bad_spans", "bad")
     os.kill(client.stats()["service"]["pid"], signal.SIGKILL)  # every cache call fails from here on
     time.sleep(0.5)
-    run("no_service", "A", ucm_blend_ratio=1.0)
+    run("no_service", "A", ucm_blend={"ratio": 1.0})
     close_engine(llm)
     return out
 

@@ -26,7 +26,7 @@ from ucm.connectors.vllm.blend_request import (  # noqa: E402
     chunk_keys,
     chunk_namespace,
     chunk_spans,
-    request_ratio,
+    request_options,
 )
 from ucm.connectors.vllm.metadata import BlendJob  # noqa: E402
 from ucm.connectors.vllm.scheduler import UCMSchedulerSide  # noqa: E402
@@ -87,18 +87,20 @@ def test_malformed_spans_are_a_typed_warning_and_no_blend(bad):
         assert chunk_spans({"ucm_chunks": bad}, len(TOKENS), "r") == []
 
 
-def test_a_request_ratio_in_0_1_is_read_and_others_warned():
-    assert request_ratio({"ucm_blend_ratio": 0.3}, "r") == 0.3 and request_ratio({"ucm_blend_ratio": 1}, "r") == 1.0
-    assert request_ratio({}, "r") is None
-    for bad in (1.5, -0.1, "0.2", True):
-        with pytest.warns(TransferParamsWarning, match="ucm_blend_ratio"):
-            assert request_ratio({"ucm_blend_ratio": bad}, "r") is None
+def test_a_requests_own_blend_options_are_read_and_bad_ones_warned():
+    assert request_options({"ucm_blend": {"ratio": 0.3}}, "r") == {"ratio": 0.3}
+    assert request_options({"ucm_blend": {"select": "leading", "leading_tokens": 8}}, "r")["select"] == "leading"
+    assert request_options({}, "r") == {} and request_options(None, "r") == {}
+    for bad, names in (({"ratio": 1.5}, "ratio"), ({"select": "all"}, "select"), ({"ratoi": 0.2}, "ratoi"),
+                       ({"context": "none"}, "context"), ([0.2], "mapping")):
+        with pytest.warns(TransferParamsWarning, match=f"ucm_blend.*{names}"):
+            assert request_options({"ucm_blend": bad}, "r") == {}
 
 
 # ---- the scheduler side -------------------------------------------------------------
 def test_the_blended_part_is_claimed_synchronously_and_shipped_as_one_job():
     side, cache = _side()
-    req = _request("r", {"ucm_chunks": SPANS, "ucm_blend_ratio": 0.25})
+    req = _request("r", {"ucm_chunks": SPANS, "ucm_blend": {"ratio": 0.25}})
     assert side.get_num_new_matched_tokens(req, 0) == (684, False)  # up to the last chunk's end
     assert side.get_num_new_matched_tokens(req, 0) == (684, False)  # asked again: the same answer
     side.update_state_after_alloc(req, _blocks(), 684)
@@ -106,7 +108,7 @@ def test_the_blended_part_is_claimed_synchronously_and_shipped_as_one_job():
     assert not meta.loads and not meta.stores  # nothing loaded as exact blocks; nothing saved
     (job,) = meta.blends
     assert isinstance(job, BlendJob) and job.tokens == TOKENS[:684] and job.spans == [(128, 384), (384, 684)]
-    assert job.start == 0 and job.ratio == 0.25 and job.block_tokens == BLOCK and job.page_ids == list(range(10, 16))
+    assert job.start == 0 and job.options == {"ratio": 0.25} and job.block_tokens == BLOCK and job.page_ids == list(range(10, 16))
     ns = chunk_namespace(_namespace(), SYSTEM, "", None)
     assert job.keys == [block_keys(ns, P1), block_keys(ns, P2[:256])]  # whole blocks of each passage
     assert job.blended_pages(PAGE) == list(range(10, 16))  # pages 0..5 hold tokens 0..683

@@ -135,7 +135,7 @@ class VllmBlender:
 
     def _blend(self, job: BlendJob) -> Counter:
         counts: Counter = Counter(requests=1)
-        options = self.options if job.ratio is None else self.options.model_copy(update={"ratio": job.ratio})
+        options = BlendOptions(**{**self.options.model_dump(), **job.options}) if job.options else self.options
         ids = torch.tensor(job.tokens, dtype=torch.long)
         n, s0 = len(ids), job.spans[0][0]
         pages = torch.tensor(job.page_ids[:-(-n // self.page_tokens)], dtype=torch.int32)

@@ -7,8 +7,9 @@ A request declares its chunks (retrieved passages) as
     kv_transfer_params: {"ucm_chunks": [[start, end], ...]}
 
 token spans of its prompt, in order, not overlapping, and may set its own
-share of recomputed tokens, `"ucm_blend_ratio": 0.15` (the `blend`
-accelerator's `ratio` otherwise). The prompt's tokens
+`blend` accelerator options, e.g. `"ucm_blend": {"ratio": 0.3}` or
+`{"select": "leading", "leading_tokens": 16}` (the engine's otherwise;
+`context` is `prefix` on vLLM). The prompt's tokens
 before the first chunk are its system prompt, computed exactly; the
 blended part ends where the last chunk does (at most the prompt's length -
 1); the rest (the question) is vLLM's to compute. A chunk's entry is the
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNKS = "ucm_chunks"
-RATIO = "ucm_blend_ratio"
+OPTIONS = "ucm_blend"
 WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
 
 
@@ -87,19 +88,32 @@ def chunk_spans(params: Any, num_tokens: int, request_id: str) -> list[tuple[int
     return spans
 
 
-def request_ratio(params: Any, request_id: str) -> Optional[float]:
-    """The request's own `ucm_blend_ratio` (None: the engine's); a value
-    that is not a number in [0, 1] is a TransferParamsWarning and None."""
-    if not isinstance(params, Mapping) or params.get(RATIO) is None:
-        return None
-    r = params[RATIO]
-    if isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 <= r <= 1.0:
-        return float(r)
-    msg = (f"request {request_id}: kv_transfer_params.{RATIO} {r!r} is not a number in [0, 1]; "
-           "the engine's ratio is used")
+def request_options(params: Any, request_id: str) -> dict[str, Any]:
+    """The request's own `blend` options (`ucm_blend`, a mapping of
+    BlendOptions fields; {}: the engine's). A mapping that BlendOptions
+    refuses, or a `context` other than `prefix`, is a
+    TransferParamsWarning and {}."""
+    from ucm.accelerators.blend import BlendOptions
+
+    if not isinstance(params, Mapping) or params.get(OPTIONS) is None:
+        return {}
+    raw = params[OPTIONS]
+    problem = ""
+    if not isinstance(raw, Mapping):
+        problem = f"must be a mapping of blend options, got {type(raw).__name__}"
+    elif raw.get("context", "prefix") != "prefix":
+        problem = f"context {raw['context']!r}: vLLM blends passages computed after the system prompt ('prefix')"
+    else:
+        try:
+            BlendOptions(**raw)
+        except Exception as exc:  # pydantic's ValidationError names the field and the allowed values
+            problem = str(exc).replace("\n", "; ")
+    if not problem:
+        return dict(raw)
+    msg = f"request {request_id}: kv_transfer_params.{OPTIONS} {problem}; the engine's blend options are used"
     log.warning("UCMConnector: %s", msg)
     warnings.warn(msg, TransferParamsWarning, stacklevel=2)
-    return None
+    return {}
 
 
 def blend_end(spans: Sequence[tuple[int, int]], num_tokens: int) -> int:
@@ -160,7 +174,7 @@ class BlendPlanner:
         """Reads the request's chunk spans (a malformed one: a warning and none)."""
         params = getattr(request, "kv_transfer_params", None)
         st.chunks = chunk_spans(params, len(request.prompt_token_ids), request.request_id)
-        st.blend_ratio = request_ratio(params, request.request_id) if st.chunks else None
+        st.blend_options = request_options(params, request.request_id) if st.chunks else {}
 
     def claim(self, st: "ReqState", request: "Request", num_computed_tokens: int) -> int:
         """The blended part beyond vLLM's own hit, as tokens of a synchronous
@@ -192,7 +206,7 @@ class BlendPlanner:
         self.counts["blended"] += 1
         return BlendJob(req_id=request.request_id, tokens=tokens, spans=list(st.chunks),
                         keys=chunk_keys(ns, tokens, st.chunks, len(tokens)), block_tokens=self.namespace.block_tokens,
-                        page_ids=list(st.page_ids), start=st.local_tokens, ratio=st.blend_ratio)
+                        page_ids=list(st.page_ids), start=st.local_tokens, options=st.blend_options)
 
     def failed(self, st: "ReqState") -> None:
         """The worker could not blend it: vLLM recomputes it as a plain request."""

@@ -51,8 +51,8 @@ class BlendJob:
     before the forward (blend.py): the tokens from `start` (vLLM's own hit)
     to the first chunk computed, each chunk in `spans` read from the
     entries `keys[i]` (whole blocks of `block_tokens`; computed and stored
-    where missing), rotated into place, and a share recomputed (`ratio`,
-    or the engine's)."""
+    where missing), rotated into place, and a share recomputed (the engine's
+    blend options with the request's `options`)."""
 
     req_id: str
     tokens: list[int]
@@ -61,7 +61,7 @@ class BlendJob:
     block_tokens: int
     page_ids: list[int]
     start: int
-    ratio: Optional[float] = None  # the request's own share recomputed (None: the engine's)
+    options: dict = field(default_factory=dict)  # the request's own blend options over the engine's
 
     def blended_pages(self, page_tokens: int) -> list[int]:
         """The pages the blend writes (from vLLM's own hit to the end)."""

@@ -49,4 +49,4 @@ class ReqState:
     external_tokens: int = 0  # what the last lookup answered vLLM (0 once a load lost blocks)
     chunks: list = field(default_factory=list)  # blend: the declared chunk spans (blend_request.py), until declined
     blending: bool = False  # blend: its blended part is claimed; none of its blocks is saved
-    blend_ratio: Optional[float] = None  # blend: the request's own ratio (None: the engine's)
+    blend_options: dict = field(default_factory=dict)  # blend: the request's own options over the engine's

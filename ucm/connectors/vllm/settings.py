@@ -25,8 +25,8 @@ PER_REQUEST = ("load_mode", "load_streaming", "prefetch_policy", "prefetch_timeo
                "prefetch_timeout_per_1k_tokens_s", "pd_wait_s")
 # What a request's `kv_transfer_params` carry under `ucm_` names that is not a
 # setting: the blocks a prefill engine names (pd.py), the spans of the
-# chunks to blend and their share recomputed (blend_request.py).
-REQUEST_DATA = ("blocks", "chunks", "blend_ratio")
+# chunks to blend and the request's blend options (blend_request.py).
+REQUEST_DATA = ("blocks", "chunks", "blend")
 
 
 @dataclass(frozen=True, slots=True)
