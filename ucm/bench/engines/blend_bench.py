@@ -67,7 +67,10 @@ def register(sub: common.Subparsers) -> None:
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     common.add_json_flag(p, "print one JSON object (every row, the workload)")
-    p.add_argument("--quick", action="store_true", help="4 prompts of 4 passages of 128 tokens, two ratios")
+    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
+                   help="transformers (default), or vLLM for CPU (blend_vllm.py)")
+    p.add_argument("--quick", action="store_true",
+                   help="4 prompts of 4 passages of 128 tokens (256 on vLLM), two ratios")
     p.add_argument("--prompts", type=int, default=None, help="prompts (default 20)")
     p.add_argument("--k", type=int, default=None, help="passages per prompt (default 6)")
     p.add_argument("--pool", type=int, default=None, help="passages in the pool (default 12)")
@@ -90,7 +93,14 @@ def run(args: argparse.Namespace) -> int:
     if any(not 0 <= r <= 1 for r in ratios):
         print("ucm bench blend: --ratios: each between 0 and 100", file=sys.stderr)
         return 2
-    result = measure(args, ratios, common.progress_log(args.json))
+    log = common.progress_log(args.json)
+    if args.engine == "vllm":
+        from ucm.bench.engines import blend_vllm
+
+        result = blend_vllm.measure(args, ratios, log)
+        result["plot"] = _plot(result["rows"], Path(args.plot).resolve(), result) or str(Path(args.plot).resolve())
+    else:
+        result = measure(args, ratios, log)
     common.report(result, args.json, table)
     return 0
 
@@ -198,7 +208,7 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
                 + ", ".join(f"{_label(m)} {per[i]['ttft'][-1] * 1000:.0f} ms" for i, m in enumerate(methods)
                             if m["method"] != "full"))
         conn.close()
-    rows = [_row(m, per[i], chunk_bytes) for i, m in enumerate(methods)]
+    rows = [row(m, per[i], chunk_bytes) for i, m in enumerate(methods)]
     result = {"machine": machine_line(), "engine": "transformers", "dtype": args.dtype, "source": source,
               "workload": {"prompts": len(prompts), "k": len(prompts[0].spans), "pool": args.pool or (6 if q else 12),
                            "passage_tokens": args.passage_tokens or (128 if q else 512),
@@ -264,13 +274,14 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def _row(m: dict[str, Any], d: dict[str, list], block_bytes: int) -> dict[str, Any]:
+def row(m: dict[str, Any], d: dict[str, list], block_bytes: int, engine: str = "transformers") -> dict[str, Any]:
+    """One method's row of the JSON from its per-prompt figures `d`."""
     reads: dict[str, int] = {}
     for r in d["reads"]:
         for t, n in r.items():
             reads[t] = reads.get(t, 0) + n
     mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
-    return {"engine": "transformers", "method": m["method"], "source": m["source"], "ratio": m["ratio"],
+    return {"engine": engine, "method": m["method"], "source": m["source"], "ratio": m["ratio"],
             "leading_tokens": m.get("leading_tokens"), "label": _label(m),
             "context": m.get("context", "prefix") if m["method"] in ("naive", "blend", "leading") else None,
             "ttft_p50_s": statistics.median(d["ttft"]), "ttft_p90_s": _pct(d["ttft"], 0.9),
@@ -317,7 +328,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, result: dict[str, Any]) -> Opt
     ax.set_ylabel(f"KL to the full prefill (mean over {result['workload']['answer_tokens']} answer tokens)")
     w = result["workload"]
     ax.set_title(f"ucm bench blend: {w['prompts']} prompts, {w['k']} passages of {w['passage_tokens']} tokens, "
-                 f"SmolLM2 {result['dtype']}", fontsize=9)
+                 f"SmolLM2 {result['dtype']}, {result['engine']}", fontsize=9)
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
