@@ -9,8 +9,10 @@ each other again (CacheBlend, Yao et al. 2025; EPIC, Hu et al. 2024).
 It runs in the engine's process (`runs_in = "engine"`): the recompute is a
 forward pass. The transformers connector takes it by type and blends the
 `generate` calls that declare chunks
-(ucm/connectors/transformers/blend.py); without the entry, such calls blend
-with the defaults below.
+(ucm/connectors/transformers/blend.py); vLLM's UCMConnector reads its
+options and blends the requests whose `kv_transfer_params` declare
+`ucm_chunks` (ucm/connectors/vllm/blend.py; a request may override them
+with `ucm_blend`); without the entry, both blend with the defaults below.
 
 Options (`BlendOptions`; a bad one is a ConfigError naming
 `accelerators.<i>.options.<key>`):

@@ -223,3 +223,17 @@ def test_a_blend_that_fails_in_the_worker_becomes_load_errors_never_an_exception
     conn._connector_metadata = UCMConnectorMetadata(blends=[job])
     conn.start_load_kv(None)
     assert errors == list(range(11, 16))  # the pages from vLLM's own hit (page 10) to the blended end
+
+
+def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_context_none(tmp_path):
+    from ucm.config.schema import load_config
+    from ucm.connectors.vllm.blend_request import engine_options
+    from ucm.errors import ConfigError
+
+    def config(accelerators):
+        return load_config({"tiers": [{"adapter": "dram", "capacity": "64MiB"}], "accelerators": accelerators})
+
+    assert engine_options(config([])).ratio == 0.15  # the defaults
+    assert engine_options(config([{"name": "blend", "options": {"ratio": 0.3}}])).ratio == 0.3
+    with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.context: 'none'.*allowed: \['prefix'\]"):
+        engine_options(config([{"name": "blend", "options": {"context": "none"}}]))

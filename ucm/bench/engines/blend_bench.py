@@ -1,6 +1,6 @@
 """`ucm bench blend`: retrieved passages reused wherever they sit in the
 prompt (ucm/connectors/transformers/blend.py) against the full prefill and
-prefix caching, in transformers on this machine.
+prefix caching, in transformers (or vLLM, `--engine vllm`) on this machine.
 
 The workload (blend_tasks.py, seeded): prompts of a system prompt + k
 passages drawn from a pool and ordered at random + a question whose answer
@@ -40,8 +40,9 @@ greedy answer). The JSON: `rows`, one per engine and method with `engine`,
 `recompute_share`, `kv_read_bytes`; the workload; the machine. A plot of KL
 against TTFT p50.
 
-Only the transformers engine runs it: vLLM's path is designed, not built
-(docs/decisions/0020-blend-on-vllm.md).
+`--engine vllm` runs the same workload on vLLM for CPU through
+UCMConnector (blend_vllm.py), with the rows that path has: full, vLLM's
+own prefix cache, naive, blend at each ratio, leading.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ BLOCK_TOKENS = 64
 
 def register(sub: common.Subparsers) -> None:
     common.add_bench(sub, "blend", help="passages reused anywhere in the prompt (CacheBlend-style) against the "
-                                        "full prefill and prefix caching, in transformers",
+                                        "full prefill and prefix caching, in transformers or vLLM",
                      description=__doc__, add_args=_add_args, handler=run)
 
 

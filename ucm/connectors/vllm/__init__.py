@@ -79,6 +79,7 @@ from ucm.connectors.kv_pages import SKIP
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
 from ucm.connectors.vllm.namespace import build_namespace, model_identity
 from ucm.connectors.vllm.blend import VllmBlender
+from ucm.connectors.vllm.blend_request import engine_options
 from ucm.connectors.vllm.scheduler import UCMSchedulerSide
 from ucm.connectors.vllm.settings import ConnectorSettings, check_engine
 from ucm.connectors.vllm.worker import UCMWorkerSide
@@ -119,6 +120,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.config = load_config(self.settings.ucm_config)
         pages_per_block = check_engine(vllm_config, kv_cache_config, self.config.block_tokens)
+        self.blend_options = engine_options(self.config)  # a ConfigError for options vLLM cannot blend with
         self._owns_cache = cache is None
         self._cache: CacheAPI = open_cache(self.config) if cache is None else cache
         self._scheduler: Optional[UCMSchedulerSide] = None
@@ -191,12 +193,9 @@ class UCMConnector(KVConnectorBase_V1):
         `blend_worker.UcmCPUWorker` once the connector exists. A model
         blending does not support is logged, and its blended requests are
         recomputed by vLLM."""
-        from ucm.accelerators.blend import BlendOptions
-
-        entry = next((a for a in self.config.accelerators if a.name == "blend"), None)
         try:
             self.blender = VllmBlender(model, self._vllm_config, self._kv_cache_config, self._cache,
-                                       BlendOptions(**entry.options) if entry is not None else BlendOptions())
+                                       self.blend_options)
         except UcmError as exc:
             self.blend_unsupported = str(exc)
             log.warning("UCMConnector: blended requests will be computed in full: %s", exc)

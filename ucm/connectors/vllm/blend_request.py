@@ -41,11 +41,14 @@ import numpy as np
 
 from ucm.api import Key
 from ucm.connectors.vllm.metadata import BlendJob
-from ucm.errors import TransferParamsWarning
+from ucm.errors import ConfigError, TransferParamsWarning
 from ucm.keys import Namespace, block_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from ucm.accelerators.blend import BlendOptions
+    from ucm.config.schema import UcmConfig
     from vllm.v1.request import Request
 
     from ucm.connectors.vllm.request_state import ReqState
@@ -114,6 +117,23 @@ def request_options(params: Any, request_id: str) -> dict[str, Any]:
     log.warning("UCMConnector: %s", msg)
     warnings.warn(msg, TransferParamsWarning, stacklevel=2)
     return {}
+
+
+def engine_options(config: "UcmConfig") -> "BlendOptions":
+    """The `blend` accelerator's options in the engine's config (the
+    defaults without the entry); a `context` other than `prefix` is a
+    ConfigError naming the key: vLLM blends passages computed after the
+    system prompt only."""
+    from ucm.accelerators.blend import BlendOptions
+
+    for i, entry in enumerate(config.accelerators):
+        if entry.name == "blend":
+            options = BlendOptions(**entry.options)
+            if options.context != "prefix":
+                raise ConfigError(f"accelerators.{i}.options.context: {options.context!r} is not supported by "
+                                  "the vLLM connector; allowed: ['prefix']")
+            return options
+    return BlendOptions()
 
 
 def blend_end(spans: Sequence[tuple[int, int]], num_tokens: int) -> int:
