@@ -36,6 +36,12 @@ vLLM's own OffloadingConnector does:
 - A block whose save is planned but not yet done still counts as a hit for
   a request that arrives meanwhile (the next turn of a chat): it is loaded
   asynchronously, after that save.
+- Blended prefills (retrieved passages reused wherever they sit): a request
+  whose `kv_transfer_params` declare `ucm_chunks` has its first tokens
+  filled by the worker's `VllmBlender` (blend.py) in `start_load_kv`, when
+  vLLM runs with `worker_cls` `blend_worker.UcmCPUWorker` (which hands the
+  connector the model, `bind_model`); blend_request.py says which requests
+  qualify. A blend that fails is a load error: vLLM recomputes.
 
 The cache is any `ucm.api.CacheAPI`. By default each instance opens a
 client of the node's ucm service (`open_cache`; on CPU the scheduler and

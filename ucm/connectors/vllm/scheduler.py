@@ -36,6 +36,10 @@ The state machine of one request (`request_state.ReqState`):
 - `request_finished`: pins released, `cache.finish` with the output length
   and the request id; the pages are kept while its saves run.
 
+Blend (blend_request.py): a request that declares `ucm_chunks` claims its
+blended part as a synchronous load, filled by the worker (blend.py); none
+of its blocks is saved; a failed blend makes it a plain request.
+
 P/D (pd.py): a request that asks this engine to prefill for a decode
 engine (`do_remote_decode`) gets the keys of the blocks it saved back in
 its finished output's `kv_transfer_params`; a request whose params name a
