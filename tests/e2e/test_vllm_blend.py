@@ -34,13 +34,12 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from vllm_support import close_engine, driver_env, model_installed  # noqa: E402
+from vllm_support import Drivers, close_engine, driver_env, model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -58,23 +57,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blend")
     env = driver_env()
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the counters come back through collective_rpc
-    procs = {}
+    drivers = Drivers(tmp, timeout_s=900)  # at once: the outputs do not depend on timing
     for part in ("blend", "reference"):
         (tmp / part).mkdir()
-        log = (tmp / f"{part}.log").open("w")
-        procs[part] = subprocess.Popen([sys.executable, str(HERE), part, str(tmp / part)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT)
-    out = {}
-    for part, proc in procs.items():
-        try:
-            rc = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        if rc != 0:
-            pytest.fail(f"driver {part} exited {rc}:\n{(tmp / f'{part}.log').read_text()[-6000:]}")
-        out[part] = json.loads((tmp / part / "result.json").read_text())
-    return out
+        drivers.start(part, [HERE, part, tmp / part], tmp / part / "result.json", env)
+    return {part: drivers.result(part) for part in ("blend", "reference")}
 
 
 @pytest.mark.timeout(1000)

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from vllm_support import driver_env, model_installed  # noqa: E402
+from vllm_support import Drivers, driver_env, model_installed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -47,28 +46,13 @@ FULL = '{selector: hybrid, budget: {ratio: 1.0}, min_context_tokens: 256, resele
 SMALL = '{selector: quest, budget: {tokens: 256}, sink_tokens: 64, local_tokens: 128, min_context_tokens: 256}'
 
 
-def _start(tmp: Path, name: str, sparse: str | None) -> tuple[subprocess.Popen, Path]:
+def _env(sparse: str | None) -> dict:
     env = driver_env()
     env.pop("UCM_VLLM_SPARSE", None)
     if sparse is not None:
         env["UCM_VLLM_SPARSE"] = sparse
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the counters come back through collective_rpc
-    out = tmp / f"{name}.json"
-    log = (tmp / f"{name}.log").open("w")
-    proc = subprocess.Popen([sys.executable, str(HERE), "--out", str(out)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
-    return proc, out
-
-
-def _finish(name: str, proc: subprocess.Popen, out: Path) -> dict:
-    try:
-        rc = proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-    if rc != 0:
-        pytest.fail(f"driver {name} exited {rc}:\n{out.with_suffix('.log').read_text()[-6000:]}")
-    return json.loads(out.read_text())
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +65,10 @@ def runs(tmp_path_factory):
         pytest.fail("the installed ucm declares no `ucm_sparse` vllm.general_plugins entry point: an install made "
                     "before it was added; reinstall with `make install`")
     tmp = tmp_path_factory.mktemp("sparse")
-    # The three drivers run at once: most of each is vLLM's start (imports, the model's load), one
-    # thread each; their results do not depend on timing.
-    started = {name: _start(tmp, name, cfg) for name, cfg in (("off", None), ("full", FULL), ("small", SMALL))}
-    return {name: _finish(name, *started[name]) for name in started}
+    drivers = Drivers(tmp, timeout_s=900)  # the three at once: their results do not depend on timing
+    for name, cfg in (("off", None), ("full", FULL), ("small", SMALL)):
+        drivers.start(name, [HERE, "--out", tmp / f"{name}.json"], tmp / f"{name}.json", _env(cfg))
+    return {name: drivers.result(name) for name in ("off", "full", "small")}
 
 
 STOCK_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"

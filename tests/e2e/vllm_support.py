@@ -92,3 +92,42 @@ def run_driver(script, tmp_path, timeout_s: float, *args: str) -> dict:
     if proc.returncode != 0:
         pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return json.loads(out.read_text())
+
+
+class Drivers:
+    """Driver processes run side by side (most of a driver's time is vLLM's
+    start, one thread each; results that depend on timing must not be
+    asserted by drivers run this way). `start(name, argv, env)` launches
+    `python argv...` with its output to a log file; `result(name)` waits
+    for it and returns the JSON it wrote to `out`, or fails the test with
+    the log's tail."""
+
+    def __init__(self, tmp_path, timeout_s: float = 1200.0) -> None:
+        from pathlib import Path
+
+        self.tmp, self.timeout_s = Path(tmp_path), timeout_s
+        self.procs: dict = {}
+
+    def start(self, name: str, argv: list, out, env: dict | None = None) -> None:
+        import subprocess
+        import sys
+
+        log = (self.tmp / f"{name}.log").open("w")
+        self.procs[name] = (subprocess.Popen([sys.executable, *map(str, argv)], env=env or driver_env(),
+                                             stdout=log, stderr=subprocess.STDOUT), out)
+
+    def result(self, name: str) -> dict:
+        import json
+        import subprocess
+
+        import pytest
+
+        proc, out = self.procs[name]
+        try:
+            rc = proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        if rc != 0:
+            pytest.fail(f"driver {name} exited {rc}:\n{(self.tmp / f'{name}.log').read_text()[-6000:]}")
+        return json.loads(out.read_text())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import re
 import shlex
@@ -386,7 +387,7 @@ for argv in json.loads(sys.argv[1]):
     kv = args.kv_transfer_config
     print("RESULT " + json.dumps({"model": args.model, "kv_connector": kv.kv_connector,
           "module": kv.kv_connector_module_path, "role": kv.kv_role, "failure": kv.kv_load_failure_policy,
-          "extra": kv.kv_connector_extra_config}))
+          "extra": kv.kv_connector_extra_config, "worker_cls": args.worker_cls}))
 """
 
 
@@ -413,5 +414,8 @@ def test_the_vllm_commands_parse_with_vllms_own_parser():
         assert (got["kv_connector"], got["module"], got["failure"]) == (
             "UCMConnector", "ucm.connectors.vllm", "recompute")
         assert got["role"] in ("kv_both", "kv_producer", "kv_consumer")
+        if got["worker_cls"] != "auto":  # a documented worker class is ucm's, and it imports
+            module, _, name = got["worker_cls"].rpartition(".")
+            assert module.startswith("ucm.") and hasattr(importlib.import_module(module), name), got["worker_cls"]
         _check_connector_keys(set(got["extra"]))
         assert (ROOT / got["extra"]["ucm_config"]).exists()

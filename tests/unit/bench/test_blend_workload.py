@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucm.bench.engines.blend_bench import _methods, _row, table
+from ucm.bench.engines.blend_bench import _methods, row as _row, table
 from ucm.bench.engines.blend_tasks import NAMES, WORDS, rag_prompts
 from ucm.errors import ArgumentError
 
@@ -106,3 +106,25 @@ def test_methods_compare_chunks_alone_at_the_ratio_nearest_15_percent():
     assert [(m["method"], m["ratio"]) for m in alone] == [("naive", 0.0), ("blend", 0.1)]
     assert [m["ratio"] for m in methods if m["method"] == "blend" and "context" not in m] == [0.05, 0.1, 0.2, 0.3]
     assert not [m for m in _methods([], 16) if m["method"] == "blend"]
+
+
+def test_the_vllm_rows_are_the_methods_that_path_has():
+    from ucm.bench.engines.blend_vllm import methods
+
+    got = [(m["method"], m.get("source"), m["ratio"]) for m in methods([0.15, 0.3], 16)]
+    assert got == [("full", None, None), ("prefix", "engine", None), ("naive", "ucm", 0.0), ("blend", "ucm", 0.15),
+                   ("blend", "ucm", 0.3), ("leading", "ucm", None)]
+
+
+def test_the_vllm_kl_over_the_full_prefills_top_tokens_is_exact_when_they_hold_all_and_a_lower_bound_else():
+    import torch
+
+    from ucm.bench.engines.blend_vllm import _kl
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.log_softmax(torch.randn(5, 64, generator=g) * 3, -1)
+    q = torch.log_softmax(torch.randn(5, 64, generator=g) * 3, -1)
+    exact = float((p.exp() * (p - q)).sum(-1).mean())
+    assert _kl(p, q, p.topk(64, dim=-1).indices) == pytest.approx(exact, rel=1e-5)
+    assert 0 < _kl(p, q, p.topk(16, dim=-1).indices) <= exact + 1e-6
+    assert _kl(p, p, p.topk(16, dim=-1).indices) == pytest.approx(0.0, abs=1e-6)

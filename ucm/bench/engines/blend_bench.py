@@ -211,15 +211,19 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
         conn.close()
     rows = [row(m, per[i], chunk_bytes) for i, m in enumerate(methods)]
     result = {"machine": machine_line(), "engine": "transformers", "dtype": args.dtype, "source": source,
-              "workload": {"prompts": len(prompts), "k": len(prompts[0].spans), "pool": args.pool or (6 if q else 12),
-                           "passage_tokens": args.passage_tokens or (128 if q else 512),
-                           "mean_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
-                           "needle_prompts": sum(p.kind == "needle" for p in prompts),
-                           "two_hop_prompts": sum(p.kind == "two_hop" for p in prompts),
-                           "answer_tokens": args.answer_tokens, "block_tokens": BLOCK_TOKENS, "seed": args.seed},
+              "workload": workload(prompts, args, args.passage_tokens or (128 if q else 512), BLOCK_TOKENS),
               "rows": rows}
     result["plot"] = _plot(rows, Path(args.plot).resolve(), result) or str(Path(args.plot).resolve())
     return result
+
+
+def workload(prompts: list, args: argparse.Namespace, passage_tokens: int, block_tokens: int) -> dict[str, Any]:
+    """The JSON's description of the workload both engines ran."""
+    return {"prompts": len(prompts), "k": len(prompts[0].spans), "pool": args.pool or (6 if args.quick else 12),
+            "passage_tokens": passage_tokens, "mean_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
+            "needle_prompts": sum(p.kind == "needle" for p in prompts),
+            "two_hop_prompts": sum(p.kind == "two_hop" for p in prompts),
+            "answer_tokens": args.answer_tokens, "block_tokens": block_tokens, "seed": args.seed}
 
 
 def _generate(ids: Any, new: int, call) -> tuple[float, Any]:

@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
     from ucm.apps.demo.report import machine_line
     from ucm.apps.engine_env import bench_env
     from ucm.apps.model import prepare
-    from ucm.bench.engines.blend_bench import row
+    from ucm.bench.engines.blend_bench import row, workload
     from ucm.bench.engines.blend_tasks import rag_prompts
 
     work = Path(tempfile.mkdtemp(prefix="ucm-blend-vllm-"))
@@ -165,12 +165,7 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
     llm.llm_engine.engine_core.shutdown()
     rows = [row(m, per[i], block_bytes, "vllm") for i, m in enumerate(meths)]
     return {"machine": machine_line(), "engine": "vllm", "dtype": args.dtype, "source": source,
-            "workload": {"prompts": len(prompts), "k": len(prompts[0].spans), "pool": args.pool or (6 if q else 12),
-                         "passage_tokens": args.passage_tokens or (256 if q else 512),
-                         "mean_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
-                         "needle_prompts": sum(p.kind == "needle" for p in prompts),
-                         "two_hop_prompts": sum(p.kind == "two_hop" for p in prompts),
-                         "answer_tokens": args.answer_tokens, "block_tokens": BLOCK_TOKENS, "seed": args.seed},
+            "workload": workload(prompts, args, args.passage_tokens or (256 if q else 512), BLOCK_TOKENS),
             "rows": rows}
 
 
