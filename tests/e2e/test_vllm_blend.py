@@ -10,8 +10,9 @@ driver processes run at once:
   prefix cache off, the `blend` accelerator at ratio 0.15 (requests set
   their own, `ucm_blend: {ratio: ...}`). In order: A (passages 0, 1, 2) at ratio 1,
   B (2, 0, 1) at ratio 1, C (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15, B
-  with each passage's first 16 tokens recomputed (`select: leading`), A
-  with malformed spans, and A at ratio 1 after the ucm service is gone;
+  with each passage's first 16 tokens recomputed (`select: leading`), the
+  passages joined by the engine's `ucm_blend_separator` (" # # ") with no
+  spans, A with malformed spans, and A at ratio 1 after the ucm service is gone;
   after each, the worker's blend counters (`collective_rpc`).
 - `reference`: vLLM with its own prefix cache: a prompt's system prompt,
   then its first 896 tokens, then the whole prompt (the rows a blend at
@@ -24,6 +25,7 @@ What must hold:
   prompts with the same system prompt find all three, in any order;
 - ratio 0 recomputes nothing (the passages fill the blended part in whole
   blocks), 0.15 recomputes 15 % of the passage tokens, `leading` 16 each;
+- separators mark the passages of a request that gives no spans;
 - malformed spans are served as a plain request (the cold reference);
 - with the service gone, chunks cannot be read or stored: they are
   computed, and ratio 1 still equals the reference.
@@ -48,6 +50,7 @@ SYSTEM, PASSAGE, PASSAGES, MAX_TOKENS = 128, 256, 3, 16
 BLENDED = SYSTEM + PASSAGES * PASSAGE
 ORDERS = {"A": (0, 1, 2), "B": (2, 0, 1), "C": (1, 2, 0), "D": (0, 2, 1)}
 WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
+SEPARATOR = " # # "
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,15 @@ def test_the_ratio_sets_what_is_recomputed(runs):
 
 
 @pytest.mark.timeout(1000)
+def test_a_prompt_with_separators_and_no_spans_is_blended_between_them(runs):
+    got = runs["blend"]["separated"]
+    # the passages' entries are computed after another system prompt (it ends with the separator)
+    assert got["stats"]["requests"] == 1 and got["stats"]["chunks_computed"] == PASSAGES
+    assert got["stats"]["reused_tokens"] == PASSAGES * PASSAGE
+    assert got["cached"] == runs["blend"]["separated_end"] and len(got["tokens"]) == MAX_TOKENS
+
+
+@pytest.mark.timeout(1000)
 def test_malformed_spans_are_a_plain_request(runs):
     b, ref = runs["blend"], runs["reference"]
     assert b["bad_spans"]["cached"] == 0 and not b["bad_spans"]["stats"]
@@ -133,6 +145,10 @@ def _prompts(tokenizer) -> dict[str, tuple[list[int], list[list[int]]]]:
             spans.append([len(ids), len(ids) + PASSAGE])
             ids += passages[p]
         out[name] = (ids + question, spans)
+    sep = tokenizer(SEPARATOR, add_special_tokens=False).input_ids
+    ids = system + sep + passages[0] + sep + passages[1] + sep + passages[2] + sep + question
+    out["separated"] = (ids, [[SYSTEM + len(sep) + i * (PASSAGE + len(sep)),
+                               SYSTEM + len(sep) + i * (PASSAGE + len(sep)) + PASSAGE] for i in range(PASSAGES)])
     return out
 
 
@@ -164,7 +180,8 @@ def _blend(model: str, work: Path, prompts: dict) -> dict:
         raise RuntimeError("could not start the ucm service")
     kv = KVTransferConfig(kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                          kv_connector_extra_config={"ucm_config": str(work / "ucm.yaml")})
+                          kv_connector_extra_config={"ucm_config": str(work / "ucm.yaml"),
+                                                     "ucm_blend_separator": SEPARATOR})
     llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
               seed=0, kv_transfer_config=kv, worker_cls=WORKER_CLS)
     seen: dict = {}
@@ -183,6 +200,13 @@ def _blend(model: str, work: Path, prompts: dict) -> dict:
     run("C", "C", ucm_blend={"ratio": 0.0})
     run("D", "D")
     run("E", "B", ucm_blend={"select": "leading", "leading_tokens": 16})
+    ids, spans = prompts["separated"]
+    got = _generate(llm, ids, {"ucm_blend": {"ratio": 0.0}})  # no spans: the separator marks the passages
+    now = llm.collective_rpc("ucm_blend_stats")[0]
+    got["stats"] = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+    seen.update(now)
+    out["separated"] = got
+    out["separated_end"] = spans[-1][1]
     ids, spans = prompts["A"]
     prompts["bad"] = (ids, [[0, 10], [5, 20]])
     run("bad_spans", "bad")
@@ -199,7 +223,8 @@ def _reference(model: str, prompts: dict) -> dict:
     llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
               seed=0)
     out = {}
-    for name, (ids, _spans) in prompts.items():
+    for name in ORDERS:
+        ids = prompts[name][0]
         llm.reset_prefix_cache()
         out[f"{name}_cold"] = _generate(llm, ids)
         llm.reset_prefix_cache()

@@ -237,3 +237,38 @@ def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_context
     assert engine_options(config([{"name": "blend", "options": {"ratio": 0.3}}])).ratio == 0.3
     with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.context: 'none'.*allowed: \['prefix'\]"):
         engine_options(config([{"name": "blend", "options": {"context": "none"}}]))
+
+
+# ---- a separator string instead of spans (LMCache's convention) --------------------------------
+def test_the_parts_between_separators_are_the_passages():
+    from ucm.connectors.vllm.blend_request import separated_spans
+
+    sep = [9, 9, 8]
+    tokens = [1, 2, 3] + sep + [4, 5] + sep + [6, 7, 7] + sep + [1, 1]  # system, p1, p2, question
+    assert separated_spans(tokens, sep) == [(6, 8), (11, 14)]
+    assert separated_spans([1] + sep + [2], sep) == []  # one separator: no passage between two
+    assert separated_spans(sep + sep + [5] + sep, sep) == [(6, 7)]  # an empty part is no passage
+    assert separated_spans([9, 9, 9, 8, 4] + sep, sep) == [(4, 5)]  # a near match is not a separator
+    assert separated_spans(tokens, []) == []
+
+
+def test_an_engine_with_a_separator_blends_prompts_that_hold_it_and_spans_still_win():
+    sep = [3, 3]
+    tokens = SYSTEM + sep + P1 + sep + P2 + sep + QUESTION
+    side, _ = _side(separator=sep)
+    claimed, is_async = side.get_num_new_matched_tokens(_request("r", tokens=tokens), 0)
+    assert not is_async and claimed == 128 + 2 + 256 + 2 + 300  # up to the last passage's end
+    side.update_state_after_alloc(_request("r", tokens=tokens), _blocks(7), claimed)
+    (job,) = _step(side, "r", range(10, 17), computed=claimed).blends
+    assert job.spans == [(130, 386), (388, 688)]
+    assert side.get_num_new_matched_tokens(_request("s", {"ucm_chunks": SPANS}, tokens=tokens), 0) == (684, False)
+    assert side.get_num_new_matched_tokens(_request("plain"), 0) == (0, False)  # no separator in it
+
+
+def test_a_blank_separator_is_a_config_error():
+    from ucm.connectors.vllm.settings import ConnectorSettings
+    from ucm.errors import ConfigError
+
+    assert ConnectorSettings.from_extra({"ucm_blend_separator": " # # "}).blend_separator == " # # "
+    with pytest.raises(ConfigError, match="ucm_blend_separator"):
+        ConnectorSettings.from_extra({"ucm_blend_separator": "  "})

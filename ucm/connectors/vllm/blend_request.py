@@ -6,7 +6,9 @@ A request declares its chunks (retrieved passages) as
 
     kv_transfer_params: {"ucm_chunks": [[start, end], ...]}
 
-token spans of its prompt, in order, not overlapping, and may set its own
+token spans of its prompt, in order, not overlapping (or, on an engine
+with `ucm_blend_separator`, as LMCache does: the parts of its prompt
+between occurrences of the separator's tokens), and may set its own
 `blend` accelerator options, e.g. `"ucm_blend": {"ratio": 0.3}` or
 `{"select": "leading", "leading_tokens": 16}` (the engine's otherwise;
 `context` is `prefix` on vLLM). The prompt's tokens
@@ -136,6 +138,24 @@ def engine_options(config: "UcmConfig") -> "BlendOptions":
     return BlendOptions()
 
 
+def separated_spans(tokens: Sequence[int], separator: Sequence[int]) -> list[tuple[int, int]]:
+    """The parts of `tokens` between consecutive occurrences of
+    `separator` (the passages of `system SEP p1 SEP p2 SEP question`);
+    [] with fewer than two occurrences. Empty parts are not passages."""
+    sep, n = list(separator), len(separator)
+    if not n:
+        return []
+    first = sep[0]
+    found, i = [], 0
+    while i + n <= len(tokens):
+        if tokens[i] == first and list(tokens[i:i + n]) == sep:
+            found.append(i)
+            i += n
+        else:
+            i += 1
+    return [(a + n, b) for a, b in zip(found, found[1:]) if b > a + n]
+
+
 def blend_end(spans: Sequence[tuple[int, int]], num_tokens: int) -> int:
     """Where the blended part ends: the last chunk's end, leaving vLLM at
     least the prompt's last token."""
@@ -180,20 +200,34 @@ class BlendPlanner:
     for the worker (`job`); `counts` says how many were blended or declined."""
 
     def __init__(self, namespace: Namespace, *, why_not: str = "", prefix_caching: bool = False,
-                 rope: str = "") -> None:
+                 rope: str = "", separator: Sequence[int] = ()) -> None:
         self.namespace, self.why_not, self.prefix_caching, self.rope = namespace, why_not, prefix_caching, rope
+        self.separator = list(separator)  # the tokens of `ucm_blend_separator` ([]: spans only)
         self.counts: Counter = Counter()
 
     @classmethod
-    def from_vllm(cls, vllm_config: "VllmConfig", namespace: Namespace) -> "BlendPlanner":
+    def from_vllm(cls, vllm_config: "VllmConfig", namespace: Namespace,
+                  separator: Optional[str] = None) -> "BlendPlanner":
+        """The engine's planner; `separator` (`ucm_blend_separator`) is
+        tokenized with the model's tokenizer, without special tokens."""
+        tokens: list[int] = []
+        if separator:
+            from transformers import AutoTokenizer
+
+            mc = vllm_config.model_config
+            tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                                trust_remote_code=mc.trust_remote_code)
+            tokens = tok(separator, add_special_tokens=False).input_ids
         return cls(namespace, why_not=why_not_blend(vllm_config),
                    prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                   rope=rope_settings(vllm_config))
+                   rope=rope_settings(vllm_config), separator=tokens)
 
     def begin(self, st: "ReqState", request: "Request") -> None:
         """Reads the request's chunk spans (a malformed one: a warning and none)."""
         params = getattr(request, "kv_transfer_params", None)
         st.chunks = chunk_spans(params, len(request.prompt_token_ids), request.request_id)
+        if not st.chunks and self.separator and not (isinstance(params, Mapping) and params.get(CHUNKS)):
+            st.chunks = separated_spans(request.prompt_token_ids, self.separator)
         st.blend_options = request_options(params, request.request_id) if st.chunks else {}
 
     def claim(self, st: "ReqState", request: "Request", num_computed_tokens: int) -> int:

@@ -159,7 +159,7 @@ class UCMSchedulerSide:
                    max_staging_blocks=max(1, landing_bytes // 2 // block_bytes),  # half of it: the staging budget
                    below_tiers=frozenset(names[names.index(config.landing_tier) + 1:]))
         side.events = events_for(vllm_config, cache, namespace)
-        side.blends = BlendPlanner.from_vllm(vllm_config, namespace)
+        side.blends = BlendPlanner.from_vllm(vllm_config, namespace, settings.blend_separator)
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("UCMConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a block "
                         "lost between lookup and load is recomputed instead of failing the request",

@@ -62,6 +62,12 @@ class ConnectorSettings:
     # P/D (pd.py): how long a decode engine's worker waits for the blocks a
     # prefill engine named to be committed before vLLM computes the rest.
     pd_wait_s: float = 10.0
+    # Blend (blend_request.py): a string whose tokens separate a prompt's
+    # parts, as LMCache's CacheBlend takes them: system prompt, separator,
+    # passage, separator, ..., passage, separator, question. A request
+    # without `ucm_chunks` whose prompt holds it twice or more is blended
+    # with the parts between separators as its passages. None: spans only.
+    blend_separator: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "kv_connector_extra_config")
@@ -119,6 +125,9 @@ def _check(values: Mapping[str, Any], where: str) -> None:
         if not (number and (t > 0 if name == "load_timeout_s" else t >= 0)):
             bound = "> 0" if name == "load_timeout_s" else ">= 0"
             raise ConfigError(f"{where}.ucm_{name} must be a number {bound}, got {t!r}")
+    sep = values.get("blend_separator")
+    if sep is not None and not (isinstance(sep, str) and sep.strip()):
+        raise ConfigError(f"{where}.ucm_blend_separator must be a non-blank string or absent, got {sep!r}")
     cap = values.get("max_waiting_pin_bytes")
     if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap > 0):
         raise ConfigError(f"{where}.ucm_max_waiting_pin_bytes must be a positive int (bytes) or absent, "
