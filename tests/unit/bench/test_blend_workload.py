@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ucm.bench.engines.blend_bench import _methods, row as _row, table
+from ucm.bench.engines.blend_bench import _methods
+from ucm.bench.engines.blend_report import row as _row, table
 from ucm.bench.engines.blend_tasks import NAMES, WORDS, rag_prompts
 from ucm.errors import ArgumentError
 

@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
     from ucm.apps.demo.report import machine_line
     from ucm.apps.engine_env import bench_env
     from ucm.apps.model import prepare
-    from ucm.bench.engines.blend_bench import row, workload
+    from ucm.bench.engines.blend_report import row, workload
     from ucm.bench.engines.blend_tasks import rag_prompts
 
     work = Path(tempfile.mkdtemp(prefix="ucm-blend-vllm-"))
