@@ -215,9 +215,15 @@ class BlendPlanner:
             from transformers import AutoTokenizer
 
             mc = vllm_config.model_config
-            tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
-                                                trust_remote_code=mc.trust_remote_code)
-            tokens = tok(separator, add_special_tokens=False).input_ids
+            try:
+                tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                                    trust_remote_code=mc.trust_remote_code)
+                tokens = tok(separator, add_special_tokens=False).input_ids
+            except Exception as exc:
+                raise ConfigError(f"kv_connector_extra_config.ucm_blend_separator: the model's tokenizer "
+                                  f"({mc.tokenizer}) could not tokenize it: {type(exc).__name__}: {exc}") from exc
+            if not tokens:
+                raise ConfigError(f"kv_connector_extra_config.ucm_blend_separator: {separator!r} has no tokens")
         return cls(namespace, why_not=why_not_blend(vllm_config),
                    prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                    rope=rope_settings(vllm_config), separator=tokens)
