@@ -41,8 +41,9 @@ Refused at construction (ModelError; the connector then answers blended
 requests with load errors, which vLLM recomputes): a model without
 `model.layers[i].self_attn.{attn, rotary_emb}` (vLLM's Llama family), a
 RoPE whose rotation depends on the sequence (anything but
-MOVABLE_ROTARIES), an attention impl other than vLLM's stock CPU one (the
-sparse-decode plugin's included), more than one KV cache group.
+MOVABLE_ROTARIES) or differs between layers, an attention impl other than
+vLLM's stock CPU one (the sparse-decode plugin's included), more than one
+KV cache group.
 
 Thread: vLLM's worker thread, inside `start_load_kv`.
 """
@@ -101,6 +102,11 @@ class VllmBlender:
         if kind not in MOVABLE_ROTARIES:
             raise ModelError(f"blend: the rotary embedding {kind} cannot move keys; supported: "
                              f"{list(MOVABLE_ROTARIES)}")
+        for i, layer in enumerate(self.layers):  # keys are moved with one rotation for every layer
+            other = layer.self_attn.rotary_emb
+            if other is not self.rotary and not (type(other) is type(self.rotary) and torch.equal(
+                    other.cos_sin_cache, self.rotary.cos_sin_cache)):
+                raise ModelError(f"blend: layer {i} rotates its keys unlike layer 0 (per-layer RoPE)")
         for attn in self.attns:
             impl = type(attn.impl)
             if f"{impl.__module__}.{impl.__qualname__}" != STOCK_IMPL:
