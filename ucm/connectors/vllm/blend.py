@@ -234,11 +234,6 @@ class VllmBlender:
         with self._lock:
             self._inflight = [(h, p) for h, p in self._inflight if not h.done()] + [(handle, payload)]
 
-    def wait_stores(self, timeout_s: float = 60.0) -> bool:
-        with self._lock:
-            pending = list(self._inflight)
-        return all(h.wait(timeout_s) is not None for h, _ in pending)
-
     # ---- the layers --------------------------------------------------------------------
     def _place(self, k: torch.Tensor, v: torch.Tensor, s: int, delta: int, pages: torch.Tensor,
                ref: Optional[tuple[torch.Tensor, torch.Tensor]], c: int) -> None:
