@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CXX    ?= g++
 
-.PHONY: install system-deps test test-native test-python test-sglang demo clean
+.PHONY: install system-deps model test test-native test-python test-fast test-e2e test-sglang demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -127,26 +127,42 @@ test-native: $(NATIVE_TESTS)
 	./build/test_kv_unpack
 	./build/test_kv_pack
 
-test-python: install system-deps $(DYN_STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+# The main suite in two parts: the tests that start no engine, three
+# processes at a time (they mostly wait: on services, subprocesses, disks),
+# a module's tests in one process; then the engines' (tests/e2e), one by one.
+test-python: test-fast test-e2e
+
+test-fast: install system-deps $(DYN_STAMP)
+	$(BIN)/python -m pytest -q --durations=15 -n 3 --dist loadfile --ignore=tests/e2e
+
+test-e2e: install system-deps $(DYN_STAMP)
+	$(BIN)/python -m pytest -q --durations=25 tests/e2e
 
 # The SGLang connector's tests, in SGLang's venv (the main suite skips them).
-test-sglang: $(SGL_STAMP)
+test-sglang: $(SGL_STAMP) model
 	$(SGL_BIN)/python -m pytest -q $(SGL_TESTS)
 
 # The installs and the native tests' builds run two at a time (2 cores; pip's unpacking
-# and byte-compiling is one thread each), then the suites run one after another.
+# and byte-compiling is one thread each); so do the tests that start no engine
+# and SGLang's (one engine, mostly one core busy); the vLLM engines' tests,
+# which bind both cores, run alone after them.
 test:
 	$(MAKE) -j2 --output-sync=target install $(SGL_DEPS) $(DYN_STAMP) $(NATIVE_TESTS)
-	$(MAKE) test-native test-python test-sglang
+	$(MAKE) test-native
+	$(MAKE) -j2 --output-sync=target test-fast test-sglang
+	$(MAKE) test-e2e
 
 # The main job: vLLM for CPU with its prefix cache on and a KV space smaller
 # than the working set, serving interleaved documents and chats three times:
 # alone, with ucm, and restarted with ucm (TTFT per request class, prompt
 # tokens by source, outputs checked, out/demo_ttft.png). About 4 min here.
-demo: install
-	$(BIN)/ucm model prepare smollm2
+demo: model
 	$(BIN)/python -m ucm.apps.demo
+
+# SmolLM2 as a directory vLLM, SGLang and transformers load offline (the
+# engines' tests skip without it).
+model: install
+	$(BIN)/ucm model prepare smollm2
 
 clean:
 	rm -rf build $(VENV) $(SGL_VENV) $(DYN_VENV) *.egg-info ucm/_native*.so
