@@ -38,6 +38,11 @@ def test_a_step_budget_that_is_not_positive_is_refused_before_any_server():
     from ucm.bench.engines.pd_bench import run
     from ucm.errors import ArgumentError
 
-    args = argparse.Namespace(requests=None, interval=None, max_num_batched_tokens=0)
+    args = argparse.Namespace(requests=None, interval=None, max_num_batched_tokens=0,
+                              prefill_max_num_batched_tokens=None)
     with pytest.raises(ArgumentError, match="--max-num-batched-tokens must be > 0"):
+        run(args)
+    args = argparse.Namespace(requests=None, interval=None, max_num_batched_tokens=None,
+                              prefill_max_num_batched_tokens=-256)
+    with pytest.raises(ArgumentError, match="--prefill-max-num-batched-tokens must be > 0"):
         run(args)

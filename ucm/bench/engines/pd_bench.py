@@ -21,7 +21,10 @@ Every engine (the reference's too) runs with vLLM's defaults but for
 `--max-num-batched-tokens`, the budget of one step: at vLLM's CPU default
 (2048) a prompt of this load is one prefill step, during which the
 colocated engine's decodes wait; a smaller budget splits it into more,
-shorter steps, each carrying the decodes along.
+shorter steps, each carrying the decodes along (vLLM's advice for
+inter-token latency). `--prefill-max-num-batched-tokens` sets the P/D
+prefill engines' own budget: they never decode, so short steps only slow
+them.
 The reference outputs come from one engine's own prefix reuse of each
 prompt (asked once for one token, then in full), the numerics of a
 decode engine that computes the last partial block over loaded KV.
@@ -78,11 +81,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="every engine's token budget per step (default vLLM's, 2048 on CPU): a smaller one splits "
                         "a prefill into more, shorter steps that colocated decodes wait for")
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                   help="the P/D prefill engines' budget per step (default: --max-num-batched-tokens): an engine "
+                        "that never decodes gains nothing from short steps")
     p.add_argument("--work", default=None, help="directory for the logs (default: a new temporary one)")
 
 
 def run(args: argparse.Namespace) -> int:
-    common.require_positive(args, [n for n in ("requests", "interval", "max_num_batched_tokens")
+    common.require_positive(args, [n for n in ("requests", "interval", "max_num_batched_tokens",
+                                               "prefill_max_num_batched_tokens")
                                    if getattr(args, n) is not None])
     # A server that does not start (an engine, a service, mooncake_master) ends the run with why.
     return common.run_measured(args, "pd", lambda log: measure(args, log), _table,
@@ -171,8 +178,10 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
     # Each engine's KV space holds a few requests in flight, far fewer than the load.
     pages = max(16, 4 * -(-longest // 128))
     budget = args.max_num_batched_tokens
+    prefill_budget = args.prefill_max_num_batched_tokens
     geometry = dict(dtype=args.dtype, engine_pages=pages, max_model_len=max_len,
                     engine_args=("--max-num-batched-tokens", str(budget)) if budget else ())
+    split = dict(prefill_args=("--max-num-batched-tokens", str(prefill_budget)) if prefill_budget else ())
     log(f"machine: {machine_line()}\n{n} requests, prompts {prompt[0]}-{prompt[1]} tokens, answers "
         f"{output[0]}-{output[1]}, mean gap {interval} s; engines of {pages} pages; logs in {work}")
 
@@ -205,7 +214,7 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
                        ("pd_cluster", "on two ucm services over one Mooncake store pool")):
         log(f"{mode}: a prefill engine and a decode engine, one core each, {what}, behind ucm pd-proxy")
         with PdCluster(work / mode, model, mode=mode, cores=CORES, dram_blocks=2 * n * -(-prompt[1] // 128),
-                       **geometry) as c:
+                       **geometry, **split) as c:
             rows = _drive(requests, lambda r: c.url, mode)
             records = c.decode_records()
         per_request = [next((v for k, v in records.items() if re.search(rf"(^|\W){mode}-{r['index']}(\D|$)", k)),
@@ -216,7 +225,7 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
 
     result = {"machine": machine_line(), "requests": n, "prompt_tokens": list(prompt), "output_tokens": list(output),
               "interval_s": interval, "seed": args.seed, "engine_pages": pages, "dtype": args.dtype,
-              "max_num_batched_tokens": budget,
+              "max_num_batched_tokens": budget, "prefill_max_num_batched_tokens": prefill_budget,
               "colocated": _summary(colocated, reference, colo_max),
               **{mode: _summary(rows, reference, top) for mode, (rows, top) in runs.items()},
               "partial_block_tokens_max": max(len(r["tokens"]) % 128 or 1 for r in requests)}
