@@ -13,13 +13,24 @@ connector (kv_consumer or kv_both) loads the blocks once committed and
 computes only the prompt's last partial block.
 
 Engines are picked by load: the one with the fewest requests in flight
-from this proxy, ties by the fewest served. A prefill step that fails
+from this proxy, ties by the fewest served. Given the engines' KV event
+endpoints (`--prefill-events`, `--decode-events`: vLLM's
+`--kv-events-config` ZMQ publishers, in the engines' order), the proxy
+also knows which prompt blocks each engine holds, on its GPU or, through
+ucm's connector, in ucm's tiers (ucm/apps/kv_index.py), and picks by where
+the KV is: a prefill engine by the fewest blocks to compute, the prompt's
+blocks it does not hold plus those it is computing for requests in flight
+(Dynamo's KV router's cost), ties by the longer run on its GPU; a decode
+engine by the fewest requests in flight, ties by the longer run held.
+Prompts are matched as token ids (ucm/apps/prompt_tokens.py: text and
+chat through `--tokenizer`, the model's directory); one it cannot tell is
+picked by load. A prefill step that fails
 (engine down, an error status, no params) is logged and counted, and the
 decode engine serves the request as a plain one. The proxy itself holds no
 KV and talks HTTP only; the blocks travel through ucm (on one node the
 service's shared arena). `GET /v1/models` is the first decode engine's;
 `GET /health` is 200 while some prefill and some decode engine answer;
-`GET /pd/stats` gives the counters as JSON.
+`GET /pd/stats` gives the counters (and the index's) as JSON.
 """
 from __future__ import annotations
 
@@ -32,6 +43,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from ucm.apps.kv_index import EventFeed, PrefixIndex, endpoint
+from ucm.apps.prompt_tokens import PromptTokens
 from ucm.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,33 +62,78 @@ class Engine:
     inflight: int = 0
     served: int = 0
     failures: int = 0
+    pending_blocks: int = 0  # prompt blocks it computes for requests in flight (known with KV events)
+
+
+@dataclass
+class Pick:
+    """An engine picked for a request, and the prompt blocks it holds
+    (GPU run, run held anywhere) and must compute, where the index knew."""
+
+    engine: Engine
+    gpu_blocks: int = 0
+    held_blocks: int = 0
+    new_blocks: int = 0
 
 
 class EnginePool:
-    """Engines of one role; `pick` takes the least loaded."""
+    """Engines of one role; `pick` takes the least loaded, or with an
+    index, the cheapest for the prompt (see the module docstring)."""
 
-    def __init__(self, role: str, urls: Sequence[str]) -> None:
+    def __init__(self, role: str, urls: Sequence[str], events: Optional[Sequence[str]] = None) -> None:
         if not urls:
             raise ConfigError(f"pd-proxy: --{role} needs at least one engine URL")
         bad = [u for u in urls if not (u.startswith("http://") or u.startswith("https://"))]
         if bad:
             raise ConfigError(f"pd-proxy: --{role} URLs must start with http:// or https://, got {bad}")
+        if events is not None and len(events) != len(urls):
+            raise ConfigError(f"pd-proxy: --{role}-events needs one endpoint per --{role} engine, in their order: "
+                              f"{len(urls)} engines, {len(events)} endpoints")
         self.role = role
         self.engines = [Engine(u.rstrip("/")) for u in urls]
+        self.events = dict(zip((e.url for e in self.engines), events)) if events else {}
+        for url, where in self.events.items():
+            endpoint(where, url)  # a bad one is a ConfigError now, not when the app starts
+        self.index: Optional[PrefixIndex] = PrefixIndex(self.events) if events else None
+        self.feed: Optional[EventFeed] = None
 
-    def pick(self) -> Engine:
-        return min(self.engines, key=lambda e: (e.inflight, e.served))
+    def follow(self) -> None:
+        """Starts following the engines' KV events (when configured)."""
+        if self.index is not None and self.feed is None:
+            self.feed = EventFeed(self.index, self.events)
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+            self.feed = None
+
+    def pick(self, tokens: Optional[list[int]] = None) -> Pick:
+        size = self.index.block_size() if self.index is not None else None
+        if not size or tokens is None:
+            return Pick(min(self.engines, key=lambda e: (e.inflight, e.served)))
+        blocks = len(tokens) // size
+        held = self.index.match(tokens)
+        picks = [Pick(e, *held[e.url], blocks - held[e.url][1]) for e in self.engines]
+        if self.role == "prefill":
+            return min(picks, key=lambda p: (p.new_blocks + p.engine.pending_blocks, -p.gpu_blocks,
+                                             p.engine.inflight, p.engine.served))
+        return min(picks, key=lambda p: (p.engine.inflight, -p.held_blocks, -p.gpu_blocks, p.engine.served))
 
 
 class PdProxy:
     """The proxy's state and handlers; `app()` builds the aiohttp app."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0) -> None:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0,
+                 prefill_events: Optional[Sequence[str]] = None, decode_events: Optional[Sequence[str]] = None,
+                 tokenizer: Optional[str] = None) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"pd-proxy: --timeout-s must be > 0, got {timeout_s!r}")
-        self.prefill, self.decode = EnginePool("prefill", prefill), EnginePool("decode", decode)
+        self.prefill = EnginePool("prefill", prefill, prefill_events)
+        self.decode = EnginePool("decode", decode, decode_events)
+        self.prompts = PromptTokens(tokenizer)
         self.timeout_s = timeout_s
-        self.counters = {"requests": 0, "prefill_failures": 0, "decode_failures": 0, "prefill_s": 0.0}
+        self.counters = {"requests": 0, "prefill_failures": 0, "decode_failures": 0, "prefill_s": 0.0,
+                         "prompts_matched": 0, "prefill_blocks_held": 0, "prefill_blocks_new": 0}
         self._session: Any = None
 
     # ---- the app --------------------------------------------------------------
@@ -97,16 +155,24 @@ class PdProxy:
 
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                                               connector=aiohttp.TCPConnector(limit=0))
+        self.prefill.follow()
+        self.decode.follow()
 
     async def _close(self, app: Any) -> None:
+        self.prefill.close()
+        self.decode.close()
         if self._session is not None:
             await self._session.close()
 
     # ---- the two steps ----------------------------------------------------------
-    async def _prefill_step(self, path: str, body: dict, request_id: str) -> Optional[dict]:
+    async def _prefill_step(self, path: str, body: dict, request_id: str,
+                            tokens: Optional[list[int]]) -> Optional[dict]:
         """The prefill engine's `kv_transfer_params` for the request, or None
         when the step failed (the decode engine then computes the prompt)."""
-        engine = self.prefill.pick()
+        pick = self.prefill.pick(tokens)
+        engine = pick.engine
+        self.counters["prefill_blocks_held"] += pick.held_blocks
+        self.counters["prefill_blocks_new"] += pick.new_blocks
         req = copy.deepcopy(body)
         params = dict(req.get("kv_transfer_params") or {})
         params.update(do_remote_decode=True, do_remote_prefill=False)
@@ -118,6 +184,7 @@ class PdProxy:
         for k in ("stream_options", "min_tokens"):
             req.pop(k, None)
         engine.inflight += 1
+        engine.pending_blocks += pick.new_blocks
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -140,6 +207,7 @@ class PdProxy:
             return None
         finally:
             engine.inflight -= 1
+            engine.pending_blocks -= pick.new_blocks
             self.counters["prefill_s"] += loop.time() - started
 
     async def _relay(self, request: Any) -> Any:
@@ -156,11 +224,15 @@ class PdProxy:
                                                 "invalid_request_error"}}, status=400)
         self.counters["requests"] += 1
         request_id = request.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
-        params = await self._prefill_step(path, body, request_id)
+        tokens = None
+        if self.prefill.index is not None or self.decode.index is not None:
+            tokens = await asyncio.get_running_loop().run_in_executor(None, self.prompts.tokens, path, body)
+            self.counters["prompts_matched"] += tokens is not None
+        params = await self._prefill_step(path, body, request_id, tokens)
         req = dict(body)
         if params is not None:
             req["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), **params}
-        engine = self.decode.pick()
+        engine = self.decode.pick(tokens).engine
         engine.inflight += 1
         out = None
         try:
@@ -219,9 +291,16 @@ class PdProxy:
     async def _stats(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({**self.counters, **{
-            pool.role: [{"url": e.url, "inflight": e.inflight, "served": e.served, "failures": e.failures}
-                        for e in pool.engines] for pool in (self.prefill, self.decode)}})
+        def engine(pool: EnginePool, e: Engine) -> dict:
+            row = {"url": e.url, "inflight": e.inflight, "served": e.served, "failures": e.failures}
+            if pool.index is not None:
+                row.update(pending_blocks=e.pending_blocks, indexed_blocks=pool.index.blocks(e.url))
+            return row
+
+        return web.json_response({**self.counters, **{pool.role: [engine(pool, e) for e in pool.engines]
+                                                      for pool in (self.prefill, self.decode)},
+                                  "index": {pool.role: dict(pool.index.counts) for pool in (self.prefill, self.decode)
+                                            if pool.index is not None}})
 
 
 def register(sub: Any) -> None:
@@ -232,6 +311,14 @@ def register(sub: Any) -> None:
                    help="prefill engines (vLLM with ucm's connector, kv_producer or kv_both)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
                    help="decode engines (vLLM with ucm's connector, kv_consumer or kv_both)")
+    p.add_argument("--prefill-events", nargs="+", metavar="ENDPOINT", default=None,
+                   help="the prefill engines' KV event publishers (their --kv-events-config endpoint, e.g. "
+                        "tcp://127.0.0.1:5557), one per --prefill engine in order: pick by where the KV is")
+    p.add_argument("--decode-events", nargs="+", metavar="ENDPOINT", default=None,
+                   help="the decode engines' KV event publishers, one per --decode engine in order")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the model's directory (tokenizer.json, tokenizer_config.json): text and chat prompts "
+                        "matched against the KV events (token-id prompts need none)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request and step (default 600)")
@@ -241,7 +328,8 @@ def register(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    proxy = PdProxy(args.prefill, args.decode, timeout_s=args.timeout_s)
+    proxy = PdProxy(args.prefill, args.decode, timeout_s=args.timeout_s, prefill_events=args.prefill_events,
+                    decode_events=args.decode_events, tokenizer=args.tokenizer)
     logging.getLogger().setLevel(logging.INFO)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=lambda msg: log.info("%s", msg))
     return 0

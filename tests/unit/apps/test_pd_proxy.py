@@ -70,9 +70,11 @@ class FakeEngine:
         return out
 
 
-async def _with_proxy(prefill, decode, fn):
+async def _with_proxy(prefill, decode, fn, **options):
     engines = [await e.start() for e in (*prefill, *decode)]
-    proxy = PdProxy([e.url for e in prefill], [e.url for e in decode])
+    if callable(options.get("prefill_events")):
+        options["prefill_events"] = options["prefill_events"](len(prefill))
+    proxy = PdProxy([e.url for e in prefill], [e.url for e in decode], **options)
     runner = web.AppRunner(proxy.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -184,6 +186,64 @@ def test_requests_go_to_the_engine_with_the_fewest_in_flight():
     assert [b["prompt"] for _, b, _ in slow.got] == ["a"] and [b["prompt"] for _, b, _ in fast.got] == ["b"]
 
 
+BS = 16
+
+
+def _blocks_stored(tokens, tag):
+    """vLLM's BlockStored for the whole blocks of `tokens`, as the proxy decodes it."""
+    n = len(tokens) // BS
+    return [{"type": "BlockStored", "block_hashes": [f"{tag}{i}".encode() for i in range(n)],
+             "parent_block_hash": None, "token_ids": tokens[:n * BS], "block_size": BS, "lora_id": None,
+             "medium": "GPU", "lora_name": None}]
+
+
+def test_with_kv_events_a_prefill_engine_is_picked_by_the_blocks_it_must_compute(tmp_path):
+    doc = [(31 * i + 7) % 30000 + 100 for i in range(4 * BS + 5)]
+    other = [(17 * i + 3) % 30000 + 100 for i in range(4 * BS)]
+    cold, warm = FakeEngine("prefill"), FakeEngine("prefill")
+
+    async def run(session, url, proxy):
+        index = proxy.prefill.index
+        index.apply(proxy.prefill.engines[1].url, _blocks_stored(doc[:3 * BS], "w"))  # warm holds 3 of 4 blocks
+        for prompt in (doc, other):
+            async with session.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}) as r:
+                assert r.status == 200
+        async with session.get(url + "/pd/stats") as r:
+            return await r.json()
+
+    events = lambda n: [f"ipc://{tmp_path}/e{i}.sock" for i in range(n)]  # noqa: E731 (no publisher: fed here)
+    stats = asyncio.run(_with_proxy([cold, warm], [FakeEngine("decode")], run, prefill_events=events))
+    # doc: warm computes 1 block, cold 4; other: a tie in blocks (4 + 0 each), the one that served fewer.
+    assert [b["prompt"] for _, b, _ in warm.got] == [doc] and [b["prompt"] for _, b, _ in cold.got] == [other]
+    assert stats["prompts_matched"] == 2 and stats["prefill_blocks_held"] == 3 and stats["prefill_blocks_new"] == 5
+    assert [e["indexed_blocks"] for e in stats["prefill"]] == [0, 3]
+
+
+def test_with_kv_events_a_busy_engine_loses_to_an_idle_one_that_holds_less(tmp_path):
+    doc = [(31 * i + 7) % 30000 + 100 for i in range(4 * BS)]
+    other = [(17 * i + 3) % 30000 + 100 for i in range(6 * BS)]
+    hold = asyncio.Event()
+    busy, idle = FakeEngine("prefill", hold=hold), FakeEngine("prefill")
+
+    async def run(session, url, proxy):
+        proxy.prefill.index.apply(proxy.prefill.engines[0].url, _blocks_stored(doc[:2 * BS], "b"))
+        first = asyncio.create_task(session.post(url + "/v1/completions", json={"prompt": other, "max_tokens": 2}))
+        for _ in range(1000):
+            if busy.got:
+                break
+            await asyncio.sleep(0.01)
+        assert proxy.prefill.engines[0].pending_blocks == 6
+        # doc on busy: 2 new + 6 pending; on idle: 4 new + 0.
+        async with session.post(url + "/v1/completions", json={"prompt": doc, "max_tokens": 2}) as r:
+            assert r.status == 200
+        hold.set()
+        (await first).release()
+
+    events = lambda n: [f"ipc://{tmp_path}/e{i}.sock" for i in range(n)]  # noqa: E731
+    asyncio.run(_with_proxy([busy, idle], [FakeEngine("decode")], run, prefill_events=events))
+    assert [b["prompt"] for _, b, _ in busy.got] == [other] and [b["prompt"] for _, b, _ in idle.got] == [doc]
+
+
 def test_bad_bodies_and_health_and_stats():
     async def run(session, url, proxy):
         async with session.post(url + "/v1/completions", data=b"not json") as r:
@@ -210,3 +270,7 @@ def test_bad_arguments_are_typed_errors():
         EnginePool("decode", ["127.0.0.1:8000"])
     with pytest.raises(ConfigError, match="--timeout-s must be > 0"):
         PdProxy(["http://a:1"], ["http://b:2"], timeout_s=0)
+    with pytest.raises(ConfigError, match="--prefill-events needs one endpoint per --prefill engine"):
+        PdProxy(["http://a:1", "http://a:2"], ["http://b:2"], prefill_events=["ipc:///tmp/x"])
+    with pytest.raises(ConfigError, match="an events endpoint is tcp://HOST:PORT"):
+        PdProxy(["http://a:1"], ["http://b:2"], decode_events=["tcp://*:5557"])
