@@ -7,9 +7,9 @@ A vLLM engine started with `--kv-events-config` publishes on ZMQ
 blocks (medium `GPU`), and, through ucm's connector, the blocks ucm holds
 for it (`CPU`, `DISK`, `EXTERNAL`; decision 17). A stored block carries its
 tokens and the engine's hash of its parent, so `PrefixIndex` keys each
-block by a chain of its own (a digest of the parent's key and the block's
-tokens) and never needs the engine's hash function or seed: a prompt's
-blocks are keyed the same way and matched block by block.
+block by a chain of its own (ucm's block key chain, ucm/keys.py, from a
+seed of the index's) and never needs the engine's hash function or seed:
+a prompt's blocks are keyed the same way and matched block by block.
 
 Blocks stored with extra keys (a LoRA, a cache salt, multimodal inputs)
 are not indexed, nor blocks of a KV cache group other than the first: a
@@ -34,28 +34,22 @@ import hashlib
 import logging
 import struct
 import threading
-from array import array
 from typing import Any, Iterable, Optional, Sequence
 
 from ucm.errors import ConfigError
+from ucm.keys import KEY_BYTES, block_keys
 
 log = logging.getLogger(__name__)
 
 GPU = "GPU"
-_ROOT = b"ucm-kv-index-root"
+_ROOT = hashlib.blake2b(b"ucm-kv-index-root", digest_size=KEY_BYTES).digest()  # the seed of every chain
 
 
-def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-def prefix_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The index's keys of the full blocks of `tokens`, in order."""
-    keys, parent = [], _ROOT
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = _key(parent, tokens[start:start + block_size])
-        keys.append(parent)
-    return keys
+def prefix_keys(tokens: Sequence[int], block_size: int, parent: bytes = _ROOT) -> list[bytes]:
+    """The index's keys of the full blocks of `tokens`, in order, chained
+    from `parent` (the key of the block before them): ucm's own block key
+    chain (ucm/keys.py) from a seed of the index's."""
+    return block_keys(parent, tokens, block_size)
 
 
 class _Engine:
@@ -112,17 +106,17 @@ class PrefixIndex:
                     or (e.block_size is not None and size != e.block_size):
                 self.counts["skipped"] += len(hashes)
                 return
-            e.block_size = size
             parent_hash = ev.get("parent_block_hash")
             parent = _ROOT if parent_hash is None else e.own.get(_hashable(parent_hash))
-            for i, h in enumerate(hashes):
-                if parent is None:
-                    self.counts["skipped"] += len(hashes) - i
-                    return
-                parent = _key(parent, tokens[i * size:(i + 1) * size])
-                e.own[_hashable(h)] = parent
-                e.media.setdefault(parent, set()).add(medium)
-                self.counts["stored"] += 1
+            if parent is None:  # no place in the chain
+                self.counts["skipped"] += len(hashes)
+                return
+            keys = prefix_keys(tokens, size, parent)
+            e.block_size = size
+            for h, key in zip(hashes, keys):
+                e.own[_hashable(h)] = key
+                e.media.setdefault(key, set()).add(medium)
+            self.counts["stored"] += len(keys)
         elif kind == "BlockRemoved":
             if (ev.get("group_idx") or 0) != 0:
                 return
@@ -152,7 +146,10 @@ class PrefixIndex:
         """Per engine: (prompt blocks it holds on GPU, prompt blocks it
         holds anywhere), each the length of the leading run held."""
         size = self.block_size()
-        keys = prefix_keys(tokens, size) if size else []
+        try:
+            keys = prefix_keys(tokens, size) if size else []
+        except ValueError:  # token ids no block key takes (negative, over 32 bits): nothing held
+            keys = []
         out = {}
         with self._lock:
             for name, e in self._engines.items():

@@ -81,6 +81,10 @@ def test_prefix_keys_chain_whole_blocks_only():
     assert len(keys) == 4 and len(set(keys)) == 4
     assert prefix_keys(PROMPT[:BS - 1], BS) == []
     assert prefix_keys([PROMPT[0] + 1] + PROMPT[1:], BS)[1] != keys[1]  # a block's key depends on all before it
+    assert prefix_keys(PROMPT[BS:], BS, keys[0]) == keys[1:]  # a chain goes on from a block's key
+    index = PrefixIndex(["a"])
+    index.apply("a", _as_wire(_stored([b"a0"], None, 0)))
+    assert index.match([-1] + PROMPT[1:]) == {"a": (0, 0)}  # ids no key takes: nothing held, no error
 
 
 def _free_port():
