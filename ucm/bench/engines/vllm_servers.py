@@ -14,6 +14,7 @@ import abc
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -133,8 +134,11 @@ class Servers:
         self._clients: list[Any] = []
 
     def spawn(self, tag: str, cmd: list[str], env: Optional[dict] = None) -> subprocess.Popen:
+        """Starts `cmd` in a process group of its own: a vLLM server's engine
+        core and workers are its children, and `stop` and `close` signal
+        the whole group, so none outlives it."""
         p = subprocess.Popen(cmd, stdout=open(self.work / f"{tag}.log", "w"), stderr=subprocess.STDOUT,
-                             env={**self.env, **(env or {})}, cwd=str(self.work))
+                             env={**self.env, **(env or {})}, cwd=str(self.work), start_new_session=True)
         self.procs[tag] = p
         return p
 
@@ -191,9 +195,10 @@ class Servers:
             self.wait(lambda u=u: get(u, "/health")[0] == 200, timeout_s, f"vLLM at {u}")
 
     def stop(self, tag: str) -> None:
-        """Kills process `tag` (a fault the tests inject) and forgets it."""
+        """Kills process `tag` and its children (a fault the tests inject)
+        and forgets it."""
         p = self.procs.pop(tag)
-        p.kill()
+        _signal_group(p, signal.SIGKILL)
         p.wait()
 
     def close(self) -> None:
@@ -205,10 +210,19 @@ class Servers:
         procs = list(self.procs.values())
         for p in reversed(procs):
             if p.poll() is None:
-                p.terminate()
+                _signal_group(p, signal.SIGTERM)
         for p in reversed(procs):
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+            _signal_group(p, signal.SIGKILL)  # what is left of the group (a child that outlived its parent)
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """Sends `sig` to `p`'s process group (its session, from `spawn`)."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
