@@ -136,9 +136,13 @@ class Servers:
     def spawn(self, tag: str, cmd: list[str], env: Optional[dict] = None) -> subprocess.Popen:
         """Starts `cmd` in a process group of its own: a vLLM server's engine
         core and workers are its children, and `stop` and `close` signal
-        the whole group, so none outlives it."""
+        the whole group, so none outlives it. The group stays in this
+        session: with the kernel's autogroups a session of its own would be
+        a CPU share of its own, and each idle vLLM server (its engine core
+        and workers spin on their message queues) would take a share as
+        large as a ucm service moving a P/D transfer."""
         p = subprocess.Popen(cmd, stdout=open(self.work / f"{tag}.log", "w"), stderr=subprocess.STDOUT,
-                             env={**self.env, **(env or {})}, cwd=str(self.work), start_new_session=True)
+                             env={**self.env, **(env or {})}, cwd=str(self.work), process_group=0)
         self.procs[tag] = p
         return p
 
