@@ -95,6 +95,44 @@ def test_a_write_through_tier_gets_every_block_stored_at_once(tmp_path, cluster_
             assert [bytes(o) for o in out] == data
 
 
+def test_a_write_through_put_reads_the_block_slot_leased_until_it_ends(tmp_path):
+    """The copy for the cluster tier is put straight from the block's slot in
+    the shared-memory landing tier, not from a copy of it; the slot is leased
+    meanwhile, so a block deleted from DRAM during the put keeps its bytes
+    (its slot is not handed to another block) and the pool gets them."""
+    import numpy as np
+
+    keys, data = chain(4, 7)
+    cfg = {"tiers": [{"adapter": "dram", "capacity": 4 * SIZE},  # room for exactly these 4 blocks
+                     {"adapter": "fs", "capacity": "64MiB", "options": {"path": str(tmp_path / "pool")},
+                      "write_through": True}],
+           "policy": {"name": "lru"}}
+    with UnifiedCache(cfg) as a:
+        dram, pool = a.adapters[0], a.adapters[1]
+        segment = dram.segment_view()
+        base = int(np.frombuffer(segment, dtype=np.uint8).ctypes.data)
+        put, seen = pool.put, {}
+
+        def put_during_a_delete(ks, blobs):
+            for k, b in zip(ks, blobs):
+                at = int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
+                seen[k] = base <= at < base + len(segment)
+            if keys[0] in ks:
+                assert dram.delete([keys[0]]) == [True]  # gone from DRAM while its copy is on its way
+                assert dram.reserve(b"\x01" * 16, SIZE) is None  # and its slot is still the put's
+            return put(ks, blobs)
+
+        pool.put = put_during_a_delete
+        assert a.store(keys, data).wait(30) == [Outcome.DONE] * 4
+        assert a.flush(30)
+        assert seen and all(seen.values())  # every block put from its slot in the segment
+        assert a.stats()["write_through_blocks"] == 4
+    with node(str(tmp_path / "pool"), dram="4MiB") as b:
+        out = [bytearray(SIZE) for _ in keys]
+        assert b.load(keys, out).wait(30) == [Outcome.DONE] * 4
+        assert [bytes(o) for o in out] == data
+
+
 @pytest.mark.parametrize("tiers, why", [
     ([{"adapter": "dram", "capacity": "4MiB", "write_through": True}], "only a tier below the landing tier"),
     ([{"adapter": "dram", "capacity": "4MiB"},

@@ -6,9 +6,10 @@ mooncake, redis), so another node finds it without waiting for a demotion
 Stores and committed slot writes hand their keys to `submit` (never
 blocking: past MAX_PENDING keys waiting, new ones are counted as dropped).
 One background thread takes them in batches: the blocks still in the
-landing tier are held there under the metadata lock, read without it, and
-put into each write-through tier through that tier's adapter (its codec
-included). The copy is the cluster's: this node's placement keeps the
+landing tier are held there (placement) and put into each write-through
+tier through that tier's adapter (its codec included) straight from their
+shared-memory slots, leased meanwhile so that their bytes neither change
+nor move (a landing tier without slots: copied out first). The copy is the cluster's: this node's placement keeps the
 block where it was, and a later demotion of it writes the same bytes under
 the same key (a put of a key already there leaves it as it is). A failed
 read or put is counted, never raised: the other node then misses and
@@ -21,11 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Sequence
+from typing import Any, Sequence
 
-from ucm.adapters.base import Status
+from ucm.adapters.base import Status, StorageAdapter
 from ucm.api import Key
 from ucm.cache.core import CacheCore
+from ucm.tiers.stack import has_slots
 
 log = logging.getLogger(__name__)
 
@@ -88,38 +90,55 @@ class WriteThrough:
 
     def _copy(self, keys: list[Key]) -> None:
         core = self._core
-        landing = core.landing
+        src = core.adapters[core.landing]
         with core.meta:
-            here = [k for k in dict.fromkeys(keys) if core.placement.where(k) == landing]
+            here = [k for k in dict.fromkeys(keys) if core.placement.where(k) == core.landing]
             core.placement.hold(here)
+        leases: list = []
         try:
-            src = core.adapters[landing]
-            sizes = [src.size_of(k) for k in here]
-            keys_read = [k for k, n in zip(here, sizes) if n]
-            bufs = [bytearray(n) for n in sizes if n]
-            read = src.get(keys_read, bufs) if keys_read else []
+            if has_slots(src):  # put straight out of the shared-memory slots, leased meanwhile
+                leases = [src.lease(k) for k in here]
+                blocks = [(held.key, held.view) for held in leases if held is not None]
+            else:
+                blocks = self._read(src, here)
+            copied, failed = self._put(blocks)
         finally:
+            for held in leases:
+                if held is not None:
+                    src.release(held)
             with core.meta:
                 core.placement.unhold(here)
-        ok_keys = [k for k, st in zip(keys_read, read) if st is Status.OK]
-        ok_bufs = [b for b, st in zip(bufs, read) if st is Status.OK]
+        failed += len(here) - len(blocks)  # unreadable there
         gone = len(set(keys)) - len(here)  # left the landing tier before their turn (demoted or dropped)
-        failed = len(here) - len(ok_keys)  # unreadable there
-        copied = 0
-        for t in self._tiers:
-            try:
-                statuses = core.adapters[t].put(ok_keys, ok_bufs) if ok_keys else []
-            except Exception:
-                log.warning("write-through to %s failed", core.tier_names[t], exc_info=True)
-                statuses = [Status.FAILED] * len(ok_keys)
-            done = sum(st is Status.OK for st in statuses)
-            copied += done
-            failed += len(ok_keys) - done
         core.counters.add("write_through_blocks", copied)
         if failed:
             core.counters.add("write_through_failed", failed)
         if gone:
             core.counters.add("write_through_gone", gone)
+
+    @staticmethod
+    def _read(src: StorageAdapter, keys: list[Key]) -> list[tuple[Key, bytearray]]:
+        """The blocks of a landing tier without slots, copied out."""
+        sizes = [src.size_of(k) for k in keys]
+        keys = [k for k, n in zip(keys, sizes) if n]
+        bufs = [bytearray(n) for n in sizes if n]
+        read = src.get(keys, bufs) if keys else []
+        return [(k, b) for k, b, st in zip(keys, bufs, read) if st is Status.OK]
+
+    def _put(self, blocks: list[tuple[Key, Any]]) -> tuple[int, int]:
+        """`blocks` put into every write-through tier: (copies made, copies failed)."""
+        keys, bufs = [k for k, _ in blocks], [b for _, b in blocks]
+        copied = failed = 0
+        for t in self._tiers:
+            try:
+                statuses = self._core.adapters[t].put(keys, bufs) if keys else []
+            except Exception:
+                log.warning("write-through to %s failed", self._core.tier_names[t], exc_info=True)
+                statuses = [Status.FAILED] * len(keys)
+            done = sum(st is Status.OK for st in statuses)
+            copied += done
+            failed += len(keys) - done
+        return copied, failed
 
     def close(self) -> None:
         self._closed = True
