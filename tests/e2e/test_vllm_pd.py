@@ -14,8 +14,8 @@ block (one token of a whole-block prompt). Asked of the decode engine
 directly with params naming blocks nobody stores, it waits (bounded) and
 computes them, with the same output; params that are malformed or name
 another prompt's blocks serve a plain request, with the warning in its log.
-With the node's service killed, the decode engine computes the prompt
-after the request's own `ucm_pd_wait_s`. With the prefill engines killed,
+With the node's service killed, the decode engine computes the prompt at
+once, not after the request's own `ucm_pd_wait_s`. With the prefill engines killed,
 the proxy's requests are computed by the decode engine, with the output of
 its own prefix reuse. A prompt that extends one a prefill engine computed
 goes to that engine: the proxy counts the blocks it holds from the
@@ -202,8 +202,12 @@ def test_with_the_service_killed_the_decode_engine_computes_the_request(cluster)
     c = cluster
     tokens = _prompt(50, 900)
     c.servers.stop("ucm")  # the node's service: the prefill engine's saves and the decode engine's loads fail
-    body = _body(tokens, params={"ucm_pd_wait_s": 1.0})  # the proxy passes a request's own params on
+    # The proxy passes a request's own params on; the decode worker stops
+    # waiting for the named blocks once it finds the service gone, long
+    # before this wait would end.
+    body = _body(tokens, params={"ucm_pd_wait_s": 120.0})
     got = stream(c.url, body, request_id="pd-nosvc")
+    assert got["ttft_s"] < 120.0
     record = next(v for k, v in c.decode_records().items() if "pd-nosvc" in k)
     assert record["loaded"] == 0 and record["computed"] == 900
     assert got["text"] == stream(c.decode[0], _body(tokens))["text"]  # the decode engine's own prefix reuse

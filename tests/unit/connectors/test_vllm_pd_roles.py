@@ -260,6 +260,31 @@ def test_blocks_that_never_come_are_load_errors_after_the_wait():
     decode.shutdown()
 
 
+class _ServiceGone(FakeCache):
+    """A service's client whose service died: no link, and none to be had."""
+
+    connected = False
+
+    def __init__(self):
+        super().__init__()
+        self.connects = 0
+
+    def try_connect(self):
+        self.connects += 1
+        return False
+
+
+def test_with_the_service_gone_the_decode_worker_stops_waiting_and_reports_the_blocks_as_errors():
+    cache = _ServiceGone()
+    decode, _ = _worker(cache)
+    decode.start_load_kv(UCMConnectorMetadata(loads=[LoadJob("d", [b"A" * 16], [[3, 4]], True,
+                                                             wait_s=100 * JOIN_S)]))
+    assert _done(decode, "d")  # within JOIN_S: not after the request's wait of 100 x JOIN_S
+    assert decode.get_block_ids_with_load_errors() == {3, 4}  # vLLM computes them at once
+    assert cache.connects >= 1 and decode.counters["pd_late_blocks"] == 1
+    decode.shutdown()
+
+
 def test_a_waiting_decode_load_does_not_hold_up_the_engines_own_saves():
     cache = FakeCache()
     w, kv = _worker(cache)

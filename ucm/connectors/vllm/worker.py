@@ -278,8 +278,9 @@ class UCMWorkerSide:
 
     def _wait_committed(self, keys: list[Key], wait_s: float, guard: _PageGuard) -> None:
         """Waits, at most `wait_s`, until the cache holds every one of `keys`
-        (blocks another engine is still saving: P/D's decode step); the
-        ones that do not come in time are load errors after the read."""
+        (blocks another engine is still saving: P/D's decode step), and no
+        longer once the service is gone; the ones that do not come are load
+        errors after the read."""
         started = time.monotonic()
         deadline, pause = started + wait_s, 0.001
         held = 0
@@ -291,13 +292,24 @@ class UCMWorkerSide:
                             exc_info=True)
                 break
             now = time.monotonic()
-            if held >= len(keys) or now >= deadline:
+            if held >= len(keys) or now >= deadline or self._service_gone():
                 break
             time.sleep(min(pause, deadline - now))
             pause = min(2 * pause, 0.02)
         with self._lock:
             self.counters["pd_wait_s"] += time.monotonic() - started
             self.counters["pd_late_blocks"] += len(keys) - held
+
+    def _service_gone(self) -> bool:
+        """Whether the cache is a service's client with no link to it and
+        none to be had now (the service died): the blocks waited for cannot
+        come, and the request is better computed at once."""
+        if getattr(self._cache, "connected", True):  # an in-process cache, or a live link
+            return False
+        try:
+            return not self._cache.try_connect()
+        except Exception:  # closed: nothing will come either
+            return True
 
     def _load_async(self, job: LoadJob, ready: Any, guard: _PageGuard) -> None:
         try:
