@@ -15,9 +15,9 @@ directly with params naming blocks nobody stores, it waits (bounded) and
 computes them, with the same output; params that are malformed or name
 another prompt's blocks serve a plain request, with the warning in its log.
 With the node's service killed, the decode engine computes the prompt at
-once, not after the request's own `ucm_pd_wait_s`. With the prefill engines killed,
-the proxy's requests are computed by the decode engine, with the output of
-its own prefix reuse. A prompt that extends one a prefill engine computed
+once, not after the request's own `ucm_pd_wait_s`. With the prefill
+engines killed, the proxy's requests are computed by the decode engine,
+with the output of its own prefix reuse. A prompt that extends one a prefill engine computed
 goes to that engine: the proxy counts the blocks it holds from the
 engines' events."""
 from __future__ import annotations

@@ -9,11 +9,11 @@ One background thread takes them in batches: the blocks still in the
 landing tier are held there (placement) and put into each write-through
 tier through that tier's adapter (its codec included) straight from their
 shared-memory slots, leased meanwhile so that their bytes neither change
-nor move (a landing tier without slots: copied out first). The copy is the cluster's: this node's placement keeps the
-block where it was, and a later demotion of it writes the same bytes under
-the same key (a put of a key already there leaves it as it is). A failed
-read or put is counted, never raised: the other node then misses and
-computes.
+nor move (a landing tier without slots: copied out first). The copy is
+the cluster's: this node's placement keeps the block where it was, and a
+later demotion of it writes the same bytes under the same key (a put of a
+key already there leaves it as it is). A failed read or put is counted,
+never raised: the other node then misses and computes.
 
 Acts on the cache's core (ucm/cache/core.py); its queue is its own state.
 """
