@@ -18,8 +18,8 @@ Threads and blocking:
   which may wait for another engine's saves, run on a pool of their own
   so that they never hold up this engine's saves.
 - A save holds the request's pages until reported; `handle_preemptions`
-  takes them back at once (`_PageGuard`: it waits only for a copy in
-  progress; a save not yet copied is dropped, never committed).
+  takes them back at once (`PageGuard`, page_guard.py: it waits only for
+  a copy in progress; a save not yet copied is dropped, never committed).
 - Loads that lose blocks report their pages through
   `get_block_ids_with_load_errors` (vLLM recomputes them); a step whose
   synchronous load lost blocks saves nothing of that request.
@@ -36,8 +36,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -46,8 +45,9 @@ from ucm.connectors.kv_pages import SKIP, PageCopier, PageLayout
 from ucm.connectors.torch_pages import TorchPageCopier, page_views
 from ucm.connectors.vllm.layer_loads import LayerLoads
 from ucm.connectors.vllm.metadata import LoadJob, StoreJob, UCMConnectorMetadata
+from ucm.connectors.vllm.page_guard import PageGuard, PagesRevoked
 from ucm.connectors.vllm.settings import ConnectorSettings
-from ucm.errors import ConfigError, CopyAborted
+from ucm.errors import ConfigError
 from ucm.layer_stream import LayerStreams
 
 if TYPE_CHECKING:
@@ -67,44 +67,6 @@ def default_copier(storages: Sequence[torch.Tensor], layouts: Sequence[PageLayou
 
         return NativePageCopier(storages, layouts, pages_per_block)
     return TorchPageCopier(storages, layouts, pages_per_block)
-
-
-class _PagesRevoked(CopyAborted):
-    """Raised inside a copy callback when the job's pages were taken back:
-    the cache then aborts the chunk (a save commits nothing, a load's
-    blocks are not DONE)."""
-
-
-class _PageGuard:
-    """A background job's right to touch its request's vLLM pages.
-
-    Copies run inside `pages()`; `revoke()` (handle_preemptions: the pages
-    are about to be given to other requests) waits only for a copy in
-    progress, a memcpy of at most one client chunk, and makes every later
-    `pages()` raise `_PagesRevoked`. So a save either copied its pages
-    whole before the preemption or commits nothing, and a load writes no
-    page after it."""
-
-    __slots__ = ("_lock", "_revoked")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._revoked = False
-
-    @property
-    def revoked(self) -> bool:
-        return self._revoked
-
-    def revoke(self) -> None:
-        with self._lock:
-            self._revoked = True
-
-    @contextmanager
-    def pages(self) -> Iterator[None]:
-        with self._lock:
-            if self._revoked:
-                raise _PagesRevoked("the request was preempted; its pages belong to others now")
-            yield
 
 
 class UCMWorkerSide:
@@ -138,7 +100,7 @@ class UCMWorkerSide:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-vllm")
         self._pd_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ucm-vllm-pd")
         # req_id -> background jobs touching its pages, each with its hold on them
-        self._inflight: dict[str, list[tuple[Future, _PageGuard]]] = {}
+        self._inflight: dict[str, list[tuple[Future, PageGuard]]] = {}
         self._saves: dict[Key, Future] = {}  # block key -> the save in flight writing it
         self._pending_saves: dict[str, int] = {}  # req_id -> saves not yet done
         self._saving_reqs: set[str] = set()  # every request that got a save
@@ -224,7 +186,7 @@ class UCMWorkerSide:
         return out
 
     # ---- loads ---------------------------------------------------------------
-    def _load(self, job: LoadJob, ready: Any = None, guard: Optional[_PageGuard] = None) -> bool:
+    def _load(self, job: LoadJob, ready: Any = None, guard: Optional[PageGuard] = None) -> bool:
         """Copies the job's blocks into its pages; pages of blocks that did not
         arrive (and of every block after the first such) become load errors.
         `ready`: on CUDA, an event the copies wait for (the work queued on the
@@ -236,7 +198,7 @@ class UCMWorkerSide:
         copies and reports nothing (the pages are other requests' now).
         Returns whether every block arrived."""
         started = time.perf_counter()
-        guard = guard if guard is not None else _PageGuard()
+        guard = guard if guard is not None else PageGuard()
         n = len(job.keys)
         ok = 0
         # Synchronous loads hold up the forward, whose threads are idle meanwhile.
@@ -266,7 +228,7 @@ class UCMWorkerSide:
                     self.counters["loaded_blocks"] += ok
                     self.counters["load_failed_blocks"] += n - ok
                     self.counters["load_s"] += time.perf_counter() - started
-        except _PagesRevoked:
+        except PagesRevoked:
             with self._lock:
                 self.counters["abandoned_blocks"] += n
             log.info("UCMConnector: load for %s abandoned: the request was preempted", job.req_id)
@@ -276,7 +238,7 @@ class UCMWorkerSide:
                         job.req_id)
         return not bad
 
-    def _wait_committed(self, keys: list[Key], wait_s: float, guard: _PageGuard) -> None:
+    def _wait_committed(self, keys: list[Key], wait_s: float, guard: PageGuard) -> None:
         """Waits, at most `wait_s`, until the cache holds every one of `keys`
         (blocks another engine is still saving: P/D's decode step), and no
         longer once the service is gone; the ones that do not come are load
@@ -311,7 +273,7 @@ class UCMWorkerSide:
         except Exception:  # closed: nothing will come either
             return True
 
-    def _load_async(self, job: LoadJob, ready: Any, guard: _PageGuard) -> None:
+    def _load_async(self, job: LoadJob, ready: Any, guard: PageGuard) -> None:
         try:
             self._load(job, ready, guard)
         finally:
@@ -333,7 +295,7 @@ class UCMWorkerSide:
             if job.stream and not job.is_async and isinstance(self._cache, LayerStreams):
                 self._streams.start(job)  # copied layer by layer in wait_for_layer_load
             elif job.is_async:
-                guard = _PageGuard()
+                guard = PageGuard()
                 pool = self._pd_pool if job.wait_s > 0 else self._pool
                 self._track(job.req_id, pool.submit(self._load_async, job, ready, guard), guard)
             elif not self._load(job, ready):
@@ -383,7 +345,7 @@ class UCMWorkerSide:
                 log.warning("UCMConnector: %d blocks of %s not saved: this step computed them over pages "
                             "that did not load", len(job.keys), job.req_id)
                 continue
-            guard = _PageGuard()
+            guard = PageGuard()
             with self._lock:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
                 self._saving_reqs.add(job.req_id)
@@ -414,13 +376,13 @@ class UCMWorkerSide:
             except Exception:  # a failed or slow save shows up as a missing block
                 pass
 
-    def _save(self, job: StoreJob, ready: Any = None, guard: Optional[_PageGuard] = None) -> None:
+    def _save(self, job: StoreJob, ready: Any = None, guard: Optional[PageGuard] = None) -> None:
         """Copies the job's pages into reserved slots, then the cache commits
         them. `guard`: the save's hold on the pages; a chunk whose copy finds
         it revoked is aborted (never committed with bytes of pages that may
         have been reused), and so are the chunks after it."""
         started = time.perf_counter()
-        guard = guard if guard is not None else _PageGuard()
+        guard = guard if guard is not None else PageGuard()
         stored = 0
 
         def fill(first: int, slots: list, arena: Any) -> None:
@@ -446,7 +408,7 @@ class UCMWorkerSide:
                 log.info("UCMConnector: %d block(s) of %s not saved: the request was preempted before they "
                          "were copied", abandoned, job.req_id)
 
-    def _track(self, req_id: str, fut: Future, guard: _PageGuard) -> None:
+    def _track(self, req_id: str, fut: Future, guard: PageGuard) -> None:
         with self._lock:
             jobs = [(f, g) for f, g in self._inflight.get(req_id, ()) if not f.done()]
             jobs.append((fut, guard))
