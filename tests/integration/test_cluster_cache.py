@@ -133,6 +133,25 @@ def test_a_write_through_put_reads_the_block_slot_leased_until_it_ends(tmp_path)
         assert [bytes(o) for o in out] == data
 
 
+def test_a_landing_tier_without_slots_is_copied_out_for_the_write_through(tmp_path):
+    """NVMe as the landing tier (no shared slots): each block is read into a
+    buffer of its own and put from there; node B reads the same bytes."""
+    keys, data = chain(3, 8)
+    cfg = {"landing_tier": "nvme",
+           "tiers": [{"adapter": "nvme", "capacity": "64MiB", "options": {"path": str(tmp_path / "nvme")}},
+                     {"adapter": "fs", "capacity": "64MiB", "options": {"path": str(tmp_path / "pool")},
+                      "write_through": True}],
+           "policy": {"name": "lru"}}
+    with UnifiedCache(cfg) as a:
+        assert a.store(keys, data).wait(30) == [Outcome.DONE] * 3
+        assert a.flush(30)
+        assert a.stats()["write_through_blocks"] == 3
+    with node(str(tmp_path / "pool"), dram="4MiB") as b:
+        out = [bytearray(SIZE) for _ in keys]
+        assert b.load(keys, out).wait(30) == [Outcome.DONE] * 3
+        assert [bytes(o) for o in out] == data
+
+
 @pytest.mark.parametrize("tiers, why", [
     ([{"adapter": "dram", "capacity": "4MiB", "write_through": True}], "only a tier below the landing tier"),
     ([{"adapter": "dram", "capacity": "4MiB"},

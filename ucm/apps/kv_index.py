@@ -111,7 +111,11 @@ class PrefixIndex:
             if parent is None:  # no place in the chain
                 self.counts["skipped"] += len(hashes)
                 return
-            keys = prefix_keys(tokens, size, parent)
+            try:
+                keys = prefix_keys(tokens, size, parent)
+            except ValueError:  # token ids no block key takes: a malformed event, never a crash of the feed
+                self.counts["skipped"] += len(hashes)
+                return
             e.block_size = size
             for h, key in zip(hashes, keys):
                 e.own[_hashable(h)] = key

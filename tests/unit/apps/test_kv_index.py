@@ -85,6 +85,8 @@ def test_prefix_keys_chain_whole_blocks_only():
     index = PrefixIndex(["a"])
     index.apply("a", _as_wire(_stored([b"a0"], None, 0)))
     assert index.match([-1] + PROMPT[1:]) == {"a": (0, 0)}  # ids no key takes: nothing held, no error
+    index.apply("a", _as_wire(_stored([b"bad"], None, 0, tokens=[-1] + PROMPT[1:BS])))
+    assert index.counts["skipped"] == 1  # an event with such ids: skipped, the feed goes on
 
 
 def _free_port():

@@ -225,7 +225,7 @@ class Servers:
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    """Sends `sig` to `p`'s process group (its session, from `spawn`)."""
+    """Sends `sig` to `p`'s process group (its own, from `spawn`)."""
     try:
         os.killpg(p.pid, sig)
     except (ProcessLookupError, PermissionError):
