@@ -102,11 +102,12 @@ def test_keys_move_exactly_between_positions(model):
     assert torch.allclose(rotate(kq, torch.full((40,), -777), spec), k0, rtol=1e-4, atol=2e-4)
 
 
-def test_ratio_one_is_the_full_prefill(model):
+@pytest.mark.parametrize("select", ["deviation", "question"])
+def test_ratio_one_is_the_full_prefill(model, select):
     from ucm.connectors.transformers import TransformersConnector
 
     ids, spans, _ = _prompt()
-    with _cache(**_blend_cfg(ratio=1.0)) as cache:
+    with _cache(**_blend_cfg(ratio=1.0, select=select)) as cache:
         conn = TransformersConnector(model, cache)
         with torch.no_grad():
             blended, report = conn.blender.prefill(ids, spans)
@@ -212,6 +213,52 @@ def test_chunks_are_found_at_any_position_and_blend_selects_the_ratio(model):
         assert report.recomputed_tokens == uncovered + -(-reused_after_system // 4)
         counts = conn.accelerators.get(BlendAccelerator).counters()
         assert counts["requests"] == 2 and counts["chunks_hit"] == 3 and counts["chunks_computed"] == 3
+        conn.close()
+
+
+@pytest.mark.parametrize("first", [None, 3])
+def test_question_selection_takes_the_tokens_the_question_reads_most(model, first):
+    """The question's attention over the blended K/V before any recompute
+    (ratio 0's cache), taken from transformers' eager attention with its
+    weights, summed over heads, question tokens and the counted layers (the
+    last half by default): its largest picks are the tokens recomputed."""
+    from ucm.accelerators.blend import BlendOptions
+    from ucm.connectors.transformers import TransformersConnector
+    from ucm.connectors.transformers.blend import ChunkBlender
+
+    ids, spans, _ = _prompt()
+    with _cache() as cache:
+        conn = TransformersConnector(model, cache)
+        naive, rep0 = ChunkBlender(conn, BlendOptions(ratio=0.0)).prefill(ids, spans)
+        n = rep0.blended_tokens
+        blender = ChunkBlender(conn, BlendOptions(select="question", ratio=0.25, question_from_layer=first))
+        _, report = blender.prefill(ids, spans)
+        assert model.config._attn_implementation == "sdpa"  # set back after the probe
+        model.set_attn_implementation("eager")
+        try:
+            with torch.no_grad():
+                out = model(input_ids=ids[None, n:], past_key_values=naive, use_cache=True, output_attentions=True)
+        finally:
+            model.set_attn_implementation("sdpa")
+        layers = len(out.attentions)
+        counted = range(layers // 2 if first is None else first, layers)
+        mass = sum(out.attentions[i][0, :, :, :n].float().sum(dim=(0, 1)) for i in counted)
+        uncovered = set(rep0.selected)  # what no whole block covers: recomputed under any selection
+        candidates = [p for p in range(spans[0][0], n) if p not in uncovered]
+        budget = -(-len(candidates) // 4)
+        picked = set(report.selected) - uncovered
+        assert len(picked) == budget and picked <= set(candidates)
+        threshold = sorted((float(mass[p]) for p in candidates), reverse=True)[budget - 1]
+        assert all(float(mass[p]) >= threshold - 1e-4 for p in picked)
+        assert all(float(mass[p]) <= threshold + 1e-4 for p in set(candidates) - picked)
+        # the probe counted: what no block covers computed first, the question's forward
+        assert report.layer_tokens == layers * (len(report.selected) + len(uncovered) + len(ids) - n)
+        cache_q, _ = blender.prefill(ids, spans)
+        with torch.no_grad():
+            ref = model.generate(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 past_key_values=cache_q, max_new_tokens=NEW, do_sample=False)
+        got = blender.generate(ids, spans, max_new_tokens=NEW, do_sample=False)
+        assert got[0, len(ids):].tolist() == ref[0, len(ids):].tolist()
         conn.close()
 
 
@@ -335,7 +382,8 @@ def test_bad_chunks_and_options_are_typed_errors(model):
         conn.close()
     for options, key in (({"ratio": 1.5}, "ratio"), ({"select": "random"}, "select"), ({"check_layers": 0},
                                                                                         "check_layers"),
-                         ({"context": "document"}, "context")):
+                         ({"context": "document"}, "context"), ({"question_from_layer": -1},
+                                                                 "question_from_layer")):
         with pytest.raises(ConfigError, match=f"options.{key}"):
             UnifiedCache({"block_tokens": BT, "tiers": [{"adapter": "dram", "capacity": "8MiB"}],
                           **_blend_cfg(**options)})

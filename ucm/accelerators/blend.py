@@ -21,15 +21,24 @@ Options (`BlendOptions`; a bad one is a ConfigError naming
     every chunk token; the `ratio` of chunk tokens whose K/V at layer
     `check_layers` deviate most from the reused K/V are recomputed in the
     layers after it (CacheBlend's selection);
+  - `question`: the `ratio` of chunk tokens that the prompt's tokens after
+    its last chunk (the question) attend to most over the reused KV, in
+    the layers from `question_from_layer` on, are recomputed in every
+    layer; no layer is computed for every token (a forward of the
+    question's tokens finds them);
   - `leading`: the first `leading_tokens` of each chunk, in every layer
     (EPIC's); no layer is computed for every token;
 - `ratio` (0.15): the share of reused chunk tokens recomputed under
-  `deviation`; 0 is plain concatenation (nothing recomputed, no layer
-  computed for all), 1 the full prefill;
+  `deviation` and `question`; 0 is plain concatenation (nothing
+  recomputed, no layer computed for all), 1 the full prefill;
 - `leading_tokens` (16): under `leading`;
 - `check_layers` (1): under `deviation`, at least 1;
-- `anchor_tokens` (0): under `deviation`, each passage's first tokens
-  recomputed before the deviation picks the rest of the ratio's budget;
+- `question_from_layer` (none: half the model's layers): under `question`,
+  the first layer whose attention counts (the last layer where it is
+  past it);
+- `anchor_tokens` (0): under `deviation` and `question`, each passage's
+  first tokens recomputed before the criterion picks the rest of the
+  ratio's budget;
 - `context`: what a chunk's entry is computed after:
   - `prefix` (default): the prompt's tokens before its first chunk (the
     system prompt), so that a chunk never holds the attention sink of a
@@ -46,11 +55,13 @@ Thread safety: `record` and `counters` may be called from any thread.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from pydantic import Field, ValidationInfo, field_validator
 
 from ucm.accelerators.base import AcceleratorOptions, EngineAccelerator
 
-SELECTS = ("deviation", "leading")
+SELECTS = ("deviation", "question", "leading")
 CONTEXTS = ("prefix", "none")
 
 
@@ -61,6 +72,7 @@ class BlendOptions(AcceleratorOptions):
     ratio: float = Field(default=0.15, ge=0.0, le=1.0)
     leading_tokens: int = Field(default=16, ge=0)
     check_layers: int = Field(default=1, ge=1)
+    question_from_layer: Optional[int] = Field(default=None, ge=0)
     anchor_tokens: int = Field(default=0, ge=0)
     context: str = "prefix"
 

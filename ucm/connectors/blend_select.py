@@ -2,8 +2,9 @@
 `blend` accelerator's selection (ucm/accelerators/blend.py) that does not
 depend on the engine. The transformers connector
 (ucm/connectors/transformers/blend.py) and the vLLM one
-(ucm/connectors/vllm/blend.py) compute the layers and the deviation with
-their engine's modules and pick the tokens here.
+(ucm/connectors/vllm/blend.py) compute the layers and the criterion (the
+deviation; the question's attention, transformers only) with their
+engine's modules and pick the tokens here.
 
 Positions are indices into the blended part of the prompt, [0, n). A token
 is `reused` where a chunk's entry supplied its KV, `exact` where that KV is
@@ -25,22 +26,23 @@ from ucm.accelerators.blend import BlendOptions
 @dataclass
 class Selection:
     """The tokens recomputed in every layer after the checked ones (`chosen`,
-    a mask over [0, n)), and under `deviation`, the `budget` more that the
-    deviation at the check layer picks among `candidates`."""
+    a mask over [0, n)), and under `deviation` or `question`, the `budget`
+    more that the criterion (the deviation at the check layer, the
+    question's attention) picks among `candidates`."""
 
     chosen: torch.Tensor
     candidates: Optional[torch.Tensor] = None
     budget: int = 0
 
-    def add_top(self, deviation: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`chosen` with the `budget` candidates of largest `deviation`
-        (one value per token at `positions`, the tokens the checked layers
-        ran for) added; answers it."""
+    def add_top(self, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`chosen` with the `budget` candidates of largest `score` (the
+        criterion: one non-negative value per token at `positions`) added;
+        answers it."""
         if self.candidates is None or self.budget <= 0:
             return self.chosen
-        dev = deviation.clone()
-        dev[~self.candidates[positions]] = -1.0
-        self.chosen[positions[torch.topk(dev, min(self.budget, len(dev))).indices]] = True
+        score = score.clone()
+        score[~self.candidates[positions]] = -1.0
+        self.chosen[positions[torch.topk(score, min(self.budget, len(score))).indices]] = True
         return self.chosen
 
 
@@ -52,14 +54,22 @@ def checked_layers(options: BlendOptions, num_layers: int) -> int:
     return 0
 
 
+def question_layers(options: BlendOptions, num_layers: int) -> range:
+    """Under `question`, the layers whose attention picks the tokens: from
+    `question_from_layer` (half the layers when unset; the last layer
+    where it is past it) to the last."""
+    first = num_layers // 2 if options.question_from_layer is None else options.question_from_layer
+    return range(min(first, num_layers - 1), num_layers)
+
+
 def select(options: BlendOptions, reused: torch.Tensor, exact: torch.Tensor,
            spans: Sequence[tuple[int, int]], n: int) -> Selection:
     """The selection before any deviation is known: tokens without a
     reused entry; under `leading`, each chunk's first `leading_tokens`;
-    under `deviation` with a ratio above 0, each chunk's first
-    `anchor_tokens` within the ratio's budget, and the rest of the budget
-    (a `ratio` of the reused tokens after the system prompt) left to the
-    deviation."""
+    under `deviation` or `question` with a ratio above 0, each chunk's
+    first `anchor_tokens` within the ratio's budget, and the rest of the
+    budget (a `ratio` of the reused tokens after the system prompt) left
+    to the criterion."""
     chosen = ~reused[:n]
     if options.select == "leading":
         for s, e in spans:

@@ -92,7 +92,8 @@ def test_a_requests_own_blend_options_are_read_and_bad_ones_warned():
     assert request_options({"ucm_blend": {"select": "leading", "leading_tokens": 8}}, "r")["select"] == "leading"
     assert request_options({}, "r") == {} and request_options(None, "r") == {}
     for bad, names in (({"ratio": 1.5}, "ratio"), ({"select": "all"}, "select"), ({"ratoi": 0.2}, "ratoi"),
-                       ({"context": "none"}, "context"), ([0.2], "mapping")):
+                       ({"context": "none"}, "context"), ({"select": "question"}, "select 'question'"),
+                       ([0.2], "mapping")):
         with pytest.warns(TransferParamsWarning, match=f"ucm_blend.*{names}"):
             assert request_options({"ucm_blend": bad}, "r") == {}
 
@@ -225,7 +226,7 @@ def test_a_blend_that_fails_in_the_worker_becomes_load_errors_never_an_exception
     assert errors == list(range(11, 16))  # the pages from vLLM's own hit (page 10) to the blended end
 
 
-def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_context_none(tmp_path):
+def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_what_it_does_not_run(tmp_path):
     from ucm.config.schema import load_config
     from ucm.connectors.vllm.blend_request import engine_options
     from ucm.errors import ConfigError
@@ -237,6 +238,9 @@ def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_context
     assert engine_options(config([{"name": "blend", "options": {"ratio": 0.3}}])).ratio == 0.3
     with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.context: 'none'.*allowed: \['prefix'\]"):
         engine_options(config([{"name": "blend", "options": {"context": "none"}}]))
+    with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.select: 'question'.*allowed: "
+                                          r"\['deviation', 'leading'\]"):
+        engine_options(config([{"name": "blend", "options": {"select": "question"}}]))
 
 
 # ---- a separator string instead of spans (LMCache's convention) --------------------------------

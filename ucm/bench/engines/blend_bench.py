@@ -16,12 +16,15 @@ Methods, each prompt in turn through every one:
   prefix path (`connector.generate` without chunks: the system prompt, and
   more where an earlier prompt began with the same passage);
 - `naive`: blend at ratio 0, the passages' KV concatenated;
-- `blend` at each `--ratios` (CacheBlend's selection, `check_layers` 1);
+- `blend` at each `--ratios`, `select: question` (the tokens the question
+  attends to most in the last half of the layers);
+- `blend` at the ratio nearest 15 % with `select: deviation` (CacheBlend's
+  selection, `check_layers` 1);
 - `leading`: each passage's first `--leading-tokens` recomputed (EPIC's);
-- `naive` and `blend` at the ratio nearest 15 % with `context: none`: the
-  passages' entries computed alone at position 0 (CacheBlend's and EPIC's
-  chunks) rather than after the system prompt (ucm's default), labelled
-  "(alone)".
+- `naive` and `blend` (`question`) at the ratio nearest 15 % with
+  `context: none`: the passages' entries computed alone at position 0
+  (CacheBlend's and EPIC's chunks) rather than after the system prompt
+  (ucm's default), labelled "(alone)".
 
 Per method: TTFT p50/p90 (request to first token, loads included: the time
 `generate` first asks for a token's logits), `recompute_share` (layer-token
@@ -35,7 +38,7 @@ token; the answer is generated with the end of text held off for its
 length, so the full row reads below 1 where its own argmax was the end);
 `needle_accuracy` and `two_hop_accuracy` (the key in the method's own
 greedy answer). The JSON: `rows`, one per engine and method with `engine`,
-`method`, `source`, `ratio`, `context`, `ttft_p50_s`, `ttft_p90_s`, `kl`,
+`method`, `select`, `source`, `ratio`, `context`, `ttft_p50_s`, `ttft_p90_s`, `kl`,
 `greedy_agreement`, `needle_accuracy`, `two_hop_accuracy`,
 `recompute_share`, `kv_read_bytes`; the workload; the machine. A plot of KL
 against TTFT p50.
@@ -111,10 +114,12 @@ def _methods(ratios: list[float], leading: int) -> list[dict[str, Any]]:
     near = min(ratios, key=lambda r: abs(r - 0.15)) if ratios else None
     return ([{"method": "full", "source": None, "ratio": None}, {"method": "prefix", "source": "engine", "ratio": None},
              {"method": "prefix", "source": "ucm", "ratio": None}, {"method": "naive", "source": "ucm", "ratio": 0.0}]
-            + [{"method": "blend", "source": "ucm", "ratio": r} for r in ratios]
+            + [{"method": "blend", "source": "ucm", "ratio": r, "select": "question"} for r in ratios]
+            + ([{"method": "blend", "source": "ucm", "ratio": near, "select": "deviation"}] if near is not None else [])
             + [{"method": "leading", "source": "ucm", "ratio": None, "leading_tokens": leading},
                {"method": "naive", "source": "ucm", "ratio": 0.0, "context": "none"}]
-            + ([{"method": "blend", "source": "ucm", "ratio": near, "context": "none"}] if near is not None else []))
+            + ([{"method": "blend", "source": "ucm", "ratio": near, "select": "question", "context": "none"}]
+               if near is not None else []))
 
 
 def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any]:
@@ -154,7 +159,7 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
     with UnifiedCache(cfg) as cache:
         conn = TransformersConnector(model, cache)
         blenders = {i: ChunkBlender(conn, BlendOptions(
-            select="leading" if m["method"] == "leading" else "deviation", ratio=m["ratio"] or 0.0,
+            select="leading" if m["method"] == "leading" else m.get("select", "deviation"), ratio=m["ratio"] or 0.0,
             leading_tokens=m.get("leading_tokens", 16), context=m.get("context", "prefix")))
             for i, m in enumerate(methods)
             if m["method"] in ("naive", "blend", "leading")}

@@ -22,7 +22,7 @@ def workload(prompts: list, args: argparse.Namespace, passage_tokens: int, block
 def label(m: dict[str, Any]) -> str:
     alone = " (alone)" if m.get("context") == "none" else ""
     if m["method"] == "blend":
-        return f"blend {m['ratio'] * 100:.0f}%{alone}"
+        return f"blend {m['ratio'] * 100:.0f}% {m['select']}{alone}"
     if m["method"] == "prefix":
         return f"prefix ({m['source']})"
     if m["method"] == "leading":
@@ -42,7 +42,8 @@ def row(m: dict[str, Any], d: dict[str, list], block_bytes: int, engine: str = "
         for t, n in r.items():
             reads[t] = reads.get(t, 0) + n
     mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
-    return {"engine": engine, "method": m["method"], "source": m["source"], "ratio": m["ratio"],
+    return {"engine": engine, "method": m["method"], "select": m.get("select"), "source": m["source"],
+            "ratio": m["ratio"],
             "leading_tokens": m.get("leading_tokens"), "label": label(m),
             "context": m.get("context", "prefix") if m["method"] in ("naive", "blend", "leading") else None,
             "ttft_p50_s": statistics.median(d["ttft"]), "ttft_p90_s": pct(d["ttft"], 0.9),
@@ -56,13 +57,13 @@ def row(m: dict[str, Any], d: dict[str, list], block_bytes: int, engine: str = "
 def table(r: dict[str, Any]) -> str:
     lines = [f"{r['machine']}; {r['workload']['prompts']} prompts of {r['workload']['k']} passages of "
              f"{r['workload']['passage_tokens']} tokens ({r['source']}), {r['dtype']}",
-             f"{'method':<24}{'TTFT p50':>10}{'p90':>8}{'compute':>9}{'KL':>8}{'agree':>7}{'needle':>8}"
+             f"{'method':<28}{'TTFT p50':>10}{'p90':>8}{'compute':>9}{'KL':>8}{'agree':>7}{'needle':>8}"
              f"{'2-hop':>7}  KV read per request"]
     full = next(x for x in r["rows"] if x["method"] == "full")
     for x in r["rows"]:
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         reads = ", ".join(f"{t} {b / (1 << 20):.0f} MiB" for t, b in x["kv_read_bytes"].items() if b)
-        lines.append(f"{x['label']:<24}{x['ttft_p50_s'] * 1000:>8.0f}ms{x['ttft_p90_s'] * 1000:>6.0f}ms"
+        lines.append(f"{x['label']:<28}{x['ttft_p50_s'] * 1000:>8.0f}ms{x['ttft_p90_s'] * 1000:>6.0f}ms"
                      f"{x['recompute_share']:>9.2f}{x['kl']:>8.3f}{x['greedy_agreement']:>7.2f}"
                      f"{fmt(x['needle_accuracy']):>8}{fmt(x['two_hop_accuracy']):>7}  {reads or '-'}")
     lines.append("TTFT against the full prefill's: " + ", ".join(

@@ -44,7 +44,7 @@ WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
 def methods(ratios: list[float], leading: int) -> list[dict[str, Any]]:
     return ([{"method": "full", "source": None, "ratio": None}, {"method": "prefix", "source": "engine", "ratio": None},
              {"method": "naive", "source": "ucm", "ratio": 0.0}]
-            + [{"method": "blend", "source": "ucm", "ratio": r} for r in ratios]
+            + [{"method": "blend", "source": "ucm", "ratio": r, "select": "deviation"} for r in ratios]
             + [{"method": "leading", "source": "ucm", "ratio": None, "leading_tokens": leading}])
 
 
