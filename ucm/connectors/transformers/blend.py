@@ -120,7 +120,8 @@ class BlendReport:
 class _BlendKV:
     """The cache a decoder layer is called with: `update` writes the layer's
     fresh K/V of the tokens at `positions` into the blended K/V and answers
-    the whole. With `probe`, it keeps the fresh K/V and stops the layer."""
+    the whole. With `probe`, it keeps the fresh K/V (and writes them where
+    it has `positions`) and stops the layer."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.keys, self.values = keys, values
@@ -131,6 +132,9 @@ class _BlendKV:
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         if self.probe:
             self.caught = (k, v)
+            if self.positions is not None:  # the last layer of a recompute: its K/V are all it gives
+                self.keys[layer_idx][:, :, self.positions] = k
+                self.values[layer_idx][:, :, self.positions] = v
             raise _Probed
         self.keys[layer_idx][:, :, self.positions] = k
         self.values[layer_idx][:, :, self.positions] = v
@@ -370,7 +374,7 @@ class ChunkBlender:
             # what no entry covers first (over the reused K/V, as at ratio 0), so that the question reads it
             uncovered = torch.nonzero(~reused[:n]).flatten()
             if len(uncovered):
-                self._run(ids, keys, values, uncovered, 0, len(keys))
+                self._run(ids, keys, values, uncovered, 0, len(keys), kv_only_last=True)
             pos = torch.nonzero(~exact[:n]).flatten()
             plan.add_top(self._question(ids, keys, values, n)[pos], pos)
             report.layer_tokens += (len(uncovered) + len(ids) - n) * len(keys)  # and the question's probe
@@ -384,14 +388,16 @@ class ChunkBlender:
             hidden = hidden[:, plan.chosen[pos].to(hidden.device)]
         positions = torch.nonzero(plan.chosen).flatten()
         if len(positions) and start < len(keys):
-            self._run(ids, keys, values, positions, start, len(keys), hidden)
+            self._run(ids, keys, values, positions, start, len(keys), hidden, kv_only_last=True)
         return positions.tolist()
 
     def _run(self, ids: torch.Tensor, keys: list, values: list, positions: torch.Tensor, first: int, last: int,
-             hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+             hidden: Optional[torch.Tensor] = None, kv_only_last: bool = False) -> Optional[torch.Tensor]:
         """Layers first..last-1 for the tokens at `positions` (hidden states
         from the embeddings when `hidden` is None), writing their K/V into
-        the blended K/V; answers their hidden states after layer last-1."""
+        the blended K/V; answers their hidden states after layer last-1, or
+        with `kv_only_last` None: layer last-1 stops once its K/V are
+        written (its attention and MLP would feed nothing)."""
         pos = positions.to(self.device)
         h = self._embed(ids[positions][None].to(self.device)) if hidden is None else hidden
         kv = _BlendKV(keys, values)
@@ -405,9 +411,13 @@ class ChunkBlender:
         if banded:
             self.model.set_attn_implementation(banded_sdpa())
         try:
-            for layer in self._layers[first:last]:
-                h = _hidden(layer(h, attention_mask=mask, position_ids=pid, past_key_values=kv,
-                                  position_embeddings=emb, use_cache=True, **extra))
+            for i in range(first, last):
+                kv.probe = kv_only_last and i == last - 1
+                try:
+                    h = _hidden(self._layers[i](h, attention_mask=mask, position_ids=pid, past_key_values=kv,
+                                                position_embeddings=emb, use_cache=True, **extra))
+                except _Probed:
+                    return None
         finally:
             if banded:
                 self.model.set_attn_implementation(base)
