@@ -39,10 +39,10 @@ recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
   (projected by the model's own layer) is compared with its reused K/V, and
   the `ratio` that deviate most are recomputed in the remaining layers
   (ratio 0: nothing, plain concatenation; 1: the full prefill);
-- `question`: the tokens no entry covers are computed over the reused
-  K/V (as at ratio 0), then the prompt's tokens after N (the question)
-  run through the model's layers over that K/V, their own K/V kept
-  apart, with the attention's weights explicit (`ucm_attention_mass`,
+- `question`: the prompt's tokens after N (the question) run through the
+  model's layers over the reused K/V (in one pass with the tokens no
+  entry covers, computed as at ratio 0), their own K/V kept apart, with
+  the attention's weights explicit (`ucm_attention_mass`,
   registered with transformers' AttentionInterface and set only while the
   probe runs); the `ratio` of reused chunk tokens they attend to most,
   summed over heads, question tokens and the layers from
@@ -371,13 +371,11 @@ class ChunkBlender:
         start = self._checked_layers()
         hidden: Optional[torch.Tensor] = None
         if self.options.select == "question" and plan.budget:
-            # what no entry covers first (over the reused K/V, as at ratio 0), so that the question reads it
+            # what no entry covers computed in the probe's pass, over the reused K/V (as at ratio 0)
             uncovered = torch.nonzero(~reused[:n]).flatten()
-            if len(uncovered):
-                self._run(ids, keys, values, uncovered, 0, len(keys), kv_only_last=True)
             pos = torch.nonzero(~exact[:n]).flatten()
-            plan.add_top(self._question(ids, keys, values, n)[pos], pos)
-            report.layer_tokens += (len(uncovered) + len(ids) - n) * len(keys)  # and the question's probe
+            plan.add_top(self._question(ids, keys, values, n, uncovered)[pos], pos)
+            report.layer_tokens += (len(uncovered) + len(ids) - n) * len(keys)  # the probe's pass
         elif start:  # deviation: the checked layers for every token after the system prompt, then a probe
             pos = torch.nonzero(~exact[:n]).flatten()
             hidden = self._run(ids, keys, values, pos, 0, start)
@@ -423,14 +421,16 @@ class ChunkBlender:
                 self.model.set_attn_implementation(base)
         return h
 
-    def _question(self, ids: torch.Tensor, keys: list, values: list, n: int) -> torch.Tensor:
+    def _question(self, ids: torch.Tensor, keys: list, values: list, n: int, uncovered: torch.Tensor
+                  ) -> torch.Tensor:
         """Per blended position [0, n), the attention the prompt's tokens
-        after n (the question) pay it over the blended K/V as they stand
-        (no reused token recomputed yet), in the layers `question_layers`
-        names."""
+        after n (the question) pay it over the blended K/V with no reused
+        token recomputed yet, in the layers `question_layers` names; the
+        `uncovered` positions computed in the same pass, written into the
+        blended K/V."""
         counted = question_layers(self.options, len(self._layers))
         return question_attention(self.model, self._layers[:counted.stop], self._embed, self._rotary,
-                                  ids[n:].to(self.device), keys, values, counted)
+                                  ids, keys, values, counted, uncovered)
 
     def _deviation(self, hidden: torch.Tensor, pos: torch.Tensor, k_reused: torch.Tensor, v_reused: torch.Tensor,
                    layer: int) -> torch.Tensor:
