@@ -50,7 +50,7 @@ recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
   every layer. The deviation that spoils the answer grows in the middle
   and late layers, where the first layers' deviation does not see it;
   on `ucm bench blend` this selection's KL to the full prefill is about
-  0.4x the deviation's at the same ratio (docs/results.md);
+  a third of the deviation's at 15 % (docs/results.md);
 - `leading`: each chunk's first `leading_tokens`, in every layer.
 A recomputed token runs through the model's own decoder layers, attending
 over the layer's blended KV up to its position (the layer's cache `update`
