@@ -47,10 +47,8 @@ recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
   probe runs); the `ratio` of reused chunk tokens they attend to most,
   summed over heads, question tokens and the layers from
   `question_from_layer` (the last half by default), are recomputed in
-  every layer. The deviation that spoils the answer grows in the middle
-  and late layers, where the first layers' deviation does not see it;
-  on `ucm bench blend` this selection's KL to the full prefill is about
-  a third of the deviation's at 15 % (docs/results.md);
+  every layer (why, and how close it comes to the full prefill:
+  decision 21);
 - `leading`: each chunk's first `leading_tokens`, in every layer.
 A recomputed token runs through the model's own decoder layers, attending
 over the layer's blended KV up to its position (the layer's cache `update`
