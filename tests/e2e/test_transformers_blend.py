@@ -251,7 +251,7 @@ def test_question_selection_takes_the_tokens_the_question_reads_most(model, firs
         threshold = sorted((float(mass[p]) for p in candidates), reverse=True)[budget - 1]
         assert all(float(mass[p]) >= threshold - 1e-4 for p in picked)
         assert all(float(mass[p]) <= threshold + 1e-4 for p in set(candidates) - picked)
-        # the probe counted: what no block covers computed first, the question's forward
+        # the probe counted: one pass of what no block covers and the question
         assert report.layer_tokens == layers * (len(report.selected) + len(uncovered) + len(ids) - n)
         cache_q, _ = blender.prefill(ids, spans)
         with torch.no_grad():
