@@ -86,26 +86,29 @@ def test_bad_workloads_are_typed_errors():
 def test_a_row_summarizes_a_method():
     d = {"ttft": [0.4, 0.1, 0.2, 0.3], "kl": [0.1, 0.3], "agree": [1.0, 0.5], "needle": [True, False, True],
          "two_hop": [], "work": [0.2, 0.4], "reads": [{"dram": 2, "nvme": 1}, {"dram": 4, "nvme": 0}]}
-    row = _row({"method": "blend", "source": "ucm", "ratio": 0.15}, d, block_bytes=1000)
+    row = _row({"method": "blend", "source": "ucm", "ratio": 0.15, "select": "question"}, d, block_bytes=1000)
     assert row["ttft_p50_s"] == pytest.approx(0.25) and row["ttft_p90_s"] == 0.4
     assert row["kl"] == pytest.approx(0.2) and row["greedy_agreement"] == 0.75
     assert row["needle_accuracy"] == pytest.approx(2 / 3) and row["two_hop_accuracy"] is None
     assert row["recompute_share"] == pytest.approx(0.3)
     assert row["kv_read_bytes"] == {"dram": 3000, "nvme": 500}  # per request
-    assert row["label"] == "blend 15%" and row["context"] == "prefix"
+    assert row["label"] == "blend 15% question" and row["context"] == "prefix" and row["select"] == "question"
     alone = _row({"method": "naive", "source": "ucm", "ratio": 0.0, "context": "none"}, d, block_bytes=1000)
     assert alone["label"] == "naive (alone)" and alone["context"] == "none"
     full = _row({"method": "full", "source": None, "ratio": None}, dict(d, kl=[0, 0]), block_bytes=1000)
     text = table({"machine": "m", "workload": {"prompts": 4, "k": 6, "passage_tokens": 512}, "source": "s",
                   "dtype": "float32", "rows": [full, row], "plot": "p.png"})
-    assert "blend 15%" in text and "blend 15% 1.00x" in text
+    assert "blend 15% question" in text and "blend 15% question 1.00x" in text
 
 
-def test_methods_compare_chunks_alone_at_the_ratio_nearest_15_percent():
+def test_methods_compare_chunks_alone_and_cacheblends_deviation_at_the_ratio_nearest_15_percent():
     methods = _methods([0.05, 0.1, 0.2, 0.3], 16)
     alone = [m for m in methods if m.get("context") == "none"]
-    assert [(m["method"], m["ratio"]) for m in alone] == [("naive", 0.0), ("blend", 0.1)]
-    assert [m["ratio"] for m in methods if m["method"] == "blend" and "context" not in m] == [0.05, 0.1, 0.2, 0.3]
+    assert [(m["method"], m["ratio"], m.get("select")) for m in alone] == [("naive", 0.0, None),
+                                                                           ("blend", 0.1, "question")]
+    together = [(m["ratio"], m["select"]) for m in methods if m["method"] == "blend" and "context" not in m]
+    assert together == [(0.05, "question"), (0.1, "question"), (0.2, "question"), (0.3, "question"),
+                        (0.1, "deviation")]
     assert not [m for m in _methods([], 16) if m["method"] == "blend"]
 
 
