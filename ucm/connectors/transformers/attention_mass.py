@@ -46,9 +46,8 @@ def question_attention(model: Any, layers: Sequence[Any], embed: Any, rotary: An
     seen: set[int] = set()
 
     def add(layer_idx: int, weights: torch.Tensor) -> None:
-        if layer_idx in counted:
-            seen.add(layer_idx)
-            mass.add_(weights[..., :n].sum(dim=(0, 1, 2)))
+        seen.add(layer_idx)
+        mass.add_(weights[..., :n].sum(dim=(0, 1, 2)))
 
     h = embed(ids[pos.cpu()][None].to(device))
     emb = rotary(h, pos[None])
@@ -58,9 +57,10 @@ def question_attention(model: Any, layers: Sequence[Any], embed: Any, rotary: An
     base = getattr(model.config, "_attn_implementation", None)
     model.set_attn_implementation(attention_mass())
     try:
-        for layer in layers:
+        for i, layer in enumerate(layers):  # explicit weights only where they count; sdpa before
             out = layer(h, attention_mask=mask[None, None], position_ids=pos[None], past_key_values=kv,
-                        position_embeddings=emb, use_cache=True, ucm_mass=add, ucm_plain_rows=len(write))
+                        position_embeddings=emb, use_cache=True, ucm_mass=add if i in counted else None,
+                        ucm_plain_rows=len(write))
             h = out[0] if isinstance(out, tuple) else out
     finally:
         model.set_attn_implementation(base)
