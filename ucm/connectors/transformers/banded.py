@@ -12,6 +12,7 @@ another caller of the same model meanwhile is served as before.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -26,6 +27,7 @@ def banded_sdpa() -> str:
     a band of queries attends over the keys up to its last position only,
     which halves the masked product of tokens spread over the prompt."""
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import repeat_kv
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if BANDED_SDPA not in ALL_ATTENTION_FUNCTIONS:
@@ -35,6 +37,11 @@ def banded_sdpa() -> str:
             sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
             if ucm_bands is None or attention_mask is None:
                 return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+            groups = getattr(module, "num_key_value_groups", 1)
+            if groups > 1:  # GQA: the KV heads repeated once for every band, not by sdpa in each band
+                key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+                module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),
+                                         layer_idx=getattr(module, "layer_idx", None), training=module.training)
             out = [sdpa(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end],
                         attention_mask[:, :, lo:hi, :end], *args, **kwargs)[0] for lo, hi, end in ucm_bands]
             return torch.cat(out, dim=1), None  # [batch, queries, heads, head_dim], as sdpa answers
