@@ -151,21 +151,37 @@ def test_ratio_zero_is_plain_concatenation(model, context):
         # what no whole block covers (the separator, the first chunk's tail) is all that was computed
         covered = {p for s, e in parts for p in range(s, s + (e - s) // BT * BT)}
         assert report.selected == [p for p in range(report.blended_tokens) if p not in covered]
+        # the question but its last token, computed with the blend: as the model computes it over the chunks
+        m, n = spans[-1][1], len(ids) - 1
+        assert report.blended_tokens == n
+        over = _copy(again)
+        over.crop(m)
+        with torch.no_grad():
+            model(input_ids=ids[None, m:n], past_key_values=over, use_cache=True)
+        for layer in range(len(over.layers)):
+            assert torch.allclose(again.layers[layer].keys[0, :, m:n], over.layers[layer].keys[0, :, m:n],
+                                  rtol=1e-4, atol=2e-4)
+            assert torch.allclose(again.layers[layer].values[0, :, m:n], over.layers[layer].values[0, :, m:n],
+                                  rtol=1e-4, atol=2e-4)
         assert _generates_over(conn, ids, spans, again)
         conn.close()
 
 
-def _generates_over(conn, ids, spans, cache):
-    """generate from the connector equals generate over the given cache."""
+def _copy(cache):
     from transformers import DynamicCache
 
-    model = conn.model
     copy = DynamicCache()
     for layer, lay in enumerate(cache.layers):
         copy.update(lay.keys.clone(), lay.values.clone(), layer)
+    return copy
+
+
+def _generates_over(conn, ids, spans, cache):
+    """generate from the connector equals generate over the given cache."""
+    model = conn.model
     with torch.no_grad():
         ref = model.generate(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             past_key_values=copy, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+                             past_key_values=_copy(cache), max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
     got = conn.generate(ids, chunks=spans, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
     return got == ref
 
@@ -230,7 +246,9 @@ def test_question_selection_takes_the_tokens_the_question_reads_most(model, firs
     with _cache() as cache:
         conn = TransformersConnector(model, cache)
         naive, rep0 = ChunkBlender(conn, BlendOptions(ratio=0.0)).prefill(ids, spans)
-        n = rep0.blended_tokens
+        assert rep0.blended_tokens == len(ids) - 1  # the question but its last token computed with the blend
+        n = spans[-1][1]  # the question starts after the last chunk
+        naive.crop(n)
         blender = ChunkBlender(conn, BlendOptions(select="question", ratio=0.25, question_from_layer=first))
         _, report = blender.prefill(ids, spans)
         assert model.config._attn_implementation == "sdpa"  # set back after the probe
@@ -243,15 +261,17 @@ def test_question_selection_takes_the_tokens_the_question_reads_most(model, firs
         layers = len(out.attentions)
         counted = range(layers // 2 if first is None else first, layers)
         mass = sum(out.attentions[i][0, :, :, :n].float().sum(dim=(0, 1)) for i in counted)
-        uncovered = set(rep0.selected)  # what no whole block covers: recomputed under any selection
+        computed = set(rep0.selected)  # what no whole block covers and the question: computed under any selection
+        uncovered = {p for p in computed if p < n}
+        assert computed - uncovered == set(range(n, len(ids) - 1))
         candidates = [p for p in range(spans[0][0], n) if p not in uncovered]
         budget = -(-len(candidates) // 4)
-        picked = set(report.selected) - uncovered
+        picked = set(report.selected) - computed
         assert len(picked) == budget and picked <= set(candidates)
         threshold = sorted((float(mass[p]) for p in candidates), reverse=True)[budget - 1]
         assert all(float(mass[p]) >= threshold - 1e-4 for p in picked)
         assert all(float(mass[p]) <= threshold + 1e-4 for p in set(candidates) - picked)
-        # the probe counted: one pass of what no block covers and the question
+        # the probe counted: one pass of what no block covers before the question, and the question
         assert report.layer_tokens == layers * (len(report.selected) + len(uncovered) + len(ids) - n)
         cache_q, _ = blender.prefill(ids, spans)
         with torch.no_grad():

@@ -25,13 +25,13 @@ do not take the attention a sequence's first token draws (the sink): on
 `ucm bench blend`'s prompts this nearly halves naive concatenation's KL to
 the full prefill (docs/results.md).
 
-Blend. The prompt's first N tokens, N the end of the last chunk (at most
-the prompt's length - 1), become a DynamicCache that `generate` continues
-from; the rest (the question) is computed by `generate` as usual. Per
-layer, the cache holds each chunk's K rotated from where it was computed
-to its positions and its V unchanged. Tokens without a reused entry
-(between chunks, after a chunk's last whole block) are computed in every
-layer. Of the reused chunk tokens (not the system prompt's), a share is
+Blend. The prompt's tokens but its last become a DynamicCache that
+`generate` continues from (it computes the last token, whose logits are
+the first answer token's). Per layer, the cache holds each chunk's K
+rotated from where it was computed to its positions and its V unchanged.
+Tokens without a reused entry (between chunks, after a chunk's last whole
+block, the question after the last chunk) are computed in every layer, in
+the same pass as the recomputed ones. Of the reused chunk tokens (not the system prompt's), a share is
 recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
 `question_from_layer`):
 - `deviation`: layers 0..check_layers-1 are computed for every token after
@@ -39,9 +39,10 @@ recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
   (projected by the model's own layer) is compared with its reused K/V, and
   the `ratio` that deviate most are recomputed in the remaining layers
   (ratio 0: nothing, plain concatenation; 1: the full prefill);
-- `question`: the prompt's tokens after N (the question) run through the
-  model's layers over the reused K/V (in one pass with the tokens no
-  entry covers, computed as at ratio 0), their own K/V kept apart, with
+- `question`: the prompt's tokens after the last chunk (the question)
+  run through the model's layers over the reused K/V (in one pass with
+  the tokens before them no entry covers, computed as at ratio 0), their
+  own K/V kept apart, with
   the attention's weights explicit (`ucm_attention_mass`,
   registered with transformers' AttentionInterface and set only while the
   probe runs); the `ratio` of reused chunk tokens they attend to most,
@@ -95,7 +96,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class BlendReport:
     """What a blended prefill did: chunks read and computed, tokens reused
-    and recomputed (in the layers after the check), the blended length."""
+    and recomputed (in the layers after the check), the blended length
+    (the tokens the cache holds: the prompt's but its last)."""
 
     blended_tokens: int = 0
     chunks_hit: int = 0
@@ -211,8 +213,8 @@ class ChunkBlender:
         return self.model.generate(input_ids=row, attention_mask=mask, past_key_values=cache, **kwargs)
 
     def prefill(self, input_ids: Any, chunks: Sequence[tuple[int, int]]) -> tuple[Any, BlendReport]:
-        """The blended DynamicCache of the prompt's first N tokens (module
-        docstring) and its report; (None, report) where blending is not
+        """The blended DynamicCache of the prompt's tokens but its last
+        (module docstring) and its report; (None, report) where blending is not
         supported for this model."""
         from transformers import DynamicCache
 
@@ -223,8 +225,8 @@ class ChunkBlender:
             report.unsupported = True
             self._record({"unsupported": 1})
             return None, report
-        n = min(spans[-1][1], len(ids) - 1) if spans else 0
-        if n <= 0:
+        n = len(ids) - 1  # the question but its last token is computed with the recompute; generate computes that one
+        if not spans or n <= 0:
             return None, report
         with torch.no_grad():
             keys, values, reused, exact = self._assemble(ids, spans, n, report)
@@ -369,11 +371,13 @@ class ChunkBlender:
         start = self._checked_layers()
         hidden: Optional[torch.Tensor] = None
         if self.options.select == "question" and plan.budget:
-            # what no entry covers computed in the probe's pass, over the reused K/V (as at ratio 0)
-            uncovered = torch.nonzero(~reused[:n]).flatten()
-            pos = torch.nonzero(~exact[:n]).flatten()
-            plan.add_top(self._question(ids, keys, values, n, uncovered)[pos], pos)
-            report.layer_tokens += (len(uncovered) + len(ids) - n) * len(keys)  # the probe's pass
+            # the question: the tokens after the last chunk; what no entry covers before it computed in the
+            # probe's pass, over the reused K/V (as at ratio 0)
+            end = min(spans[-1][1], n)
+            uncovered = torch.nonzero(~reused[:end]).flatten()
+            pos = torch.nonzero(~exact[:end]).flatten()
+            plan.add_top(self._question(ids, keys, values, end, uncovered)[pos], pos)
+            report.layer_tokens += (len(uncovered) + len(ids) - end) * len(keys)  # the probe's pass
         elif start:  # deviation: the checked layers for every token after the system prompt, then a probe
             pos = torch.nonzero(~exact[:n]).flatten()
             hidden = self._run(ids, keys, values, pos, 0, start)
@@ -419,16 +423,16 @@ class ChunkBlender:
                 self.model.set_attn_implementation(base)
         return h
 
-    def _question(self, ids: torch.Tensor, keys: list, values: list, n: int, uncovered: torch.Tensor
+    def _question(self, ids: torch.Tensor, keys: list, values: list, end: int, uncovered: torch.Tensor
                   ) -> torch.Tensor:
-        """Per blended position [0, n), the attention the prompt's tokens
-        after n (the question) pay it over the blended K/V with no reused
-        token recomputed yet, in the layers `question_layers` names; the
-        `uncovered` positions computed in the same pass, written into the
-        blended K/V."""
+        """Per position [0, end) (the chunks' part of the prompt), the
+        attention the prompt's tokens after `end` (the question) pay it
+        over the blended K/V with no reused token recomputed yet, in the
+        layers `question_layers` names; the `uncovered` positions (< end)
+        computed in the same pass, written into the blended K/V."""
         counted = question_layers(self.options, len(self._layers))
-        return question_attention(self.model, self._layers[:counted.stop], self._embed, self._rotary,
-                                  ids, keys, values, counted, uncovered)
+        return question_attention(self.model, self._layers[:counted.stop], self._embed, self._rotary, ids,
+                                  [k[:, :, :end] for k in keys], [v[:, :, :end] for v in values], counted, uncovered)
 
     def _deviation(self, hidden: torch.Tensor, pos: torch.Tensor, k_reused: torch.Tensor, v_reused: torch.Tensor,
                    layer: int) -> torch.Tensor:
