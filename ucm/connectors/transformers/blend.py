@@ -31,9 +31,9 @@ the first answer token's). Per layer, the cache holds each chunk's K
 rotated from where it was computed to its positions and its V unchanged.
 Tokens without a reused entry (between chunks, after a chunk's last whole
 block, the question after the last chunk) are computed in every layer, in
-the same pass as the recomputed ones. Of the reused chunk tokens (not the system prompt's), a share is
-recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
-`question_from_layer`):
+the same pass as the recomputed ones. Of the reused chunk tokens (not the
+system prompt's), a share is recomputed (`select`, `ratio`,
+`leading_tokens`, `check_layers`, `question_from_layer`):
 - `deviation`: layers 0..check_layers-1 are computed for every token after
   the system prompt; at layer `check_layers`, each reused token's fresh K/V
   (projected by the model's own layer) is compared with its reused K/V, and
@@ -42,13 +42,12 @@ recomputed (`select`, `ratio`, `leading_tokens`, `check_layers`,
 - `question`: the prompt's tokens after the last chunk (the question)
   run through the model's layers over the reused K/V (in one pass with
   the tokens before them no entry covers, computed as at ratio 0), their
-  own K/V kept apart, with
-  the attention's weights explicit (`ucm_attention_mass`,
-  registered with transformers' AttentionInterface and set only while the
-  probe runs); the `ratio` of reused chunk tokens they attend to most,
-  summed over heads, question tokens and the layers from
-  `question_from_layer` (the last half by default), are recomputed in
-  every layer (why, and how close it comes to the full prefill:
+  own K/V kept apart, with the attention's weights explicit
+  (`ucm_attention_mass`, registered with transformers' AttentionInterface
+  and set only while the probe runs); the `ratio` of reused chunk tokens
+  they attend to most, summed over heads, question tokens and the layers
+  from `question_from_layer` (the last half by default), are recomputed
+  in every layer (why, and how close it comes to the full prefill:
   decision 21);
 - `leading`: each chunk's first `leading_tokens`, in every layer.
 A recomputed token runs through the model's own decoder layers, attending
@@ -96,8 +95,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class BlendReport:
     """What a blended prefill did: chunks read and computed, tokens reused
-    and recomputed (in the layers after the check), the blended length
-    (the tokens the cache holds: the prompt's but its last)."""
+    and recomputed (in the layers after the check), the blended length (the
+    prompt's tokens but its last: what the cache holds)."""
 
     blended_tokens: int = 0
     chunks_hit: int = 0
@@ -112,8 +111,7 @@ class BlendReport:
 
     @property
     def recompute_share(self) -> float:
-        """Recomputed tokens over the blended tokens (the system prompt
-        included)."""
+        """The tokens computed in every layer over the blended tokens."""
         return self.recomputed_tokens / self.blended_tokens if self.blended_tokens else 0.0
 
 
@@ -214,8 +212,8 @@ class ChunkBlender:
 
     def prefill(self, input_ids: Any, chunks: Sequence[tuple[int, int]]) -> tuple[Any, BlendReport]:
         """The blended DynamicCache of the prompt's tokens but its last
-        (module docstring) and its report; (None, report) where blending is not
-        supported for this model."""
+        (module docstring) and its report; (None, report) where blending
+        is not supported for this model."""
         from transformers import DynamicCache
 
         ids = self._row(input_ids)
@@ -371,8 +369,7 @@ class ChunkBlender:
         start = self._checked_layers()
         hidden: Optional[torch.Tensor] = None
         if self.options.select == "question" and plan.budget:
-            # the question: the tokens after the last chunk; what no entry covers before it computed in the
-            # probe's pass, over the reused K/V (as at ratio 0)
+            # the question (after the last chunk) and what no entry covers before it in one pass (as at ratio 0)
             end = min(spans[-1][1], n)
             uncovered = torch.nonzero(~reused[:end]).flatten()
             pos = torch.nonzero(~exact[:end]).flatten()
@@ -425,9 +422,8 @@ class ChunkBlender:
 
     def _question(self, ids: torch.Tensor, keys: list, values: list, end: int, uncovered: torch.Tensor
                   ) -> torch.Tensor:
-        """Per position [0, end) (the chunks' part of the prompt), the
-        attention the prompt's tokens after `end` (the question) pay it
-        over the blended K/V with no reused token recomputed yet, in the
+        """Per position [0, end), the attention the tokens after `end` (the
+        question) pay it over the blended K/V before any recompute, in the
         layers `question_layers` names; the `uncovered` positions (< end)
         computed in the same pass, written into the blended K/V."""
         counted = question_layers(self.options, len(self._layers))
