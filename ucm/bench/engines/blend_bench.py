@@ -27,7 +27,9 @@ Methods, each prompt in turn through every one:
   (ucm's default), labelled "(alone)".
 
 Per method: TTFT p50/p90 (request to first token, loads included: the time
-`generate` first asks for a token's logits), `recompute_share` (layer-token
+`generate` first asks for a token's logits; each request starts once the
+stores before it and the tiers' write-backs are done, so no row is timed
+while the one before it still writes), `recompute_share` (layer-token
 work of the prefill over the full prefill's: the blended part's checked and
 recomputed tokens plus the question, against every token in every layer),
 KV bytes read per tier, and quality against the full prefill over the
@@ -174,10 +176,12 @@ def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any
         conn.wait_stores()
         for n, p in enumerate(prompts):
             ids = torch.tensor([p.ids])
+            _quiet(conn, cache)
             ref_ttft, ref = _generate(ids, args.answer_tokens, lambda kw: model.generate(**kw))
             answer = ref.sequences[0, len(p.ids):].tolist()
             p_full = torch.log_softmax(torch.stack(ref.logits).float()[:, 0], dim=-1)
             for i, m in enumerate(methods):
+                _quiet(conn, cache)  # the previous row's stores and the tiers' moves are not timed with this row
                 before = _reads(cache)
                 if m["method"] == "full":
                     ttft, out = ref_ttft, ref
@@ -254,6 +258,12 @@ def _forced(model: Any, ids: list[int], answer: list[int], cache: Any, start: in
     rest = torch.tensor([ids[start:] + answer[:-1]])
     logits = model(input_ids=rest, past_key_values=cache, use_cache=True).logits[0, -len(answer):]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _quiet(conn: Any, cache: Any) -> None:
+    """Waits for the stores submitted so far and the tiers' write-backs."""
+    conn.wait_stores()
+    cache.flush()
 
 
 def _reads(cache: Any) -> dict[str, int]:
