@@ -17,10 +17,14 @@ UcmCPUWorker and `ucm_blend_separator` " # # ", vLLM's prefix cache on
 - `blend`, requests with `cache_salt` (vLLM's prefix cache is on), in
   order: A (passages 0, 1, 2) at ratio 1, B (2, 0, 1) at ratio 1, C
   (1, 2, 0) at ratio 0, D (0, 2, 1) at 0.15, B with each passage's first 16
-  tokens recomputed (`select: leading`), the passages joined by the
+  tokens recomputed (`select: leading`), D under `select: question` (once
+  as the others, once with the system prompt in vLLM's own prefix cache),
+  A under `question` at ratio 1, the passages joined by the
   separator with no spans, A without a salt, A with malformed spans, and A
   at ratio 1 after the ucm service is gone; after each, the worker's blend
-  counters (`collective_rpc`).
+  counters and the positions it recomputed (`collective_rpc`); then, in
+  the same process, the transformers connector's blend of D under
+  `question`.
 
 What must hold:
 - ratio 1 equals vLLM's own prefix reuse of the same 896 tokens token for
@@ -29,6 +33,10 @@ What must hold:
   prompts with the same system prompt find all three, in any order;
 - ratio 0 recomputes nothing (the passages fill the blended part in whole
   blocks), 0.15 recomputes 15 % of the passage tokens, `leading` 16 each;
+- `question` runs the question through every layer once, recomputes the
+  same budget, picks what the transformers connector picks (the engines'
+  kernels differ: 90 % of the positions at least), and the same with the
+  system prompt's keys read from vLLM's own pages; at ratio 1 it is exact;
 - separators mark the passages of a request that gives no spans;
 - without a salt (vLLM's prefix cache on) or with malformed spans, a
   request is served as a plain one (the cold reference);
@@ -51,7 +59,7 @@ from vllm_support import Drivers, close_engine, driver_env, model_installed  # n
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 HERE = Path(__file__).resolve()
-SYSTEM, PASSAGE, PASSAGES, MAX_TOKENS = 128, 256, 3, 16
+SYSTEM, PASSAGE, PASSAGES, MAX_TOKENS, LAYERS = 128, 256, 3, 16, 30
 BLENDED = SYSTEM + PASSAGES * PASSAGE
 ORDERS = {"A": (0, 1, 2), "B": (2, 0, 1), "C": (1, 2, 0), "D": (0, 2, 1)}
 WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
@@ -105,6 +113,29 @@ def test_the_ratio_sets_what_is_recomputed(runs):
     print("agreement with the full prefill over", MAX_TOKENS, "tokens:",
           {n: sum(x == y for x, y in zip(b[n]["tokens"], runs["reference"][f"{n}_cold"]["tokens"]))
            for n in ("C", "D")})
+
+
+@pytest.mark.timeout(1000)
+def test_the_question_selects_on_vllm_what_it_selects_in_transformers(runs):
+    b, ref = runs["blend"], runs["reference"]
+    question = b["Q"]["question_tokens"]
+    assert b["Q1"]["tokens"] == ref["A_reuse"]["tokens"]  # ratio 1 under `question`: exact
+    for name in ("Q", "Q_hit"):
+        st = b[name]["stats"]
+        assert st["recomputed_tokens"] == b["D"]["stats"]["recomputed_tokens"], name  # the same budget
+        assert st["probe_tokens"] == question and st["probe_layer_tokens"] == question * LAYERS, name
+        assert len(b[name]["selected"]) == st["recomputed_tokens"]
+        assert b[name]["cached"] == BLENDED and len(b[name]["tokens"]) == MAX_TOKENS
+    assert b["Q"]["stats"]["system_tokens"] == SYSTEM
+    assert "system_tokens" not in b["Q_hit"]["stats"]  # the system prompt was vLLM's own hit
+    vllm, hit, transformers = (set(b["Q"]["selected"]), set(b["Q_hit"]["selected"]),
+                               {p for p in b["Q_transformers"] if SYSTEM <= p < BLENDED})
+    assert len(transformers) == len(vllm)
+    # the two engines' float32 kernels differ, so ties near the budget's edge may fall either way
+    assert len(vllm & transformers) >= 0.9 * len(vllm), (len(vllm & transformers), len(vllm))
+    # the system prompt's keys read back from vLLM's own pages weigh as the ones the blend computed
+    assert len(vllm & hit) >= 0.95 * len(vllm), (len(vllm & hit), len(vllm))
+    assert vllm != set(b["D"]["selected"])  # not the deviation's choice
 
 
 @pytest.mark.timeout(1000)
@@ -204,12 +235,15 @@ def _blend(llm, client, prompts: dict) -> dict:
     seen: dict = {}
     out: dict = {}
 
-    def run(name: str, prompt: str, salt: str | None = "blend", **params) -> None:
+    def run(name: str, prompt: str, salt: str | None = "blend", system_hit: bool = False, **params) -> None:
         ids, spans = prompts[prompt]
         llm.reset_prefix_cache()  # vLLM's own hit would reach past the system prompt
+        if system_hit:  # vLLM's prefix cache holds the system prompt (one page) under the salt
+            _generate(llm, ids[:SYSTEM + 1], None, salt)
         got = _generate(llm, ids, {"ucm_chunks": spans, **params} if spans else params, salt)
         now = llm.collective_rpc("ucm_blend_stats")[0]
         got["stats"] = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+        got["selected"] = llm.collective_rpc("ucm_blend_last_selected")[0]
         seen.update(now)
         out[name] = got
 
@@ -218,6 +252,10 @@ def _blend(llm, client, prompts: dict) -> dict:
     run("C", "C", ucm_blend={"ratio": 0.0})
     run("D", "D")
     run("E", "B", ucm_blend={"select": "leading", "leading_tokens": 16})
+    run("Q", "D", ucm_blend={"select": "question"})
+    out["Q"]["question_tokens"] = len(prompts["D"][0]) - BLENDED
+    run("Q1", "A", ucm_blend={"select": "question", "ratio": 1.0})
+    run("Q_hit", "D", system_hit=True, ucm_blend={"select": "question"})
     ids, spans = prompts["separated"]
     prompts["separated_only"] = (ids, None)  # no spans: the separator marks the passages
     run("separated", "separated_only", ucm_blend={"ratio": 0.0})
@@ -229,6 +267,25 @@ def _blend(llm, client, prompts: dict) -> dict:
     time.sleep(0.5)
     run("no_service", "A", ucm_blend={"ratio": 1.0})
     return out
+
+
+def _transformers_selection(model_dir: str, ids: list[int], spans: list[list[int]]) -> list[int]:
+    """The positions the transformers connector's blend recomputes for
+    this prompt under `select: question` at the engine's ratio (0.15)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ucm.accelerators.blend import BlendOptions
+    from ucm.cache.unified import UnifiedCache
+    from ucm.connectors.transformers import TransformersConnector
+    from ucm.connectors.transformers.blend import ChunkBlender
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with UnifiedCache({"block_tokens": PASSAGE, "tiers": [{"adapter": "dram", "capacity": "256MiB"}]}) as cache:
+        conn = TransformersConnector(model, cache)
+        _, report = ChunkBlender(conn, BlendOptions(select="question", ratio=0.15)).prefill(ids, spans)
+        conn.close()
+    return report.selected
 
 
 def _driver(work: Path) -> int:
@@ -245,6 +302,7 @@ def _driver(work: Path) -> int:
     out = {"reference": _reference(llm, prompts)}
     out["blend"] = _blend(llm, client, prompts)
     close_engine(llm)
+    out["blend"]["Q_transformers"] = _transformers_selection(model, *prompts["D"])
     (work / "result.json").write_text(json.dumps(out))
     return 0
 

@@ -3,8 +3,8 @@
 depend on the engine. The transformers connector
 (ucm/connectors/transformers/blend.py) and the vLLM one
 (ucm/connectors/vllm/blend.py) compute the layers and the criterion (the
-deviation; the question's attention, transformers only) with their
-engine's modules and pick the tokens here.
+deviation; the question's attention, whose weights `question_mass` sums
+for vLLM) with their engine's modules and pick the tokens here.
 
 Positions are indices into the blended part of the prompt, [0, n). A token
 is `reused` where a chunk's entry supplied its KV, `exact` where that KV is
@@ -85,3 +85,22 @@ def select(options: BlendOptions, reused: torch.Tensor, exact: torch.Tensor,
         chosen[s:s + len(take)] |= take
         candidates[s:s + len(take)] = False
     return Selection(chosen, candidates, max(0, budget))
+
+
+def question_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+    """Per position [0, n), the attention the question's queries pay it in
+    one layer, summed over heads and queries: `query` `[q, heads,
+    head_size]` (after RoPE) for the positions n..n+q-1, `keys` `[n + q,
+    kv_heads, head_size]` the layer's keys of every position up to the
+    question's last (the question's own after the n blended ones); query
+    head h reads KV head h // (heads // kv_heads); each query attends
+    causally (over the keys up to its own position), in float32."""
+    q, heads, d = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    grouped = query.float().view(q, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * q, d)
+    scores = torch.matmul(grouped, keys.float().permute(1, 2, 0)) * scale  # [kv_heads, groups * q, n + q]
+    scores = scores.view(kv_heads, groups, q, n + q)
+    later = torch.arange(n + q)[None, :] > (n + torch.arange(q))[:, None]  # [q, n + q]: keys after the query
+    scores.masked_fill_(later, float("-inf"))
+    return torch.softmax(scores, dim=-1)[..., :n].sum(dim=(0, 1, 2))

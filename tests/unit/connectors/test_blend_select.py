@@ -34,3 +34,19 @@ def test_question_computes_no_layer_for_every_token_and_takes_the_ratio_of_the_r
     pos = torch.arange(n)
     chosen = plan.add_top(score, pos).nonzero().flatten().tolist()
     assert chosen == [8, 9, 20, 21, 22, 23, 36, 37, 38, 39]
+
+
+def test_question_mass_is_the_causal_softmax_of_each_query_head_over_its_kv_head():
+    from ucm.connectors.blend_select import question_mass
+
+    torch.manual_seed(0)
+    n, q, heads, kv_heads, d = 11, 3, 6, 2, 8
+    query, keys = torch.randn(q, heads, d), torch.randn(n + q, kv_heads, d)
+    want = torch.zeros(n)
+    for i in range(q):  # question token i sits at n + i and reads keys 0..n+i
+        for h in range(heads):
+            k = keys[:n + i + 1, h // (heads // kv_heads)]
+            want += torch.softmax(k @ query[i, h] * 0.5, dim=0)[:n]
+    got = question_mass(query, keys, 0.5, n)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert got.sum() < q * heads  # the question's own keys take the rest

@@ -90,10 +90,11 @@ def test_malformed_spans_are_a_typed_warning_and_no_blend(bad):
 def test_a_requests_own_blend_options_are_read_and_bad_ones_warned():
     assert request_options({"ucm_blend": {"ratio": 0.3}}, "r") == {"ratio": 0.3}
     assert request_options({"ucm_blend": {"select": "leading", "leading_tokens": 8}}, "r")["select"] == "leading"
+    assert request_options({"ucm_blend": {"select": "question", "ratio": 0.1}}, "r") == {"select": "question",
+                                                                                          "ratio": 0.1}
     assert request_options({}, "r") == {} and request_options(None, "r") == {}
     for bad, names in (({"ratio": 1.5}, "ratio"), ({"select": "all"}, "select"), ({"ratoi": 0.2}, "ratoi"),
-                       ({"context": "none"}, "context"), ({"select": "question"}, "select 'question'"),
-                       ([0.2], "mapping")):
+                       ({"context": "none"}, "context"), ([0.2], "mapping")):
         with pytest.warns(TransferParamsWarning, match=f"ucm_blend.*{names}"):
             assert request_options({"ucm_blend": bad}, "r") == {}
 
@@ -110,6 +111,7 @@ def test_the_blended_part_is_claimed_synchronously_and_shipped_as_one_job():
     (job,) = meta.blends
     assert isinstance(job, BlendJob) and job.tokens == TOKENS[:684] and job.spans == [(128, 384), (384, 684)]
     assert job.start == 0 and job.options == {"ratio": 0.25} and job.block_tokens == BLOCK and job.page_ids == list(range(10, 16))
+    assert job.question == TOKENS[684:]  # what the `question` selection weighs by; vLLM computes it
     ns = chunk_namespace(_namespace(), SYSTEM, "", None)
     assert job.keys == [block_keys(ns, P1), block_keys(ns, P2[:256])]  # whole blocks of each passage
     assert job.blended_pages(PAGE) == list(range(10, 16))  # pages 0..5 hold tokens 0..683
@@ -226,7 +228,7 @@ def test_a_blend_that_fails_in_the_worker_becomes_load_errors_never_an_exception
     assert errors == list(range(11, 16))  # the pages from vLLM's own hit (page 10) to the blended end
 
 
-def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_what_it_does_not_run(tmp_path):
+def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_passages_computed_alone(tmp_path):
     from ucm.config.schema import load_config
     from ucm.connectors.vllm.blend_request import engine_options
     from ucm.errors import ConfigError
@@ -238,9 +240,7 @@ def test_the_engines_blend_options_come_from_its_config_and_vllm_refuses_what_it
     assert engine_options(config([{"name": "blend", "options": {"ratio": 0.3}}])).ratio == 0.3
     with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.context: 'none'.*allowed: \['prefix'\]"):
         engine_options(config([{"name": "blend", "options": {"context": "none"}}]))
-    with pytest.raises(ConfigError, match=r"accelerators\.0\.options\.select: 'question'.*allowed: "
-                                          r"\['deviation', 'leading'\]"):
-        engine_options(config([{"name": "blend", "options": {"select": "question"}}]))
+    assert engine_options(config([{"name": "blend", "options": {"select": "question"}}])).select == "question"
 
 
 # ---- a separator string instead of spans (LMCache's convention) --------------------------------

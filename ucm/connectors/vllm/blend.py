@@ -26,6 +26,13 @@ rows are built here:
    accelerator's options): under `deviation`, layers 0..check-1 for every
    token after the system prompt as one row, the check layer's K/V of
    those tokens caught at its attention and compared with the reused K/V;
+   under `question`, the prompt's tokens after the blended part (the
+   question, which vLLM's forward computes afterwards) through every layer
+   as one more row after the tokens no entry covers, each counted layer's
+   queries caught at its attention and weighed against the layer's keys,
+   read back from the pages (page_keys.py: the order CPU_ATTN's own write
+   gives them, learnt once), so that the reused tokens the question
+   attends to most are chosen (decision 21);
    then the chosen tokens through the remaining layers, one CPU_ATTN row
    per run of consecutive positions: a row is causal with its queries at
    the end of its context, and each layer writes its fresh K/V through the
@@ -60,8 +67,9 @@ import torch
 
 from ucm.accelerators.blend import BlendOptions
 from ucm.api import CacheAPI, Outcome
-from ucm.connectors.blend_select import checked_layers, select
+from ucm.connectors.blend_select import checked_layers, question_layers, question_mass, select
 from ucm.connectors.vllm.metadata import BlendJob
+from ucm.connectors.vllm.page_keys import PageKeys
 from ucm.errors import ModelError, UcmError
 
 if TYPE_CHECKING:
@@ -126,10 +134,18 @@ class VllmBlender:
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._inflight: list[tuple[Any, Any]] = []  # stores in flight and their sources
+        self._page_keys: Optional[PageKeys] = None  # learnt on the first `question` selection
+        self._last_selected: list[int] = []
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def last_selected(self) -> list[int]:
+        """The positions the last blend recomputed in every layer after the
+        checked ones (the tokens no entry covers and the selection)."""
+        with self._lock:
+            return list(self._last_selected)
 
     # ---- a job ---------------------------------------------------------------------------
     def blend(self, job: BlendJob) -> None:
@@ -147,6 +163,7 @@ class VllmBlender:
         pages = torch.tensor(job.page_ids[:-(-n // self.page_tokens)], dtype=torch.int32)
         if job.start < s0:  # the system prompt, exact
             self._forward(ids[job.start:s0], [(job.start, s0)], pages, 0, len(self.layers))
+            counts["system_tokens"] += s0 - job.start
         entries = [self._entry(ids, s, keys, job.block_tokens, s0, pages, counts)
                    for (s, _e), keys in zip(job.spans, job.keys)]
         reused = torch.zeros(n, dtype=torch.bool)
@@ -165,7 +182,11 @@ class VllmBlender:
                 counts["reused_tokens"] += t
         plan = select(options, reused, exact, job.spans, n)
         hidden = residual = None
-        if c:  # the checked layers for every token after the system prompt, then the probe
+        if options.select == "question" and plan.budget:
+            pos = torch.nonzero(~exact[:n]).flatten()
+            plan.add_top(self._question(ids, job, reused, question_layers(options, len(self.layers)), counts)[pos],
+                         pos)
+        elif c:  # the checked layers for every token after the system prompt, then the probe
             hidden, residual = self._forward(ids[s0:n], [(s0, n)], pages, 0, c)
             pos = torch.arange(s0, n)
             if plan.budget and ref is not None:
@@ -182,7 +203,55 @@ class VllmBlender:
             self._forward(ids[chosen], _runs(chosen), pages, c, len(self.layers), hidden, residual)
         counts["recomputed_tokens"] += len(chosen)
         counts["blended_tokens"] += n
+        with self._lock:
+            self._last_selected = chosen.tolist()
         return counts
+
+    def _question(self, ids: torch.Tensor, job: BlendJob, reused: torch.Tensor, counted: range, counts: Counter
+                  ) -> torch.Tensor:
+        """Per position [0, n), the attention the question (the prompt's
+        tokens after the blended part, as far as the request's pages reach)
+        pays it over the blended K/V before any recompute, summed over
+        heads, its tokens and the `counted` layers: the question runs
+        through vLLM's layers as one more row after the tokens no entry
+        covers (computed as at ratio 0, written to their slots; the
+        question's slots vLLM's forward writes again), each counted layer's
+        queries caught at its attention and weighed against the layer's
+        keys read back from the pages."""
+        n, pt = len(ids), self.page_tokens
+        pages = torch.tensor(job.page_ids, dtype=torch.int32)
+        q = min(len(job.question), len(pages) * pt - n)
+        if q <= 0:
+            raise UcmError(f"blend: request {job.req_id} has no question tokens within its pages to select by")
+        uncovered = torch.nonzero(~reused[:n]).flatten()
+        rows = (_runs(uncovered) if len(uncovered) else []) + [(n, n + q)]
+        tokens = torch.cat([ids[uncovered], torch.tensor(job.question[:q], dtype=torch.long)])
+        keys = self._keys_reader()
+        everything = torch.arange(n)
+        mass = torch.zeros(n, dtype=torch.float32)
+
+        def weigh(i: int, query: torch.Tensor, key: torch.Tensor, _value: torch.Tensor) -> None:
+            fresh = key.reshape(-1, self.kv_heads, self.head_size)
+            blended = keys.read(self.attns[i].kv_cache, pages, everything)
+            blended[uncovered] = fresh[:len(uncovered)]  # this layer writes them only after this hook
+            mass.add_(question_mass(query[-q:].reshape(q, -1, self.head_size), torch.cat([blended, fresh[-q:]]),
+                                    self.attns[i].impl.scale, n))
+
+        try:
+            with self._hooked(counted, weigh, stop=counted.stop - 1):
+                self._forward(tokens, rows, pages, 0, counted.stop)
+        except _Probed:
+            pass
+        counts["probe_tokens"] += len(tokens)
+        counts["probe_layer_tokens"] += len(tokens) * counted.stop
+        return mass
+
+    def _keys_reader(self) -> PageKeys:
+        if self._page_keys is None:
+            attn = self.attns[0]
+            self._page_keys = PageKeys(lambda k, v, cache, slots: attn.impl.do_kv_cache_update(attn, k, v, cache, slots),
+                                       self.kv_heads, self.page_tokens, self.head_size, attn.kv_cache.dtype)
+        return self._page_keys
 
     # ---- chunks as entries -----------------------------------------------------------------
     def _entry(self, ids: torch.Tensor, s: int, keys: list, block_tokens: int, s0: int, pages: torch.Tensor,
@@ -287,19 +356,32 @@ class VllmBlender:
         called with (after RoPE); `stop` ends the layer there."""
         caught: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+        def keep(i: int, _query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+            caught[i] = (key.reshape(-1, self.kv_heads, self.head_size).clone(),
+                         value.reshape(-1, self.kv_heads, self.head_size).clone())
+            if stop:
+                raise _Probed
+
+        with self._hooked(layers, keep):
+            yield caught
+
+    @contextmanager
+    def _hooked(self, layers: Any, fn: Any, stop: Optional[int] = None) -> Iterator[None]:
+        """`fn(layer, query, key, value)` as each layer in `layers` calls
+        its attention (after RoPE); layer `stop` ends there (_Probed)."""
         def hook(i: int):
             def pre(_module: Any, args: tuple, kwargs: dict) -> None:
+                query = args[0] if args else kwargs["query"]
                 key = args[1] if len(args) > 1 else kwargs["key"]
                 value = args[2] if len(args) > 2 else kwargs["value"]
-                caught[i] = (key.reshape(-1, self.kv_heads, self.head_size).clone(),
-                             value.reshape(-1, self.kv_heads, self.head_size).clone())
-                if stop:
+                fn(i, query, key, value)
+                if i == stop:
                     raise _Probed
             return pre
 
         handles = [self.attns[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in layers]
         try:
-            yield caught
+            yield
         finally:
             for h in handles:
                 h.remove()

@@ -10,8 +10,8 @@ token spans of its prompt, in order, not overlapping (or, on an engine
 with `ucm_blend_separator`, as LMCache does: the parts of its prompt
 between occurrences of the separator's tokens), and may set its own
 `blend` accelerator options, e.g. `"ucm_blend": {"ratio": 0.3}` or
-`{"select": "leading", "leading_tokens": 16}` (the engine's otherwise;
-on vLLM `context` is `prefix` and `select` `deviation` or `leading`). The prompt's tokens
+`{"select": "question"}` (the engine's otherwise; on vLLM `context` is
+`prefix`). The prompt's tokens
 before the first chunk are its system prompt, computed exactly; the
 blended part ends where the last chunk does (at most the prompt's length -
 1); the rest (the question) is vLLM's to compute. A chunk's entry is the
@@ -57,9 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# the `select`s the vLLM blend runs; `question` (a forward of the question over
-# the reused KV, with explicit attention weights) is the transformers connector's
-VLLM_SELECTS = ("deviation", "leading")
 CHUNKS = "ucm_chunks"
 OPTIONS = "ucm_blend"
 WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
@@ -99,8 +96,8 @@ def chunk_spans(params: Any, num_tokens: int, request_id: str) -> list[tuple[int
 def request_options(params: Any, request_id: str) -> dict[str, Any]:
     """The request's own `blend` options (`ucm_blend`, a mapping of
     BlendOptions fields; {}: the engine's). A mapping that BlendOptions
-    refuses, a `context` other than `prefix` or a `select` vLLM does not
-    run is a TransferParamsWarning and {}."""
+    refuses or a `context` other than `prefix` is a TransferParamsWarning
+    and {}."""
     from ucm.accelerators.blend import BlendOptions
 
     if not isinstance(params, Mapping) or params.get(OPTIONS) is None:
@@ -111,8 +108,6 @@ def request_options(params: Any, request_id: str) -> dict[str, Any]:
         problem = f"must be a mapping of blend options, got {type(raw).__name__}"
     elif raw.get("context", "prefix") != "prefix":
         problem = f"context {raw['context']!r}: vLLM blends passages computed after the system prompt ('prefix')"
-    elif raw.get("select", "deviation") not in VLLM_SELECTS:
-        problem = f"select {raw['select']!r} is not supported by the vLLM connector; allowed: {list(VLLM_SELECTS)}"
     else:
         try:
             BlendOptions(**raw)
@@ -128,9 +123,9 @@ def request_options(params: Any, request_id: str) -> dict[str, Any]:
 
 def engine_options(config: "UcmConfig") -> "BlendOptions":
     """The `blend` accelerator's options in the engine's config (the
-    defaults without the entry); a `context` other than `prefix` or a
-    `select` vLLM does not run (`question`) is a ConfigError naming the
-    key: vLLM blends passages computed after the system prompt only."""
+    defaults without the entry); a `context` other than `prefix` is a
+    ConfigError naming the key: vLLM blends passages computed after the
+    system prompt only."""
     from ucm.accelerators.blend import BlendOptions
 
     for i, entry in enumerate(config.accelerators):
@@ -139,9 +134,6 @@ def engine_options(config: "UcmConfig") -> "BlendOptions":
             if options.context != "prefix":
                 raise ConfigError(f"accelerators.{i}.options.context: {options.context!r} is not supported by "
                                   "the vLLM connector; allowed: ['prefix']")
-            if options.select not in VLLM_SELECTS:
-                raise ConfigError(f"accelerators.{i}.options.select: {options.select!r} is not supported by "
-                                  f"the vLLM connector; allowed: {list(VLLM_SELECTS)}")
             return options
     return BlendOptions()
 
@@ -269,12 +261,14 @@ class BlendPlanner:
 
     def job(self, st: "ReqState", request: "Request") -> BlendJob:
         """What the worker blends, once vLLM gave the request its pages."""
-        tokens = list(request.prompt_token_ids[:blend_end(st.chunks, request.num_tokens)])
+        end = blend_end(st.chunks, request.num_tokens)
+        tokens = list(request.prompt_token_ids[:end])
         ns = chunk_namespace(self.namespace, tokens[:st.chunks[0][0]], self.rope, request.cache_salt)
         self.counts["blended"] += 1
         return BlendJob(req_id=request.request_id, tokens=tokens, spans=list(st.chunks),
                         keys=chunk_keys(ns, tokens, st.chunks, len(tokens)), block_tokens=self.namespace.block_tokens,
-                        page_ids=list(st.page_ids), start=st.local_tokens, options=st.blend_options)
+                        page_ids=list(st.page_ids), start=st.local_tokens, options=st.blend_options,
+                        question=list(request.prompt_token_ids[end:]))
 
     def failed(self, st: "ReqState") -> None:
         """The worker could not blend it: vLLM recomputes it as a plain request."""

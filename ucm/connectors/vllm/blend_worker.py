@@ -38,3 +38,11 @@ class UcmCPUWorker(CPUWorker):
             return {}
         blender = getattr(get_kv_transfer_group(), "blender", None)
         return blender.stats() if blender is not None else {}
+
+    def ucm_blend_last_selected(self) -> list:
+        """The positions the connector's last blend recomputed (for
+        `LLM.collective_rpc`); [] without a blender."""
+        if not has_kv_transfer_group():
+            return []
+        blender = getattr(get_kv_transfer_group(), "blender", None)
+        return blender.last_selected() if blender is not None else []

@@ -52,7 +52,8 @@ class BlendJob:
     to the first chunk computed, each chunk in `spans` read from the
     entries `keys[i]` (whole blocks of `block_tokens`; computed and stored
     where missing), rotated into place, and a share recomputed (the engine's
-    blend options with the request's `options`)."""
+    blend options with the request's `options`; under `select: question`,
+    the share the `question`'s tokens attend to most)."""
 
     req_id: str
     tokens: list[int]
@@ -62,6 +63,7 @@ class BlendJob:
     page_ids: list[int]
     start: int
     options: dict = field(default_factory=dict)  # the request's own blend options over the engine's
+    question: list[int] = field(default_factory=list)  # the prompt's tokens after the blended part (vLLM's to compute)
 
     def blended_pages(self, page_tokens: int) -> list[int]:
         """The pages the blend writes (from vLLM's own hit to the end)."""
