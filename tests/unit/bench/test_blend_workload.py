@@ -115,9 +115,10 @@ def test_methods_compare_chunks_alone_and_cacheblends_deviation_at_the_ratio_nea
 def test_the_vllm_rows_are_the_methods_that_path_has():
     from ucm.bench.engines.blend_vllm import methods
 
-    got = [(m["method"], m.get("source"), m["ratio"]) for m in methods([0.15, 0.3], 16)]
-    assert got == [("full", None, None), ("prefix", "engine", None), ("naive", "ucm", 0.0), ("blend", "ucm", 0.15),
-                   ("blend", "ucm", 0.3), ("leading", "ucm", None)]
+    got = [(m["method"], m.get("source"), m["ratio"], m.get("select")) for m in methods([0.15, 0.3], 16)]
+    assert got == [("full", None, None, None), ("prefix", "engine", None, None), ("naive", "ucm", 0.0, None),
+                   ("blend", "ucm", 0.15, "question"), ("blend", "ucm", 0.3, "question"),
+                   ("blend", "ucm", 0.15, "deviation"), ("leading", "ucm", None, None)]
 
 
 def test_the_vllm_kl_over_the_full_prefills_top_tokens_is_exact_when_they_hold_all_and_a_lower_bound_else():

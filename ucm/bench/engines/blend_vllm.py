@@ -12,8 +12,10 @@ Methods, each prompt in turn through every one:
 - `full`: the prompt as a plain request;
 - `prefix` (`source` `engine`): vLLM's own prefix cache holding the system
   prompt (its whole 128-token pages only);
-- `naive`, `blend` at each ratio, `leading`: the prompt with its passages
-  as `ucm_chunks` and the method as the request's `ucm_blend` options.
+- `naive`, `blend` at each ratio (`select: question`) and at the ratio
+  nearest 15 % with `select: deviation`, `leading`: the prompt with its
+  passages as `ucm_chunks` and the method as the request's `ucm_blend`
+  options.
 
 Per method: TTFT (vLLM's own first-token latency of the request,
 `RequestOutput.metrics`), the answer (`--answer-tokens` greedy tokens, the
@@ -42,16 +44,18 @@ WORKER_CLS = "ucm.connectors.vllm.blend_worker.UcmCPUWorker"
 
 
 def methods(ratios: list[float], leading: int) -> list[dict[str, Any]]:
+    near = min(ratios, key=lambda r: abs(r - 0.15)) if ratios else None
     return ([{"method": "full", "source": None, "ratio": None}, {"method": "prefix", "source": "engine", "ratio": None},
              {"method": "naive", "source": "ucm", "ratio": 0.0}]
-            + [{"method": "blend", "source": "ucm", "ratio": r, "select": "deviation"} for r in ratios]
+            + [{"method": "blend", "source": "ucm", "ratio": r, "select": "question"} for r in ratios]
+            + ([{"method": "blend", "source": "ucm", "ratio": near, "select": "deviation"}] if near is not None else [])
             + [{"method": "leading", "source": "ucm", "ratio": None, "leading_tokens": leading}])
 
 
 def _options(m: dict[str, Any]) -> dict[str, Any]:
     if m["method"] == "leading":
         return {"select": "leading", "leading_tokens": m["leading_tokens"]}
-    return {"select": "deviation", "ratio": m["ratio"]}
+    return {"select": m.get("select", "deviation"), "ratio": m["ratio"]}
 
 
 def measure(args: argparse.Namespace, ratios: list[float], log) -> dict[str, Any]:
@@ -178,9 +182,9 @@ def _work(m: dict[str, Any], got: dict[str, int], p, layers: int, args: argparse
         cached = p.system_tokens // 128 * 128
         return (len(p.ids) - cached) * layers / total
     n, s0 = got.get("blended_tokens", 0), p.spans[0][0]
-    checked = 1 if m["method"] in ("blend",) and m["ratio"] > 0 else 0
+    checked = 1 if m["method"] == "blend" and m.get("select") == "deviation" and m["ratio"] > 0 else 0
     blended = s0 * layers + checked * (n - s0) + (layers - checked) * got.get("recomputed_tokens", 0)
-    return (blended + (len(p.ids) - n) * layers) / total
+    return (blended + got.get("probe_layer_tokens", 0) + (len(p.ids) - n) * layers) / total
 
 
 def _kl(p_full: Any, p_m: Any, top: Any) -> float:
