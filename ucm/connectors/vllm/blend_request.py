@@ -11,16 +11,15 @@ with `ucm_blend_separator`, as LMCache does: the parts of its prompt
 between occurrences of the separator's tokens), and may set its own
 `blend` accelerator options, e.g. `"ucm_blend": {"ratio": 0.3}` or
 `{"select": "question"}` (the engine's otherwise; on vLLM `context` is
-`prefix`). The prompt's tokens
-before the first chunk are its system prompt, computed exactly; the
-blended part ends where the last chunk does (at most the prompt's length -
-1); the rest (the question) is vLLM's to compute. A chunk's entry is the
-KV of its whole blocks computed after the system prompt, keyed in a
-namespace of their own (`chunk_namespace`): the engine's, with a layout
-naming the system prompt (its length, which is the position the chunk was
-computed at, and a digest of its tokens) and the model's RoPE settings, so
-another system prompt or RoPE is never a hit. The worker
-(ucm/connectors/vllm/blend.py) loads, rotates and recomputes.
+`prefix`). The prompt's tokens before the first chunk are its system
+prompt, computed exactly; the blended part ends where the last chunk does
+(at most the prompt's length - 1); the rest (the question) is vLLM's to
+compute. A chunk's entry is the KV of its whole blocks computed after the
+system prompt, keyed in a namespace of their own (`chunk_namespace`): the
+engine's, with a layout naming the system prompt (its length, which is the
+position the chunk was computed at, and a digest of its tokens) and the
+model's RoPE settings, so another system prompt or RoPE is never a hit.
+The worker (ucm/connectors/vllm/blend.py) loads, rotates and recomputes.
 
 Spans that are malformed are a TransferParamsWarning and the request is
 served as a plain one. A request is not blended (served as a plain one,
