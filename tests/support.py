@@ -1,6 +1,7 @@
 """Helpers shared by the test suites (importable as `support`: tests/ is on
 sys.path through tests/conftest.py)."""
 import hashlib
+import os
 import signal
 import socket
 import subprocess
@@ -40,6 +41,26 @@ def start_service(cfg_path, sock, timeout_s=30.0, log=None):
             time.sleep(0.05)
     proc.kill()
     raise AssertionError("service did not start")
+
+
+def freeze(proc, timeout_s=10.0):
+    """SIGSTOP `proc` and return once every one of its threads is stopped:
+    `kill` only queues the signal, and a thread running on the other core
+    goes on for a while (what it writes to shared memory meanwhile counts)."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that exited meanwhile
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {proc.pid} did not stop within {timeout_s} s")
 
 
 def stop_service(proc, sig=signal.SIGTERM):

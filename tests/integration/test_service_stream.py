@@ -7,7 +7,7 @@ import signal
 import pytest
 import yaml
 
-from support import chain, start_service
+from support import chain, freeze, start_service
 from ucm.api import Outcome
 from ucm.layer_stream import LayerStreams
 from ucm.service import CacheClient
@@ -84,17 +84,18 @@ ATTEMPTS = 5  # streams tried until one is stopped before it finished (its reads
 
 
 def test_the_service_killed_during_a_stream_is_a_miss_and_nothing_hangs(served):
-    """The service is stopped (SIGSTOP) as soon as `stream_slots` returns and
-    killed while stopped: the blocks of every part of the stream it had not
-    finished then are misses, the client noticed the hang-up (so no wait
-    polls on to its timeout), and a layer reported landed is the stored
-    bytes. A stream the service finished before it stopped proves nothing:
-    it is given back and another one is tried."""
+    """The service is stopped (SIGSTOP, waited for until every thread of it
+    has stopped) as soon as `stream_slots` returns and killed while stopped:
+    the blocks of every part of the stream it had not finished then are
+    misses, the client noticed the hang-up (so no wait polls on to its
+    timeout), and a layer reported landed is the stored bytes. A stream the
+    service finished before it stopped proves nothing: it is given back and
+    another one is tried."""
     client, proc = served
     for attempt in range(ATTEMPTS):
         keys, data = on_nvme(client, 12, 2 + 100 * attempt)
         s = client.stream_slots(keys, [SIZE] * 12, LAYERS)
-        proc.send_signal(signal.SIGSTOP)  # frozen mid-stream: what it finished is final in the words
+        freeze(proc)  # every thread stopped mid-stream: what it finished is final in the words
         finished = [part.view is not None and part.view.finished() for part in s.parts]
         if not all(finished):
             break
