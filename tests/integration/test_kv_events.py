@@ -140,8 +140,17 @@ def test_another_namespaces_blocks_and_orphans_are_not_advertised(nvme_dir):
 
 @pytest.fixture
 def service(tmp_path):
+    yield from serve(tmp_path, {})
+
+
+@pytest.fixture
+def logged_service(tmp_path):
+    yield from serve(tmp_path, {"events": {"path": str(tmp_path / "events" / "catalog.log")}})
+
+
+def serve(tmp_path, extra):
     sock = str(tmp_path / "ucm.sock")
-    cfg = {**cache_cfg(str(tmp_path / "nvme")), "service": {"socket": sock}}
+    cfg = {**cache_cfg(str(tmp_path / "nvme")), "service": {"socket": sock}, **extra}
     (tmp_path / "nvme").mkdir()
     path = tmp_path / "ucm.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -151,6 +160,14 @@ def service(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def to_nvme(client, keys):
+    """Pushes the blocks of `keys` out of the 1 MiB DRAM tier (write-back to NVMe) with 24 others."""
+    _, more = prompt(24, 99)
+    assert client.store(more, [np.full(SIZE, 8, np.uint8)] * 24).wait(30) == [Outcome.DONE] * 24
+    assert client.flush()
+    assert client.locate(keys) == ["nvme"] * len(keys)
 
 
 def test_a_shared_service_advertises_to_every_engine_and_a_restart_never_leaves_stale_claims(service):
@@ -168,7 +185,7 @@ def test_a_shared_service_advertises_to_every_engine_and_a_restart_never_leaves_
         got = rb.take()  # engine B advertises A's blocks, with its own hashes of the tokens
         assert [x.medium for x in got] == ["CPU_TIER1"] * 6
         assert got[0].hashes == hash_pages(None, toks[:BT], None, True)
-        assert a.flush()
+        to_nvme(a, keys)
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
         rb.poll()  # the service is gone: every claim is withdrawn
@@ -187,6 +204,47 @@ def test_a_shared_service_advertises_to_every_engine_and_a_restart_never_leaves_
         rb.poll()
         again = rb.take()
         assert len(again) == 6 and [x.hashes for x in again] == [x.hashes for x in got]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_with_events_path_a_restarted_service_advertises_what_nvme_kept_without_a_new_store(logged_service):
+    import time
+    path, sock, procs = logged_service
+    a, b = CacheClient(sock), CacheClient(sock)
+    try:
+        ra, rb = reader(a), reader(b)
+        toks, keys = prompt(6, 5)
+        describe(ra, toks, keys)
+        lost, lost_keys = prompt(2, 6)
+        describe(ra, lost, lost_keys)  # described, never stored
+        ra.poll()
+        assert a.store(keys, [np.full(SIZE, 7, np.uint8)] * 6).wait(30) == [Outcome.DONE] * 6
+        time.sleep(0.1)
+        rb.poll()
+        got = rb.take()
+        assert [x.medium for x in got] == ["CPU_TIER1"] * 6
+        to_nvme(a, keys)
+        procs[0].send_signal(signal.SIGKILL)  # no clean close: the log is what the writes left
+        procs[0].wait()
+        rb.poll()
+        assert state(got + rb.take()) == {}
+        procs.append(start_service(path, sock))
+        deadline = time.time() + 10
+        while b.lookup(keys) < 6 and time.time() < deadline:  # the NVMe tier recovers its blocks
+            time.sleep(0.1)
+        assert b.stats()["catalog"]["restored"] == 8
+        again, deadline = [], time.time() + 10
+        while len(again) < 6 and time.time() < deadline:  # no engine described anything since
+            time.sleep(0.1)
+            rb.poll()
+            again += rb.take()
+        assert [x.hashes for x in again] == [x.hashes for x in got]  # the same pages, the same hashes
+        assert state(again) == truth(b, keys, again) and set(state(again).values()) == {"DISK"}
+        time.sleep(0.3)
+        rb.poll()
+        assert rb.take() == []  # the two blocks never stored are never claimed
     finally:
         a.close()
         b.close()

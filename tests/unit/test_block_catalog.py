@@ -151,3 +151,137 @@ def test_sweeps_keep_to_their_share_of_a_core_however_often_readers_ask():
     assert cat.stats()["sweeps"] == before
     cat.sweep(force=True)
     assert cat.stats()["sweeps"] == before + 1
+
+
+# ---- descriptions kept across restarts (ucm.cache.catalog_log) ------------------
+
+def logged_catalog(path, where, **kw):
+    from ucm.cache.catalog_log import DescriptionLog
+    return BlockCatalog(where, MEDIA, min_sweep_s=0, sweep_share=1.0, log=DescriptionLog.open(str(path)), **kw)
+
+
+def test_a_new_catalog_advertises_the_logged_blocks_a_tier_kept_and_forgets_the_rest(tmp_path):
+    path = tmp_path / "events" / "catalog.log"  # its directory is created
+    where = Where()
+    cat = logged_catalog(path, where)
+    cat.describe([block(1), block(2, 1, {"lora_name": "a"}), block(3, 2)])
+    cat.describe([block(1)])  # described before: not logged twice
+    assert cat.stats()["logged"] == 3
+    cat.close()
+    where.tier.update({key(1): "nvme", key(2): "nvme"})  # after the restart the tier kept 1 and 2
+    again = logged_catalog(path, where, pending_s=0.0)
+    assert again.stats()["restored"] == 3 and again.stats()["described"] == 0
+    assert again.events(0, None)["reset"]  # a new instance: its readers start from the holdings
+    page = again.holdings(0)
+    assert [(r[1], int.from_bytes(r[2], "little"), r[3]) for r in page["blocks"]] == [
+        ("stored", 1, "DISK"), ("stored", 2, "DISK")]
+    assert page["blocks"][1][4:] == [key(1), bytes(range(8)), {"lora_name": "a"}]  # parent, tokens, extra
+    assert again.stats()["blocks"] == 2  # block 3 is gone from every tier: forgotten, never claimed
+    again.close()
+
+
+def test_without_a_tier_holding_them_logged_blocks_are_never_claimed(tmp_path):
+    where = Where()
+    cat = logged_catalog(tmp_path / "c.log", where)
+    cat.describe([block(i) for i in range(5)])
+    cat.close()
+    again = logged_catalog(tmp_path / "c.log", Where(), pending_s=0.0)
+    e = again.events(0, None)
+    assert again.events(e["next"], e["epoch"])["events"] == []
+    assert again.holdings(0)["blocks"] == [] and again.stats()["blocks"] == 0
+    again.close()
+
+
+def test_a_torn_or_corrupt_tail_is_cut_and_the_records_before_it_are_kept(tmp_path, caplog):
+    from ucm.cache.catalog_log import DescriptionLog
+    path = str(tmp_path / "c.log")
+    lg = DescriptionLog(path)
+    lg.append([block(1), block(2, 1)])
+    size_two = len(open(path, "rb").read())
+    lg.append([block(3, 2)])
+    lg.close()
+    data = bytearray(open(path, "rb").read())
+    data[size_two + 12] ^= 0xFF  # a flipped byte inside the third record
+    open(path, "wb").write(bytes(data) + b"\x07" * 5)  # and a torn write after it
+    lg = DescriptionLog(path)
+    assert [b[0] for b in lg.load()] == [key(1), key(2)]
+    assert "not whole records; cut off" in caplog.text
+    assert len(open(path, "rb").read()) == size_two  # the file ends after the last good record
+    lg.append([block(4)])  # appends go on from there
+    lg.close()
+    lg = DescriptionLog(path)
+    assert [b[0] for b in lg.load()] == [key(1), key(2), key(4)] and lg.records == 3
+    lg.close()
+
+
+def test_a_record_that_is_no_description_ends_the_log(tmp_path):
+    import struct
+    import zlib
+
+    from ucm.cache.catalog_log import DescriptionLog
+    path = str(tmp_path / "c.log")
+    lg = DescriptionLog(path)
+    lg.append([block(1)])
+    lg.close()
+    payload = key(2) + b"\x00" + struct.pack("<I", 3) + b"abc"  # 3 bytes of tokens: not uint32s
+    with open(path, "ab") as f:
+        f.write(struct.pack("<II", len(payload), zlib.crc32(payload)) + payload)
+    lg = DescriptionLog(path)
+    assert [b[0] for b in lg.load()] == [key(1)]
+    lg.close()
+
+
+def test_a_second_holder_of_the_log_keeps_its_descriptions_in_memory(tmp_path, caplog):
+    from ucm.cache.catalog_log import DescriptionLog
+    first = DescriptionLog.open(str(tmp_path / "c.log"))
+    assert first is not None
+    assert DescriptionLog.open(str(tmp_path / "c.log")) is None
+    assert "in use by another process" in caplog.text
+    first.close()
+    assert DescriptionLog.open(str(tmp_path / "c.log")) is not None  # free again once closed
+
+
+def test_the_log_is_rewritten_from_the_catalog_once_it_holds_far_more(tmp_path, monkeypatch):
+    import ucm.cache.catalog as catalog
+    monkeypatch.setattr(catalog, "COMPACT_SLACK", 0)
+    where = Where()
+    cat = logged_catalog(tmp_path / "c.log", where, max_blocks=3)
+    for i in range(10):
+        cat.describe([block(i)])
+    assert cat.stats()["logged"] == 10
+    where.tier.update({key(i): "dram" for i in range(10)})
+    cat.sweep(force=True)  # 10 records for 3 descriptions: rewritten
+    assert cat.stats()["logged"] == 3
+    cat.describe([block(10)])  # appended to the new file
+    where.tier[key(10)] = "dram"
+    cat.close()
+    again = logged_catalog(tmp_path / "c.log", where, max_blocks=3)
+    again.sweep(force=True)
+    assert [int.from_bytes(r[2], "little") for r in again.holdings(0)["blocks"]] == [8, 9, 10]
+    again.close()
+
+
+def test_a_log_that_fails_turns_itself_off_and_the_catalog_goes_on(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    import ucm.cache.catalog_log as catalog_log
+    where = Where()
+    cat = logged_catalog(tmp_path / "c.log", where)
+    e = cat.events(0, None)
+    cat.describe([block(1)])
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(catalog_log.os, "write", full)
+    cat.describe([block(2, 1)])  # no exception into the describer
+    monkeypatch.setattr(catalog_log.os, "write", os.write)
+    assert "kept in memory only from now on" in caplog.text and cat.stats()["logged"] is None
+    cat.describe([block(3, 2)])
+    where.tier.update({key(i): "dram" for i in (1, 2, 3)})
+    assert [k[1] for k in kinds(cat.events(e["next"], e["epoch"]))] == [1, 2, 3]
+    cat.close()
+    again = logged_catalog(tmp_path / "c.log", where)  # what was written before the fault
+    assert again.stats()["restored"] == 1
+    again.close()

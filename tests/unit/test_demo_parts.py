@@ -96,6 +96,7 @@ def test_the_service_config_is_valid_and_holds_exactly_its_dram_blocks(tmp_path)
     nvme = next(t for t in cfg.tiers if t.adapter == "nvme")
     assert cfg.block_tokens == 128 and dram.capacity == 9 * block and nvme.capacity == 1 << 30
     assert str(tmp_path) in str(cfg.service.socket)
+    assert cfg.events.path == str(tmp_path / "catalog.log")  # not default.yaml's shared file
 
 
 def _rows(ttfts, tokens, engine=0, ucm=0):

@@ -17,6 +17,13 @@ the removal is journaled. At most `max_blocks` descriptions are kept (the
 oldest goes, journaled as removed if it was held) and `journal` events.
 The catalog learns nothing from the blocks' bytes and never claims a block
 the cache's own `locate` does not find. Thread-safe.
+
+With a `DescriptionLog` (`events.path`) the descriptions outlive the
+process: they are appended to it as they come, read back when the catalog
+starts (each then waits for a sweep to find its block, as a new
+description does: a block a persistent tier kept is advertised again, one
+that is gone is forgotten after `pending_s`), and the file is rewritten
+from the catalog's descriptions once it holds more than twice as many.
 """
 from __future__ import annotations
 
@@ -27,10 +34,12 @@ from collections import OrderedDict, deque
 from typing import Callable, Mapping, Optional, Sequence
 
 from ucm.api import Key
+from ucm.cache.catalog_log import DescriptionLog
 
 __all__ = ["BlockCatalog"]
 
 SWEEP_BATCH = 4096
+COMPACT_SLACK = 1024  # records the log may hold beyond twice the catalog's before it is rewritten
 
 
 class _Entry:
@@ -47,10 +56,12 @@ class BlockCatalog:
 
     def __init__(self, locate: Callable[[list[Key]], list[Optional[str]]], media: Mapping[str, str], *,
                  max_blocks: int = 1 << 16, journal: int = 1 << 16, min_sweep_s: float = 0.05,
-                 sweep_share: float = 0.05, pending_s: float = 60.0) -> None:
+                 sweep_share: float = 0.05, pending_s: float = 60.0,
+                 log: Optional[DescriptionLog] = None) -> None:
         """`locate`: the cache's fastest tier per key (None: no tier);
         `media`: each tier's KV-event medium (a tier missing from it is not
-        advertised)."""
+        advertised); `log`: where descriptions are kept across restarts
+        (read here, appended to by `describe`)."""
         self._locate = locate
         self.media = dict(media)
         self.max_blocks = max_blocks
@@ -64,24 +75,37 @@ class BlockCatalog:
         self._journal: deque = deque(maxlen=journal)  # (seq, kind, key, tier, entry)
         self._seq = 0  # the seq of the last event journaled
         self._next_sweep = 0.0  # monotonic time before which no sweep runs unforced
-        self.counts = {"described": 0, "stored": 0, "removed": 0, "forgotten": 0, "sweeps": 0}
+        self.counts = {"described": 0, "stored": 0, "removed": 0, "forgotten": 0, "sweeps": 0, "restored": 0}
+        self._log_file = log
+        if log is not None:
+            self._add(log.load(), "restored")
 
     # ---- writers -----------------------------------------------------------------
     def describe(self, blocks: Sequence[tuple[Key, Optional[Key], bytes, Optional[dict]]]) -> None:
         """Descriptions of blocks an engine stores (`ucm.api.check_blocks`'
         shape; already checked). A key described before keeps its description."""
+        new = self._add(blocks, "described")
+        if self._log_file is not None:
+            self._log_file.append(new)
+
+    def _add(self, blocks, count: str) -> list:
+        """Adds the blocks not described yet, counted as `count`; returns them."""
         now = time.monotonic()
+        new = []
         with self._lock:
-            for key, parent, tokens, extra in blocks:
+            for b in blocks:
+                key, parent, tokens, extra = b
                 if key in self._blocks:
                     continue
+                new.append(b)
                 self._blocks[key] = _Entry(parent, tokens, extra, now)
-                self.counts["described"] += 1
+                self.counts[count] += 1
                 while len(self._blocks) > self.max_blocks:
                     old, e = self._blocks.popitem(last=False)
                     self.counts["forgotten"] += 1
                     if e.tier is not None:
                         self._log("removed", old, e.tier, e)
+        return new
 
     def _log(self, kind: str, key: Key, tier: Optional[str], e: _Entry) -> None:
         self._seq += 1
@@ -127,6 +151,18 @@ class BlockCatalog:
             done = time.monotonic()
             self._next_sweep = done + max(self.min_sweep_s, (done - t0) * (1 / self.sweep_share - 1))
             self.counts["sweeps"] += 1
+            lf = self._log_file
+            if lf is not None and lf.records > 2 * len(self._blocks) + COMPACT_SLACK:
+                lf.rewrite(self._descriptions)
+
+    def close(self) -> None:
+        """Closes the log (the catalog goes on in memory)."""
+        if self._log_file is not None:
+            self._log_file.close()
+
+    def _descriptions(self) -> list:
+        with self._lock:
+            return [(k, e.parent, e.tokens, e.extra) for k, e in self._blocks.items()]
 
     # ---- readers -----------------------------------------------------------------
     def _row(self, seq: int, kind: str, key: Key, tier: Optional[str], e: _Entry) -> list:
@@ -164,4 +200,6 @@ class BlockCatalog:
     def stats(self) -> dict:
         with self._lock:
             return {"blocks": len(self._blocks), "held": sum(1 for e in self._blocks.values() if e.tier),
-                    "seq": self._seq, **self.counts}
+                    "seq": self._seq, **self.counts,
+                    "logged": self._log_file.records if self._log_file is not None and self._log_file.active
+                    else None}

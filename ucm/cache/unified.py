@@ -45,6 +45,7 @@ from ucm.api import (Handle, Key, Outcome, RangeRead, SlotFn, check_blocks, chec
 from ucm.buffers import block_buffer
 from ucm.cache.blocks import BlockIO
 from ucm.cache.catalog import BlockCatalog
+from ucm.cache.catalog_log import DescriptionLog
 from ucm.cache.core import CacheCore
 from ucm.cache.counters import Counters
 from ucm.cache.ranges import RangeReader
@@ -172,7 +173,8 @@ class UnifiedCache:
             core.write_through = self._write_through.submit
         self.accelerators = core.accelerators = Accelerators.build(cfg, self)
         ev = cfg.events
-        self.catalog = (BlockCatalog(self.locate, media, max_blocks=ev.max_blocks, journal=ev.journal)
+        self.catalog = (BlockCatalog(self.locate, media, max_blocks=ev.max_blocks, journal=ev.journal,
+                                     log=DescriptionLog.open(ev.path) if ev.path else None)
                         if ev.enabled else None)
 
     # ---- queries -----------------------------------------------------------
@@ -347,6 +349,8 @@ class UnifiedCache:
         if self.core is not None:
             self.core.mark_closed()
         self.accelerators.close()
+        if self.catalog is not None:
+            self.catalog.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._slots is not None:

@@ -127,6 +127,9 @@ class EventsConfig(_Strict):
     enabled: bool = True
     max_blocks: int = Field(default=1 << 16, ge=1, le=1 << 24)  # block descriptions kept (token ids: 4 bytes each)
     journal: int = Field(default=1 << 16, ge=16, le=1 << 24)  # changes kept for readers that fall behind
+    # A file keeping the descriptions across restarts, so that blocks a persistent
+    # tier (NVMe, a cluster store) kept are advertised again; none: in memory only.
+    path: Optional[str] = Field(default=None, min_length=1)
 
 
 class UcmConfig(_Strict):

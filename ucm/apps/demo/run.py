@@ -55,7 +55,8 @@ RUN_NAMES = ("vLLM alone", "vLLM + ucm", "restarted + ucm")
 def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, nvme_bytes: int) -> dict[str, Any]:
     """`base` (configs/default.yaml) resized for the demo: 128-token blocks,
     a DRAM tier of exactly `dram_blocks` blocks (one block per arena extent),
-    NVMe of `nvme_bytes` under `work`, a private socket, no metrics port."""
+    NVMe of `nvme_bytes` and the KV events' descriptions under `work`, a
+    private socket, no metrics port."""
     cfg = yaml.safe_load(base.read_text())
     cfg["block_tokens"] = BLOCK_TOKENS
     for tier in cfg["tiers"]:
@@ -66,6 +67,8 @@ def service_config(base: Path, work: Path, dram_blocks: int, block_bytes: int, n
         elif tier["adapter"] == "nvme":
             tier["capacity"] = f"{nvme_bytes >> 20}MiB"
             tier.setdefault("options", {})["path"] = str(work / "nvme")
+    if (cfg.get("events") or {}).get("path"):
+        cfg["events"]["path"] = str(work / "catalog.log")
     cfg.setdefault("service", {})
     cfg["service"].update({"name": f"demo-{os.getpid()}", "socket": str(work / "ucm.sock"), "metrics_port": None})
     return cfg
