@@ -26,11 +26,25 @@ Prompts are matched as token ids (ucm/apps/prompt_tokens.py: text and
 chat through `--tokenizer`, the model's directory); one it cannot tell is
 picked by load. A prefill step that fails
 (engine down, an error status, no params) is logged and counted, and the
-decode engine serves the request as a plain one. The proxy itself holds no
-KV and talks HTTP only; the blocks travel through ucm (on one node the
-service's shared arena). `GET /v1/models` is the first decode engine's;
-`GET /health` is 200 while some prefill and some decode engine answer;
-`GET /pd/stats` gives the counters (and the index's) as JSON.
+decode engine serves the request as a plain one.
+
+With `--prefill-order shortest` the prefill copy also carries vLLM's
+`priority`: the prompt's length in tokens (behind the client's own
+`priority`, times 2**24), so that prefill engines run with
+`--scheduling-policy priority` take the shortest waiting prompt first. A
+prefill engine is one queue of jobs of known size, where shortest-first
+gives the least mean wait; a long prompt runs as soon as no shorter one
+waits. The length is the prompt's token count where the proxy can tell it
+(token ids, or text with `--tokenizer`), else the characters of its
+strings (prompt or messages) over 4. An engine that refuses the field
+(HTTP 400 naming priority) gets the request again without it, and no
+priority from then on. The decode step is sent as the client sent it.
+
+The proxy itself holds no KV and talks HTTP only; the blocks travel
+through ucm (on one node the service's shared arena). `GET /v1/models` is
+the first decode engine's; `GET /health` is 200 while some prefill and
+some decode engine answer; `GET /pd/stats` gives the counters (and the
+index's) as JSON.
 """
 from __future__ import annotations
 
@@ -50,6 +64,8 @@ from ucm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+ORDERS = ("arrival", "shortest")  # --prefill-order
+PRIORITY_SCALE = 1 << 24  # the client's priority ranks before the prompt's length (longer than any context)
 # Response headers of an engine that the proxy's own response must not copy.
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
@@ -63,6 +79,7 @@ class Engine:
     served: int = 0
     failures: int = 0
     pending_blocks: int = 0  # prompt blocks it computes for requests in flight (known with KV events)
+    no_priority: bool = False  # it refused vLLM's `priority` field (not run with --scheduling-policy priority)
 
 
 @dataclass
@@ -125,15 +142,19 @@ class PdProxy:
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0,
                  prefill_events: Optional[Sequence[str]] = None, decode_events: Optional[Sequence[str]] = None,
-                 tokenizer: Optional[str] = None) -> None:
+                 tokenizer: Optional[str] = None, prefill_order: str = "arrival") -> None:
         if not timeout_s > 0:
             raise ConfigError(f"pd-proxy: --timeout-s must be > 0, got {timeout_s!r}")
+        if prefill_order not in ORDERS:
+            raise ConfigError(f"pd-proxy: --prefill-order must be one of {list(ORDERS)}, got {prefill_order!r}")
+        self.prefill_order = prefill_order
         self.prefill = EnginePool("prefill", prefill, prefill_events)
         self.decode = EnginePool("decode", decode, decode_events)
         self.prompts = PromptTokens(tokenizer)
         self.timeout_s = timeout_s
         self.counters = {"requests": 0, "prefill_failures": 0, "decode_failures": 0, "prefill_s": 0.0,
-                         "prompts_matched": 0, "prefill_blocks_held": 0, "prefill_blocks_new": 0}
+                         "prompts_matched": 0, "prefill_blocks_held": 0, "prefill_blocks_new": 0,
+                         "priority_refused": 0}
         self._session: Any = None
 
     # ---- the app --------------------------------------------------------------
@@ -183,22 +204,33 @@ class PdProxy:
             req["max_completion_tokens"] = 1
         for k in ("stream_options", "min_tokens"):
             req.pop(k, None)
+        ordered = self.prefill_order == "shortest" and not engine.no_priority
+        if ordered:
+            req["priority"] = _priority(body, tokens)
         engine.inflight += 1
         engine.pending_blocks += pick.new_blocks
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            async with self._session.post(engine.url + path, json=req,
-                                          headers={"X-Request-Id": request_id}) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {text[:300]}")
-                got = json.loads(text).get("kv_transfer_params")
-                if not isinstance(got, dict) or not got.get("do_remote_prefill"):
-                    raise RuntimeError(f"no kv_transfer_params in its answer (is it running ucm's connector as "
-                                       f"kv_producer or kv_both?): {text[:200]}")
-                engine.served += 1
-                return got
+            status, text = await self._post(engine.url + path, req, request_id)
+            if ordered and status == 400 and "priority" in text.lower():
+                engine.no_priority = True
+                self.counters["priority_refused"] += 1
+                log.warning("pd-proxy: prefill engine %s refuses `priority` (run it with --scheduling-policy "
+                            "priority for --prefill-order shortest); it gets requests in arrival order", engine.url)
+                if "priority" in body:
+                    req["priority"] = body["priority"]
+                else:
+                    del req["priority"]
+                status, text = await self._post(engine.url + path, req, request_id)
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}: {text[:300]}")
+            got = json.loads(text).get("kv_transfer_params")
+            if not isinstance(got, dict) or not got.get("do_remote_prefill"):
+                raise RuntimeError(f"no kv_transfer_params in its answer (is it running ucm's connector as "
+                                   f"kv_producer or kv_both?): {text[:200]}")
+            engine.served += 1
+            return got
         except Exception as exc:
             engine.failures += 1
             self.counters["prefill_failures"] += 1
@@ -209,6 +241,10 @@ class PdProxy:
             engine.inflight -= 1
             engine.pending_blocks -= pick.new_blocks
             self.counters["prefill_s"] += loop.time() - started
+
+    async def _post(self, url: str, body: dict, request_id: str) -> tuple[int, str]:
+        async with self._session.post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
+            return resp.status, await resp.text()
 
     async def _relay(self, request: Any) -> Any:
         from aiohttp import web
@@ -225,7 +261,7 @@ class PdProxy:
         self.counters["requests"] += 1
         request_id = request.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
         tokens = None
-        if self.prefill.index is not None or self.decode.index is not None:
+        if self.prefill.index is not None or self.decode.index is not None or self.prefill_order == "shortest":
             tokens = await asyncio.get_running_loop().run_in_executor(None, self.prompts.tokens, path, body)
             self.counters["prompts_matched"] += tokens is not None
         params = await self._prefill_step(path, body, request_id, tokens)
@@ -303,6 +339,29 @@ class PdProxy:
                                             if pool.index is not None}})
 
 
+def _priority(body: dict, tokens: Optional[list[int]]) -> int:
+    """vLLM's `priority` for a prefill copy under `--prefill-order shortest`
+    (lower runs first): the client's, then the prompt's length."""
+    own = body.get("priority", 0)
+    own = own if isinstance(own, int) and not isinstance(own, bool) else 0
+    if tokens is not None:
+        length = len(tokens)
+    else:
+        length = _chars(body.get("messages") if "messages" in body else body.get("prompt")) // 4
+    return own * PRIORITY_SCALE + min(length, PRIORITY_SCALE - 1)
+
+
+def _chars(x: Any) -> int:
+    """The characters of every string in a prompt or a chat's messages."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, dict):
+        return sum(_chars(v) for v in x.values())
+    if isinstance(x, list):
+        return sum(_chars(v) for v in x)
+    return 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("pd-proxy", help="prefill/decode disaggregation: run each request on a prefill engine, "
                                         "then on a decode engine that loads its KV through ucm",
@@ -319,6 +378,10 @@ def register(sub: Any) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the model's directory (tokenizer.json, tokenizer_config.json): text and chat prompts "
                         "matched against the KV events (token-id prompts need none)")
+    p.add_argument("--prefill-order", choices=ORDERS, default="arrival",
+                   help="the order prefill engines take waiting prompts in: arrival (vLLM's default) or shortest "
+                        "(the prompt's length as vLLM's `priority`; run the prefill engines with "
+                        "--scheduling-policy priority)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request and step (default 600)")
@@ -329,7 +392,7 @@ def _run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     proxy = PdProxy(args.prefill, args.decode, timeout_s=args.timeout_s, prefill_events=args.prefill_events,
-                    decode_events=args.decode_events, tokenizer=args.tokenizer)
+                    decode_events=args.decode_events, tokenizer=args.tokenizer, prefill_order=args.prefill_order)
     logging.getLogger().setLevel(logging.INFO)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=lambda msg: log.info("%s", msg))
     return 0

@@ -23,8 +23,9 @@ class FakeEngine:
     with PARAMS (or `status`); "decode" answers, streamed or not, with
     the kv_transfer_params it got. `hold`: an Event each request waits for."""
 
-    def __init__(self, role, status=200, hold=None):
+    def __init__(self, role, status=200, hold=None, refuse_priority=False):
         self.role, self.status, self.hold, self.got = role, status, hold, []
+        self.refuse_priority = refuse_priority  # as an engine without --scheduling-policy priority may
         self.url, self._runner = None, None
 
     async def start(self):
@@ -56,6 +57,9 @@ class FakeEngine:
             await self.hold.wait()
         if self.status != 200:
             return web.Response(status=self.status, text="engine error")
+        if self.refuse_priority and body.get("priority"):
+            return web.json_response({"error": {"message": "Got priority 3 but Priority scheduling is not "
+                                                           "enabled."}}, status=400)
         if self.role == "prefill":
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
         params = body.get("kv_transfer_params")
@@ -263,11 +267,60 @@ def test_bad_bodies_and_health_and_stats():
     assert models == {"data": [{"id": "m"}]}
 
 
+def test_shortest_first_gives_the_prefill_copy_the_prompts_length_as_its_priority():
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    bodies = [{"model": "m", "prompt": list(range(300)), "max_tokens": 8},
+              {"model": "m", "prompt": list(range(40)), "max_tokens": 8, "priority": 2},
+              {"model": "m", "prompt": "x" * 400, "max_tokens": 8},  # text, no tokenizer: characters / 4
+              {"model": "m", "messages": [{"role": "user", "content": "y" * 200}], "max_tokens": 8}]
+
+    async def run(session, url, proxy):
+        for body in bodies:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            async with session.post(url + path, json=body) as r:
+                assert r.status == 200
+
+    asyncio.run(_with_proxy([p], [d], run, prefill_order="shortest"))
+    assert [b["priority"] for _, b, _ in p.got] == [300, 2 * (1 << 24) + 40, 400 // 4, (4 + 200) // 4]
+    assert [b.get("priority") for _, b, _ in d.got] == [None, 2, None, None]  # the decode step as sent
+
+
+def test_in_arrival_order_the_prefill_copy_keeps_the_clients_priority_only():
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+
+    async def run(session, url, proxy):
+        for body in ({"model": "m", "prompt": [1, 2, 3], "max_tokens": 8},
+                     {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "priority": 5}):
+            async with session.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+
+    asyncio.run(_with_proxy([p], [d], run))
+    assert [b.get("priority") for _, b, _ in p.got] == [None, 5]
+
+
+def test_an_engine_that_refuses_priority_gets_the_request_again_in_arrival_order():
+    p, d = FakeEngine("prefill", refuse_priority=True), FakeEngine("decode")
+
+    async def run(session, url, proxy):
+        for n in (30, 20):
+            async with session.post(url + "/v1/completions",
+                                    json={"model": "m", "prompt": list(range(n)), "max_tokens": 8}) as r:
+                assert r.status == 200
+                assert (await r.json())["got_params"] == PARAMS  # the prefill step served, not skipped
+        return proxy.counters
+
+    counters = asyncio.run(_with_proxy([p], [d], run, prefill_order="shortest"))
+    assert [b.get("priority") for _, b, _ in p.got] == [30, None, None]  # refused once, then never sent
+    assert counters["priority_refused"] == 1 and counters["prefill_failures"] == 0
+
+
 def test_bad_arguments_are_typed_errors():
     with pytest.raises(ConfigError, match="--prefill needs at least one engine URL"):
         EnginePool("prefill", [])
     with pytest.raises(ConfigError, match="--decode URLs must start with http"):
         EnginePool("decode", ["127.0.0.1:8000"])
+    with pytest.raises(ConfigError, match=r"--prefill-order must be one of \['arrival', 'shortest'\]"):
+        PdProxy(["http://a:1"], ["http://b:2"], prefill_order="fastest")
     with pytest.raises(ConfigError, match="--timeout-s must be > 0"):
         PdProxy(["http://a:1"], ["http://b:2"], timeout_s=0)
     with pytest.raises(ConfigError, match="--prefill-events needs one endpoint per --prefill engine"):

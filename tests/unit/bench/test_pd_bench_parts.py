@@ -46,3 +46,11 @@ def test_a_step_budget_that_is_not_positive_is_refused_before_any_server():
                               prefill_max_num_batched_tokens=-256)
     with pytest.raises(ArgumentError, match="--prefill-max-num-batched-tokens must be > 0"):
         run(args)
+
+
+def test_in_shortest_order_a_request_carries_its_prompts_length_as_priority():
+    from ucm.bench.engines.pd_bench import _body
+
+    r = workload(1, (100, 200), (8, 16), 2.0, seed=3)[0]
+    assert "priority" not in _body(r, 8)
+    assert _body(r, 8, priority=True)["priority"] == len(r["tokens"])

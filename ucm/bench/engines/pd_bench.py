@@ -24,7 +24,12 @@ colocated engine's decodes wait; a smaller budget splits it into more,
 shorter steps, each carrying the decodes along (vLLM's advice for
 inter-token latency). `--prefill-max-num-batched-tokens` sets the P/D
 prefill engines' own budget: they never decode, so short steps only slow
-them.
+them. `--order shortest` makes every engine that prefills take its
+waiting prompts shortest first (vLLM's `--scheduling-policy priority`,
+the prompt's length as each request's priority): the colocated engines,
+whose requests the bench sends with it, and the P/D prefill engines,
+whose requests `ucm pd-proxy --prefill-order shortest` sends with it; the
+P/D decode engines keep arrival order.
 The reference outputs come from one engine's own prefix reuse of each
 prompt (asked once for one token, then in full), the numerics of a
 decode engine that computes the last partial block over loaded KV.
@@ -84,6 +89,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                    help="the P/D prefill engines' budget per step (default: --max-num-batched-tokens): an engine "
                         "that never decodes gains nothing from short steps")
+    p.add_argument("--order", choices=("arrival", "shortest"), default="arrival",
+                   help="the order engines that prefill take waiting prompts in (default arrival, vLLM's): "
+                        "shortest runs the colocated and the P/D prefill engines with vLLM's priority scheduling "
+                        "and each prompt's length as its priority")
     p.add_argument("--work", default=None, help="directory for the logs (default: a new temporary one)")
 
 
@@ -110,13 +119,17 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], interval:
     return out
 
 
-def _body(r: dict, max_tokens: int) -> dict:
-    return {"model": "m", "prompt": r["tokens"], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def _body(r: dict, max_tokens: int, priority: bool = False) -> dict:
+    body = {"model": "m", "prompt": r["tokens"], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if priority:
+        body["priority"] = len(r["tokens"])  # vLLM's priority scheduling: the shortest prompt first
+    return body
 
 
-def _drive(requests: list[dict], target: Callable[[dict], str], tag: str) -> list[dict]:
+def _drive(requests: list[dict], target: Callable[[dict], str], tag: str, priority: bool = False) -> list[dict]:
     """Each request sent at its arrival time from a thread of its own,
-    streamed from `target(request)`; per request its timings and text."""
+    streamed from `target(request)` (with its prompt's length as priority
+    if `priority`); per request its timings and text."""
     from ucm.bench.engines.vllm_servers import stream
 
     rows: list[dict] = [{} for _ in requests]
@@ -126,7 +139,7 @@ def _drive(requests: list[dict], target: Callable[[dict], str], tag: str) -> lis
         time.sleep(max(0.0, start + r["at"] - time.perf_counter()))
         sent = time.perf_counter() - start
         try:
-            got = stream(target(r), _body(r, r["max_tokens"]), request_id=f"{tag}-{r['index']}")
+            got = stream(target(r), _body(r, r["max_tokens"], priority), request_id=f"{tag}-{r['index']}")
         except Exception as exc:  # reported as a failed request, never a hang
             rows[r["index"]] = {"index": r["index"], "error": str(exc)[:300], "sent_s": sent}
             return
@@ -181,9 +194,12 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
     prefill_budget = args.prefill_max_num_batched_tokens
     geometry = dict(dtype=args.dtype, engine_pages=pages, max_model_len=max_len,
                     engine_args=("--max-num-batched-tokens", str(budget)) if budget else ())
-    split = dict(prefill_args=("--max-num-batched-tokens", str(prefill_budget)) if prefill_budget else ())
+    split = dict(prefill_args=("--max-num-batched-tokens", str(prefill_budget)) if prefill_budget else (),
+                 prefill_order=args.order)
+    shortest = args.order == "shortest"
     log(f"machine: {machine_line()}\n{n} requests, prompts {prompt[0]}-{prompt[1]} tokens, answers "
-        f"{output[0]}-{output[1]}, mean gap {interval} s; engines of {pages} pages; logs in {work}")
+        f"{output[0]}-{output[1]}, mean gap {interval} s; engines of {pages} pages; prompts in {args.order} "
+        f"order; logs in {work}")
 
     log("reference: one engine's own prefix reuse of each prompt")
     with PdCluster(work / "reference", model, mode="reference", **geometry) as c:
@@ -199,9 +215,11 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
             reference = list(pool.map(ask, requests))
 
     log("colocated: two engines, one core each, round robin")
-    with PdCluster(work / "colocated", model, mode="colocated", engines=2, cores=CORES, **geometry) as c:
+    colo = dict(geometry, engine_args=(*geometry["engine_args"], *(("--scheduling-policy", "priority")
+                                                                    if shortest else ())))
+    with PdCluster(work / "colocated", model, mode="colocated", engines=2, cores=CORES, **colo) as c:
         before = [c.counters(u) for u in c.engines]
-        colocated = _drive(requests, lambda r: c.engines[r["index"] % 2], "colo")
+        colocated = _drive(requests, lambda r: c.engines[r["index"] % 2], "colo", priority=shortest)
         after = [c.counters(u) for u in c.engines]
     computed = sum(a["prompt"] - a["engine"] - a["ucm"] - (b["prompt"] - b["engine"] - b["ucm"])
                    for a, b in zip(after, before))
@@ -226,6 +244,7 @@ def measure(args: argparse.Namespace, log: common.Log) -> dict[str, Any]:
     result = {"machine": machine_line(), "requests": n, "prompt_tokens": list(prompt), "output_tokens": list(output),
               "interval_s": interval, "seed": args.seed, "engine_pages": pages, "dtype": args.dtype,
               "max_num_batched_tokens": budget, "prefill_max_num_batched_tokens": prefill_budget,
+              "order": args.order,
               "colocated": _summary(colocated, reference, colo_max),
               **{mode: _summary(rows, reference, top) for mode, (rows, top) in runs.items()},
               "partial_block_tokens_max": max(len(r["tokens"]) % 128 or 1 for r in requests)}

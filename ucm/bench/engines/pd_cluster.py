@@ -17,7 +17,10 @@ Every engine serves model `m` with a KV space of `engine_pages` pages and
 vLLM's arguments `engine_args` (the prefill engines' followed by
 `prefill_args`); with `events`, each engine publishes vLLM's KV events
 on an ipc endpoint (its service's catalog on, so ucm's blocks are in
-them) and the proxy picks engines by them; with
+them) and the proxy picks engines by them; with `prefill_order`
+"shortest" the prefill engines run vLLM's priority scheduling and the
+proxy gives each prefill its prompt's length as priority (`ucm pd-proxy
+--prefill-order shortest`); with
 `cores`, engine i is bound to cores[i] (`VLLM_CPU_OMP_THREADS_BIND`, in
 start order: prefill engines, then decode). Engines log ucm's INFO lines
 (the decode connector's per-request P/D line, which `decode_records` reads).
@@ -47,7 +50,8 @@ class PdCluster(Cluster):
                  engines: int = 2, dtype: str = "float32", engine_pages: int = 32, dram_blocks: int = 256,
                  block_tokens: int = 128, page_tokens: int = 128, max_model_len: int = 4096, port_base: int = 0,
                  cores: Optional[Sequence[int]] = None, decode_extra: Optional[dict] = None,
-                 engine_args: Sequence[str] = (), prefill_args: Sequence[str] = (), events: bool = False) -> None:
+                 engine_args: Sequence[str] = (), prefill_args: Sequence[str] = (), events: bool = False,
+                 prefill_order: str = "arrival") -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not one of {MODES}")
         self.work, self.model_dir, self.mode = Path(work), model_dir, mode
@@ -58,6 +62,9 @@ class PdCluster(Cluster):
         self.port_base, self.cores = port_base, list(cores) if cores is not None else None
         self.decode_extra, self.engine_args = dict(decode_extra or {}), tuple(engine_args)
         self.prefill_args = tuple(prefill_args)  # after engine_args, for the prefill engines only (the last wins)
+        self.prefill_order = prefill_order
+        if prefill_order == "shortest":
+            self.prefill_args += ("--scheduling-policy", "priority")
         self.events = events
         self.endpoints: dict[str, str] = {}  # engine URL -> its KV events endpoint (events=True)
         self.page_bytes = page_bytes(model_dir, dtype, page_tokens)
@@ -123,7 +130,8 @@ class PdCluster(Cluster):
                        "--decode-events", *(self.endpoints[u] for u in self.decode),
                        "--tokenizer", self.model_dir] if self.events else []
             self.servers.spawn("proxy", [sys.executable, "-m", "ucm.cli", "pd-proxy", "--prefill", *self.prefill,
-                                         "--decode", *self.decode, "--port", str(8200 + self.port_base), *routing])
+                                         "--decode", *self.decode, "--port", str(8200 + self.port_base),
+                                         "--prefill-order", self.prefill_order, *routing])
             self.servers.wait(lambda: get(self.url, "/health")[0] == 200, 60, "ucm pd-proxy")
 
     def close(self) -> None:
