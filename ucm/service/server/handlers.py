@@ -357,7 +357,7 @@ class ServiceHandlers:
         tokens = proto.int_arg(args, "output_tokens", 0, 1 << 40)
         self.cache.finish(keys, tokens, request_id=proto.request_id_arg(args))
 
-    @op("describe", blocking=False)  # the block catalog, in memory only
+    @op("describe", blocking=True)  # the block catalog, and its file with events.path
     def _describe(self, conn: ConnState, args: Any) -> None:
         proto.check_args(args, {"blocks"})
         blocks = args.get("blocks")
