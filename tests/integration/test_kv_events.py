@@ -170,31 +170,44 @@ def to_nvme(client, keys):
     assert client.locate(keys) == ["nvme"] * len(keys)
 
 
+def stored_on_nvme_then_restarted(served, a, b, salt, never_stored=None):
+    """Engine A describes (also `never_stored`, a prompt it never stores) and
+    stores a prompt of 6 blocks, which engine B advertises; the blocks go to
+    NVMe, the service is killed (SIGKILL: no clean close), B withdraws every
+    claim, and the service is restarted with the blocks recovered from NVMe.
+    Returns A's and B's readers, the prompt's tokens and keys, and B's
+    first events."""
+    import time
+    path, sock, procs = served
+    ra, rb = reader(a), reader(b)
+    toks, keys = prompt(6, salt)
+    describe(ra, toks, keys)
+    if never_stored is not None:
+        describe(ra, *never_stored)
+    ra.poll()
+    assert a.store(keys, [np.full(SIZE, 7, np.uint8)] * 6).wait(30) == [Outcome.DONE] * 6
+    time.sleep(0.1)  # the catalog sweeps at most every 50 ms
+    rb.poll()
+    got = rb.take()  # engine B advertises A's blocks, with its own hashes of the tokens
+    assert [x.medium for x in got] == ["CPU_TIER1"] * 6
+    assert got[0].hashes == hash_pages(None, toks[:BT], None, True)
+    to_nvme(a, keys)
+    procs[0].send_signal(signal.SIGKILL)
+    procs[0].wait()
+    rb.poll()  # the service is gone: every claim is withdrawn
+    assert state(got + rb.take()) == {} and rb.counts["unreachable"] >= 1
+    procs.append(start_service(path, sock))
+    deadline = time.time() + 10
+    while b.lookup(keys) < 6 and time.time() < deadline:  # the NVMe tier recovers its blocks
+        time.sleep(0.1)
+    return ra, rb, toks, keys, got
+
+
 def test_a_shared_service_advertises_to_every_engine_and_a_restart_never_leaves_stale_claims(service):
-    path, sock, procs = service
-    a, b = CacheClient(sock), CacheClient(sock)
+    import time
+    a, b = CacheClient(service[1]), CacheClient(service[1])
     try:
-        ra, rb = reader(a), reader(b)
-        toks, keys = prompt(6, 4)
-        describe(ra, toks, keys)
-        ra.poll()  # engine A describes and stores
-        assert a.store(keys, [np.full(SIZE, 7, np.uint8)] * 6).wait(30) == [Outcome.DONE] * 6
-        import time
-        time.sleep(0.1)  # the catalog sweeps at most every 50 ms
-        rb.poll()
-        got = rb.take()  # engine B advertises A's blocks, with its own hashes of the tokens
-        assert [x.medium for x in got] == ["CPU_TIER1"] * 6
-        assert got[0].hashes == hash_pages(None, toks[:BT], None, True)
-        to_nvme(a, keys)
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait()
-        rb.poll()  # the service is gone: every claim is withdrawn
-        gone = rb.take()
-        assert state(got + gone) == {} and rb.counts["unreachable"] >= 1
-        procs.append(start_service(path, sock))
-        deadline = time.time() + 10
-        while b.lookup(keys) == 0 and time.time() < deadline:
-            time.sleep(0.1)
+        ra, rb, toks, keys, got = stored_on_nvme_then_restarted(service, a, b, 4)
         rb.poll()  # a new instance: its journal starts over; nothing it has not described is claimed
         assert rb.take() == [] and rb.counts["resets"] >= 2
         describe(ra, toks, keys)  # an engine stores them again: advertised again, from the NVMe copies
@@ -211,29 +224,9 @@ def test_a_shared_service_advertises_to_every_engine_and_a_restart_never_leaves_
 
 def test_with_events_path_a_restarted_service_advertises_what_nvme_kept_without_a_new_store(logged_service):
     import time
-    path, sock, procs = logged_service
-    a, b = CacheClient(sock), CacheClient(sock)
+    a, b = CacheClient(logged_service[1]), CacheClient(logged_service[1])
     try:
-        ra, rb = reader(a), reader(b)
-        toks, keys = prompt(6, 5)
-        describe(ra, toks, keys)
-        lost, lost_keys = prompt(2, 6)
-        describe(ra, lost, lost_keys)  # described, never stored
-        ra.poll()
-        assert a.store(keys, [np.full(SIZE, 7, np.uint8)] * 6).wait(30) == [Outcome.DONE] * 6
-        time.sleep(0.1)
-        rb.poll()
-        got = rb.take()
-        assert [x.medium for x in got] == ["CPU_TIER1"] * 6
-        to_nvme(a, keys)
-        procs[0].send_signal(signal.SIGKILL)  # no clean close: the log is what the writes left
-        procs[0].wait()
-        rb.poll()
-        assert state(got + rb.take()) == {}
-        procs.append(start_service(path, sock))
-        deadline = time.time() + 10
-        while b.lookup(keys) < 6 and time.time() < deadline:  # the NVMe tier recovers its blocks
-            time.sleep(0.1)
+        _, rb, _, keys, got = stored_on_nvme_then_restarted(logged_service, a, b, 5, never_stored=prompt(2, 6))
         assert b.stats()["catalog"]["restored"] == 8
         again, deadline = [], time.time() + 10
         while len(again) < 6 and time.time() < deadline:  # no engine described anything since
