@@ -352,14 +352,18 @@ def _priority(body: dict, tokens: Optional[list[int]]) -> int:
 
 
 def _chars(x: Any) -> int:
-    """The characters of every string in a prompt or a chat's messages."""
-    if isinstance(x, str):
-        return len(x)
-    if isinstance(x, dict):
-        return sum(_chars(v) for v in x.values())
-    if isinstance(x, list):
-        return sum(_chars(v) for v in x)
-    return 0
+    """The characters of every string in a prompt or a chat's messages
+    (walked without recursion: a client's nesting has no bound)."""
+    n, todo = 0, [x]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            n += len(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+    return n
 
 
 def register(sub: Any) -> None:

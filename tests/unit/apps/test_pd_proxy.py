@@ -285,6 +285,16 @@ def test_shortest_first_gives_the_prefill_copy_the_prompts_length_as_its_priorit
     assert [b.get("priority") for _, b, _ in d.got] == [None, 2, None, None]  # the decode step as sent
 
 
+def test_a_prompts_length_estimate_takes_any_nesting():
+    from ucm.apps.pd_proxy import _priority
+
+    deep = "z" * 8
+    for _ in range(5000):  # deeper than Python's recursion limit
+        deep = [deep]
+    assert _priority({"prompt": deep}, None) == 2
+    assert _priority({"prompt": "abcd" * 10, "priority": True}, None) == 10  # a bool is no priority
+
+
 def test_in_arrival_order_the_prefill_copy_keeps_the_clients_priority_only():
     p, d = FakeEngine("prefill"), FakeEngine("decode")
 
