@@ -214,6 +214,20 @@ def test_a_torn_or_corrupt_tail_is_cut_and_the_records_before_it_are_kept(tmp_pa
     lg.close()
 
 
+def test_the_largest_valid_description_reads_back_and_so_do_the_records_after_it(tmp_path):
+    from ucm.api import EXTRA_FIELDS, MAX_BLOCK_TOKENS
+    from ucm.cache.catalog_log import DescriptionLog
+    path = str(tmp_path / "c.log")
+    big = (key(1), key(0), b"\x01\x00\x00\x00" * MAX_BLOCK_TOKENS, {f: "\U0001F600" * 4096 for f in EXTRA_FIELDS})
+    lg = DescriptionLog(path)
+    lg.append(check_blocks([big]) + [block(2, 1)])
+    lg.close()
+    lg = DescriptionLog(path)
+    got = lg.load()
+    assert [b[0] for b in got] == [key(1), key(2)] and got[0][3] == big[3]
+    lg.close()
+
+
 def test_a_record_that_is_no_description_ends_the_log(tmp_path):
     import struct
     import zlib

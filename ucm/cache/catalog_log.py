@@ -30,14 +30,16 @@ import threading
 import zlib
 from typing import Callable, Iterable, Optional
 
-from ucm.api import check_blocks
+from ucm.api import EXTRA_FIELDS, MAX_BLOCK_TOKENS, check_blocks
 
 __all__ = ["DescriptionLog"]
 
 log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<II")  # payload length, crc32 of the payload
-_MAX_RECORD = 16 + 1 + 16 + 4 + 4 * 65536 + 64 * 1024  # a block of 65,536 tokens with a large extra
+# The largest valid record: the most tokens, and every extra field at 4,096 characters that JSON
+# writes as 12 bytes each (a character outside the BMP, escaped as a surrogate pair), quoted with its name.
+_MAX_RECORD = 16 + 1 + 16 + 4 + 4 * MAX_BLOCK_TOKENS + len(EXTRA_FIELDS) * (12 * 4096 + 64) + 2
 
 Block = tuple  # (key, parent, tokens, extra), as ucm.api.check_blocks returns them
 
